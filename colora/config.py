@@ -1,0 +1,429 @@
+"""Typed, validated, hashed experiment configuration.
+
+An experiment file is TOML (stdlib `tomllib`: typed values, comments, no implicit conversions such as
+YAML's `no` -> False, and nothing to install). It has the sections `[experiment]`, `[engine]`,
+`[trainer]`, `[overlap]`, `[checkpoint]`, an optional `[job_defaults]` merged under every job, and
+one `[[jobs]]` table per customer job. `--set key=value` overrides any resolved key:
+
+    experiment.steps=3          jobs.0.learning_rate=1e-4
+    jobs.math.lora_rank=32      jobs.*.max_new_tokens=64
+
+Every key is checked up front; an unknown key or an invalid value raises `ConfigError` naming the
+key, the value and what would be accepted. The resolved config (defaults filled in) has a canonical
+hash over its JSON form, which pre-registrations lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+ARMS = ("dedicated", "shared_sync", "overlap", "mps", "overlap_mps")
+LOSSES = ("grpo_seq", "grpo_token", "dr_grpo")
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the key, the value and what is accepted."""
+
+
+@dataclass(frozen=True)
+class ResponseLength:
+    """Response lengths set by the workload, for random-weight models that never emit EOS.
+
+    `dist = "natural"` stops at EOS or `max_new_tokens` (real models). Otherwise every response's
+    length is drawn per request (seeded) and the engine ignores EOS until it is reached:
+    `lognormal` draws exp(N(log(median), sigma)), clipped to [min, max_new_tokens]: long-tailed, as
+    real rollouts are; `fixed` uses `max_new_tokens`.
+    """
+
+    dist: Literal["natural", "fixed", "lognormal"] = "natural"
+    median: int = 96
+    sigma: float = 0.6
+    min: int = 8
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str
+    task: str
+    task_options: dict = field(default_factory=dict)
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    target_modules: tuple[str, ...] = TARGET_MODULES
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # on this job's own gradient norm; 0 disables clipping
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    loss: Literal["grpo_seq", "grpo_token", "dr_grpo"] = "grpo_seq"
+    kl_coef: float = 0.0
+    format_reward_weight: float = 0.0
+    response_length: ResponseLength = field(default_factory=ResponseLength)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    name: str = "experiment"
+    # A Hugging Face causal-LM directory, or "builtin:tiny" / "builtin:qwen3-0.6b-shape" /
+    # "builtin:smollm2", built once into colora's model cache.
+    model: str = "builtin:tiny"
+    arm: Literal["dedicated", "shared_sync", "overlap", "mps", "overlap_mps"] = "shared_sync"
+    steps: int = 2
+    warmup_steps: int = 1  # excluded from steps per device-hour (compilation, autotuning)
+    eval_size: int = 16
+    eval_max_new_tokens: int = 0  # 0: each job's max_new_tokens
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    gpu_memory_utilization: float = 0.35
+    max_model_len: int = 1024
+    max_num_seqs: int = 0  # 0: vLLM's default
+    max_num_batched_tokens: int = 0  # 0: vLLM's default
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    max_lora_rank: int = 0  # 0: the smallest vLLM rank that holds every job's rank
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    micro_batch_tokens: int = 16384  # padded tokens per forward/backward pass
+    lora_backend: Literal["auto", "torch", "triton"] = "auto"
+    logprob_backend: Literal["auto", "torch", "triton"] = "auto"
+    logprob_chunk: int = 4096
+    gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    groups: int = 2  # phase-offset groups in the overlap arms
+    mps_engine_percentage: int = 100  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the engine process
+    mps_trainer_percentage: int = 100  # ... of the trainer process
+    mps_required: bool = True  # False: run an MPS arm without MPS where unavailable, labelled so
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 disables
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class Config:
+    experiment: ExperimentConfig
+    engine: EngineConfig
+    trainer: TrainerConfig
+    overlap: OverlapConfig
+    checkpoint: CheckpointConfig
+    jobs: tuple[JobConfig, ...]
+
+    def to_dict(self) -> dict:
+        return _to_jsonable(self)
+
+    def hash(self) -> str:
+        """sha256 over canonical JSON of the resolved config (first 16 hex digits)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def job(self, name: str) -> JobConfig:
+        for j in self.jobs:
+            if j.name == name:
+                return j
+        raise KeyError(name)
+
+
+_SECTIONS = {
+    "experiment": ExperimentConfig,
+    "engine": EngineConfig,
+    "trainer": TrainerConfig,
+    "overlap": OverlapConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+def _to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_jsonable(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_jsonable(v) for k, v in obj.items()}
+    return obj
+
+
+def _accepts(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if dataclasses.is_dataclass(tp):
+        return "a table with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}.get(
+        tp, str(tp).replace("typing.", "")
+    )
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; the only conversion is int -> float."""
+    origin = get_origin(tp)
+    bad = ConfigError(f"{key} = {value!r} is not valid: expected {_accepts(tp)}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise bad
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, str) and tp is ResponseLength:  # shorthand: response_length = "fixed"
+            value = {"dist": value}
+        if not isinstance(value, dict):
+            raise bad
+        return _build(tp, value, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        args = get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{key} = {value!r} is not valid: expected {len(args)} values")
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+def _build(cls: type, raw: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        where = prefix or "the top level"
+        raise ConfigError(f"unknown key {prefix + '.' if prefix else ''}{unknown[0]} in {where}; accepted: {', '.join(names)}")
+    kwargs = {k: _coerce(f"{prefix}.{k}" if prefix else k, v, hints[k]) for k, v in raw.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs]
+        raise ConfigError(f"{prefix or 'config'} is missing required key(s): {', '.join(missing)}") from e
+
+
+def _check(cfg: Config) -> None:
+    """Cross-field and range checks. Each message names the key, the value and what is accepted."""
+
+    def need(ok: bool, key: str, value: Any, accepted: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key} ({value!r}) {accepted}")
+
+    e = cfg.experiment
+    need(e.steps >= 1, "experiment.steps", e.steps, "must be at least 1")
+    need(0 <= e.warmup_steps < e.steps or e.warmup_steps == 0, "experiment.warmup_steps", e.warmup_steps,
+         f"must be at least 0 and below experiment.steps ({e.steps}) so that some steps are measured")
+    need(e.eval_size >= 0, "experiment.eval_size", e.eval_size, "must be at least 0")
+    need(e.eval_max_new_tokens >= 0, "experiment.eval_max_new_tokens", e.eval_max_new_tokens, "must be at least 0")
+    need(bool(e.model), "experiment.model", e.model, "must name a model directory or builtin:NAME")
+    g = cfg.engine
+    need(0.0 < g.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", g.gpu_memory_utilization,
+         "must be in (0, 1]")
+    need(g.max_model_len >= 16, "engine.max_model_len", g.max_model_len, "must be at least 16")
+    need(g.max_num_seqs >= 0, "engine.max_num_seqs", g.max_num_seqs, "must be at least 0 (0: vLLM's default)")
+    need(g.max_num_batched_tokens >= 0, "engine.max_num_batched_tokens", g.max_num_batched_tokens,
+         "must be at least 0 (0: vLLM's default)")
+    need(g.max_lora_rank >= 0, "engine.max_lora_rank", g.max_lora_rank, "must be at least 0 (0: derived from the jobs)")
+    t = cfg.trainer
+    need(t.micro_batch_tokens >= 16, "trainer.micro_batch_tokens", t.micro_batch_tokens, "must be at least 16")
+    need(t.logprob_chunk >= 1, "trainer.logprob_chunk", t.logprob_chunk, "must be at least 1")
+    o = cfg.overlap
+    need(o.groups >= 1, "overlap.groups", o.groups, "must be at least 1")
+    for k in ("mps_engine_percentage", "mps_trainer_percentage"):
+        v = getattr(o, k)
+        need(1 <= v <= 100, f"overlap.{k}", v, "must be an integer from 1 to 100")
+    c = cfg.checkpoint
+    need(c.every >= 0, "checkpoint.every", c.every, "must be at least 0 (0: no checkpoints)")
+    need(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
+
+    need(len(cfg.jobs) >= 1, "jobs", [], "must list at least one [[jobs]] table")
+    seen: set[str] = set()
+    for i, j in enumerate(cfg.jobs):
+        p = f"jobs.{i}"
+        need(bool(_JOB_NAME.match(j.name)), f"{p}.name", j.name,
+             "must be 1-64 characters of letters, digits, '_', '-', '.', starting with a letter or digit")
+        need(j.name not in seen, f"{p}.name", j.name, "must be unique among jobs")
+        seen.add(j.name)
+        need(bool(j.task), f"{p}.task", j.task, "must name a task (see `colora tasks list`) or pkg.module:Class")
+        need(j.lora_rank >= 1, f"{p}.lora_rank", j.lora_rank, "must be at least 1")
+        need(j.lora_alpha > 0, f"{p}.lora_alpha", j.lora_alpha, "must be positive")
+        need(len(j.target_modules) >= 1, f"{p}.target_modules", list(j.target_modules), "must name at least one module")
+        for m in j.target_modules:
+            need(m in TARGET_MODULES, f"{p}.target_modules", m, "is not accepted: use " + ", ".join(TARGET_MODULES))
+        need(len(set(j.target_modules)) == len(j.target_modules), f"{p}.target_modules", list(j.target_modules),
+             "must not repeat a module")
+        need(j.learning_rate > 0, f"{p}.learning_rate", j.learning_rate, "must be positive")
+        need(j.weight_decay >= 0, f"{p}.weight_decay", j.weight_decay, "must be at least 0")
+        need(all(0 <= b < 1 for b in j.adam_betas), f"{p}.adam_betas", list(j.adam_betas), "must each be in [0, 1)")
+        need(j.adam_eps > 0, f"{p}.adam_eps", j.adam_eps, "must be positive")
+        need(j.grad_clip >= 0, f"{p}.grad_clip", j.grad_clip, "must be at least 0 (0: no clipping)")
+        need(j.prompts_per_step >= 1, f"{p}.prompts_per_step", j.prompts_per_step, "must be at least 1")
+        need(j.samples_per_prompt >= 2, f"{p}.samples_per_prompt", j.samples_per_prompt,
+             "must be at least 2 for group-relative advantages")
+        need(j.max_new_tokens >= 1, f"{p}.max_new_tokens", j.max_new_tokens, "must be at least 1")
+        need(j.max_new_tokens < g.max_model_len, f"{p}.max_new_tokens", j.max_new_tokens,
+             f"must be below engine.max_model_len ({g.max_model_len}) to leave room for the prompt")
+        need(j.temperature > 0, f"{p}.temperature", j.temperature, "must be positive (sampling; eval is greedy)")
+        need(0 < j.top_p <= 1, f"{p}.top_p", j.top_p, "must be in (0, 1]")
+        need(j.kl_coef >= 0, f"{p}.kl_coef", j.kl_coef, "must be at least 0")
+        need(j.format_reward_weight >= 0, f"{p}.format_reward_weight", j.format_reward_weight, "must be at least 0")
+        r = j.response_length
+        need(r.median >= 1, f"{p}.response_length.median", r.median, "must be at least 1")
+        need(r.sigma >= 0, f"{p}.response_length.sigma", r.sigma, "must be at least 0")
+        need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
+             f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
+    if g.max_lora_rank:
+        top = max(j.lora_rank for j in cfg.jobs)
+        need(g.max_lora_rank >= top, "engine.max_lora_rank", g.max_lora_rank,
+             f"must be at least the largest job rank ({top})")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` with a TOML value (`3`, `1e-4`, `true`, `"x"`, `[1, 2]`); a bare word is a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value (e.g. experiment.steps=3)")
+    key, raw = (s.strip() for s in text.split("=", 1))
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def _set(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if parts[0] == "jobs":
+        jobs = raw.get("jobs", [])
+        if len(parts) < 3:
+            raise ConfigError(f"override {key!r}: use jobs.<index|name|*>.<key>, e.g. jobs.0.learning_rate")
+        sel, rest = parts[1], parts[2:]
+        if sel == "*":
+            targets = jobs
+        elif sel.isdigit():
+            if int(sel) >= len(jobs):
+                raise ConfigError(f"override {key!r}: there are only {len(jobs)} jobs (indices 0-{len(jobs) - 1})")
+            targets = [jobs[int(sel)]]
+        else:
+            targets = [j for j in jobs if j.get("name") == sel]
+            if not targets:
+                names = ", ".join(str(j.get("name")) for j in jobs)
+                raise ConfigError(f"override {key!r}: no job named {sel!r}; jobs are: {names}")
+        for j in targets:
+            _set_path(j, rest, value)
+        return
+    if parts[0] not in _SECTIONS and parts[0] != "job_defaults":
+        raise ConfigError(f"unknown key {key!r}; the top level accepts: {', '.join(list(_SECTIONS) + ['job_defaults', 'jobs'])}")
+    _set_path(raw.setdefault(parts[0], {}), parts[1:], value)
+
+
+def _set_path(d: dict, parts: list[str], value: Any) -> None:
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"override path through {p!r} is not a table")
+    d[parts[-1]] = value
+
+
+def resolve(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Raw TOML dict + overrides -> validated frozen Config."""
+    raw = json.loads(json.dumps(raw))  # deep copy; TOML values are JSON-representable here
+    for text in overrides:
+        _set(raw, *parse_override(text))
+    allowed = set(_SECTIONS) | {"job_defaults", "jobs"}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r} at the top level; accepted: {', '.join(sorted(allowed))}")
+    sections = {name: _build(cls, raw.get(name, {}) or {}, name) for name, cls in _SECTIONS.items()}
+    defaults = raw.get("job_defaults", {}) or {}
+    if not isinstance(defaults, dict):
+        raise ConfigError("job_defaults must be a table")
+    jobs_raw = raw.get("jobs", [])
+    if not isinstance(jobs_raw, list) or not all(isinstance(j, dict) for j in jobs_raw):
+        raise ConfigError("jobs must be a list of [[jobs]] tables")
+    jobs = []
+    for i, j in enumerate(jobs_raw):
+        merged = {**defaults, **j}
+        jobs.append(_build(JobConfig, merged, f"jobs.{i}"))
+    cfg = Config(jobs=tuple(jobs), **sections)
+    _check(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        raw = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    return resolve(raw, overrides)
+
+
+def from_dict(d: dict) -> Config:
+    """Inverse of `Config.to_dict` (used to read a run directory's config.json)."""
+    return resolve(d)
+
+
+def replace(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A new Config with `--set`-style overrides applied to a resolved one (sweeps use this)."""
+    return resolve(cfg.to_dict(), overrides)
+
+
+def diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """Flattened (key, a_value, b_value) for every setting that differs (prereg check names them)."""
+    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+    elif isinstance(d, list) and prefix == "jobs":
+        for i, v in enumerate(d):
+            out.update(_flatten(v, f"jobs.{v.get('name', i) if isinstance(v, dict) else i}"))
+    else:
+        out[prefix] = d
+    return out

@@ -1,0 +1,290 @@
+"""The co-runner: drives engine and trainer through the arms, one code path for all of them.
+
+Jobs are split into groups. A group's cycle is: (engine thread) load the group's new adapter
+versions, generate its rollouts -> (trainer, main thread) reward, advantages, one optimizer step per
+job, export. The engine thread runs the engine tasks of all groups in FIFO order and the main thread
+trains groups in the same order, so with two groups one generates while the other trains, and with
+one group the phases alternate. A group's next generation is queued only after its own step, so
+every rollout comes from its job's current adapter (the trainer also checks the version).
+
+| arm          | groups                      | MPS (set up by the runner) |
+| ------------ | --------------------------- | -------------------------- |
+| dedicated    | one job at a time, alone    | no                         |
+| shared_sync  | 1 (all jobs)                | no                         |
+| overlap      | overlap.groups              | no                         |
+| mps          | 1                           | yes                        |
+| overlap_mps  | overlap.groups              | yes                        |
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from . import grpo
+from .config import Config, JobConfig
+from .engine import GenRequest, GenResult, RolloutEngine
+from .lora import AdapterBank
+from .runlog import JsonlWriter, Timeline
+from .seeding import derive_seed
+from .trainer import JobFailure, MultiJobTrainer, Rollout
+
+
+@dataclass
+class JobState:
+    cfg: JobConfig
+    task: Any  # colora.tasks.Task
+    step: int = 0  # optimizer steps done
+    status: str = "running"  # running | done | stopped
+    reason: str = ""
+    step_ends: list[float] = field(default_factory=list)  # timeline time at the end of each step
+    pending: tuple[int, Path] | None = None  # exported adapter version waiting to be loaded
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+
+def split_groups(jobs: list[str], n_groups: int, cost: dict[str, float] | None = None) -> list[list[str]]:
+    """Balanced groups: longest-processing-time-first over each job's estimated phase cost (by
+    default its tokens per step: prompts x samples x max_new_tokens), ties by name."""
+    n = max(1, min(n_groups, len(jobs)))
+    cost = cost or {j: 1.0 for j in jobs}
+    groups: list[list[str]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for j in sorted(jobs, key=lambda j: (-cost[j], j)):
+        i = min(range(n), key=lambda i: (load[i], i))
+        groups[i].append(j)
+        load[i] += cost[j]
+    return [g for g in groups if g]
+
+
+def response_length(job: JobConfig, seed: int) -> int | None:
+    """The fixed length of one response for workloads that set lengths (None: stop at EOS)."""
+    spec = job.response_length
+    if spec.dist == "natural":
+        return None
+    if spec.dist == "fixed":
+        return job.max_new_tokens
+    rng = np.random.default_rng(seed)
+    n = int(round(math.exp(rng.normal(math.log(spec.median), spec.sigma))))
+    return max(spec.min, min(job.max_new_tokens, n))
+
+
+class CoRunner:
+    def __init__(self, cfg: Config, engine: RolloutEngine, trainer: MultiJobTrainer, bank: AdapterBank,
+                 tokenizer, jobs: dict[str, JobState], timeline: Timeline, metrics: JsonlWriter,
+                 adapter_root: Path, base_model: str, log: Callable[[str], None] = print,
+                 on_step: Callable[[], None] | None = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.trainer = trainer
+        self.bank = bank
+        self.tok = tokenizer
+        self.jobs = jobs
+        self.timeline = timeline
+        self.metrics = metrics
+        self.adapter_root = adapter_root
+        self.base_model = base_model
+        self.log = log
+        self.on_step = on_step  # checkpoint hook, called on the main thread after each group step
+        self._prompt_cache: dict[tuple, list[int]] = {}
+
+    # -- prompts and requests ------------------------------------------------------------------
+    def prompt_ids(self, messages: tuple[dict, ...]) -> list[int]:
+        key = tuple((m["role"], m["content"]) for m in messages)
+        ids = self._prompt_cache.get(key)
+        if ids is None:
+            text = self.tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            ids = self.tok(text, add_special_tokens=False).input_ids
+            self._prompt_cache[key] = ids
+        return ids
+
+    def step_requests(self, js: JobState, step: int) -> tuple[list, list[GenRequest]]:
+        jc, seed = js.cfg, self.cfg.experiment.seed
+        items = js.task.sample(jc.prompts_per_step, derive_seed(seed, jc.name, step, "prompts"), "train")
+        reqs = []
+        for p, item in enumerate(items):
+            ids = tuple(self.prompt_ids(item.messages))
+            for s in range(jc.samples_per_prompt):
+                sseed = derive_seed(seed, jc.name, step, "sample", p, s)
+                n = response_length(jc, sseed)
+                reqs.append(GenRequest(jc.name, ids, n or jc.max_new_tokens, jc.temperature, jc.top_p, sseed,
+                                       min_tokens=n or 0, ignore_eos=n is not None, tag=(p, s)))
+        return items, reqs
+
+    # -- the engine side (engine thread) ---------------------------------------------------------
+    def load_pending(self, names: list[str], group: int) -> None:
+        todo = [self.jobs[n] for n in names if self.jobs[n].pending is not None]
+        if not todo:
+            return
+        with self.timeline.span("reload", group=group, jobs=tuple(j.name for j in todo)):
+            for js in todo:
+                version, path = js.pending
+                js.pending = None
+                secs = self.engine.set_adapter(js.name, version, str(path))
+                self.metrics.write({"job": js.name, "event": "reload", "version": version, "seconds": secs})
+                old = path.parent / f"v{version - 1}"
+                if old.exists():
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def engine_task(self, names: list[str], group: int) -> tuple[dict, float]:
+        """Load new adapters, then generate one step of rollouts for every running job named."""
+        self.load_pending(names, group)
+        running = [self.jobs[n] for n in names if self.jobs[n].status == "running"]
+        per_job, reqs = {}, []
+        for js in running:
+            items, rq = self.step_requests(js, js.step)
+            per_job[js.name] = (items, rq)
+            reqs += rq
+        t0 = time.perf_counter()
+        with self.timeline.span("generate", group=group, jobs=tuple(per_job), sequences=len(reqs)):
+            results = self.engine.generate(reqs)
+        by_job: dict[str, list[GenResult]] = {n: [] for n in per_job}
+        for r in results:
+            by_job[r.request.job].append(r)
+        return {n: (per_job[n][0], by_job[n]) for n in per_job}, time.perf_counter() - t0
+
+    # -- the trainer side (main thread) ----------------------------------------------------------
+    def score(self, js: JobState, items: list, results: list[GenResult]) -> list[Rollout]:
+        """Rewards and group-relative advantages; any failure of the job's reward is a JobFailure."""
+        jc = js.cfg
+        rewards = np.zeros((jc.prompts_per_step, jc.samples_per_prompt))
+        for r in results:
+            p, s = r.request.tag
+            try:
+                rew = float(js.task.reward(r.text, items[p]))
+                if jc.format_reward_weight:
+                    rew += jc.format_reward_weight * float(js.task.format_reward(r.text, items[p]))
+            except Exception as e:  # a customer's reward code: isolate, never crash the others
+                raise JobFailure(jc.name, f"reward function raised {type(e).__name__}: {e}") from e
+            if not math.isfinite(rew):
+                raise JobFailure(jc.name, f"reward is not finite ({rew}) for item {items[p].id}")
+            rewards[p, s] = rew
+        adv = grpo.group_advantages(torch.tensor(rewards, dtype=torch.float64), std_normalize=jc.loss != "dr_grpo")
+        return [Rollout(jc.name, r.version, list(r.request.prompt_ids), r.completion_ids, r.logprobs,
+                        r.request.tag[0], float(rewards[r.request.tag]), float(adv[r.request.tag]),
+                        r.finish_reason, r.text)
+                for r in results]
+
+    def train_task(self, names: list[str], group: int, gen: dict, t_gen: float, progress: str) -> None:
+        rollouts, rewards = {}, {}
+        for name, (items, results) in gen.items():
+            js = self.jobs[name]
+            try:
+                rollouts[name] = self.score(js, items, results)
+                rewards[name] = float(np.mean([r.reward for r in rollouts[name]]))
+            except JobFailure as f:
+                self.stop(js, f.reason)
+        if not rollouts:
+            return
+        t0 = time.perf_counter()
+        with self.timeline.span("train", group=group, jobs=tuple(rollouts)):
+            stats = self.trainer.step(rollouts)
+        t_train = time.perf_counter() - t0
+        now = self.timeline.now()
+        parts = []
+        for name, st in stats.items():
+            js = self.jobs[name]
+            rs = rollouts[name]
+            row = {"job": name, "step": js.step, "group": group, "reward": rewards[name],
+                   "reward_std": float(np.std([r.reward for r in rs])),
+                   "response_len": float(np.mean([len(r.completion_ids) for r in rs])),
+                   "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rs])),
+                   "t_generate": t_gen, "t_train": t_train, **st.__dict__}
+            if st.failure:
+                self.metrics.write({**row, "status": "stopped"})
+                self.stop(js, st.failure)
+                continue
+            path = self.bank.export_peft(name, self.adapter_root / name / f"v{st.version}", self.base_model)
+            js.pending = (st.version, path)
+            js.step += 1
+            js.step_ends.append(now)
+            self.metrics.write({**row, "status": "ok"})
+            if js.step >= self.cfg.experiment.steps:
+                js.status = "done"
+            parts.append(f"{name} r={rewards[name]:.2f}")
+        self.log(f"{progress} | {' '.join(parts)} | gen {t_gen:.1f}s train {t_train:.1f}s")
+        if self.on_step is not None:
+            self.on_step()
+
+    def stop(self, js: JobState, reason: str) -> None:
+        js.status, js.reason = "stopped", reason
+        self.metrics.write({"job": js.name, "step": js.step, "event": "stopped", "status": "stopped", "reason": reason})
+        self.log(f"job {js.name} stopped: {reason}")
+
+    # -- arms --------------------------------------------------------------------------------
+    def run_groups(self, groups: list[list[str]]) -> None:
+        """Pipelined groups (see the module docstring). Returns when every job is done or stopped."""
+        steps = self.cfg.experiment.steps
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="colora-engine") as pool:
+            futures, order = {}, deque()
+            for g, names in enumerate(groups):
+                if any(self.jobs[n].status == "running" for n in names):
+                    futures[g] = pool.submit(self.engine_task, names, g)
+                    order.append(g)
+            while order:
+                g = order.popleft()
+                gen, t_gen = futures.pop(g).result()
+                names = groups[g]
+                step = max(self.jobs[n].step for n in names) + 1
+                self.train_task(names, g, gen, t_gen, f"group {g} step {step}/{steps}")
+                if any(self.jobs[n].status == "running" for n in names):
+                    futures[g] = pool.submit(self.engine_task, names, g)
+                    order.append(g)
+            # load the final adapters so evaluation sees them
+            for g, names in enumerate(groups):
+                self.load_pending(names, g)
+
+    def run(self) -> dict:
+        """Run the configured arm; returns the throughput windows (see `throughput`)."""
+        arm = self.cfg.experiment.arm
+        names = [n for n, js in self.jobs.items() if js.status == "running"]
+        if arm == "dedicated":
+            windows = []
+            for n in names:
+                t0 = self.timeline.now()
+                self.run_groups([[n]])
+                windows.append(measure_window({n: self.jobs[n]}, t0, self.cfg.experiment.warmup_steps))
+            return combine_windows(windows)
+        n_groups = self.cfg.overlap.groups if arm in ("overlap", "overlap_mps") else 1
+        cost = {n: float(self.jobs[n].cfg.prompts_per_step * self.jobs[n].cfg.samples_per_prompt
+                         * self.jobs[n].cfg.max_new_tokens) for n in names}
+        groups = split_groups(names, n_groups, cost)
+        t0 = self.timeline.now()
+        self.run_groups(groups)
+        w = measure_window({n: self.jobs[n] for n in names}, t0, self.cfg.experiment.warmup_steps)
+        w["groups"] = groups
+        return w
+
+
+def measure_window(jobs: dict[str, JobState], t0: float, warmup: int) -> dict:
+    """Steady-state window: from the moment every job has finished `warmup` steps (t0 if none) to
+    the last step's end; counts the job-steps that ended inside it."""
+    ends = {n: js.step_ends for n, js in jobs.items() if js.step_ends}
+    if not ends:
+        return {"steps": 0, "seconds": 0.0, "start": t0, "end": t0}
+    start = t0 if warmup == 0 else max((e[warmup - 1] if len(e) >= warmup else e[-1]) for e in ends.values())
+    end = max(e[-1] for e in ends.values())
+    steps = sum(1 for e in ends.values() for t in e if start < t <= end) if warmup else sum(len(e) for e in ends.values())
+    return {"steps": steps, "seconds": end - start, "start": start, "end": end}
+
+
+def combine_windows(windows: list[dict]) -> dict:
+    """Dedicated arm: each job alone; steps and seconds add up (one GPU per job, summed)."""
+    return {"steps": sum(w["steps"] for w in windows), "seconds": sum(w["seconds"] for w in windows),
+            "windows": windows}
+
+
+def throughput(window: dict) -> float:
+    """Optimizer steps summed over jobs per device-hour."""
+    return window["steps"] / window["seconds"] * 3600.0 if window["seconds"] > 0 else float("nan")

@@ -1,0 +1,257 @@
+"""Many jobs' LoRA adapters over one frozen base model.
+
+`AdapterBank` owns every job's LoRA parameters (fp32 masters), its adapter version and its own
+AdamW. `inject_lora` replaces the base model's target `nn.Linear`s with `MultiLoRALinear`, which
+adds, for every row of a shared batch, the LoRA delta of the row's own job. The rows of a batch are
+sorted by job (contiguous segments); `AdapterBank.activate(jobs, rows_per_job, seq_len)` tells every
+layer the segment layout for one forward/backward, and the layers call the grouped-LoRA op of
+`colora.kernels` (Triton on CUDA, a plain torch loop elsewhere: the seam for the kernels).
+
+Export is PEFT's own format (`adapter_config.json` + `adapter_model.safetensors`, keys
+`base_model.model.<module>.lora_A.weight`), so a user loads an adapter with peft or vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .seeding import derive_seed
+
+
+@dataclass
+class JobAdapter:
+    name: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    A: dict[str, nn.Parameter] = field(default_factory=dict)  # module -> [r, d_in]
+    B: dict[str, nn.Parameter] = field(default_factory=dict)  # module -> [d_out, r]
+    version: int = 0
+    optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.A for p in (self.A[m], self.B[m])]
+
+
+@dataclass
+class _Active:
+    jobs: tuple[str, ...]
+    seg_start: torch.Tensor  # [J+1] token offsets on the model's device
+    cache: dict = field(default_factory=dict)
+
+
+class AdapterBank:
+    def __init__(self, device: torch.device | str, lora_backend: str = "auto"):
+        self.device = torch.device(device)
+        self.lora_backend = lora_backend
+        self.jobs: dict[str, JobAdapter] = {}
+        self.modules: dict[str, nn.Linear] = {}  # module path -> base linear (shapes)
+        self._active: _Active | None = None
+
+    # -- jobs -----------------------------------------------------------------------------------
+    def add_job(self, name: str, rank: int, alpha: float, target_modules: tuple[str, ...], run_seed: int,
+                lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8) -> JobAdapter:
+        """PEFT's default init (A kaiming-uniform with a=sqrt(5), B zero), from a seed derived from
+        the run seed and the job's name only: a job starts the same alone or beside others."""
+        if name in self.jobs:
+            raise ValueError(f"job {name!r} already has an adapter")
+        if not self.modules:
+            raise RuntimeError("inject_lora must run before add_job")
+        gen = torch.Generator().manual_seed(derive_seed(run_seed, name, "lora_init"))
+        job = JobAdapter(name, rank, alpha, tuple(target_modules))
+        for path, lin in self.modules.items():
+            if path.rsplit(".", 1)[-1] not in job.target_modules:
+                continue
+            a = torch.empty(rank, lin.in_features)
+            bound = 1.0 / math.sqrt(lin.in_features)  # kaiming_uniform_(a=sqrt(5)) on [r, d_in]
+            a.uniform_(-bound, bound, generator=gen)
+            job.A[path] = nn.Parameter(a.to(self.device))
+            job.B[path] = nn.Parameter(torch.zeros(lin.out_features, rank, device=self.device))
+        if not job.A:
+            raise ValueError(f"job {name!r}: none of target_modules {list(target_modules)} exists in the base model")
+        job.optimizer = torch.optim.AdamW(job.parameters(), lr=lr, betas=tuple(betas), eps=eps,
+                                          weight_decay=weight_decay, foreach=self.device.type == "cuda")
+        self.jobs[name] = job
+        return job
+
+    def remove_job(self, name: str) -> None:
+        self.jobs.pop(name, None)
+
+    # -- the forward seam -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def activate(self, jobs: tuple[str, ...], tokens_per_job: list[int]):
+        """Within the block, rows are sorted by job: job i's tokens are rows
+        [sum(tokens_per_job[:i]), sum(tokens_per_job[:i+1])) of every flattened [tokens, d] input."""
+        assert len(jobs) == len(tokens_per_job)
+        starts = [0]
+        for n in tokens_per_job:
+            starts.append(starts[-1] + n)
+        seg = torch.tensor(starts, dtype=torch.int32, device=self.device)
+        prev, self._active = self._active, _Active(tuple(jobs), seg)
+        try:
+            yield
+        finally:
+            self._active = prev
+
+    def stacked(self, path: str, dtype: torch.dtype):
+        """(A [R, d_in], B [d_out, R], rank_start [J+1], scale [J]) for the active jobs at `path`,
+        or None if no active job adapts this module. A and B are differentiable views of the jobs'
+        fp32 parameters cast to `dtype`, cached for the current activation (one cat per module per
+        micro-batch, shared by forward recomputation under gradient checkpointing)."""
+        act = self._active
+        if act is None:
+            return None
+        hit = act.cache.get(path)
+        if hit is not None:
+            return hit
+        As, Bs, ranks, scales = [], [], [], []
+        for name in act.jobs:
+            job = self.jobs[name]
+            if path in job.A:
+                As.append(job.A[path])
+                Bs.append(job.B[path])
+                ranks.append(job.rank)
+            else:
+                ranks.append(0)
+            scales.append(job.scale)
+        if not As:
+            act.cache[path] = None
+            return None
+        rank_start = [0]
+        for r in ranks:
+            rank_start.append(rank_start[-1] + r)
+        out = (
+            torch.cat(As, 0).to(dtype),
+            torch.cat(Bs, 1).to(dtype),
+            torch.tensor(rank_start, dtype=torch.int32, device=self.device),
+            torch.tensor(scales, dtype=torch.float32, device=self.device),
+        )
+        # Autograd graphs are per activation; a cached cat is reused only within one.
+        act.cache[path] = out
+        return out
+
+    @property
+    def active_seg_start(self) -> torch.Tensor:
+        assert self._active is not None
+        return self._active.seg_start
+
+    # -- export / state ---------------------------------------------------------------------------
+    def export_peft(self, name: str, out_dir: str | Path, base_model: str) -> Path:
+        """Write the job's adapter in PEFT's format, atomically (temp dir + rename)."""
+        from safetensors.torch import save_file
+
+        job = self.jobs[name]
+        out = Path(out_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tensors = {}
+        for path in job.A:
+            tensors[f"base_model.model.{path}.lora_A.weight"] = job.A[path].detach().float().cpu().contiguous()
+            tensors[f"base_model.model.{path}.lora_B.weight"] = job.B[path].detach().float().cpu().contiguous()
+        save_file(tensors, str(tmp / "adapter_model.safetensors"))
+        cfg = {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": job.rank, "lora_alpha": job.alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": sorted({p.rsplit(".", 1)[-1] for p in job.A}), "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": None, "colora_version": job.version,
+        }
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            _rmtree(old)
+        else:
+            os.replace(tmp, out)
+        return out
+
+    def job_state(self, name: str) -> dict:
+        """Everything needed to resume the job exactly: parameters, AdamW state, version."""
+        job = self.jobs[name]
+        return {
+            "A": {k: v.detach().cpu().clone() for k, v in job.A.items()},
+            "B": {k: v.detach().cpu().clone() for k, v in job.B.items()},
+            "version": job.version,
+            "optimizer": job.optimizer.state_dict(),
+        }
+
+    def load_job_state(self, name: str, state: dict) -> None:
+        job = self.jobs[name]
+        if set(state["A"]) != set(job.A):
+            raise ValueError(f"job {name!r}: checkpoint adapts modules {sorted(state['A'])[:3]}..., "
+                             f"the config adapts {sorted(job.A)[:3]}...")
+        with torch.no_grad():
+            for k in job.A:
+                if state["A"][k].shape != job.A[k].shape or state["B"][k].shape != job.B[k].shape:
+                    raise ValueError(f"job {name!r}: checkpoint shape for {k} differs from the config's rank")
+                job.A[k].copy_(state["A"][k])
+                job.B[k].copy_(state["B"][k])
+        job.optimizer.load_state_dict(state["optimizer"])
+        job.version = int(state["version"])
+
+
+def _rmtree(p: Path) -> None:
+    import shutil
+
+    shutil.rmtree(p, ignore_errors=True)
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen base linear plus, for each row, the LoRA delta of that row's job."""
+
+    def __init__(self, base: nn.Linear, bank: AdapterBank, path: str):
+        super().__init__()
+        self.base = base
+        self.bank = bank
+        self.path = path
+
+    @property
+    def weight(self) -> torch.Tensor:  # some model code reads proj.weight.dtype / .device
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., d_in] -> [..., d_out]
+        y = self.base(x)
+        st = self.bank.stacked(self.path, x.dtype)
+        if st is None:
+            return y
+        A, B, rank_start, scale = st
+        from colora.kernels import grouped_lora
+
+        x2 = x.reshape(-1, x.shape[-1])
+        seg = self.bank.active_seg_start
+        delta = grouped_lora(x2, A, B, seg, rank_start, scale, backend=self.bank.lora_backend)
+        return y + delta.view(*x.shape[:-1], delta.shape[-1])
+
+
+def inject_lora(model: nn.Module, bank: AdapterBank, target_modules=None) -> list[str]:
+    """Wrap every nn.Linear whose last name is a LoRA target (all of config.TARGET_MODULES by
+    default; jobs then choose among them). Returns the wrapped module paths."""
+    from .config import TARGET_MODULES
+
+    targets = set(target_modules or TARGET_MODULES)
+    found = []
+    for path, mod in list(model.named_modules()):
+        last = path.rsplit(".", 1)[-1]
+        if last in targets and isinstance(mod, nn.Linear):
+            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
+            setattr(parent, last, MultiLoRALinear(mod, bank, path))
+            bank.modules[path] = mod
+            found.append(path)
+    if not found:
+        raise ValueError(f"no nn.Linear named one of {sorted(targets)} in the base model")
+    return found

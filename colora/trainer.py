@@ -1,0 +1,244 @@
+"""The multi-job GRPO trainer: every job's rows in shared micro-batches over one frozen base model.
+
+One `step(rollouts)` is one optimizer step for each job present: the job's loss with its own
+normalisation (weights fixed over its whole step, so micro-batching does not change the sum), its own
+gradient clipping on its own gradient norm, its own AdamW. Rows of different jobs share forward and
+backward passes; a job's parameters only ever receive gradient from its own rows, so sharing a batch
+mixes no gradients, learning rates or clip factors (the fidelity test checks this against solo runs).
+
+Strictly on-policy: every rollout carries the adapter version it was sampled from, and a rollout
+whose version is not the job's current version is refused (`StaleRolloutError`) before any work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from . import grpo
+from .config import JobConfig, TrainerConfig
+from .lora import AdapterBank
+
+
+@dataclass
+class Rollout:
+    job: str
+    version: int  # adapter version the completion was sampled from
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    engine_logprobs: list[float]  # the engine's log-prob of each sampled token (diagnostic)
+    prompt_index: int  # which prompt of the step (the advantage group)
+    reward: float = 0.0
+    advantage: float = 0.0
+    finish_reason: str = ""
+    text: str = ""
+
+
+class StaleRolloutError(RuntimeError):
+    """A rollout sampled from an adapter version that is not the job's current one."""
+
+
+class JobFailure(RuntimeError):
+    """A job cannot go on (non-finite loss or gradient, bad reward): the job stops, the others go on."""
+
+    def __init__(self, job: str, reason: str):
+        super().__init__(f"job {job!r}: {reason}")
+        self.job = job
+        self.reason = reason
+
+
+@dataclass
+class JobStepStats:
+    loss: float
+    grad_norm: float
+    clip_coef: float  # min(1, grad_clip / grad_norm): < 1 when clipping was active
+    kl: float
+    clip_frac: float  # share of tokens whose ratio to the engine's log-prob leaves [0.8, 1.2]
+    logprob_gap: float  # mean |trainer log-prob - engine log-prob| over completion tokens
+    entropy: float
+    tokens: int
+    sequences: int
+    version: int  # the adapter version after the step
+    failure: str = ""
+
+
+@dataclass
+class _Seq:
+    job: str
+    ids: list[int]
+    prompt_len: int
+    weight: float
+    advantage: float
+    temperature: float
+    kl_coef: float
+    engine_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def n_completion(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    body = getattr(model, "model", None) or getattr(model, "base_model", None)
+    if body is None:
+        raise TypeError(f"{type(model).__name__} exposes no decoder body (.model)")
+    return body
+
+
+class MultiJobTrainer:
+    def __init__(self, model: torch.nn.Module, bank: AdapterBank, cfg: TrainerConfig,
+                 jobs: dict[str, JobConfig], pad_id: int):
+        self.model = model
+        self.body = _decoder(model)
+        self.lm_head = model.get_output_embeddings()
+        self.bank = bank
+        self.cfg = cfg
+        self.jobs = jobs
+        self.pad_id = pad_id
+        self.device = next(model.parameters()).device
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # -- one optimizer step for every job in `rollouts` -------------------------------------------
+    def step(self, rollouts: dict[str, list[Rollout]]) -> dict[str, JobStepStats]:
+        """Train each job present on its rollouts; returns stats per job. A job whose loss or
+        gradient is not finite is not stepped: its stats carry `failure` and the caller stops it."""
+        self._check_versions(rollouts)
+        order = tuple(rollouts)  # jobs' segment order in every micro-batch
+        seqs = self._sequences(rollouts)
+        sums = {j: torch.zeros(6, dtype=torch.float64) for j in order}  # loss, kl, clipped, gap, entropy, tokens
+        for mb in self._micro_batches(seqs, order):
+            self._forward_backward(mb, order, sums)
+        return {j: self._optimizer_step(j, rollouts[j], sums[j]) for j in order}
+
+    def _check_versions(self, rollouts: dict[str, list[Rollout]]) -> None:
+        for job, rs in rollouts.items():
+            if job not in self.bank.jobs:
+                raise KeyError(f"rollouts for unknown job {job!r}")
+            if not rs:
+                raise ValueError(f"job {job!r}: no rollouts for this step")
+            current = self.bank.jobs[job].version
+            for r in rs:
+                if r.job != job:
+                    raise ValueError(f"rollout of job {r.job!r} filed under job {job!r}")
+                if r.version != current:
+                    raise StaleRolloutError(
+                        f"job {job!r}: rollout sampled from adapter version {r.version}, but the job's "
+                        f"current version is {current}; colora trains strictly on-policy and refuses it")
+
+    def _sequences(self, rollouts: dict[str, list[Rollout]]) -> list[_Seq]:
+        seqs = []
+        for job, rs in rollouts.items():
+            jc = self.jobs[job]
+            weights = grpo.sequence_token_weight([len(r.completion_ids) for r in rs], jc.loss, jc.max_new_tokens)
+            for r, w in zip(rs, weights):
+                if not r.completion_ids:
+                    continue  # an empty completion has no tokens to train on
+                seqs.append(_Seq(job, list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids), w,
+                                 r.advantage, jc.temperature, jc.kl_coef, list(r.engine_logprobs)))
+        return seqs
+
+    def _micro_batches(self, seqs: list[_Seq], order: tuple[str, ...]) -> list[list[_Seq]]:
+        """Greedy packing by padded tokens (rows x longest row <= micro_batch_tokens), longest first
+        to waste little padding; inside a micro-batch rows are sorted by job (contiguous segments)."""
+        budget = self.cfg.micro_batch_tokens
+        rank = {j: i for i, j in enumerate(order)}
+        mbs: list[list[_Seq]] = []
+        cur: list[_Seq] = []
+        for s in sorted(seqs, key=lambda s: -len(s.ids)):
+            width = len(cur[0].ids) if cur else len(s.ids)
+            if cur and (len(cur) + 1) * width > budget:
+                mbs.append(cur)
+                cur = []
+            cur.append(s)
+        if cur:
+            mbs.append(cur)
+        return [sorted(mb, key=lambda s: rank[s.job]) for mb in mbs]
+
+    def _forward_backward(self, mb: list[_Seq], order: tuple[str, ...], sums: dict) -> None:
+        from colora.kernels import selective_log_softmax
+
+        dev = self.device
+        B, L = len(mb), max(len(s.ids) for s in mb)
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        pos, per_tok = [], {k: [] for k in ("w", "adv", "temp", "kl", "elp", "job")}
+        for b, s in enumerate(mb):
+            ids[b, : len(s.ids)] = torch.tensor(s.ids)
+            mask[b, : len(s.ids)] = 1
+            n = s.n_completion
+            # hidden at position t predicts token t+1: completion tokens ids[P:P+n] come from P-1..P+n-2
+            pos.extend(range(b * L + s.prompt_len - 1, b * L + s.prompt_len - 1 + n))
+            per_tok["w"] += [s.weight] * n
+            per_tok["adv"] += [s.advantage] * n
+            per_tok["temp"] += [s.temperature] * n
+            per_tok["kl"] += [s.kl_coef] * n
+            elp = s.engine_logprobs if len(s.engine_logprobs) == n else [math.nan] * n
+            per_tok["elp"] += elp
+            per_tok["job"] += [order.index(s.job)] * n
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)  # [N]
+        targets = ids.view(-1)[pos_t + 1]  # [N]
+        f32 = dict(dtype=torch.float32, device=dev)
+        w, adv = torch.tensor(per_tok["w"], **f32), torch.tensor(per_tok["adv"], **f32)
+        temp, klc = torch.tensor(per_tok["temp"], **f32), torch.tensor(per_tok["kl"], **f32)
+        job_of_tok = torch.tensor(per_tok["job"], dtype=torch.long, device=dev)
+        rows = {j: sum(1 for s in mb if s.job == j) for j in order}
+        W = self.lm_head.weight
+
+        ref_logp = None
+        if bool((klc > 0).any()):
+            with torch.no_grad():  # the frozen base model: no adapter active
+                h_ref = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
+                ref_logp = selective_log_softmax(h_ref.reshape(B * L, -1)[pos_t], W, targets, temperature=temp,
+                                                 chunk_size=self.cfg.logprob_chunk, backend=self.cfg.logprob_backend)
+
+        with self.bank.activate(order, [rows[j] * L for j in order]):
+            hidden = self.body(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, d]
+            h = hidden.reshape(B * L, -1)[pos_t]  # [N, d]
+            logp, ent = selective_log_softmax(h, W, targets, temperature=temp, chunk_size=self.cfg.logprob_chunk,
+                                              return_entropy=True, backend=self.cfg.logprob_backend)
+            tok_loss, kl = grpo.token_loss(logp, logp.detach(), adv, ref_logp, klc)
+            (w * tok_loss).sum().backward()
+
+        with torch.no_grad():
+            elp = torch.tensor(per_tok["elp"], **f32)
+            have = ~torch.isnan(elp)
+            ratio = torch.exp(logp.detach() - elp)
+            clipped = ((ratio < 0.8) | (ratio > 1.2)) & have
+            gap = torch.where(have, (logp.detach() - elp).abs(), torch.zeros_like(elp))
+            cols = torch.stack([w * tok_loss.detach(), kl, clipped.float(), gap, ent.detach(),
+                                torch.ones_like(w)], 1).double()  # [N, 6]
+            per_job = torch.zeros(len(order), 6, dtype=torch.float64, device=dev).index_add_(0, job_of_tok, cols)
+            per_job = per_job.cpu()
+        for i, j in enumerate(order):
+            sums[j] += per_job[i]
+
+    def _optimizer_step(self, job: str, rs: list[Rollout], s: torch.Tensor) -> JobStepStats:
+        ad = self.bank.jobs[job]
+        jc = self.jobs[job]
+        params = ad.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        max_norm = jc.grad_clip if jc.grad_clip > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda"))
+        clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
+        loss, kl, clipped, gap, ent, ntok = (float(x) for x in s)
+        failure = ""
+        if not math.isfinite(loss):
+            failure = f"loss is not finite ({loss}) at adapter version {ad.version}"
+        elif not math.isfinite(norm):
+            failure = f"gradient norm is not finite ({norm}) at adapter version {ad.version}"
+        if failure:
+            ad.optimizer.zero_grad(set_to_none=True)
+        else:
+            ad.optimizer.step()
+            ad.optimizer.zero_grad(set_to_none=True)
+            ad.version += 1
+        n = max(ntok, 1.0)
+        return JobStepStats(loss=loss, grad_norm=norm, clip_coef=clip_coef, kl=kl / n, clip_frac=clipped / n,
+                            logprob_gap=gap / n, entropy=ent / n, tokens=int(ntok), sequences=len(rs),
+                            version=ad.version, failure=failure)

@@ -1,0 +1,32 @@
+"""Shared fixtures: offline models built once per test session, markers skipped where they cannot run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Keep colora's builtin-model cache inside the test session, never the user's home.
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def _have_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _have_cuda():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200)")
+        for it in items:
+            if "gpu" in it.keywords:
+                it.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random tiny Qwen3 with its byte-level BPE tokenizer (fp32), built once per session."""
+    from colora.models import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)

@@ -1,0 +1,125 @@
+"""The job contract on the CPU in fp32: a shared step equals each job's solo step; on-policy only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from colora.config import JobConfig, TrainerConfig
+from colora.grpo import group_advantages
+from colora.lora import AdapterBank, inject_lora
+from colora.models import load_base_model
+from colora.trainer import MultiJobTrainer, Rollout, StaleRolloutError
+
+JOB_A = JobConfig(name="a", task="addition", lora_rank=4, lora_alpha=8.0, learning_rate=1e-3,
+                  target_modules=("q_proj", "v_proj", "down_proj"), grad_clip=1e-3, loss="grpo_seq",
+                  prompts_per_step=3, samples_per_prompt=4, max_new_tokens=12)
+JOB_B = JobConfig(name="b", task="addition", lora_rank=8, lora_alpha=8.0, learning_rate=5e-4, weight_decay=0.01,
+                  grad_clip=100.0, loss="grpo_token", kl_coef=0.05, temperature=0.7,
+                  prompts_per_step=2, samples_per_prompt=3, max_new_tokens=12)
+
+
+def make_trainer(model_dir, jobs, micro_batch_tokens):
+    model = load_base_model(model_dir, torch.float32, "cpu")
+    bank = AdapterBank("cpu", "torch")
+    inject_lora(model, bank)
+    for j in jobs:
+        bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, 7, j.learning_rate, j.weight_decay)
+    cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, lora_backend="torch", logprob_backend="torch",
+                        logprob_chunk=5)
+    return MultiJobTrainer(model, bank, cfg, {j.name: j for j in jobs}, pad_id=0), bank, model
+
+
+def fixed_rollouts(job: JobConfig, step: int, vocab: int) -> list[Rollout]:
+    """Deterministic synthetic rollouts (prompts, completions of varied lengths, rewards)."""
+    g = torch.Generator().manual_seed(1000 * step + len(job.name) + job.lora_rank)
+    P, S = job.prompts_per_step, job.samples_per_prompt
+    rewards = torch.randint(0, 2, (P, S), generator=g).double()
+    rewards[0, 0], rewards[0, 1] = 1.0, 0.0  # at least one group with signal
+    adv = group_advantages(rewards)
+    out = []
+    for p in range(P):
+        prompt = torch.randint(3, vocab, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+        for s in range(S):
+            n = int(torch.randint(1, job.max_new_tokens + 1, (1,), generator=g))
+            comp = torch.randint(3, vocab, (n,), generator=g).tolist()
+            lps = (-torch.rand(n, generator=g) * 3).tolist()
+            out.append(Rollout(job.name, step, prompt, comp, lps, p, float(rewards[p, s]), float(adv[p, s])))
+    return out
+
+
+def params_of(bank, name):
+    job = bank.jobs[name]
+    return {k: (job.A[k].detach().clone(), job.B[k].detach().clone()) for k in job.A}
+
+
+def test_shared_step_equals_solo_steps(tiny_model_dir):
+    vocab = 500
+    shared, bank_ab, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=80)
+    solo_a, bank_a, _ = make_trainer(tiny_model_dir, [JOB_A], micro_batch_tokens=200)
+    solo_b, bank_b, _ = make_trainer(tiny_model_dir, [JOB_B], micro_batch_tokens=64)
+    start = params_of(bank_ab, "a")
+    clip_a, clip_b = [], []
+    for step in range(3):
+        ra, rb = fixed_rollouts(JOB_A, step, vocab), fixed_rollouts(JOB_B, step, vocab)
+        st = shared.step({"a": ra, "b": rb})
+        sa = solo_a.step({"a": ra})["a"]
+        sb = solo_b.step({"b": rb})["b"]
+        clip_a.append(st["a"].clip_coef)
+        clip_b.append(st["b"].clip_coef)
+        for x, y in ((st["a"], sa), (st["b"], sb)):
+            assert x.loss == pytest.approx(y.loss, rel=1e-5, abs=1e-7)
+            assert x.grad_norm == pytest.approx(y.grad_norm, rel=1e-5)
+    assert max(clip_a) < 1.0, "job a's clipping must be active for this test to mean anything"
+    assert min(clip_b) == 1.0, "job b's clipping must stay inactive"
+    assert st["b"].kl > 0  # the KL term ran for b
+    for name, solo_bank in (("a", bank_a), ("b", bank_b)):
+        got, want = params_of(bank_ab, name), params_of(solo_bank, name)
+        assert got.keys() == want.keys()
+        diff = max(max((got[k][0] - want[k][0]).abs().max().item(), (got[k][1] - want[k][1]).abs().max().item())
+                   for k in got)
+        assert diff <= 1e-5, f"job {name}: shared and solo adapters differ by {diff}"
+        assert bank_ab.jobs[name].version == 3
+    moved = max((params_of(bank_ab, "a")[k][1] - start[k][1]).abs().max().item() for k in start)
+    assert moved > 0, "training did not change job a's adapter"
+    # Same optimizer state too: step counts and moments.
+    sa_state = bank_a.jobs["a"].optimizer.state_dict()["state"]
+    ab_state = bank_ab.jobs["a"].optimizer.state_dict()["state"]
+    assert all(float(ab_state[i]["step"]) == float(sa_state[i]["step"]) == 3 for i in sa_state)
+
+
+def test_stale_rollout_is_refused(tiny_model_dir):
+    trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A], micro_batch_tokens=256)
+    r0 = fixed_rollouts(JOB_A, 0, 500)
+    trainer.step({"a": r0})
+    before = params_of(bank, "a")
+    with pytest.raises(StaleRolloutError, match="version 0.*current version is 1"):
+        trainer.step({"a": r0})  # sampled from v0, the job is at v1
+    after = params_of(bank, "a")
+    assert all(torch.equal(before[k][1], after[k][1]) for k in before), "a refused step must change nothing"
+    assert bank.jobs["a"].version == 1
+
+
+def test_base_weights_never_change(tiny_model_dir):
+    trainer, bank, model = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=128)
+    base = {k: v.clone() for k, v in model.state_dict().items() if "lora" not in k}
+    trainer.step({"a": fixed_rollouts(JOB_A, 0, 500), "b": fixed_rollouts(JOB_B, 0, 500)})
+    now = model.state_dict()
+    assert all(torch.equal(base[k], now[k]) for k in base)
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_nonfinite_job_is_not_stepped_and_others_are(tiny_model_dir):
+    trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=128)
+    solo, bank_b, _ = make_trainer(tiny_model_dir, [JOB_B], micro_batch_tokens=128)
+    ra = fixed_rollouts(JOB_A, 0, 500)
+    ra = [dataclasses.replace(r, advantage=float("nan")) for r in ra]
+    rb = fixed_rollouts(JOB_B, 0, 500)
+    st = trainer.step({"a": ra, "b": rb})
+    solo.step({"b": rb})
+    assert "not finite" in st["a"].failure and bank.jobs["a"].version == 0
+    assert st["b"].failure == "" and bank.jobs["b"].version == 1
+    got, want = params_of(bank, "b"), params_of(bank_b, "b")
+    assert max((got[k][1] - want[k][1]).abs().max().item() for k in got) <= 1e-6
