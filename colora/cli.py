@@ -80,16 +80,13 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from colora.tasks import format_items, get_task, list_tasks
+    from colora.tasks import describe_task, format_items, get_task, list_tasks, parse_options
 
     if args.action == "list":
         for name in list_tasks():
-            print(f"{name:<16} {get_task(name).describe()}")
+            print(f"{name:<16} {describe_task(name)}")
         return 0
-    from .config import parse_override
-
-    options = dict(parse_override(o) for o in args.option)
-    task = get_task(args.name, **options)
+    task = get_task(args.name, **parse_options(args.option))
     print(format_items(task.sample(args.n, args.seed, args.split)))
     return 0
 

@@ -114,6 +114,10 @@ class RolloutEngine:
         if old is not None:
             self.llm.llm_engine.remove_lora(old[1].lora_int_id)
 
+    def drop_all(self) -> None:
+        for job in list(self._adapters):
+            self.drop(job)
+
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Generate every request with its job's current adapter, in one engine call."""
         from vllm import SamplingParams

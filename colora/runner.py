@@ -153,7 +153,32 @@ def adapter_scratch(out: Path) -> Path:
     return p
 
 
-def run(cfg: Config, out: str | Path, *, resume: bool = False, log: Callable[[str], None] = print) -> dict:
+class EngineCache:
+    """Engines kept alive across runs of one process (sweeps, benchmarks): vLLM's start costs
+    20-160 s, and rollouts do not depend on the engine's own seed (every request carries one), so
+    runs whose engine settings match share one engine. MPS arms never take a cached engine: whether a
+    process is an MPS client is fixed when its CUDA context is made."""
+
+    def __init__(self):
+        self._engines: dict[tuple, object] = {}
+
+    def get(self, key: tuple, factory: Callable[[], object]):
+        eng = self._engines.get(key)
+        if eng is None:
+            eng = self._engines[key] = factory()
+            eng.reused = False
+        else:
+            eng.reused = True
+        return eng
+
+    def close(self) -> None:
+        for eng in self._engines.values():
+            eng.close()
+        self._engines.clear()
+
+
+def run(cfg: Config, out: str | Path, *, resume: bool = False, log: Callable[[str], None] = print,
+        engine_cache: EngineCache | None = None) -> dict:
     """Run one experiment into `out`; returns the summary. Raises RunError on bad input."""
     out = Path(out)
     setup = prepare(cfg, out, resume, log)
@@ -161,7 +186,7 @@ def run(cfg: Config, out: str | Path, *, resume: bool = False, log: Callable[[st
     write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
     write_json_atomic(out / "status.json", {"state": "running"})
     try:
-        summary = _run(setup, log)
+        summary = _run(setup, log, engine_cache)
     except BaseException as e:
         write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
                                                 "traceback": traceback.format_exc()})
@@ -171,7 +196,7 @@ def run(cfg: Config, out: str | Path, *, resume: bool = False, log: Callable[[st
     return summary
 
 
-def _run(setup: Setup, log: Callable[[str], None]) -> dict:
+def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None = None) -> dict:
     from .corunner import CoRunner, JobState, throughput
     from .engine import RolloutEngine
     from .evaluate import evaluate
@@ -211,11 +236,21 @@ def _run(setup: Setup, log: Callable[[str], None]) -> dict:
         tok = load_tokenizer(setup.model_dir)
         max_rank = max(j.lora_rank for j in cfg.jobs)
         log(f"starting the engine on {device} ({dtype}) for {len(cfg.jobs)} jobs")
-        engine = RolloutEngine(str(setup.model_dir), cfg.engine, max_loras=len(cfg.jobs), max_lora_rank=max_rank,
-                               dtype=dtype, seed=exp.seed, device=device)
-        stack.callback(engine.close)
-        timeline.add("engine_start", -engine.start_seconds, 0.0)
-        log(f"engine ready in {engine.start_seconds:.1f}s")
+        def start_engine():
+            return RolloutEngine(str(setup.model_dir), cfg.engine, max_loras=len(cfg.jobs), max_lora_rank=max_rank,
+                                 dtype=dtype, seed=exp.seed, device=device)
+
+        if engine_cache is not None and mps is None and exp.arm not in MPS_ARMS:
+            key = (str(setup.model_dir), repr(cfg.engine), len(cfg.jobs), max_rank, dtype, device)
+            engine = engine_cache.get(key, start_engine)
+            stack.callback(engine.drop_all)  # the next run starts with no adapters of this one
+        else:
+            engine = start_engine()
+            engine.reused = False
+            stack.callback(engine.close)
+        if not engine.reused:
+            timeline.add("engine_start", -engine.start_seconds, 0.0)
+        log(f"engine {'reused' if engine.reused else 'ready'} ({engine.start_seconds:.1f}s to start)")
         if mps is not None:
             mps.set_share(cfg.overlap.mps_trainer_percentage)
 
@@ -262,7 +297,7 @@ def _run(setup: Setup, log: Callable[[str], None]) -> dict:
     return {
         "experiment": exp.name, "arm": exp.arm, "seed": exp.seed, "config_hash": cfg.hash(),
         "model": str(setup.model_dir), "device": device, "dtype": dtype, "mps": mps_note,
-        "engine_start_s": engine.start_seconds, "trainer_setup_s": trainer_setup_s,
+        "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "trainer_setup_s": trainer_setup_s,
         "steps_measured": window["steps"], "seconds_measured": window["seconds"],
         "steps_per_hour": throughput(window), "groups": window.get("groups"),
         "busy_fraction": _busy(spans, window), "wall_s": time.perf_counter() - t_start,
