@@ -197,6 +197,7 @@ class CoRunner:
             js = self.jobs[name]
             rs = rollouts[name]
             row = {"job": name, "step": js.step, "group": group, "reward": rewards[name],
+                   "rollout_versions": sorted({r.version for r in rs}),
                    "reward_std": float(np.std([r.reward for r in rs])),
                    "response_len": float(np.mean([len(r.completion_ids) for r in rs])),
                    "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rs])),

@@ -167,9 +167,11 @@ class AdapterBank:
             "r": job.rank, "lora_alpha": job.alpha, "lora_dropout": 0.0, "bias": "none",
             "target_modules": sorted({p.rsplit(".", 1)[-1] for p in job.A}), "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": None, "colora_version": job.version,
+            "modules_to_save": None,
         }
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        # colora's own facts beside PEFT's file: peft warns on unknown adapter_config keys.
+        (tmp / "colora_adapter.json").write_text(json.dumps({"job": name, "version": job.version}))
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             os.replace(out, old)

@@ -1,0 +1,77 @@
+"""Bad input through the command line: one clear line naming the problem, exit status 2, and no run
+directory that looks complete (none at all, here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from colora.cli import main
+
+SMOKE = str(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml")
+
+
+def _fails(capsys, argv, *needles):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("colora: error:"), err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("experiment.stepz=3", ["unknown key", "experiment.stepz", "steps"]),
+    ("jobs.0.samples_per_prompt=1", ["jobs.0.samples_per_prompt", "(1)", "at least 2"]),
+    ("experiment.arm=fast", ["experiment.arm", "'fast'", "overlap_mps"]),
+    ("jobs.add.lora_rank=-4", ["jobs.0.lora_rank", "(-4)"]),
+    ("jobs.nobody.lora_rank=4", ["no job named 'nobody'", "add, mod"]),
+    ("jobs.0.task=no_such_task", ["jobs.0.task", "no_such_task", "registered"]),
+    ('experiment.model="/nonexistent/model"', ["experiment.model", "/nonexistent/model", "does not exist"]),
+    ("experiment.model=builtin:huge", ["builtin:huge", "builtin:tiny"]),
+])
+def test_bad_config_is_refused_before_anything_runs(capsys, tmp_path, override, needles):
+    out = tmp_path / "run"
+    _fails(capsys, ["run", SMOKE, "--set", override, "--out", str(out)], *needles)
+    assert not out.exists()
+
+
+def test_model_dir_without_weights(capsys, tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    out = tmp_path / "run"
+    _fails(capsys, ["run", SMOKE, "--set", f'experiment.model="{model}"', "--out", str(out)], "no weights")
+    assert not out.exists()
+
+
+def test_missing_config_file(capsys, tmp_path):
+    _fails(capsys, ["run", str(tmp_path / "nope.toml")], "nope.toml", "does not exist")
+
+
+def test_out_dir_that_holds_a_run(capsys, tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    _fails(capsys, ["run", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--out", str(out)],
+           "already holds files")
+    assert (out / "summary.json").read_text() == "{}"  # nothing of the user's is touched
+
+
+def test_unwritable_out_dir(capsys, tiny_model_dir):
+    _fails(capsys, ["run", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--out", "/proc/colora-run"],
+           "/proc/colora-run")
+
+
+def test_bad_toml(capsys, tmp_path):
+    p = tmp_path / "x.toml"
+    p.write_text("[experiment\nsteps = 3")
+    _fails(capsys, ["run", str(p)], "not valid TOML")
+
+
+def test_tasks_show(capsys):
+    assert main(["tasks", "show", "countdown", "--n", "2", "--split", "eval"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("countdown/eval/") == 2

