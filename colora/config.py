@@ -100,6 +100,7 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     max_lora_rank: int = 0  # 0: the smallest vLLM rank that holds every job's rank
+    logprobs: bool = True  # return each sampled token's log-prob (diagnostics: clip_frac, logprob_gap)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class OverlapConfig:
     mps_engine_percentage: int = 100  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the engine process
     mps_trainer_percentage: int = 100  # ... of the trainer process
     mps_required: bool = True  # False: run an MPS arm without MPS where unavailable, labelled so
+    coalesce: bool = True  # the trainer takes every group whose rollouts are ready in one step
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,14 @@
 """The co-runner: drives engine and trainer through the arms, one code path for all of them.
 
 Jobs are split into groups. A group's cycle is: (engine thread) load the group's new adapter
-versions, generate its rollouts -> (trainer, main thread) reward, advantages, one optimizer step per
-job, export. The engine thread runs the engine tasks of all groups in FIFO order and the main thread
-trains groups in the same order, so with two groups one generates while the other trains, and with
-one group the phases alternate. A group's next generation is queued only after its own step, so
-every rollout comes from its job's current adapter (the trainer also checks the version).
+versions and queue its rollouts in the running engine -> (main thread, the trainer) reward,
+advantages, one optimizer step per job, export -> the group is queued again. The engine batches
+continuously: a group queued while another group's sequences are still decoding joins them, so the
+engine is never left finishing one group's long tail alone. With one group the phases simply
+alternate; with two or more, one group generates while another trains. When the trainer frees up it
+takes every group whose rollouts are ready in one shared step (`overlap.coalesce`). A group's next
+rollouts are queued only after its own step, so every rollout comes from its job's current adapter
+(and the trainer checks the version of each).
 
 | arm          | groups                      | MPS (set up by the runner) |
 | ------------ | --------------------------- | -------------------------- |
@@ -18,11 +21,12 @@ every rollout comes from its job's current adapter (the trainer also checks the 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import queue
 import shutil
+import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +41,9 @@ from .lora import AdapterBank
 from .runlog import JsonlWriter, Timeline
 from .seeding import derive_seed
 from .trainer import JobFailure, MultiJobTrainer, Rollout
+
+
+_STOP = object()
 
 
 @dataclass
@@ -137,22 +144,45 @@ class CoRunner:
                 if old.exists():
                     shutil.rmtree(old, ignore_errors=True)
 
-    def engine_task(self, names: list[str], group: int) -> tuple[dict, float]:
-        """Load new adapters, then generate one step of rollouts for every running job named."""
+    def submit_group(self, group: int, names: list[str]) -> dict:
+        """Load the group's new adapters, then queue one step of rollouts for its running jobs.
+        Returns {job: items} for the scoring of this step."""
         self.load_pending(names, group)
-        running = [self.jobs[n] for n in names if self.jobs[n].status == "running"]
-        per_job, reqs = {}, []
-        for js in running:
-            items, rq = self.step_requests(js, js.step)
-            per_job[js.name] = (items, rq)
-            reqs += rq
-        t0 = time.perf_counter()
-        with self.timeline.span("generate", group=group, jobs=tuple(per_job), sequences=len(reqs)):
-            results = self.engine.generate(reqs)
-        by_job: dict[str, list[GenResult]] = {n: [] for n in per_job}
-        for r in results:
-            by_job[r.request.job].append(r)
-        return {n: (per_job[n][0], by_job[n]) for n in per_job}, time.perf_counter() - t0
+        items, reqs = {}, []
+        for n in names:
+            js = self.jobs[n]
+            if js.status == "running":
+                items[n], rq = self.step_requests(js, js.step)
+                reqs += rq
+        self.engine.submit(group, reqs)
+        return items
+
+    def engine_loop(self, groups: list[list[str]], submit_q: queue.Queue, done_q: queue.Queue) -> None:
+        """The engine thread: take groups to generate for, keep the engine stepping, hand every
+        finished group's rollouts to the trainer. Any exception is handed over too."""
+        inflight: dict[int, tuple[dict, float]] = {}
+        try:
+            while True:
+                todo = []
+                with contextlib.suppress(queue.Empty):
+                    todo.append(submit_q.get(block=not self.engine.busy()))
+                    while True:
+                        todo.append(submit_q.get_nowait())
+                for g in todo:
+                    if g is _STOP:
+                        return
+                    t0 = self.timeline.now()
+                    inflight[g] = (self.submit_group(g, groups[g]), t0)
+                for g, results in self.engine.poll():
+                    items, t0 = inflight.pop(g)
+                    end = self.timeline.now()
+                    self.timeline.add("generate", t0, end, group=g, jobs=tuple(items), sequences=len(results))
+                    by_job: dict[str, list[GenResult]] = {n: [] for n in items}
+                    for r in results:
+                        by_job[r.request.job].append(r)
+                    done_q.put((g, {n: (items[n], by_job[n]) for n in items}, end - t0))
+        except BaseException as e:  # the trainer thread re-raises it
+            done_q.put(e)
 
     # -- the trainer side (main thread) ----------------------------------------------------------
     def score(self, js: JobState, items: list, results: list[GenResult]) -> list[Rollout]:
@@ -176,10 +206,18 @@ class CoRunner:
                         r.finish_reason, r.text)
                 for r in results]
 
-    def train_task(self, names: list[str], group: int, gen: dict, t_gen: float, progress: str) -> None:
+    def train_task(self, ready: list[tuple[int, dict, float]], progress: str) -> None:
+        """One shared optimizer step for every job of the ready groups (each job's own update)."""
+        gen, t_gen, group_of = {}, {}, {}
+        for g, by_job, t in ready:
+            for name, (items, results) in by_job.items():
+                gen[name], t_gen[name], group_of[name] = (items, results), t, g
+        groups = tuple(g for g, _, _ in ready)
+        group = groups[0] if len(groups) == 1 else -1
         rollouts, rewards = {}, {}
         for name, (items, results) in gen.items():
             js = self.jobs[name]
+            self.engine.decode(results)
             try:
                 rollouts[name] = self.score(js, items, results)
                 rewards[name] = float(np.mean([r.reward for r in rollouts[name]]))
@@ -188,7 +226,7 @@ class CoRunner:
         if not rollouts:
             return
         t0 = time.perf_counter()
-        with self.timeline.span("train", group=group, jobs=tuple(rollouts)):
+        with self.timeline.span("train", group=group, groups=list(groups), jobs=tuple(rollouts)):
             stats = self.trainer.step(rollouts)
         t_train = time.perf_counter() - t0
         now = self.timeline.now()
@@ -196,12 +234,12 @@ class CoRunner:
         for name, st in stats.items():
             js = self.jobs[name]
             rs = rollouts[name]
-            row = {"job": name, "step": js.step, "group": group, "reward": rewards[name],
+            row = {"job": name, "step": js.step, "group": group_of[name], "reward": rewards[name],
                    "rollout_versions": sorted({r.version for r in rs}),
                    "reward_std": float(np.std([r.reward for r in rs])),
                    "response_len": float(np.mean([len(r.completion_ids) for r in rs])),
                    "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rs])),
-                   "t_generate": t_gen, "t_train": t_train, **st.__dict__}
+                   "t_generate": t_gen[name], "t_train": t_train, **st.__dict__}
             if st.failure:
                 self.metrics.write({**row, "status": "stopped"})
                 self.stop(js, st.failure)
@@ -214,7 +252,7 @@ class CoRunner:
             if js.step >= self.cfg.experiment.steps:
                 js.status = "done"
             parts.append(f"{name} r={rewards[name]:.2f}")
-        self.log(f"{progress} | {' '.join(parts)} | gen {t_gen:.1f}s train {t_train:.1f}s")
+        self.log(f"{progress} | {' '.join(parts)} | gen {max(t_gen.values()):.1f}s train {t_train:.1f}s")
         if self.on_step is not None:
             self.on_step()
 
@@ -225,26 +263,43 @@ class CoRunner:
 
     # -- arms --------------------------------------------------------------------------------
     def run_groups(self, groups: list[list[str]]) -> None:
-        """Pipelined groups (see the module docstring). Returns when every job is done or stopped."""
+        """Phase-offset groups over the continuous engine (see the module docstring). Returns when
+        every job is done or stopped."""
         steps = self.cfg.experiment.steps
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="colora-engine") as pool:
-            futures, order = {}, deque()
-            for g, names in enumerate(groups):
-                if any(self.jobs[n].status == "running" for n in names):
-                    futures[g] = pool.submit(self.engine_task, names, g)
-                    order.append(g)
-            while order:
-                g = order.popleft()
-                gen, t_gen = futures.pop(g).result()
-                names = groups[g]
-                step = max(self.jobs[n].step for n in names) + 1
-                self.train_task(names, g, gen, t_gen, f"group {g} step {step}/{steps}")
-                if any(self.jobs[n].status == "running" for n in names):
-                    futures[g] = pool.submit(self.engine_task, names, g)
-                    order.append(g)
-            # load the final adapters so evaluation sees them
-            for g, names in enumerate(groups):
-                self.load_pending(names, g)
+        submit_q: queue.Queue = queue.Queue()
+        done_q: queue.Queue = queue.Queue()
+        thread = threading.Thread(target=self.engine_loop, args=(groups, submit_q, done_q), name="colora-engine",
+                                  daemon=True)
+        outstanding = 0
+        for g, names in enumerate(groups):
+            if any(self.jobs[n].status == "running" for n in names):
+                submit_q.put(g)
+                outstanding += 1
+        thread.start()
+        try:
+            while outstanding:
+                ready = [done_q.get()]
+                while self.cfg.overlap.coalesce:
+                    try:
+                        ready.append(done_q.get_nowait())
+                    except queue.Empty:
+                        break
+                for item in ready:
+                    if isinstance(item, BaseException):
+                        raise item
+                outstanding -= len(ready)
+                step = max(self.jobs[n].step for g, _, _ in ready for n in groups[g]) + 1
+                label = "groups " + ",".join(str(g) for g, _, _ in ready) if len(groups) > 1 else "step"
+                self.train_task(ready, f"{label} {step}/{steps}")
+                for g, _, _ in ready:
+                    if any(self.jobs[n].status == "running" for n in groups[g]):
+                        submit_q.put(g)
+                        outstanding += 1
+        finally:
+            submit_q.put(_STOP)
+            thread.join()
+        for g, names in enumerate(groups):  # the final adapters, for evaluation
+            self.load_pending(names, g)
 
     def run(self) -> dict:
         """Run the configured arm; returns the throughput windows (see `throughput`)."""

@@ -9,6 +9,10 @@ removed at once so it holds no adapter slot. Every result is tagged with the (jo
 adapter that produced it; the trainer refuses any other version.
 
 Per-request sampling seeds make a run's rollouts a function of its seed.
+
+Generation is continuous: `submit(key, requests)` queues a batch in the running engine at any time
+(a group's next step joins the other groups' sequences still decoding) and `poll()` runs one engine
+step and returns the batches that finished. One thread owns the engine and makes every call.
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ class GenResult:
     logprobs: list[float]
     text: str
     finish_reason: str
+
+
+@dataclass
+class _Batch:
+    results: list
+    remaining: int
 
 
 def vllm_lora_rank(max_rank: int) -> int:
@@ -86,8 +96,14 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
+        self.tokenizer = self.llm.get_tokenizer()
+        self.logprobs = cfg.logprobs
         self._adapters: dict[str, tuple[int, Any]] = {}  # job -> (version, LoRARequest)
         self._next_id = 1
+        self._next_request = 0
+        self._inflight: dict[str, tuple[Any, int, GenRequest, int]] = {}  # request id -> (batch, index, request, version)
+        self._batches: dict[Any, _Batch] = {}
+        self._done: list[tuple[Any, list[GenResult]]] = []
 
     def set_adapter(self, job: str, version: int, path: str) -> float:
         """Load `path` as `job`'s adapter `version` now (not lazily at the next request) and drop the
@@ -118,31 +134,74 @@ class RolloutEngine:
         for job in list(self._adapters):
             self.drop(job)
 
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Generate every request with its job's current adapter, in one engine call."""
+    # -- continuous batching: submit batches at any time, poll the engine one step at a time --------
+    def submit(self, key: Any, requests: list[GenRequest]) -> None:
+        """Queue a batch in the running engine now, each request with its job's current adapter.
+        Batches submitted while others decode join them in vLLM's continuous batch. Only the thread
+        that polls may submit."""
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
+        if key in self._batches:
+            raise KeyError(f"batch {key!r} is already in flight")
         if not requests:
-            return []
-        prompts, params, loras, versions = [], [], [], []
+            self._done.append((key, []))
+            return
         for r in requests:
             if r.job not in self._adapters:
                 raise KeyError(f"job {r.job!r} has no adapter loaded in the engine")
+        engine = self.llm.llm_engine
+        self._batches[key] = _Batch([None] * len(requests), len(requests))
+        for i, r in enumerate(requests):
             version, lora = self._adapters[r.job]
-            prompts.append({"prompt_token_ids": list(r.prompt_ids)})
-            params.append(SamplingParams(
+            params = SamplingParams(
                 temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, min_tokens=r.min_tokens,
-                ignore_eos=r.ignore_eos, seed=r.seed, logprobs=0 if r.temperature > 0 else None,
-            ))
-            loras.append(lora)
-            versions.append(version)
-        outs = self.llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-        results = []
-        for r, v, o in zip(requests, versions, outs):
+                ignore_eos=r.ignore_eos, seed=r.seed,
+                logprobs=0 if (self.logprobs and r.temperature > 0) else None,
+                detokenize=False,  # texts are decoded once, by the caller, off the engine's loop
+                output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step output objects
+            )
+            rid = f"colora-{self._next_request}"  # outputs carry this external id
+            self._next_request += 1
+            engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids)}, params, lora_request=lora)
+            self._inflight[rid] = (key, i, r, version)
+
+    def poll(self) -> list[tuple[Any, list[GenResult]]]:
+        """Run one engine step; return the batches that completed in it, in submission order."""
+        done, self._done = self._done, []
+        if not self._inflight:
+            return done
+        for o in self.llm.llm_engine.step():
+            if not o.finished:
+                continue
+            key, i, r, version = self._inflight.pop(o.request_id)
             c = o.outputs[0]
             lps = [] if c.logprobs is None else [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
-            results.append(GenResult(r, v, list(c.token_ids), lps, c.text, str(c.finish_reason)))
-        return results
+            batch = self._batches[key]
+            batch.results[i] = GenResult(r, version, list(c.token_ids), lps, "", str(c.finish_reason))
+            batch.remaining -= 1
+            if batch.remaining == 0:
+                done.append((key, self._batches.pop(key).results))
+        return done
+
+    def busy(self) -> bool:
+        return bool(self._inflight) or bool(self._done)
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Generate a batch to completion (nothing else may be in flight). Texts are decoded."""
+        key = ("generate", self._next_request)
+        self.submit(key, requests)
+        while True:
+            for k, results in self.poll():
+                if k == key:
+                    self.decode(results)
+                    return results
+                raise RuntimeError(f"batch {k!r} completed during a blocking generate")
+
+    def decode(self, results: list[GenResult]) -> None:
+        texts = self.tokenizer.batch_decode([r.completion_ids for r in results], skip_special_tokens=True)
+        for r, t in zip(results, texts):
+            r.text = t
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -321,6 +321,8 @@ def fig_paired(res: dict, gates: stats.Gates, path: Path) -> None:
     (thick) and the bootstrap interval (thin). An interval reaching past the plotted range (a t
     interval over 2-3 pairs can be huge) is cut at the edge with its bound written there."""
     plt = _plt()
+    from matplotlib.ticker import MaxNLocator
+
     rows = [(a, res["learning"][a]) for a in res["learning"]]
     if res["aa"].get("eval_accuracy") or res["aa"].get("train_reward"):
         rows.append(("dedicated A/A (r1 - r0)", {m: res["aa"].get(m) for m, _ in METRICS}))
@@ -357,10 +359,14 @@ def fig_paired(res: dict, gates: stats.Gates, path: Path) -> None:
         ax.axvline(gates.min_lower_bound, color="r", ls="--", lw=1,
                    label=f"gate: lower bound >= {gates.min_lower_bound:+g}")
         ax.set_xlim(lo, hi)
-        ax.set_yticks(range(len(rows)), [f"{r[0]}\n({len((r[1] or {}).get(metric) or {'pairs': []}).get('pairs', [])} pairs)"
-                                         if (r[1] or {}).get(metric) else r[0] for r in rows])
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+        ticks = []
+        for label, learn in rows:
+            c = (learn or {}).get(metric)
+            ticks.append(f"{label}\n({len(c['pairs'])} pairs)" if c else label)
+        ax.set_yticks(range(len(rows)), ticks)
         ax.set_ylim(len(rows) - 0.4, -0.5)
-        ax.set_xlabel(f"arm - dedicated, per (job, seed)")
+        ax.set_xlabel("arm - dedicated, per (job, seed)")
         ax.set_title(title)
         ax.grid(axis="x", alpha=0.3)
     h, lab = axes[0, 0].get_legend_handles_labels()

@@ -263,6 +263,10 @@ def run_sweep(base: Config, planned: list[PlannedRun], out: str | Path, *, confi
                 if use_child(cfg):
                     cache.close()  # the measured MPS run gets the GPU to itself
                     summary = child_fn(config_path, list(overrides) + p.overrides(), d, log_path)
+                    got, _ = run_config_hash(d)
+                    if got != cfg.hash():
+                        raise RuntimeError(f"the child run's config hashes to {got}, not {cfg.hash()}: was "
+                                           f"{config_path} edited during the sweep?")
                 else:
                     with open(log_path, "a") as logf:
                         def log(s: str, _f=logf) -> None:
