@@ -1,0 +1,22 @@
+"""colora's kernels: grouped LoRA over rows sorted by job, and a fused selective log-softmax.
+
+Each entry point takes `backend`: "triton" (CUDA, or Triton's interpreter with TRITON_INTERPRET=1),
+"torch" (the plain reference, the CPU trainer's path) or "auto" (triton on CUDA, torch elsewhere).
+"""
+
+from .backend import BACKENDS, resolve_backend
+from .logsoftmax import selective_log_softmax
+from .lora import grouped_lora, grouped_lora_packed
+from .lora_meta import LoRABatchMeta
+from .lora_ref import grouped_lora_packed_ref, grouped_lora_ref
+
+__all__ = [
+    "BACKENDS",
+    "LoRABatchMeta",
+    "grouped_lora",
+    "grouped_lora_packed",
+    "grouped_lora_packed_ref",
+    "grouped_lora_ref",
+    "resolve_backend",
+    "selective_log_softmax",
+]

@@ -1,0 +1,123 @@
+"""Compile the kernels for the H200 (sm_90a) on a machine without a GPU, and report what the
+compiler did: registers, stack (spills), shared memory, and SASS instruction counts (HGMMA/HMMA
+tensor-core ops, LDGSTS async copies, 128-bit LDG/STG vs 2-byte loads, local-memory LDL/STL).
+
+    python -m colora.kernels.compile_check            (all; about 1 minute)
+    python -m colora.kernels.compile_check shrink     (labels containing "shrink")
+
+The interpreter (CPU tests) enforces none of Triton's compile-time rules; this does, with the
+installed Triton's own ptxas. The specialisations mirror real launches at Qwen3 shapes (unit
+strides as constants, 16-divisible sizes) and the block sizes lora_ops / logsoftmax choose; keep
+the two in step when either changes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from .logsoftmax_kernels import selective_logsoftmax_kernel
+from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "STG.E.128", "STG.E.U16", "LDL", "STL")
+
+
+def compile_one(label: str, fn, types: dict, consts: dict, ones=(), div16=(), warps=4, stages=3) -> str:
+    """Compile fn with `types` for its runtime args, `consts` as constexprs, `ones` as the stride-1
+    specialisation and `div16` marked divisible by 16 (pointers always are); one report line."""
+    sig, cst, attrs = {}, dict(consts), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts or name in ones:
+            sig[name] = "constexpr"
+            if name in ones:
+                cst[name] = 1
+        else:
+            sig[name] = types[name]
+            if types[name].startswith("*") or name in div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cst, attrs=attrs), target=TARGET,
+                       options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(c.asm["cubin"])
+    try:
+        run = lambda *a: subprocess.run([os.path.join(BIN, "cuobjdump"), *a, f.name],  # noqa: E731
+                                        capture_output=True, text=True, check=True).stdout
+        usage = next(line.split() for line in run("--dump-resource-usage").splitlines() if "REG:" in line)
+        sass = run("-sass")
+    finally:
+        os.unlink(f.name)
+    ops = {k: sass.count(k) for k in OPS if k in sass}
+    return f"{label:34s} {usage[0]:8s} {usage[1]:10s} smem={c.metadata.shared:6d} {ops}"
+
+
+def variants():
+    """(label, kernel, arg types, constexprs, unit strides, 16-divisible ints, warps, stages)."""
+    i = "i32"
+    for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
+        p = "*" + dt
+        for R in (16, 64, 256):
+            shrink = dict(x_ptr=p, w_ptr=p, h_ptr=p, p_ptr=p, part_ptr="*fp32", tile_job_ptr="*i32",
+                          tile_row_ptr="*i32", seg_start_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32",
+                          K=i, h_slice=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i)
+            div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm")
+            bk = 64 if (dt == "fp32" or R >= 128) else 128
+            warps = 8 if R >= 128 else 4
+            stages = 3 if (dt == "fp32" or R >= 64) else 4
+            base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False)
+            yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True),
+                   ("stride_xk", "stride_wk"), div, warps, stages)
+            if R <= 32:
+                for bm in (64, 256):
+                    fused = dict(base, BLOCK_M=bm, BLOCK_K=(32 if dt == "fp32" else 64) if bm == 256 else bk,
+                                 FUSE_SGRAD=True, HAS_SCALE=True)
+                    yield (f"shrink+sgrad {dt} R{R} M{bm}", lora_shrink_kernel, shrink, fused,
+                           ("stride_xk", "stride_wk"), div, 8 if bm == 256 else 4, 3)
+            expand = dict(h_ptr=p, w_ptr=p, y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32", seg_start_ptr="*i32",
+                          rank_start_ptr="*i32", scale_ptr="*fp32", N=i, h_slice=i, stride_hm=i, stride_wn=i,
+                          stride_wr=i, stride_ym=i, stride_yn=i)
+            if dt == "fp32":
+                ebn, ewarps = (64 if R <= 64 else 32), 8
+            else:
+                ebn, ewarps = (64 if R >= 128 else 128), warps
+            for acc in (False, True):
+                yield (f"expand{'+acc' if acc else ''} {dt} R{R}", lora_expand_kernel, expand,
+                       dict(BLOCK_M=64, BLOCK_N=ebn, BLOCK_R=R, HAS_SCALE=True, ACCUMULATE=acc, PRECISION=prec),
+                       ("stride_wn", "stride_yn"), ("N", "h_slice", "stride_hm", "stride_wr", "stride_ym"), ewarps, 2)
+            bn = 128 if R <= 32 else 64
+            sgrad = dict(p_ptr=p, q_ptr=p, part_ptr="*fp32", tile_job_ptr="*i32", tile_row_ptr="*i32",
+                         seg_start_ptr="*i32", rank_start_ptr="*i32", N=i, p_slice=i, chunk=i, stride_pm=i,
+                         stride_qm=i, stride_qn=i)
+            yield (f"sgrad {dt} R{R}", lora_sgrad_kernel, sgrad,
+                   dict(BLOCK_T=64 if R <= 64 else 32, BLOCK_R=R, BLOCK_N=bn, PRECISION=prec),
+                   ("stride_qn",), ("N", "p_slice", "chunk", "stride_pm", "stride_qm"), warps, 3)
+            reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
+                          scale_ptr="*fp32", N=i, stride_or=i, stride_on=i)
+            yield (f"reduce {dt} R{R}", lora_reduce_kernel, reduce, dict(BLOCK_R=R, BLOCK_N=bn, HAS_SCALE=True),
+                   ("stride_or",), ("N", "stride_on"), warps, 3)
+        lsm = dict(logits_ptr=p, targets_ptr="*i64", temp_ptr="*fp32", logp_ptr="*fp32", ent_ptr="*fp32",
+                   V=i, stride_l=i)
+        yield (f"logsoftmax {dt}", selective_logsoftmax_kernel, lsm,
+               dict(BLOCK_V=4096, HAS_GRAD=True, HAS_ENTROPY=True), (), ("V", "stride_l"), 8, 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.filterwarnings("ignore")
+    print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
+    for label, *rest in variants():
+        if not argv or any(a in label for a in argv):
+            print(compile_one(label, *rest), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

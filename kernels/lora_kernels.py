@@ -1,0 +1,200 @@
+"""Triton kernels of grouped LoRA over rows sorted into per-job segments.
+
+Four kernels serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T (launchers in
+`lora_ops.py`, which say which tensor plays which role):
+
+  shrink   h[t, slice*r_j + k]  = (s_j *) sum_i x[t, i] W[rank_start[j] + k, i]    (x A^T; dy B)
+           optionally fused with sgrad's partial over its row tile             (+ h^T dy)
+  expand   y[t, n]             (+)= (s_j *) sum_k h[t, slice*r_j + k] W[n, rank_start[j] + k]
+                                                                                  (h B^T; dh A)
+  sgrad    partial[c, k, n]     = sum_{t in chunk c} p[t, slice*r_j + k] q[t, n]  (h^T dy; dh^T x)
+  reduce   out[rank_start[j] + k, n] = (s_j *) sum_{chunks c of job j} partial[c, k, n]
+
+Every program handles rows of exactly one job (tiles from `LoRABatchMeta.tiles`), so each tile is a
+dense matmul against that job's slice of the stacked weights. Ranks are padded to BLOCK_R >= 16
+(tl.dot's minimum) with masks on k < r_j on the weight side. The h / p side is read WITHOUT a rank
+mask (a mask along the contiguous dim would split every load into 2-byte loads): the caller
+guarantees that columns [slice*r_j, slice*r_j + BLOCK_R) of every row exist and are finite (zero-
+initialised h), so the padding lanes multiply zeros (expand) or land in accumulator rows that are
+never stored (sgrad). Row offsets are int64: T * stride reaches 2^31 at 700k tokens of width 3072.
+Accumulation is fp32; fp32 inputs use IEEE dots, not tf32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b. PRECISION "upcast" is for Triton's CPU interpreter, whose bf16 dot is wrong
+    (seen with Triton 3.9): fp32 operands give the same sums, as bf16 products are exact in fp32."""
+    if PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid, block):
+    """(job, first row, end row, first rank row, rank) of tile `pid` (tiles of `block` rows)."""
+    job = tl.load(tile_job_ptr + pid)
+    row0 = tl.load(tile_row_ptr + pid)
+    row_end = tl.minimum(row0 + block, tl.load(seg_start_ptr + job + 1))
+    r0 = tl.load(rank_start_ptr + job)
+    r = tl.load(rank_start_ptr + job + 1) - r0
+    return job, row0, row_end, r0, r
+
+
+@triton.jit
+def lora_shrink_kernel(
+    x_ptr, w_ptr, h_ptr,  # x: [T, K], w: [R, K] (strided), h: [T, H]
+    p_ptr, part_ptr,  # FUSE_SGRAD only: p: [T, P] (h of the forward), part: fp32 [tiles, BLOCK_R, K]
+    tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
+    K, h_slice,
+    stride_xm, stride_xk, stride_wr, stride_wk, stride_hm, stride_pm,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, FUSE_SGRAD: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """shrink; with FUSE_SGRAD also part[tile] = p_tile^T x_tile (the sgrad partial of this row
+    tile), so the backward reads dy once for both dh and dB."""
+    pid = tl.program_id(0)
+    job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid, BLOCK_M)
+    if r == 0:  # nothing of h belongs to a rank-0 job; its y rows are zeroed by expand
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    rows = rows.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < r
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + (r0 + offs_r)[None, :] * stride_wr + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_R]
+    if FUSE_SGRAD:
+        pt = tl.load(p_ptr + rows[:, None] * stride_pm + (h_slice * r + offs_r)[None, :],
+                     mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_R], lanes >= r unused
+        pt = tl.trans(pt)  # [BLOCK_R, BLOCK_M]
+        part_ptrs = part_ptr + pid.to(tl.int64) * BLOCK_R * K + offs_r[:, None] * K + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            wt = tl.load(w_ptrs, mask=r_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = _dot(xt, wt, acc, PRECISION)
+        if FUSE_SGRAD:
+            pb = _dot(pt, xt, tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32), PRECISION)  # [BLOCK_R, BLOCK_K]
+            if EVEN_K:
+                tl.store(part_ptrs, pb)
+            else:
+                tl.store(part_ptrs, pb, mask=k_ok[None, :])
+            part_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + job)
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + (h_slice * r + offs_r)[None, :]
+    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def lora_expand_kernel(
+    h_ptr, w_ptr, y_ptr,  # h: [T, H], w: [N, R] (strided), y: [T, N] (strided)
+    tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
+    N, h_slice,
+    stride_hm, stride_wn, stride_wr, stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid_m, BLOCK_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    rows = rows.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < r  # all false for a rank-0 job: its rows get y = 0 (or stay y when accumulating)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    ht = tl.load(h_ptr + rows[:, None] * stride_hm + (h_slice * r + offs_r)[None, :],
+                 mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_R], padding lanes finite
+    wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + (r0 + offs_r)[:, None] * stride_wr,
+                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    acc = _dot(ht, wt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + job)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    mask = row_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def lora_sgrad_kernel(
+    p_ptr, q_ptr, part_ptr,  # p: [T, H], q: [T, N], part: fp32 [chunks, BLOCK_R, N]
+    tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr,
+    N, p_slice, chunk,
+    stride_pm, stride_qm, stride_qn,
+    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One chunk of one job's rows: partial[c] = p_chunk^T q_chunk. Split over rows (not atomics)
+    keeps the weight gradients deterministic while filling the GPU when one job owns all rows."""
+    pid_c = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid_c, chunk)
+    if r == 0:  # reduce skips rank-0 jobs, so their partials are never read
+        return
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_t = tl.arange(0, BLOCK_T)
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for t0 in range(row0, row_end, BLOCK_T):
+        rows = t0 + offs_t
+        t_ok = rows < row_end
+        rows = rows.to(tl.int64)
+        pt = tl.load(p_ptr + rows[:, None] * stride_pm + (p_slice * r + offs_r)[None, :],
+                     mask=t_ok[:, None], other=0.0)  # [BLOCK_T, BLOCK_R], lanes >= r unused
+        qt = tl.load(q_ptr + rows[:, None] * stride_qm + offs_n[None, :] * stride_qn,
+                     mask=t_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_N]
+        acc = _dot(tl.trans(pt), qt, acc, PRECISION)
+    part = part_ptr + pid_c.to(tl.int64) * BLOCK_R * N + offs_r[:, None] * N + offs_n[None, :]
+    tl.store(part, acc, mask=n_ok[None, :])
+
+
+@triton.jit
+def lora_reduce_kernel(
+    part_ptr, out_ptr,  # part: fp32 [chunks, BLOCK_R, N], out: [R, N] (strided)
+    job_chunk_ptr, rank_start_ptr, scale_ptr,
+    N,
+    stride_or, stride_on,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr,
+):
+    """out rows of job j = scale_j * sum of its chunks' partials, in chunk order (deterministic);
+    a job with rank > 0 and no rows gets zeros."""
+    job = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r0 = tl.load(rank_start_ptr + job)
+    r = tl.load(rank_start_ptr + job + 1) - r0
+    if r == 0:
+        return
+    c0 = tl.load(job_chunk_ptr + job)
+    c1 = tl.load(job_chunk_ptr + job + 1)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    part = part_ptr + c0.to(tl.int64) * BLOCK_R * N + offs_r[:, None] * N + offs_n[None, :]
+    for _ in range(c0, c1):
+        acc += tl.load(part, mask=n_ok[None, :], other=0.0)
+        part += BLOCK_R * N
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + job)
+    out = out_ptr + (r0 + offs_r)[:, None] * stride_or + offs_n[None, :] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_r < r)[:, None] & n_ok[None, :])

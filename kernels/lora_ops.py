@@ -1,0 +1,233 @@
+"""Checking launchers of the grouped-LoRA kernels: shapes, dtypes and devices are checked here, block
+sizes are chosen here, and each launcher says which LoRA product it computes.
+
+The weights are passed as strided views, so the same kernel serves forward and backward
+(Bt = B^T made contiguous once per forward):
+  forward   h  = shrink(x, A)             y  = expand(h, Bt^T, scale)
+  backward  dh = shrink(dy, Bt, scale)    dx = expand(dh, A^T)
+            dA = sgrad(dh, x)             dB^T = sgrad(h, dy, scale)
+  or, fused (shrink_sgrad): dh and dB^T in one pass over dy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
+from .lora_meta import LoRABatchMeta
+
+SHRINK_BLOCK_M = 64  # rows per tile of shrink and expand (one tile table serves both)
+
+
+def _precision(dtype: torch.dtype, device: torch.device) -> str:
+    if device.type != "cuda":
+        return "upcast"  # Triton's interpreter: see lora_kernels._dot
+    # fp32 callers (tests, the CPU trainer's dtype) expect fp32 results, not tf32's 10-bit mantissa
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_r(rank: int) -> int:
+    return max(16, triton.next_power_of_2(max(rank, 1)))  # tl.dot needs every dim >= 16
+
+
+def h_width(meta: LoRABatchMeta, slices: int) -> int:
+    """Columns of the h / dh buffer of a `slices`-way packed call: the packed shrink writes
+    [0, slices * r_j) per row, and every slice's expand or sgrad reads BLOCK_R columns from
+    slice * r_j on (see lora_kernels: the reads carry no rank mask). Allocate it zero-filled."""
+    R = meta.max_rank
+    return max(_block_r(slices * R), (slices - 1) * R + _block_r(R))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few chunks, so the tests exercise the cross-chunk reduction
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check(meta: LoRABatchMeta, t: torch.Tensor, name: str, rows: int | None = None) -> None:
+    if t.device != meta.device:
+        raise ValueError(f"{name} is on {t.device}, the batch metadata on {meta.device}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows, the batch has {rows} tokens")
+
+
+def lora_shrink(x: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
+                h_slice: int = 0, scale: bool = False) -> torch.Tensor:
+    """out[t, h_slice*r_j + k] = (scale_j *) sum_i x[t, i] * w[rank_start[j] + k, i] for t in job j.
+
+    x: [T, K], w: [R, K] (any strides: A, or B^T for dh; fastest when K has stride 1), out: [T, H]
+    with H >= (h_slice+1) * max_rank. Columns of out outside each job's slice are left as they were.
+    """
+    _launch_shrink(x, w, meta, out, h_slice, scale, None, None, SHRINK_BLOCK_M)
+    return out
+
+
+def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta: LoRABatchMeta, dh: torch.Tensor,
+                      dBt: torch.Tensor, *, h_slice: int = 0) -> None:
+    """dh = lora_shrink(dy, Bt, scale=True) and dBt = lora_sgrad(h, dy, scale=True) in one pass over dy.
+
+    dy: [T, N], Bt: [R, N] (B^T), h: [T, H] as for lora_expand, dh: [T, H'] (written in its slice),
+    dBt: [R, N] (any strides: pass dB.t()). Each program keeps its row tile's part of dB in fp32
+    ([tiles, BLOCK_R, N]), so this pays when that is small beside dy: BLOCK_R <= 32 and tiles of
+    256 rows once there are enough of them (see `fuse_dy_pays`).
+    """
+    _check(meta, h, "h", meta.num_tokens)
+    block_r = _block_r(meta.max_rank)
+    if h.shape[1] < h_slice * meta.max_rank + block_r or h.stride(1) != 1 or h.dtype != dy.dtype:
+        raise ValueError(f"h {tuple(h.shape)} {h.dtype} must be row-major with at least "
+                         f"{h_slice * meta.max_rank + block_r} columns (h_width) and dy's dtype {dy.dtype}")
+    if dBt.shape != Bt.shape:
+        raise ValueError(f"dBt has shape {tuple(dBt.shape)}, expected {tuple(Bt.shape)}")
+    block_m = 256 if meta.num_tokens >= 2 * 256 * _num_sms(meta.device) else SHRINK_BLOCK_M
+    tiles = meta.tiles(block_m)
+    part = torch.empty((max(tiles.n, 1), block_r, dy.shape[1]), dtype=torch.float32, device=dy.device)
+    _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m)
+    _launch_reduce(part, dBt, meta, tiles, block_r, scale=True)
+
+
+def fuse_dy_pays(meta: LoRABatchMeta) -> bool:
+    """The fused dy pass writes T / tile * BLOCK_R * N fp32 partials to save one read of dy
+    (T * N * 2 bytes): at BLOCK_R <= 32 that is at most 1/4 of what it saves."""
+    return _block_r(meta.max_rank) <= 32
+
+
+def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m):
+    T, K = x.shape
+    _check(meta, x, "x", meta.num_tokens)
+    _check(meta, out, "out", T)
+    if w.shape != (meta.total_rank, K):
+        raise ValueError(f"weight has shape {tuple(w.shape)}, expected [total rank {meta.total_rank}, {K}]")
+    if out.shape[1] < (h_slice + 1) * meta.max_rank or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} (strides {out.stride()}) must be row-major with at least "
+                         f"{(h_slice + 1) * meta.max_rank} columns")
+    if not (x.dtype == w.dtype == out.dtype):
+        raise ValueError(f"dtypes differ: x {x.dtype}, weight {w.dtype}, out {out.dtype}")
+    tiles = meta.tiles(block_m)
+    if tiles.n == 0 or meta.max_rank == 0:
+        return
+    block_r = _block_r(meta.max_rank)
+    fp32 = x.dtype == torch.float32
+    if block_m > SHRINK_BLOCK_M:  # the fused dy pass: [256, BLOCK_K] tiles, 3 stages in shared memory
+        block_k, warps = (32 if fp32 else 64), 8
+    else:
+        block_k, warps = (64 if (fp32 or block_r >= 128) else 128), (8 if block_r >= 128 else 4)
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    fused = part is not None
+    lora_shrink_kernel[(tiles.n,)](
+        x, w, out, p if fused else x, part if fused else x,
+        tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
+        K, h_slice,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), p.stride(0) if fused else 0,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        EVEN_K=K % block_k == 0, HAS_SCALE=scale, FUSE_SGRAD=fused, PRECISION=_precision(x.dtype, x.device),
+        num_warps=warps, num_stages=3 if (fp32 or block_r >= 64 or fused) else 4,
+    )
+
+
+def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
+                h_slice: int = 0, scale: bool = False, accumulate: bool = False) -> torch.Tensor:
+    """out[t, n] (+)= (scale_j *) sum_k h[t, h_slice*r_j + k] * w[n, rank_start[j] + k] for t in job j.
+
+    h: [T, H >= h_slice * max_rank + BLOCK_R], finite in every column (zero-filled before the
+    shrink); w: [N, R] (any strides: B, or A^T for dx; fastest when the N dim has stride 1);
+    out: [T, N] (any strides). Every row of out is written, rows of rank-0 jobs with 0 (or left
+    unchanged when accumulating).
+    """
+    T = h.shape[0]
+    N = w.shape[0]
+    _check(meta, h, "h", meta.num_tokens)
+    _check(meta, out, "out", T)
+    if w.shape != (N, meta.total_rank) or out.shape[1] != N:
+        raise ValueError(f"weight {tuple(w.shape)} / out {tuple(out.shape)}: expected [N, total rank "
+                         f"{meta.total_rank}] and [T, N]")
+    block_r = _block_r(meta.max_rank)
+    if h.shape[1] < h_slice * meta.max_rank + block_r or h.stride(1) != 1:
+        raise ValueError(f"h {tuple(h.shape)} must be row-major with at least {h_slice * meta.max_rank + block_r} "
+                         "columns (h_width), zero-filled where the shrink did not write")
+    if not (h.dtype == w.dtype == out.dtype):
+        raise ValueError(f"dtypes differ: h {h.dtype}, weight {w.dtype}, out {out.dtype}")
+    tiles = meta.tiles(SHRINK_BLOCK_M)
+    if tiles.n == 0:
+        return out
+    if h.dtype == torch.float32:  # IEEE fp32 dots run on FMAs and hold operands in registers
+        block_n, warps = (64 if block_r <= 64 else 32), 8
+    else:
+        block_n, warps = (64 if block_r >= 128 else 128), (8 if block_r >= 128 else 4)
+    block_n = min(block_n, max(16, triton.next_power_of_2(N)))
+    lora_expand_kernel[(tiles.n, triton.cdiv(N, block_n))](
+        h, w, out,
+        tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
+        N, h_slice,
+        h.stride(0), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=SHRINK_BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
+        HAS_SCALE=scale, ACCUMULATE=accumulate, PRECISION=_precision(h.dtype, h.device),
+        num_warps=warps, num_stages=2,
+    )
+    return out
+
+
+def sgrad_chunk(meta: LoRABatchMeta, n_tiles_n: int, block_r: int) -> int:
+    """Rows per program of the segment reduction: enough programs to fill the GPU (about 4 per SM),
+    but chunks of at least 8 * BLOCK_R rows so the fp32 partials stay small beside the inputs."""
+    want = max(1, 4 * _num_sms(meta.device) // max(n_tiles_n, 1))
+    chunk = triton.next_power_of_2(max(1, triton.cdiv(meta.num_tokens, want)))
+    return int(min(max(chunk, 256, 8 * block_r), 8192))
+
+
+def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
+               p_slice: int = 0, scale: bool = False, chunk: int | None = None) -> torch.Tensor:
+    """out[rank_start[j] + k, n] = (scale_j *) sum_{t in job j} p[t, p_slice*r_j + k] * q[t, n].
+
+    p: [T, H] (h or dh; as h in lora_expand), q: [T, N] (dy or x), out: [R, N] (any strides: dA,
+    or dB^T). Every row of out is written (zeros for a job without rows). Two launches: per-chunk
+    fp32 partials, then a per-job sum in chunk order, so the result does not depend on scheduling.
+    """
+    T, N = q.shape
+    _check(meta, p, "p", meta.num_tokens)
+    _check(meta, q, "q", meta.num_tokens)
+    if out.shape != (meta.total_rank, N):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected [total rank {meta.total_rank}, {N}]")
+    block_r = _block_r(meta.max_rank)
+    if p.shape[1] < p_slice * meta.max_rank + block_r or p.stride(1) != 1:
+        raise ValueError(f"p {tuple(p.shape)} must be row-major with at least {p_slice * meta.max_rank + block_r} "
+                         "columns (h_width), finite everywhere")
+    if not (p.dtype == q.dtype):
+        raise ValueError(f"dtypes differ: p {p.dtype}, q {q.dtype}")
+    if meta.total_rank == 0:
+        return out
+    block_n = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))
+    n_tiles_n = triton.cdiv(N, block_n)
+    chunk = chunk or sgrad_chunk(meta, n_tiles_n, block_r)
+    chunks = meta.tiles(chunk)
+    part = torch.empty((max(chunks.n, 1), block_r, N), dtype=torch.float32, device=q.device)
+    warps = 8 if block_r >= 128 else 4
+    if chunks.n > 0:
+        lora_sgrad_kernel[(chunks.n, n_tiles_n)](
+            p, q, part,
+            chunks.job, chunks.row, meta.seg_start_t, meta.rank_start_t,
+            N, p_slice, chunk,
+            p.stride(0), q.stride(0), q.stride(1),
+            BLOCK_T=64 if block_r <= 64 else 32, BLOCK_R=block_r, BLOCK_N=block_n,
+            PRECISION=_precision(q.dtype, q.device), num_warps=warps, num_stages=3,
+        )
+    _launch_reduce(part, out, meta, chunks, block_r, scale)
+    return out
+
+
+def _launch_reduce(part, out, meta, chunks, block_r, scale):
+    """out[rank rows of job j] = (scale_j *) sum of job j's partials (part: fp32 [chunks, BLOCK_R, N])."""
+    N = part.shape[2]
+    block_n = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))
+    lora_reduce_kernel[(meta.num_jobs, triton.cdiv(N, block_n))](
+        part, out,
+        chunks.job_start, meta.rank_start_t, meta.scale_t,
+        N,
+        out.stride(0), out.stride(1),
+        BLOCK_R=block_r, BLOCK_N=block_n, HAS_SCALE=scale, num_warps=8 if block_r >= 128 else 4,
+    )

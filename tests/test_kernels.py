@@ -1,0 +1,253 @@
+"""colora.kernels against the plain torch reference, on the CPU through Triton's interpreter.
+
+    pytest tests/test_kernels.py -q            (CPU: TRITON_INTERPRET=1 is set here when there is no GPU)
+
+Small odd shapes (rows not a multiple of the tiles, d 24/40, mixed ranks including 0, empty
+segments, up to 64 jobs, all three dtypes); every check draws fresh random inputs and poisons the
+outputs it can. The realistic sweep is tests/test_kernels_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton's jit
+
+import zlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+from colora.kernels.testing import (  # noqa: E402
+    LOGSOFTMAX_TOL,
+    LORA_TOL,
+    interpreted_kernels,
+    lora_case,
+    lora_grads,
+    rel_err,
+)
+
+K = interpreted_kernels()  # re-imports the kernels if another test module imported them compiled
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# (name, d_in, d_out, tokens per job, rank per job): sizes chosen to hit ragged tails of every tile
+LORA_CASES = [
+    ("one_job", 24, 40, [37], [8]),
+    ("mixed_ranks_empty_seg", 40, 24, [33, 0, 70, 5], [16, 64, 0, 8]),
+    ("rank0_with_rows", 24, 24, [9, 20], [0, 4]),
+    ("all_empty", 24, 40, [0, 0], [8, 16]),
+    ("many_jobs", 24, 24, "64 jobs", "64 jobs"),
+]
+
+
+def _layout(tokens, ranks, seed):
+    if tokens == "64 jobs":
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, 7, (64,), generator=g).tolist()
+        ranks = [[0, 4, 8, 16][i] for i in torch.randint(0, 4, (64,), generator=g).tolist()]
+    return tokens, ranks
+
+
+# 64 jobs under the interpreter cost ~15 s per dtype: that case runs in bf16 only
+LORA_SWEEP = [(*c, dt) for c in LORA_CASES for dt in DTYPES if c[0] != "many_jobs" or dt == torch.bfloat16]
+
+
+@pytest.mark.parametrize("name,d_in,d_out,tokens,ranks,dtype", LORA_SWEEP,
+                         ids=[f"{c[0]}-{str(c[-1])[6:]}" for c in LORA_SWEEP])
+def test_grouped_lora_matches_reference(name, d_in, d_out, tokens, ranks, dtype):
+    tokens, ranks = _layout(tokens, ranks, seed=1)
+    case = lora_case(tokens, ranks, d_in, d_out, dtype, DEV, seed=zlib.crc32(f"{name}/{dtype}".encode()))
+    got = lora_grads(K.grouped_lora, case, backend="triton")
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    low = lora_grads(K.grouped_lora, case, backend="torch")  # the reference in the same dtype
+    tol = LORA_TOL[dtype]
+    for key in ("y", "dx", "dA", "dB"):
+        assert got[key].dtype == dtype and got[key].shape == ref[key].shape
+        assert torch.isfinite(got[key]).all(), key
+        err = rel_err(got[key], ref[key])
+        assert err <= tol, f"{key}: |triton - fp64| / |fp64| = {err:.2e} > {tol:.0e}"
+        # the table is about the dtype's rounding: the torch loop in the same dtype must pass it too
+        assert rel_err(low[key], ref[key]) <= tol, key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_launchers_write_every_element(dtype):
+    """Outputs are poisoned with NaN; each launcher must write exactly what it promises."""
+    from colora.kernels import lora_ops
+
+    tokens, ranks = [13, 0, 40, 7], [8, 16, 4, 0]
+    case = lora_case(tokens, ranks, 40, 24, dtype, DEV, seed=7)
+    meta, x, A, B = case.meta, case.x, case.A, case.B
+    T = x.shape[0]
+    h = torch.full((T, lora_ops.h_width(meta, 1)), float("nan"), dtype=dtype, device=DEV)
+    lora_ops.lora_shrink(x, A, meta, h)
+    for j in range(meta.num_jobs):  # shrink writes each job's own r_j columns only
+        t0, t1, r0, r1 = meta.seg_start[j], meta.seg_start[j + 1], meta.rank_start[j], meta.rank_start[j + 1]
+        want = x[t0:t1].double() @ A[r0:r1].double().t()
+        assert rel_err(h[t0:t1, : r1 - r0], want) <= LORA_TOL[dtype]
+        assert h[t0:t1, r1 - r0:].isnan().all()
+    h = h.nan_to_num(0.0)  # the autograd op zero-fills h before the shrink: expand reads padding lanes
+    y = torch.full((T, B.shape[0]), float("nan"), dtype=dtype, device=DEV)
+    lora_ops.lora_expand(h, B, meta, y, scale=True)
+    assert torch.isfinite(y).all()
+    assert (y[53:] == 0).all()  # the rank-0 job's rows
+    dA = torch.full_like(A, float("nan"))
+    lora_ops.lora_sgrad(h, x, meta, dA, chunk=16)  # small chunks: several per job, reduced in order
+    assert torch.isfinite(dA).all()
+    assert (dA[8:24] == 0).all()  # the job without rows: rank rows 8..23
+
+
+def test_sgrad_chunking_does_not_change_the_result():
+    from colora.kernels import lora_ops
+
+    case = lora_case([150, 3, 90], [16, 8, 4], 40, 24, torch.float32, DEV, seed=3)
+    h = (case.x @ case.A.t()).contiguous()  # any [T, >= max rank] works as p
+    outs = [lora_ops.lora_sgrad(h, case.x, case.meta, torch.empty_like(case.A), chunk=c) for c in (16, 64, 256, 8192)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_packed_matches_separate_projections(dtype):
+    """q|k|v packed: same outputs and gradients as three grouped_lora calls."""
+    tokens, ranks = [21, 0, 44], [8, 4, 16]
+    g = torch.Generator().manual_seed(11)
+    base = lora_case(tokens, ranks, 40, 32, dtype, DEV, seed=11)
+    R = base.meta.total_rank
+    As = [(torch.randn(R, 40, generator=g) * 0.2).to(dtype).to(DEV).requires_grad_() for _ in range(3)]
+    Bs = [(torch.randn(d, R, generator=g) * 0.2).to(dtype).to(DEV).requires_grad_() for d in (32, 16, 16)]
+    x = base.x.detach().clone().requires_grad_()
+    dys = [torch.randn(x.shape[0], d, generator=g).to(dtype).to(DEV) for d in (32, 16, 16)]
+
+    def run(fn):
+        ys = fn()
+        grads = torch.autograd.grad(ys, [x, *As, *Bs], dys)
+        return [t.detach() for t in ys] + [t.detach() for t in grads]
+
+    got = run(lambda: K.grouped_lora_packed(x, As, Bs, base.meta, backend="triton"))
+    ref = run(lambda: [K.grouped_lora(x, A, B, meta=base.meta, backend="triton") for A, B in zip(As, Bs)])
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) <= LORA_TOL[dtype]
+
+
+def test_add_to_accumulates_in_place_and_passes_gradient():
+    case = lora_case([30, 12], [8, 16], 24, 40, torch.float32, DEV, seed=5)
+    x = case.x.detach().requires_grad_()
+    base_w = torch.randn(40, 24, device=DEV, requires_grad=True)
+    dy = torch.randn(42, 40, device=DEV)
+    out = K.grouped_lora(x, case.A, case.B, meta=case.meta, backend="triton", add_to=x @ base_w.t())
+    want = x @ base_w.t() + K.grouped_lora(x, case.A, case.B, meta=case.meta, backend="torch")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    g1 = torch.autograd.grad(out, (x, base_w, case.A, case.B), dy)
+    g2 = torch.autograd.grad(want, (x, base_w, case.A, case.B), dy)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [[33, 0, 70, 5], [1200, 0, 900, 7]], ids=["64-row tiles", "256-row tiles"])
+def test_fused_dy_pass_matches_separate_kernels(tokens, dtype):
+    """dh and dB from one pass over dy (fuse_dy) equal the separate shrink + sgrad. Past 2 x 256 x
+    SMs rows (SMs = 4 on the interpreter) the fused pass uses 256-row tiles."""
+    case = lora_case(tokens, [16, 8, 0, 4], 40, 24, dtype, DEV, seed=len(tokens) + sum(tokens))
+    fused = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True)
+    separate = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=False)
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    for key in ("dx", "dA", "dB"):
+        assert rel_err(fused[key], ref[key]) <= LORA_TOL[dtype], key
+        assert rel_err(fused[key], separate[key]) <= LORA_TOL[dtype], key
+
+
+def test_triton_path_is_deterministic():
+    case = lora_case([50, 70], [16, 8], 40, 24, torch.bfloat16, DEV, seed=9)
+    a = lora_grads(K.grouped_lora, case, backend="triton")
+    b = lora_grads(K.grouped_lora, case, backend="triton")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_meta_rejects_bad_layouts():
+    with pytest.raises(ValueError, match="seg_start must be non-decreasing"):
+        K.LoRABatchMeta.build([0, 5, 3], [0, 4, 8], [1.0, 1.0])
+    with pytest.raises(ValueError, match="rank_start must start at 0"):
+        K.LoRABatchMeta.build([0, 5], [2, 4], [1.0])
+    with pytest.raises(ValueError, match=r"scale 2 \(got 1\)"):
+        K.LoRABatchMeta.build([0, 5, 6], [0, 4, 8], [1.0])
+    case = lora_case([5, 6], [4, 4], 24, 24, torch.float32, DEV, seed=2)
+    with pytest.raises(ValueError, match="seg_start"):
+        K.grouped_lora(case.x[:10], case.A, case.B, meta=case.meta)
+    with pytest.raises(ValueError, match="backend 'cuda'"):
+        K.grouped_lora(case.x, case.A, case.B, meta=case.meta, backend="cuda")
+    assert K.resolve_backend("auto", torch.device("cpu")) == "torch"
+
+
+def test_lists_tensors_and_meta_give_the_same_result():
+    case = lora_case([5, 9], [4, 8], 24, 24, torch.float32, DEV, seed=4)
+    m = case.meta
+    a = K.grouped_lora(case.x, case.A, case.B, list(m.seg_start), list(m.rank_start), list(m.scale), backend="triton")
+    b = K.grouped_lora(case.x, case.A, case.B, torch.tensor(m.seg_start), torch.tensor(m.rank_start),
+                       torch.tensor(m.scale), backend="triton")
+    c = K.grouped_lora(case.x, case.A, case.B, meta=m, backend="triton")
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# -- selective log-softmax -------------------------------------------------------------------------
+
+def _logsoftmax_problem(T, d, V, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, d, generator=g).to(dtype).to(DEV).requires_grad_()
+    W = (torch.randn(V, d, generator=g) * 3 * d ** -0.5).to(dtype).to(DEV)  # logits of std ~3
+    tgt = torch.randint(0, V, (T,), generator=g).to(DEV)
+    temp = (torch.rand(T, generator=g) + 0.5).to(DEV)  # per row, as jobs sample at different temperatures
+    gout = torch.randn(T, generator=g).to(DEV)
+    return h, W, tgt, temp, gout
+
+
+def _fp64_reference(h, W, tgt, temp):
+    z = torch.log_softmax((h.double() @ W.double().t()) / temp.double()[:, None], -1)
+    return z.gather(1, tgt[:, None]).squeeze(1), -(z.exp() * z).sum(-1)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_selective_log_softmax_matches_fp64(dtype, backend):
+    """V = 5000 spans two vocab tiles of the kernel; chunks of 16 rows leave a ragged last chunk."""
+    h, W, tgt, temp, gout = _logsoftmax_problem(37, 24, 5000, dtype, seed=zlib.crc32(f"lsm/{dtype}".encode()))
+    logp, ent = K.selective_log_softmax(h, W, tgt, temperature=temp, chunk_size=16, return_entropy=True,
+                                        backend=backend)
+    (dh,) = torch.autograd.grad(logp, h, gout)
+    h64 = h.detach().double().requires_grad_()
+    ref_logp, ref_ent = _fp64_reference(h64, W, tgt, temp)
+    (ref_dh,) = torch.autograd.grad(ref_logp, h64, gout.double())
+    atol, rtol = LOGSOFTMAX_TOL[dtype]
+    assert logp.dtype == torch.float32 and ent.dtype == torch.float32 and dh.dtype == dtype
+    assert (logp.double() - ref_logp).abs().max() <= atol
+    assert (ent.double() - ref_ent).abs().max() <= atol
+    assert rel_err(dh, ref_dh) <= rtol
+
+
+def test_selective_log_softmax_gradcheck_torch_path():
+    """Finite differences in fp64 through the chunked reference's hand-written backward."""
+    h, W, tgt, temp, _ = _logsoftmax_problem(5, 6, 11, torch.float64, seed=3)
+    fn = lambda hh: K.selective_log_softmax(hh, W, tgt, temperature=temp, chunk_size=2, backend="torch")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (h,))
+
+
+def test_selective_log_softmax_inference_path_and_float_temperature():
+    h, W, tgt, _, _ = _logsoftmax_problem(20, 24, 300, torch.float32, seed=4)
+    with_grad = K.selective_log_softmax(h, W, tgt, temperature=0.7, chunk_size=8, backend="triton")
+    with torch.no_grad():
+        no_grad = K.selective_log_softmax(h, W, tgt, temperature=torch.full((20,), 0.7), chunk_size=8,
+                                          backend="triton")
+    # the same kernel without the gradient pass (another compiled variant: allow rounding-level drift)
+    torch.testing.assert_close(with_grad.detach(), no_grad, rtol=0, atol=1e-6)
+    assert not no_grad.requires_grad
+
+
+def test_selective_log_softmax_rejects_a_trainable_head():
+    h, W, tgt, _, _ = _logsoftmax_problem(4, 8, 16, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="frozen"):
+        K.selective_log_softmax(h, W.requires_grad_(), tgt)
