@@ -204,7 +204,8 @@ def load_prereg(path: str | Path) -> Prereg:
     if not isinstance(analysis, dict):
         raise PreregError(f"{where}: [analysis] must be a table")
     return Prereg(
-        path=p, title=_need(h, "title", str, where, "a string"), date=str(_need(h, "date", (str, datetime.date), where, "a date")),
+        path=p, title=_need(h, "title", str, where, "a string"),
+        date=str(_need(h, "date", (str, datetime.date), where, "a date")),
         config=_need(h, "config", str, where, "the config file's path"),
         config_hash=_need(h, "config_hash", str, where, "the locked hash (colora prereg lock writes it)"),
         locked_config=_need(h, "locked_config", str, where, "the sidecar JSON's file name"),
@@ -241,7 +242,8 @@ def compare(pr: Prereg, cfg: Config) -> list[tuple[str, Any, Any]]:
     try:
         locked = from_dict(d)
     except ConfigError as e:
-        raise PreregError(f"{pr.sidecar}: the locked config no longer resolves with this colora ({e}); re-lock it") from None
+        raise PreregError(f"{pr.sidecar}: the locked config no longer resolves with this colora ({e}); "
+                          "re-lock it") from None
     diffs = [(k, a, b) for k, a, b in diff(locked, cfg) if k not in FREE_KEYS]
     if not diffs:
         raise PreregMismatch(f"the config hashes to {lock_hash(cfg)}, {pr.path} locks {pr.config_hash}, but no "
@@ -379,7 +381,8 @@ def lock(config_path: str | Path, out: str | Path, overrides: list[str] = (), ti
 
 # -- command line ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colora prereg", description="Lock a config in a pre-registration, or check one against it.")
+    p = argparse.ArgumentParser(prog="colora prereg",
+                                description="Lock a config in a pre-registration, or check one against it.")
     sub = p.add_subparsers(dest="action", required=True)
     lk = sub.add_parser("lock", help="write the locked config and its hash into a pre-registration")
     lk.add_argument("config", help="experiment TOML file")
@@ -395,7 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage error (or --help): return its status
+        return int(e.code or 0)
     try:
         if args.action == "lock":
             out, side, chash = lock(args.config, args.out, args.set, args.title, args.force)

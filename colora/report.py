@@ -221,7 +221,8 @@ def analyse(runs: list[RunData], gates: stats.Gates, analysis: dict, expected_se
         if len(common) < len(set(mean_sph[a]) & set(base)):
             out["notes"].append(f"{a}: seeds without a finite steps per hour (no measured steps) are left out of "
                                 "the ratios")
-        ratios = stats.throughput_ratios({s: mean_sph[a][s] for s in common}, {s: base[s] for s in common}) if common else {}
+        ratios = (stats.throughput_ratios({s: mean_sph[a][s] for s in common}, {s: base[s] for s in common})
+                  if common else {})
         out["ratio"][a] = {str(s): v for s, v in ratios.items()}
         out["ratio_mean"][a] = float(np.mean(list(ratios.values()))) if ratios else None
         learn = {}
@@ -249,7 +250,7 @@ def _plt():
 def fig_throughput(runs: list[RunData], res: dict, gates: stats.Gates, path: Path) -> None:
     plt = _plt()
     arms, seeds = res["arms"], res["seeds"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     w = min(0.4, 0.8 / max(1, len(arms)))
     for i, a in enumerate(arms):
         xs = [k + (i - (len(arms) - 1) / 2) * w for k in range(len(seeds))]
@@ -270,15 +271,20 @@ def fig_throughput(runs: list[RunData], res: dict, gates: stats.Gates, path: Pat
         for b, y in zip(bars, ys):
             if math.isfinite(y):
                 axes[1].annotate(f"{y:.3f}x", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
+    if not others or "dedicated" not in arms:
+        axes[1].text(0.5, 0.5, "no ratio: needs dedicated and another arm", ha="center", va="center",
+                     transform=axes[1].transAxes)
     axes[1].axhline(1.0, color="k", lw=0.8, label="dedicated (1.0x)", zorder=3)
-    axes[1].axhline(gates.min_ratio, color="r", ls="--", lw=1, label=f"gate: {gates.min_ratio:g}x on every seed", zorder=3)
+    axes[1].axhline(gates.min_ratio, color="r", ls="--", lw=1, label=f"gate: {gates.min_ratio:g}x on every seed",
+                    zorder=3)
     axes[1].set_title("ratio to dedicated, same seed")
     axes[1].set_ylabel("x dedicated steps per device-hour")
     top = max([gates.min_ratio] + [v for a in others for v in res["ratio"].get(a, {}).values()])
     axes[1].set_ylim(0, top * 1.18)
     for ax in axes:
         ax.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
-        ax.legend(fontsize=8, loc="lower right")
+        ax.set_xlim(-0.6, len(seeds) - 0.4)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -301,7 +307,10 @@ def fig_learning_curves(runs: list[RunData], res: dict, path: Path) -> None:
             steps = sorted({s for c in curves for s in c})
             if steps:
                 mean = [np.mean([c[s] for c in curves if s in c]) for s in steps]
-                ax.plot(steps, mean, color=ARM_COLORS[a], lw=2, marker="o", ms=3, label=f"{a} (n={len(curves)})")
+                base = a == "dedicated"  # wide and underneath, so an arm on top of it still shows it
+                ax.plot(steps, mean, color=ARM_COLORS[a], lw=5 if base else 2, alpha=0.55 if base else 1,
+                        marker=None if base else "o", ms=3, label=f"{a} (n={len(curves)} runs)",
+                        zorder=1 if base else 2)
         ax.set_title(job)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("step (rollouts of adapter version k)")
@@ -310,7 +319,8 @@ def fig_learning_curves(runs: list[RunData], res: dict, path: Path) -> None:
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(jobs):]:
         ax.axis("off")
-    fig.suptitle("training reward per step: thick = mean over runs (seeds x repeats), thin = each run")
+    fig.suptitle("training reward per step: thick = mean over runs (seeds x repeats), thin = each run; "
+                 "dedicated wide and grey, underneath", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -366,7 +376,7 @@ def fig_paired(res: dict, gates: stats.Gates, path: Path) -> None:
             ticks.append(f"{label}\n({len(c['pairs'])} pairs)" if c else label)
         ax.set_yticks(range(len(rows)), ticks)
         ax.set_ylim(len(rows) - 0.4, -0.5)
-        ax.set_xlabel("arm - dedicated, per (job, seed)")
+        ax.set_xlabel("difference per (job, seed): arm - dedicated (A/A: repeat 1 - repeat 0)")
         ax.set_title(title)
         ax.grid(axis="x", alpha=0.3)
     h, lab = axes[0, 0].get_legend_handles_labels()
@@ -408,7 +418,8 @@ def fig_timeline(runs: list[RunData], res: dict, path: Path) -> None:
                 ax.axvspan(win["start"] - t0, win["end"] - t0, color="y", alpha=0.25, lw=0, zorder=0)
         ax.set_yticks(range(len(lanes)), list(lanes))
         ax.invert_yaxis()
-        start = "engine reused" if r.summary.get("engine_reused") else f"engine start {r.summary.get('engine_start_s', 0):.0f}s not drawn"
+        start = ("engine reused" if r.summary.get("engine_reused")
+                 else f"engine start {r.summary.get('engine_start_s', 0):.0f}s not drawn")
         ax.set_title(f"{r.arm}, seed {r.seed} r{r.repeat}: {r.steps_per_hour:.0f} steps/h, "
                      f"busy {r.summary.get('busy_fraction') or 0:.0%} ({start})", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
@@ -438,6 +449,15 @@ def render(res: dict, runs: list[RunData], command: str, gates: stats.Gates, pre
         L.append(f"> **Warning:** {w}")
     if warnings or res["notes"]:
         L.append("")
+    if res["gates"]:
+        L += ["## Result", ""]
+        for a, g in res["gates"].items():
+            ratio = res["ratio_mean"].get(a)
+            failed = [r["name"] for r in g["results"] if r["status"] != stats.PASS]
+            L.append(f"- **{a}: {g['overall']}**" + (f" ({_f(ratio)}x dedicated, mean over seeds)" if ratio else "")
+                     + (f"; not passed: {', '.join(failed)}" if failed else "; every gate passed")
+                     + (" (primary arm)" if prereg and a == prereg["primary_arm"] else ""))
+        L.append("")
     L += ["## Throughput: optimizer steps per device-hour, all jobs", "",
           "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ratio |", "|---" * (len(seeds) + 2) + "|"]
     for a in res["arms"]:
@@ -445,8 +465,10 @@ def render(res: dict, runs: list[RunData], command: str, gates: stats.Gates, pre
         for s in seeds:
             v, r = res["steps_per_hour"][a].get(str(s)), res["ratio"].get(a, {}).get(str(s))
             cells.append(_f(v, ".1f") + (f" ({r:.3f}x)" if r is not None else ""))
-        L.append(f"| {a} | " + " | ".join(cells) + f" | {_f(res['ratio_mean'].get(a), '.3f') + 'x' if a != 'dedicated' else '1x (baseline)'} |")
-    L += ["", "Ratio: the arm's steps per hour over dedicated's on the same seed, each averaged over repeats first.", ""]
+        mean = _f(res["ratio_mean"].get(a), ".3f") + "x" if a != "dedicated" else "1x (baseline)"
+        L.append(f"| {a} | " + " | ".join(cells) + f" | {mean} |")
+    L += ["", "Ratio: the arm's steps per hour over dedicated's on the same seed, each averaged over repeats first.",
+          ""]
     if res["aa"]["throughput"]:
         L.append("A/A (dedicated repeat 1 vs repeat 0, relative): " + ", ".join(
             f"seed {s}: {v:+.1%}" for s, v in res["aa"]["throughput"].items()) + ".")
@@ -468,29 +490,36 @@ def render(res: dict, runs: list[RunData], command: str, gates: stats.Gates, pre
                          f"{_ci(c['bootstrap'])} |")
                 if c["dropped"]:
                     L.append(f"| | unpaired, left out | {', '.join(f'{j} seed {s}' for j, s in c['dropped'])} | | | |")
-    src = f"pre-registered in `{prereg['path']}`" if prereg else "the reference study's (no --prereg given)"
+    src = f"pre-registered in `{prereg['path']}`" if prereg else "the reference study's numbers; no --prereg given"
     L += ["", f"## Gates ({src})", "",
-          f"throughput >= {gates.min_ratio:g}x dedicated on every seed; mean gain (ratio - 1) > {gates.aa_multiple:g} x "
+          f"throughput >= {gates.min_ratio:g}x dedicated on every seed; mean gain (ratio - 1) > "
+          f"{gates.aa_multiple:g} x "
           f"the largest |A/A|; paired {gates.conf:.0%} {gates.interval} lower bounds of eval accuracy and training "
           f"reward differences >= {gates.min_lower_bound:+g}.", ""]
     if prereg and not prereg["matches"]:
         L += ["> **Not a pre-registered test:** these runs' configs differ from the locked one: "
               + ", ".join(prereg["mismatched_runs"]), ""]
+    if not res["gates"]:
+        L += ["No arm besides dedicated (or no dedicated baseline): no gate can be evaluated.", ""]
     L += ["| arm | gate | result | value | threshold | numbers |", "|---|---|---|---|---|---|"]
     for a, g in res["gates"].items():
         for r in g["results"]:
-            L.append(f"| {a} | {r['name']} | **{r['status']}** | {_f(r['value'], '.4f')} | {_f(r['threshold'], '.4f')} | "
+            L.append(f"| {a} | {r['name']} | **{r['status']}** | {_f(r['value'], '.4f')} | "
+                     f"{_f(r['threshold'], '.4f')} | "
                      f"{r['detail']} |")
         L.append(f"| {a} | **all gates** | **{g['overall']}** | | | |")
     if prereg:
         L += ["", "Hypotheses:", ""] + [f"- {h['id']} ({h.get('arm') or 'all arms'}): {h['statement']}"
                                         for h in prereg["hypotheses"]]
     L += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
-    L += ["", "## Runs used", "", "| arm | seed | repeat | steps | seconds | steps/h | device | MPS | engine | config (arm/seed-free) | directory |",
+    L += ["", "## Runs used", "",
+          "config hash: the hash a pre-registration locks (every setting but experiment.arm and experiment.seed).",
+          "", "| arm | seed | repeat | steps | seconds | steps/h | device | MPS | engine | config hash | directory |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = r.summary
-        L.append(f"| {r.arm} | {r.seed} | {r.repeat} | {s.get('steps_measured')} | {_f(s.get('seconds_measured'), '.1f')} | "
+        L.append(f"| {r.arm} | {r.seed} | {r.repeat} | {s.get('steps_measured')} | "
+                 f"{_f(s.get('seconds_measured'), '.1f')} | "
                  f"{_f(r.steps_per_hour, '.1f')} | {s.get('device')} | {s.get('mps')} | "
                  f"{'reused' if s.get('engine_reused') else 'started'} | {r.lock_hash} | {r.path} |")
     return "\n".join(L) + "\n"
@@ -498,34 +527,54 @@ def render(res: dict, runs: list[RunData], command: str, gates: stats.Gates, pre
 
 # -- entry point ----------------------------------------------------------------------------------
 def make_report(paths: list[str], out: str | Path, prereg_path: str | None = None, command: str = "",
-                bootstrap_seed: int | None = None) -> dict:
+                bootstrap_seed: int | None = None, figures: bool = True) -> dict:
+    """Write report.md, summary.json and (unless `figures` is False) the PNG figures into `out`."""
     from .prereg import load_prereg
 
     pr = load_prereg(prereg_path) if prereg_path else None
+    if not command:
+        pre = ["--prereg", prereg_path] if prereg_path else []
+        command = shlex.join(["colora", "report", *map(str, paths), *pre, "--out", str(out)])
     runs, warnings = load_runs(paths)
     gates = pr.gates if pr else stats.Gates()
     analysis = dict(pr.analysis) if pr else {}
     if bootstrap_seed is not None:
         analysis["bootstrap_seed"] = bootstrap_seed
+    prinfo, left_out = None, []
+    if pr:
+        # the pre-registered seeds only: later seeds are verification, reported apart, never pooled
+        left_out = [r for r in runs if r.seed not in pr.seeds]
+        runs = [r for r in runs if r.seed in pr.seeds]
+        if left_out:
+            warnings.append(f"seeds {sorted({r.seed for r in left_out})} are not pre-registered in {pr.path}: their "
+                            f"{len(left_out)} run(s) are left out; report them separately, without --prereg")
+        if not runs:
+            raise ReportError(f"no run of the pre-registered seeds {list(pr.seeds)} among {', '.join(map(str, paths))}")
+        extra = sorted({r.arm for r in runs if r.arm not in pr.arms})
+        if extra:
+            warnings.append(f"arm(s) {', '.join(extra)} are not pre-registered in {pr.path}: exploratory")
+        bad = [f"{r.arm} seed {r.seed} r{r.repeat} ({r.lock_hash})" for r in runs if r.lock_hash != pr.config_hash]
+        prinfo = {**pr.header_dict(), "matches": not bad, "mismatched_runs": bad,
+                  "left_out_runs": [str(r.path) for r in left_out]}
     hashes = sorted({r.lock_hash for r in runs})
     if len(hashes) > 1:
-        warnings.append(f"the runs come from {len(hashes)} different configs (beyond arm and seed: {', '.join(hashes)}); "
+        warnings.append(f"the runs come from {len(hashes)} different configs (beyond arm and seed: "
+                        f"{', '.join(hashes)}); "
                         "see the last column of 'Runs used'")
-    prinfo = None
-    if pr:
-        bad = [f"{r.arm} seed {r.seed} r{r.repeat} ({r.lock_hash})" for r in runs if r.lock_hash != pr.config_hash]
-        prinfo = {**pr.header_dict(), "matches": not bad, "mismatched_runs": bad}
     res = analyse(runs, gates, analysis, list(pr.seeds) if pr else None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    figures = ["throughput.png", "learning_curves.png", "paired_differences.png", "timeline.png"]
-    fig_throughput(runs, res, gates, out / figures[0])
-    fig_learning_curves(runs, res, out / figures[1])
-    if res["learning"]:
-        fig_paired(res, gates, out / figures[2])
-    else:
-        figures.remove("paired_differences.png")
-    fig_timeline(runs, res, out / figures[-1])
+    names = []
+    if figures:
+        names = ["throughput.png", "learning_curves.png", "paired_differences.png", "timeline.png"]
+        fig_throughput(runs, res, gates, out / names[0])
+        fig_learning_curves(runs, res, out / names[1])
+        if res["learning"] or res["aa"].get("eval_accuracy") or res["aa"].get("train_reward"):
+            fig_paired(res, gates, out / names[2])
+        else:
+            names.remove("paired_differences.png")
+        fig_timeline(runs, res, out / names[-1])
+    figures = names
     summary = {"command": command, "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "gates_config": gates.__dict__, "analysis": analysis, "prereg": prinfo, "warnings": warnings,
                "figures": figures, **res,
@@ -552,8 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     from .prereg import PreregError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    command = "colora report " + " ".join(shlex.quote(a) for a in argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage error (or --help): return its status
+        return int(e.code or 0)
+    command = shlex.join(["colora", "report", *argv])
     try:
         s = make_report(args.runs, args.out, args.prereg, command, args.bootstrap_seed)
     except (ReportError, PreregError, ConfigError) as e:

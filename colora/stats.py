@@ -171,7 +171,8 @@ def throughput_ratios(arm: Mapping[int, float], base: Mapping[int, float]) -> di
     for s in keys:
         a, b = float(arm[s]), float(base[s])
         if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
-            raise ValueError(f"seed {s}: steps per hour must be finite and the baseline positive (arm {a}, dedicated {b})")
+            raise ValueError(f"seed {s}: steps per hour must be finite and the baseline positive "
+                             f"(arm {a}, dedicated {b})")
         out[s] = a / b
     return out
 
@@ -223,7 +224,8 @@ def evaluate_gates(ratios: Mapping[int, float], aa: Mapping[int, float], acc: In
     out = []
     missing = sorted(set(expected_seeds or ()) - set(ratios))
     if not ratios:
-        out.append(GateResult("throughput", NOT_EVALUATED, None, gates.min_ratio, "no seed has both this arm and dedicated"))
+        out.append(GateResult("throughput", NOT_EVALUATED, None, gates.min_ratio,
+                              "no seed has both this arm and dedicated"))
     elif missing:
         out.append(GateResult("throughput", NOT_EVALUATED, min(ratios.values()), gates.min_ratio,
                               f"pre-registered seed(s) {missing} missing; have {_fmt_seeds(ratios, '.3f')}"))
@@ -245,9 +247,8 @@ def evaluate_gates(ratios: Mapping[int, float], aa: Mapping[int, float], acc: In
 
     for name, iv in (("eval_accuracy", acc), ("train_reward", reward)):
         if iv is None or not iv.defined():
-            n = 0 if iv is None else iv.n
-            out.append(GateResult(name, NOT_EVALUATED, None, gates.min_lower_bound,
-                                  f"interval undefined ({n} pair(s); at least 2 needed)"))
+            why = "no paired data" if iv is None else f"interval undefined ({iv.n} pair(s); at least 2 needed)"
+            out.append(GateResult(name, NOT_EVALUATED, None, gates.min_lower_bound, why))
             continue
         ok = iv.low >= gates.min_lower_bound
         out.append(GateResult(name, PASS if ok else FAIL, iv.low, gates.min_lower_bound,

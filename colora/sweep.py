@@ -187,6 +187,16 @@ def needs_child(cfg: Config) -> bool:
     return torch.cuda.is_available()
 
 
+def release_gpu_memory() -> None:
+    """Give back what this process's earlier runs left in torch's CUDA cache before a child run."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _dur(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
@@ -262,6 +272,7 @@ def run_sweep(base: Config, planned: list[PlannedRun], out: str | Path, *, confi
             try:
                 if use_child(cfg):
                     cache.close()  # the measured MPS run gets the GPU to itself
+                    release_gpu_memory()
                     summary = child_fn(config_path, list(overrides) + p.overrides(), d, log_path)
                     got, _ = run_config_hash(d)
                     if got != cfg.hash():
@@ -327,7 +338,10 @@ def main(argv: list[str] | None = None, run_fn: RunFn = run_in_process) -> int:
     from .runner import RunError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage error (or --help): return its status
+        return int(e.code or 0)
     command = "colora sweep " + " ".join(argv)
     try:
         for o in args.set:

