@@ -4,7 +4,7 @@
     colora run --resume DIR                                   continue a run from its last checkpoint
     colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
-    colora bench kernels [...] | colora bench arms CONFIG --seeds 1 2 3
+    colora bench kernels [...] | colora bench trainer [...] | colora bench arms CONFIG --seeds 1 2 3
     colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR
     colora report RUNS... [--prereg FILE] --out reports/NAME
     colora prereg check PREREG CONFIG
@@ -40,9 +40,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runner import run
 
     if args.resume:
-        from .checkpoint import resume_run
+        from .runner import resume
 
-        resume_run(Path(args.resume), overrides=args.set)
+        if args.config or args.set:
+            raise SystemExit("colora run --resume DIR takes no CONFIG or --set: the run's own config.json is used")
+        summary = resume(Path(args.resume), log=lambda s: print(s, flush=True))
+        print(f"done: {summary['steps_per_hour']:.0f} steps per device-hour after the resume; results in {args.resume}")
         return 0
     if not args.config:
         raise SystemExit("colora run: give a CONFIG file or --resume DIR")
@@ -94,10 +97,10 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "kernels":
         from colora.kernels.bench import main
-
-        return main(rest)
-    from .bench_arms import main
-
+    elif args.what == "trainer":
+        from .bench_trainer import main
+    else:
+        from .bench_arms import main
     return main(rest)
 
 
@@ -135,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option")
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
-    b.add_argument("what", choices=["kernels", "arms"])
+    b.add_argument("what", choices=["kernels", "arms", "trainer"])
     for name in ("sweep", "report", "prereg"):
         sub.add_parser(name, add_help=False)
     return p
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     passthrough = {"sweep": "colora.sweep", "report": "colora.report", "prereg": "colora.prereg"}
+    from .runner import RunFailed
+
     try:
         if argv and argv[0] in passthrough:
             return cmd_passthrough(passthrough[argv[0]], argv[1:])
@@ -156,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except _user_errors() as e:
         print(f"colora: error: {e}", file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"colora: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("colora: interrupted", file=sys.stderr)
         return 130

@@ -100,6 +100,8 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     max_lora_rank: int = 0  # 0: the smallest vLLM rank that holds every job's rank
+    max_loras: int = 0  # adapter slots; 0: the number of jobs (more lets runs of other sizes share the engine)
+    cudagraph_sizes: tuple[int, ...] = ()  # CUDA-graph batch sizes to capture; (): vLLM's default
     logprobs: bool = True  # return each sampled token's log-prob (diagnostics: clip_frac, logprob_gap)
 
 
@@ -110,6 +112,9 @@ class TrainerConfig:
     logprob_backend: Literal["auto", "torch", "triton"] = "auto"
     logprob_chunk: int = 4096
     gradient_checkpointing: bool = False
+    # A job whose adapter holds a weight beyond this after an update is stopped before the engine
+    # loads it (diverged training; LoRA weights are O(1) or far below). 0 disables the check.
+    max_adapter_weight: float = 1e4
 
 
 @dataclass(frozen=True)
@@ -263,10 +268,14 @@ def _check(cfg: Config) -> None:
     need(g.max_num_seqs >= 0, "engine.max_num_seqs", g.max_num_seqs, "must be at least 0 (0: vLLM's default)")
     need(g.max_num_batched_tokens >= 0, "engine.max_num_batched_tokens", g.max_num_batched_tokens,
          "must be at least 0 (0: vLLM's default)")
+    need(g.max_loras >= 0, "engine.max_loras", g.max_loras, "must be at least 0 (0: the number of jobs)")
+    need(all(s >= 1 for s in g.cudagraph_sizes), "engine.cudagraph_sizes", list(g.cudagraph_sizes),
+         "must be positive batch sizes")
     need(g.max_lora_rank >= 0, "engine.max_lora_rank", g.max_lora_rank, "must be at least 0 (0: derived from the jobs)")
     t = cfg.trainer
     need(t.micro_batch_tokens >= 16, "trainer.micro_batch_tokens", t.micro_batch_tokens, "must be at least 16")
     need(t.logprob_chunk >= 1, "trainer.logprob_chunk", t.logprob_chunk, "must be at least 1")
+    need(t.max_adapter_weight >= 0, "trainer.max_adapter_weight", t.max_adapter_weight, "must be at least 0 (0: off)")
     o = cfg.overlap
     need(o.groups >= 1, "overlap.groups", o.groups, "must be at least 1")
     for k in ("mps_engine_percentage", "mps_trainer_percentage"):

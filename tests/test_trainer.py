@@ -123,3 +123,11 @@ def test_nonfinite_job_is_not_stepped_and_others_are(tiny_model_dir):
     assert st["b"].failure == "" and bank.jobs["b"].version == 1
     got, want = params_of(bank, "b"), params_of(bank_b, "b")
     assert max((got[k][1] - want[k][1]).abs().max().item() for k in got) <= 1e-6
+
+
+def test_diverged_adapter_is_stopped_before_export(tiny_model_dir):
+    big = dataclasses.replace(JOB_A, learning_rate=1e30, grad_clip=0.0)
+    trainer, bank, _ = make_trainer(tiny_model_dir, [big, JOB_B], micro_batch_tokens=128)
+    st = trainer.step({"a": fixed_rollouts(big, 0, 500), "b": fixed_rollouts(JOB_B, 0, 500)})
+    assert "diverged" in st["a"].failure and bank.jobs["a"].version == 0
+    assert st["b"].failure == "" and bank.jobs["b"].version == 1

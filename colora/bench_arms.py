@@ -1,0 +1,280 @@
+"""Benchmark every arm of one workload on one GPU, each beside the dedicated baseline of its seed.
+
+    colora bench arms experiments/reference8_throughput.toml --seeds 1 2 3 --out reports/arms
+
+Two processes, one engine each (vLLM's start is 80-160 s on the H200): this one runs the arms
+without MPS (dedicated, shared_sync, overlap) and a child process started with MPS runs the MPS arms
+(mps, overlap_mps), since whether a process is an MPS client is fixed when it makes its CUDA
+context. Runs of a process share its engine (`engine.max_loras` must cover the largest job count).
+`--jobs 2 4 16` also runs the headline arm with that many jobs (the config's jobs repeated with new
+names); their baseline is the dedicated throughput of the seed's base workload, since a dedicated
+job runs alone whatever the number of jobs (stated in the report). `--vary KEY=V1,V2` runs the
+headline arm once per value (the tuning sweep).
+
+Writes OUT.json (every run's summary and the ratios) and OUT.md (tables that open with the command),
+and the run directories under --runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .config import Config, load_config, replace
+
+NON_MPS = ("dedicated", "shared_sync", "overlap")
+MPS = ("mps", "overlap_mps")
+
+
+def scaled_jobs(cfg: Config, n: int) -> list[str]:
+    """Overrides that make the workload `n` jobs: the config's jobs cycled, renamed `<name>-<k>`."""
+    base = cfg.to_dict()["jobs"]
+    jobs = []
+    for k in range(n):
+        j = dict(base[k % len(base)])
+        j["name"] = j["name"] if k < len(base) else f"{j['name']}-{k // len(base)}"
+        jobs.append(j)
+    return jobs
+
+
+def with_jobs(cfg: Config, n: int) -> Config:
+    from .config import resolve
+
+    d = cfg.to_dict()
+    d["jobs"] = scaled_jobs(cfg, n)
+    return resolve(d)
+
+
+def plan(cfg: Config, args) -> list[dict]:
+    """Every run of the benchmark: (arm, seed, jobs, overrides, label)."""
+    runs = []
+    for seed in args.seeds:
+        for arm in args.arms:
+            runs.append({"arm": arm, "seed": seed, "jobs": len(cfg.jobs), "set": [], "label": "main"})
+        for n in args.jobs:
+            if n != len(cfg.jobs):
+                for arm in args.scale_arms or [args.headline]:
+                    runs.append({"arm": arm, "seed": seed, "jobs": n, "set": [], "label": f"jobs{n}"})
+    for spec in args.vary:
+        key, values = spec.split("=", 1)
+        for v in values.split(","):
+            runs.append({"arm": args.headline, "seed": args.seeds[0], "jobs": len(cfg.jobs), "set": [f"{key}={v}"],
+                         "label": f"vary:{key}={v}"})
+    return runs
+
+
+def run_dir(root: Path, r: dict) -> Path:
+    tag = r["label"].replace(":", "-").replace("=", "-").replace("/", "-")
+    return root / r["arm"] / f"seed{r['seed']}-{tag}"
+
+
+def run_batch(config: str, overrides: list[str], runs: list[dict], root: Path, mps_process: bool) -> None:
+    """Run `runs` in this process with one shared engine (and, for the MPS batch, one daemon)."""
+    from .mps import MpsDaemon, MpsUnavailable
+    from .runner import EngineCache, RunError, run
+
+    base = load_config(config, overrides)
+    cache = EngineCache()
+    daemon = None
+    try:
+        if mps_process:
+            daemon = MpsDaemon()
+            try:
+                daemon.start()  # before any CUDA context of this process
+            except MpsUnavailable as e:
+                if base.overlap.mps_required:
+                    raise RunError(f"the MPS arms need MPS, which is unavailable here ({e}); set "
+                                   "overlap.mps_required=false to run them without MPS, labelled so") from None
+                print(f"warning: MPS unavailable ({e}); the MPS arms run without it, labelled so", flush=True)
+                daemon = None
+        for i, r in enumerate(runs):
+            out = run_dir(root, r)
+            if (out / "summary.json").exists():
+                print(f"[{i + 1}/{len(runs)}] {out} done already", flush=True)
+                continue
+            cfg = with_jobs(base, r["jobs"]) if r["jobs"] != len(base.jobs) else base
+            cfg = replace(cfg, [f"experiment.arm={r['arm']}", f"experiment.seed={r['seed']}", *r["set"]])
+            print(f"[{i + 1}/{len(runs)}] {r['arm']} seed {r['seed']} jobs {r['jobs']} {r['label']}", flush=True)
+            t0 = time.perf_counter()
+            s = run(cfg, out, engine_cache=cache, process_mps=daemon, log=lambda m: print("   ", m, flush=True))
+            print(f"    {s['steps_per_hour']:.0f} steps/h ({time.perf_counter() - t0:.0f}s)", flush=True)
+    finally:
+        cache.close()
+        if daemon is not None:
+            print(f"MPS daemon: {daemon.stop()}", flush=True)
+
+
+def collect(runs: list[dict], root: Path) -> list[dict]:
+    rows = []
+    for r in runs:
+        p = run_dir(root, r) / "summary.json"
+        s = json.loads(p.read_text()) if p.exists() else None
+        rows.append({**r, "summary": s})
+    base = {r["seed"]: r["summary"]["steps_per_hour"] for r in rows
+            if r["arm"] == "dedicated" and r["label"] == "main" and r["summary"]}
+    for r in rows:
+        s = r["summary"]
+        r["steps_per_hour"] = s["steps_per_hour"] if s else None
+        r["ratio"] = (s["steps_per_hour"] / base[r["seed"]]) if s and r["seed"] in base else None
+    return rows
+
+
+def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k != "summary"} |
+            {"summary": {k: v for k, v in (r["summary"] or {}).items() if k != "window"}} for r in rows]
+    (out.with_suffix(".json")).write_text(json.dumps({"command": command, "config_hash": cfg.hash(), "runs": slim},
+                                                     indent=2, default=str))
+    seeds = sorted({r["seed"] for r in rows})
+    arms = [a for a in NON_MPS + MPS if any(r["arm"] == a and r["label"] == "main" for r in rows)]
+    lines = [f"# Arms benchmark: {cfg.experiment.name}", "", "```", command, "```", "",
+             f"Config hash `{cfg.hash()}`; model `{cfg.experiment.model}`; {len(cfg.jobs)} jobs; "
+             f"{cfg.experiment.steps} steps of which {cfg.experiment.warmup_steps} warm-up (not measured).", "",
+             "Steps per device-hour (ratio to the same seed's dedicated baseline):", "",
+             "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ratio |",
+             "|---|" + "---|" * (len(seeds) + 1)]
+    for a in arms:
+        cells, ratios = [], []
+        for s in seeds:
+            r = next((r for r in rows if r["arm"] == a and r["seed"] == s and r["label"] == "main"), None)
+            if r is None or r["steps_per_hour"] is None:
+                cells.append("-")
+                continue
+            cells.append(f"{r['steps_per_hour']:.0f} ({r['ratio']:.3f}x)" if r["ratio"] else f"{r['steps_per_hour']:.0f}")
+            if r["ratio"]:
+                ratios.append(r["ratio"])
+        mean = f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"
+        lines.append(f"| {a} | " + " | ".join(cells) + f" | {mean} |")
+    extra = [r for r in rows if r["label"] != "main"]
+    if extra:
+        lines += ["", "Job-count scaling and tuning (baseline: the seed's dedicated run of the base workload):", "",
+                  "| run | arm | jobs | seed | steps/h | ratio | busy | GPU util |", "|---|---|---|---|---|---|---|---|"]
+        for r in extra:
+            s = r["summary"] or {}
+            lines.append(f"| {r['label']} | {r['arm']} | {r['jobs']} | {r['seed']} | "
+                         f"{(r['steps_per_hour'] or 0):.0f} | {(r['ratio'] or 0):.3f} | "
+                         f"{_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
+    lines += ["", "Per run: phase times and engine start (reported apart from throughput):", "",
+              "| arm | seed | label | engine start s | measured steps | measured s | busy | GPU util | MPS |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["summary"] or {}
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {_fmt(s.get('engine_start_s'), 0)}"
+                     f"{' (reused)' if s.get('engine_reused') else ''} | {s.get('steps_measured', '-')} | "
+                     f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "
+                     f"{_fmt(s.get('gpu_util'))} | {s.get('mps', '-')} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def draw_timelines(rows: list[dict], root: Path, path: Path, window_s: float = 60.0) -> None:
+    """One panel per arm (first seed's main run): generate / train / reload spans, one lane per group,
+    over the first `window_s` seconds of the measured window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .runlog import read_jsonl
+
+    picks = []
+    for arm in NON_MPS + MPS:
+        r = next((r for r in rows if r["arm"] == arm and r["label"] == "main" and r["summary"]), None)
+        if r is not None:
+            picks.append(r)
+    if not picks:
+        return
+    colors = {"generate": "tab:blue", "train": "tab:orange", "reload": "tab:green"}
+    fig, axes = plt.subplots(len(picks), 1, figsize=(11, 1.6 * len(picks) + 0.6), squeeze=False)
+    for ax, r in zip(axes[:, 0], picks):
+        spans = read_jsonl(run_dir(root, r) / "timeline.jsonl")
+        w = r["summary"]["window"]
+        t0 = (w.get("windows") or [w])[0]["start"]
+        for s in spans:
+            if s["phase"] not in colors or s["end"] < t0 or s["start"] > t0 + window_s:
+                continue
+            lane = 0 if r["arm"] == "dedicated" else max(s.get("group", 0), 0)
+            if s["phase"] == "train" and s.get("groups") and len(s["groups"]) > 1:
+                lane = min(s["groups"])
+            ax.barh(lane + (0.2 if s["phase"] == "train" else 0), s["end"] - s["start"], left=s["start"] - t0,
+                    height=0.35, color=colors[s["phase"]])
+        ax.set_xlim(0, window_s)
+        ax.set_ylabel(r["arm"], rotation=0, ha="right", va="center")
+        ax.set_yticks([])
+        ax.set_title(f"{r['arm']}: {r['steps_per_hour']:.0f} steps/h"
+                     + (f", {r['ratio']:.2f}x dedicated" if r.get("ratio") else ""), fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("seconds into the measured window (lanes: groups; blue generate, orange train, green reload)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(v, nd: int = 2) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="colora bench arms", description=__doc__.split("\n\n")[0])
+    p.add_argument("config")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--arms", nargs="+", default=list(NON_MPS + MPS), choices=list(NON_MPS + MPS))
+    p.add_argument("--jobs", type=int, nargs="*", default=[], help="also run the headline arm with these job counts")
+    p.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2", help="tuning sweep of the headline arm")
+    p.add_argument("--headline", default="overlap_mps", choices=list(NON_MPS + MPS))
+    p.add_argument("--scale-arms", nargs="*", default=[], choices=list(NON_MPS + MPS),
+                   help="arms run at each --jobs count (default: the headline arm)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", default="reports/arms", help="report path without suffix")
+    p.add_argument("--runs", default="runs/bench", help="where the run directories go")
+    p.add_argument("--deadline", type=float, default=0, help="seconds for the whole benchmark; 0: none")
+    p.add_argument("--child", choices=["mps", "plain"], help=argparse.SUPPRESS)
+    p.add_argument("--only", help=argparse.SUPPRESS)  # JSON list of runs for a child process
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    root = Path(args.runs)
+    if args.child:
+        run_batch(args.config, args.set, json.loads(args.only), root, args.child == "mps")
+        return 0
+    runs = plan(cfg, args)
+    command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
+    plain = [r for r in runs if r["arm"] in NON_MPS]
+    mps = [r for r in runs if r["arm"] in MPS]
+    failed = False
+    deadline = time.monotonic() + args.deadline if args.deadline else None
+    for kind, batch in (("plain", plain), ("mps", mps)):
+        if not batch:
+            continue
+        # Each batch in its own process: one engine per process, and a clean MPS state.
+        cmd = [sys.executable, "-m", "colora.bench_arms", args.config, "--child", kind, "--runs", str(root),
+               "--only", json.dumps(batch)] + [f"--set={s}" for s in args.set]
+        print(f"== {kind} batch: {len(batch)} runs", flush=True)
+        child = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)
+        try:
+            rc = child.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            # Out of time: stop the batch (and its engine) cleanly; report what finished.
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+            rc = "deadline"
+        if rc != 0:
+            print(f"colora: the {kind} batch ended with {rc}; reporting what finished", file=sys.stderr)
+            failed = True
+        write_report(collect(runs, root), Path(args.out), command, cfg)
+    rows = collect(runs, root)
+    write_report(rows, Path(args.out), command, cfg)
+    draw_timelines(rows, root, Path(args.out).with_name(Path(args.out).name + "_timeline.png"))
+    print(Path(args.out).with_suffix(".md").read_text())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""A whole trainer step, colora's against peft's, at the reference study's shapes.
+
+    colora bench trainer --out reports/trainer_step [--jobs 8] [--seqs 64] [--prompt 128] [--completion 256]
+
+One optimizer step for J jobs x S sequences of (prompt + completion) tokens on Qwen3-0.6B's shape
+(random weights, bf16, LoRA rank 16 on every linear layer): colora's multi-job trainer with the Triton
+kernels, the same trainer with the torch reference ops, and peft with one adapter for all rows
+(the standard path: full logits, log-softmax, gather), each timed after a warm-up step, with peak
+memory. Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _rollouts(jobs: list[str], seqs: int, prompt: int, completion: int, vocab: int, version: int):
+    from .trainer import Rollout
+
+    g = torch.Generator().manual_seed(version)
+    out = {}
+    for j in jobs:
+        rs = []
+        for i in range(seqs):
+            p = torch.randint(10, vocab, (prompt,), generator=g).tolist()
+            c = torch.randint(10, vocab, (completion,), generator=g).tolist()
+            rs.append(Rollout(j, version, p, c, [], i // 8, 0.0, float(torch.randn(1, generator=g))))
+        out[j] = rs
+    return out
+
+
+def bench_colora(model_dir: str, args, backend: str) -> dict:
+    from .config import JobConfig, TrainerConfig
+    from .lora import AdapterBank, inject_lora
+    from .models import load_base_model
+    from .trainer import MultiJobTrainer
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = load_base_model(model_dir, torch.bfloat16, "cuda")
+    bank = AdapterBank("cuda", backend)
+    inject_lora(model, bank)
+    names = [f"job{i}" for i in range(args.jobs)]
+    jobs = {}
+    for n in names:
+        jobs[n] = JobConfig(name=n, task="addition", lora_rank=args.rank, lora_alpha=2.0 * args.rank,
+                            max_new_tokens=args.completion)
+        bank.add_job(n, args.rank, 2.0 * args.rank, jobs[n].target_modules, 0, 1e-5)
+    cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, lora_backend=backend, logprob_backend=backend)
+    trainer = MultiJobTrainer(model, bank, cfg, jobs, pad_id=0)
+    vocab = model.config.vocab_size
+    times = []
+    for step in range(args.repeats + 1):
+        ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, step)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        trainer.step(ro)
+        torch.cuda.synchronize()
+        if step > 0:  # the first step compiles and autotunes
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del trainer, bank, model
+    return {"impl": f"colora ({backend})", "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
+
+
+def bench_peft(model_dir: str, args) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    from .models import load_base_model
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = load_base_model(model_dir, torch.bfloat16, "cuda")
+    model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    n = args.jobs * args.seqs
+    L = args.prompt + args.completion
+    mb = max(1, args.micro_batch_tokens // L)
+    vocab = base.config.vocab_size
+    times = []
+    for step in range(args.repeats + 1):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(10, vocab, (n, L), generator=g).cuda()
+        adv = torch.randn(n, generator=g).cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for s in range(0, n, mb):
+            x = ids[s:s + mb]
+            logits = model(input_ids=x).logits[:, args.prompt - 1:-1].float()  # [b, completion, V]
+            logp = torch.log_softmax(logits, -1).gather(-1, x[:, args.prompt:, None]).squeeze(-1)
+            loss = -(adv[s:s + mb, None] * logp).mean() * x.shape[0] / n
+            loss.backward()
+            del logits, logp, loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step > 0:
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del model, base, opt
+    return {"impl": "peft (one adapter, all rows)", "seconds": sorted(times)[len(times) // 2], "all": times,
+            "peak_gib": peak}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="colora bench trainer")
+    p.add_argument("--out", default="reports/trainer_step")
+    p.add_argument("--model", default="builtin:qwen3-0.6b-shape")
+    p.add_argument("--jobs", type=int, default=8)
+    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--completion", type=int, default=256)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--micro-batch-tokens", type=int, default=32768)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--impls", nargs="+", default=["triton", "torch", "peft"])
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("colora bench trainer: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from .runner import resolve_model
+
+    model_dir = str(resolve_model(args.model))
+    results = []
+    for impl in args.impls:
+        try:
+            r = bench_peft(model_dir, args) if impl == "peft" else bench_colora(model_dir, args, impl)
+        except Exception as e:  # report what failed, keep measuring the rest
+            r = {"impl": impl, "error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    command = "colora bench trainer " + " ".join(argv if argv is not None else sys.argv[2:])
+    tokens = args.jobs * args.seqs * (args.prompt + args.completion)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": command, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "jobs": args.jobs, "seqs_per_job": args.seqs, "prompt": args.prompt, "completion": args.completion,
+            "rank": args.rank, "tokens": tokens, "micro_batch_tokens": args.micro_batch_tokens}
+    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2))
+    peft_s = next((r["seconds"] for r in results if r["impl"].startswith("peft") and "seconds" in r), None)
+    lines = [f"# Trainer step: {args.jobs} jobs x {args.seqs} sequences x {args.prompt}+{args.completion} tokens",
+             "", "```", command, "```", "",
+             f"{meta['device']}, torch {meta['torch']}, Qwen3-0.6B shape (random weights, bf16), LoRA rank "
+             f"{args.rank} on all linear layers, {tokens} tokens per step, median of {args.repeats} steps after a "
+             "warm-up step.", "", "| implementation | seconds per step | vs peft | peak GiB |", "|---|---|---|---|"]
+    for r in results:
+        if "seconds" in r:
+            vs = f"{peft_s / r['seconds']:.2f}x faster" if peft_s else "-"
+            lines.append(f"| {r['impl']} | {r['seconds']:.3f} | {vs} | {r['peak_gib']:.1f} |")
+        else:
+            lines.append(f"| {r['impl']} | failed: {r['error'][:120]} | - | - |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

