@@ -35,16 +35,30 @@ def _rollouts(jobs: list[str], seqs: int, prompt: int, completion: int, vocab: i
     return out
 
 
+def _reset(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+
+
 def bench_colora(model_dir: str, args, backend: str) -> dict:
     from .config import JobConfig, TrainerConfig
     from .lora import AdapterBank, inject_lora
     from .models import load_base_model
     from .trainer import MultiJobTrainer
 
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model = load_base_model(model_dir, torch.bfloat16, "cuda")
-    bank = AdapterBank("cuda", backend)
+    _reset(args.device)
+    model = load_base_model(model_dir, args.dtype, args.device)
+    bank = AdapterBank(args.device, backend)
     inject_lora(model, bank)
     names = [f"job{i}" for i in range(args.jobs)]
     jobs = {}
@@ -58,13 +72,13 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     times = []
     for step in range(args.repeats + 1):
         ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, step)
-        torch.cuda.synchronize()
+        _sync(args.device)
         t0 = time.perf_counter()
         trainer.step(ro)
-        torch.cuda.synchronize()
+        _sync(args.device)
         if step > 0:  # the first step compiles and autotunes
             times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = _peak(args.device)
     del trainer, bank, model
     return {"impl": f"colora ({backend})", "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
 
@@ -74,9 +88,8 @@ def bench_peft(model_dir: str, args) -> dict:
 
     from .models import load_base_model
 
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = load_base_model(model_dir, torch.bfloat16, "cuda")
+    _reset(args.device)
+    base = load_base_model(model_dir, args.dtype, args.device)
     model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                             "up_proj", "down_proj"]))
@@ -88,9 +101,9 @@ def bench_peft(model_dir: str, args) -> dict:
     times = []
     for step in range(args.repeats + 1):
         g = torch.Generator().manual_seed(step)
-        ids = torch.randint(10, vocab, (n, L), generator=g).cuda()
-        adv = torch.randn(n, generator=g).cuda()
-        torch.cuda.synchronize()
+        ids = torch.randint(10, vocab, (n, L), generator=g).to(args.device)
+        adv = torch.randn(n, generator=g).to(args.device)
+        _sync(args.device)
         t0 = time.perf_counter()
         for s in range(0, n, mb):
             x = ids[s:s + mb]
@@ -101,10 +114,10 @@ def bench_peft(model_dir: str, args) -> dict:
             del logits, logp, loss
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        _sync(args.device)
         if step > 0:
             times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = _peak(args.device)
     del model, base, opt
     return {"impl": "peft (one adapter, all rows)", "seconds": sorted(times)[len(times) // 2], "all": times,
             "peak_gib": peak}
@@ -122,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--impls", nargs="+", default=["triton", "torch", "peft"])
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the program)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("colora bench trainer: needs a CUDA GPU", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("colora: error: bench trainer needs a CUDA GPU (or --device cpu for a smoke test)", file=sys.stderr)
         return 2
+    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     from .runner import resolve_model
 
     model_dir = str(resolve_model(args.model))
@@ -141,19 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.jobs * args.seqs * (args.prompt + args.completion)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": command, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    meta = {"command": command, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__,
             "jobs": args.jobs, "seqs_per_job": args.seqs, "prompt": args.prompt, "completion": args.completion,
             "rank": args.rank, "tokens": tokens, "micro_batch_tokens": args.micro_batch_tokens}
     out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2))
     peft_s = next((r["seconds"] for r in results if r["impl"].startswith("peft") and "seconds" in r), None)
     lines = [f"# Trainer step: {args.jobs} jobs x {args.seqs} sequences x {args.prompt}+{args.completion} tokens",
              "", "```", command, "```", "",
-             f"{meta['device']}, torch {meta['torch']}, Qwen3-0.6B shape (random weights, bf16), LoRA rank "
+             f"{meta['device']}, torch {meta['torch']}, model {args.model} ({str(args.dtype).removeprefix('torch.')}), LoRA rank "
              f"{args.rank} on all linear layers, {tokens} tokens per step, median of {args.repeats} steps after a "
-             "warm-up step.", "", "| implementation | seconds per step | vs peft | peak GiB |", "|---|---|---|---|"]
+             "warm-up step.", "", "| implementation | seconds per step | speed-up over peft | peak GiB |", "|---|---|---|---|"]
     for r in results:
         if "seconds" in r:
-            vs = f"{peft_s / r['seconds']:.2f}x faster" if peft_s else "-"
+            vs = f"{peft_s / r['seconds']:.2f}x" if peft_s else "-"
             lines.append(f"| {r['impl']} | {r['seconds']:.3f} | {vs} | {r['peak_gib']:.1f} |")
         else:
             lines.append(f"| {r['impl']} | failed: {r['error'][:120]} | - | - |")

@@ -49,8 +49,10 @@ class JobAdapter:
 @dataclass
 class _Active:
     jobs: tuple[str, ...]
-    seg_start: torch.Tensor  # [J+1] token offsets on the model's device
-    cache: dict = field(default_factory=dict)
+    seg_start: list[int]  # [J+1] token offsets
+    meta: object = None  # LoRABatchMeta of the rows, built once per activation (no host syncs per layer)
+    cache: dict = field(default_factory=dict)  # module path -> stacked adapters
+    metas: dict = field(default_factory=dict)  # (rank_start, scale) -> LoRABatchMeta
 
 
 class AdapterBank:
@@ -99,18 +101,18 @@ class AdapterBank:
         starts = [0]
         for n in tokens_per_job:
             starts.append(starts[-1] + n)
-        seg = torch.tensor(starts, dtype=torch.int32, device=self.device)
-        prev, self._active = self._active, _Active(tuple(jobs), seg)
+        prev, self._active = self._active, _Active(tuple(jobs), starts)
         try:
             yield
         finally:
             self._active = prev
 
     def stacked(self, path: str, dtype: torch.dtype):
-        """(A [R, d_in], B [d_out, R], rank_start [J+1], scale [J]) for the active jobs at `path`,
-        or None if no active job adapts this module. A and B are differentiable views of the jobs'
-        fp32 parameters cast to `dtype`, cached for the current activation (one cat per module per
-        micro-batch, shared by forward recomputation under gradient checkpointing)."""
+        """(A [R, d_in], B [d_out, R], meta) for the active jobs at `path`, or None if no active job
+        adapts this module. A and B are differentiable views of the jobs' fp32 parameters cast to
+        `dtype`, cached for the current activation (one cat per module per micro-batch, shared by
+        forward recomputation under gradient checkpointing); `meta` is the kernels' LoRABatchMeta
+        for this module's rank layout, built on the host once per layout and activation."""
         act = self._active
         if act is None:
             return None
@@ -133,20 +135,18 @@ class AdapterBank:
         rank_start = [0]
         for r in ranks:
             rank_start.append(rank_start[-1] + r)
-        out = (
-            torch.cat(As, 0).to(dtype),
-            torch.cat(Bs, 1).to(dtype),
-            torch.tensor(rank_start, dtype=torch.int32, device=self.device),
-            torch.tensor(scales, dtype=torch.float32, device=self.device),
-        )
+        layout = (tuple(rank_start), tuple(scales))
+        meta = act.metas.get(layout)
+        if meta is None:
+            from colora.kernels import LoRABatchMeta
+
+            meta = act.metas[layout] = (act.meta.with_ranks(*layout) if act.meta is not None
+                                        else LoRABatchMeta.build(act.seg_start, *layout, self.device))
+            act.meta = act.meta or meta
+        out = (torch.cat(As, 0).to(dtype), torch.cat(Bs, 1).to(dtype), meta)
         # Autograd graphs are per activation; a cached cat is reused only within one.
         act.cache[path] = out
         return out
-
-    @property
-    def active_seg_start(self) -> torch.Tensor:
-        assert self._active is not None
-        return self._active.seg_start
 
     # -- export / state ---------------------------------------------------------------------------
     def export_peft(self, name: str, out_dir: str | Path, base_model: str) -> Path:
@@ -227,17 +227,17 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., d_in] -> [..., d_out]
-        y = self.base(x)
         st = self.bank.stacked(self.path, x.dtype)
         if st is None:
-            return y
-        A, B, rank_start, scale = st
+            return self.base(x)
+        A, B, meta = st
         from colora.kernels import grouped_lora
 
-        x2 = x.reshape(-1, x.shape[-1])
-        seg = self.bank.active_seg_start
-        delta = grouped_lora(x2, A, B, seg, rank_start, scale, backend=self.bank.lora_backend)
-        return y + delta.view(*x.shape[:-1], delta.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])  # [T, d_in], rows in the activation's job order
+        assert x2.shape[0] == meta.seg_start[-1], (x2.shape, meta.seg_start[-1])
+        y2 = self.base(x2)  # [T, d_out], not a view: the kernel adds the LoRA delta into it in place
+        y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2)
+        return y2.view(*x.shape[:-1], y2.shape[-1])
 
 
 def inject_lora(model: nn.Module, bank: AdapterBank, target_modules=None) -> list[str]:
