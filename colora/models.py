@@ -108,29 +108,32 @@ def build_byte_bpe_tokenizer(vocab_size: int, seed: int = 0):
 
 
 def build_word_level_tokenizer(vocab_size: int):
-    """A whitespace word-level tokenizer with exactly `vocab_size` entries.
+    """A word-level tokenizer with exactly `vocab_size` entries, for the Qwen3-0.6B-shaped model.
 
-    Used for the Qwen3-0.6B-shaped model: the vocabulary must be 151936 wide to match the embedding,
-    and vLLM's detokenizer wants every id it samples to decode. Words are the digits 0..N as text,
-    so prompts built from arbitrary text fall back to `<unk>` only for unseen words.
+    The vocabulary must be 151936 wide to match the embedding, and vLLM's detokenizer wants every id
+    it samples to decode. Text splits like a real BPE's coarse units: words, single digits (as
+    Qwen's tokenizer does) and punctuation runs, so a task prompt has about the length it would have
+    under Qwen3's own tokenizer; a word outside the vocabulary is one `<unk>`.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     specials = SPECIAL_TOKENS + ["<unk>"]
     vocab = {t: i for i, t in enumerate(specials)}
-    base = ("what is the sum of and plus minus times answer sort count letters in word numbers "
-            "reach target using each once modulo remainder + - * / = ( ) , . : ? user assistant "
-            "system").split()
-    for w in base:
+    words = ("what is the sum of and plus minus times answer sort count letters in word numbers "
+             "reach target using each once modulo remainder user assistant system put your final "
+             "tags write an expression that equals use list ascending order how many solve").split()
+    for w in words + [w.capitalize() for w in words] + list("0123456789") + list("+-*/=()<>[],.:?!#$%&'\"_|"):
         vocab.setdefault(w, len(vocab))
     i = 0
     while len(vocab) < vocab_size:
         vocab.setdefault(f"w{i}", len(vocab))
         i += 1
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)])
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
     )

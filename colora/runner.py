@@ -364,6 +364,8 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "experiment": exp.name, "arm": exp.arm, "seed": exp.seed, "config_hash": cfg.hash(),
         "model": str(setup.model_dir), "device": device, "dtype": dtype, "mps": mps_note,
         "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "trainer_setup_s": trainer_setup_s,
+        # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show
+        "trainer_sm_count": torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else None,
         "steps_measured": window["steps"], "seconds_measured": window["seconds"],
         "steps_per_hour": throughput(window), "groups": window.get("groups"),
         "busy_fraction": _busy(spans, window), "gpu_util": _gpu_util(gpu, window), "wall_s": time.perf_counter() - t_start,
