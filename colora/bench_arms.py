@@ -84,9 +84,8 @@ def run_batch(config: str, overrides: list[str], runs: list[dict], root: Path, m
     daemon = None
     try:
         if mps_process:
-            daemon = MpsDaemon()
             try:
-                daemon.start()  # before any CUDA context of this process
+                daemon = MpsDaemon.attached()  # started by the parent, before this process existed
             except MpsUnavailable as e:
                 if base.overlap.mps_required:
                     raise RunError(f"the MPS arms need MPS, which is unavailable here ({e}); set "
@@ -98,6 +97,11 @@ def run_batch(config: str, overrides: list[str], runs: list[dict], root: Path, m
             if (out / "summary.json").exists():
                 print(f"[{i + 1}/{len(runs)}] {out} done already", flush=True)
                 continue
+            if out.exists():  # an unfinished run (deadline, crash): keep it aside, run it again
+                n = 0
+                while out.with_name(f"{out.name}.incomplete-{n}").exists():
+                    n += 1
+                out.rename(out.with_name(f"{out.name}.incomplete-{n}"))
             cfg = with_jobs(base, r["jobs"]) if r["jobs"] != len(base.jobs) else base
             cfg = replace(cfg, [f"experiment.arm={r['arm']}", f"experiment.seed={r['seed']}", *r["set"]])
             print(f"[{i + 1}/{len(runs)}] {r['arm']} seed {r['seed']} jobs {r['jobs']} {r['label']}", flush=True)
@@ -249,8 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     for kind, batch in (("plain", plain), ("mps", mps)):
         if not batch:
             continue
+        daemon = None
+        if kind == "mps":
+            # This process never makes a CUDA context, so it can start the daemon for the child and
+            # quit it cleanly once the child (the only client) has exited.
+            from .mps import MpsDaemon, MpsUnavailable
+
+            daemon = MpsDaemon()
+            try:
+                daemon.start()
+            except MpsUnavailable as e:
+                print(f"MPS unavailable here ({e}); the child decides what to do", flush=True)
+                daemon = None
         # Each batch in its own process: one engine per process, and a clean MPS state.
-        cmd = [sys.executable, "-m", "colora.bench_arms", args.config, "--child", kind, "--runs", str(root),
+        cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "colora.bench_arms", args.config, "--child", kind, "--runs", str(root),
                "--only", json.dumps(batch)] + [f"--set={s}" for s in args.set]
         print(f"== {kind} batch: {len(batch)} runs", flush=True)
         child = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)
@@ -265,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
             rc = "deadline"
+        if daemon is not None:
+            print(f"MPS daemon: {daemon.stop()}", flush=True)
         if rc != 0:
             print(f"colora: the {kind} batch ended with {rc}; reporting what finished", file=sys.stderr)
             failed = True

@@ -96,7 +96,7 @@ def bench_peft(model_dir: str, args) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     n = args.jobs * args.seqs
     L = args.prompt + args.completion
-    mb = max(1, args.micro_batch_tokens // L)
+    mb = args.peft_micro_seqs  # full fp32 logits: [mb, completion, 151936] per micro-batch
     vocab = base.config.vocab_size
     times = []
     for step in range(args.repeats + 1):
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--micro-batch-tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peft-micro-seqs", type=int, default=32, help="peft's micro-batch (sequences)")
     p.add_argument("--impls", nargs="+", default=["triton", "torch", "peft"])
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the program)")
     args = p.parse_args(argv)

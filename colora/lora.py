@@ -157,10 +157,16 @@ class AdapterBank:
         out = Path(out_dir)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        tensors = {}
+        names, params = [], []
         for path in job.A:
-            tensors[f"base_model.model.{path}.lora_A.weight"] = job.A[path].detach().float().cpu().contiguous()
-            tensors[f"base_model.model.{path}.lora_B.weight"] = job.B[path].detach().float().cpu().contiguous()
+            names += [f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"]
+            params += [job.A[path], job.B[path]]
+        # One device-to-host copy for the whole adapter, not one (and one sync) per tensor.
+        flat = torch.cat([p.detach().float().reshape(-1) for p in params]).cpu()
+        tensors, at = {}, 0
+        for name, p in zip(names, params):
+            tensors[name] = flat[at: at + p.numel()].view(p.shape).clone()
+            at += p.numel()
         save_file(tensors, str(tmp / "adapter_model.safetensors"))
         cfg = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,

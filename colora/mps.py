@@ -37,12 +37,26 @@ def mps_available() -> tuple[bool, str]:
 
 
 class MpsDaemon:
+    @classmethod
+    def attached(cls) -> "MpsDaemon":
+        """The daemon a parent process started for us (its pipe directory is in our environment):
+        this process only sets its share; the parent, which is no CUDA client, stops it after we
+        exit. (A process that is itself a client cannot quit the daemon cleanly while it lives:
+        `quit` waits for the clients, and a CUDA context lasts as long as its process.)"""
+        pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+        if not pipe:
+            raise MpsUnavailable("no CUDA_MPS_PIPE_DIRECTORY in the environment to attach to")
+        d = cls(Path(pipe).parent)
+        d.owner = False
+        return d
+
     def __init__(self, root: str | Path | None = None, quit_timeout: float = 20.0):
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="colora-mps-"))
         self.pipe_dir = self.root / "pipe"
         self.log_dir = self.root / "log"
         self.quit_timeout = quit_timeout
         self.started = False
+        self.owner = True  # False: attached to a daemon another process owns
         self._saved_env: dict[str, str | None] = {}
 
     def _env(self) -> dict[str, str]:
@@ -75,6 +89,8 @@ class MpsDaemon:
 
     def stop(self) -> str:
         """Send `quit` (with a timeout), restore the environment. Returns what happened."""
+        if not self.owner:
+            return "left to its owner"
         if not self.started:
             return "not started"
         self.started = False

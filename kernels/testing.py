@@ -37,8 +37,11 @@ LOGSOFTMAX_TOL = {
     # rounding (not the kernel) is the error against fp64: 2^-9 of |z| ~ 10 is 0.02 for bf16
     # (2.5e-2 seen, the same for the torch path), 2^-12 * 10 = 2.4e-3 for fp16. d hidden is
     # formed from dlogits rounded to the input dtype (as autograd through .float() does): one
-    # more rounding, 8e-3 (bf16) and 9e-4 (fp16) seen.
-    torch.bfloat16: (6e-2, 3e-2),
+    # more rounding, 8e-3 (bf16) and 9e-4 (fp16) seen. On the H200 (2026-11-29) the GPU test's
+    # inputs reached |z| of about 30 (one bf16 step there is 0.125, half a step 0.0625, and the
+    # logsumexp adds its own): 0.091 seen for logp and 0.094 for entropy, so the bound is one full
+    # bf16 step at that magnitude, 0.125, kept under 2x the error seen.
+    torch.bfloat16: (1.25e-1, 3e-2),
     torch.float16: (1e-2, 5e-3),
 }
 

@@ -198,3 +198,18 @@ def test_engine_death_checkpoints_and_the_run_resumes(tmp_path, tiny_model_dir):
     assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "failed"
     summary = resume(tmp_path / "run", log=lambda s: None)
     assert all(j["steps"] == 3 and j["status"] == "done" for j in summary["jobs"].values())
+
+
+def test_attached_daemon_sets_shares_and_leaves_stopping_to_its_owner(monkeypatch, tmp_path):
+    from colora.mps import MpsDaemon, MpsUnavailable
+
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    with pytest.raises(MpsUnavailable):
+        MpsDaemon.attached()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipe"))
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    d = MpsDaemon.attached()
+    d.set_share(40)
+    assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    assert d.stop() == "left to its owner"
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "pipe")
