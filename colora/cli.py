@@ -4,10 +4,11 @@
     colora run --resume DIR                                   continue a run from its last checkpoint
     colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
+    colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
     colora bench kernels [...] | colora bench trainer [...] | colora bench arms CONFIG --seeds 1 2 3
     colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR
     colora report RUNS... [--prereg FILE] --out reports/NAME
-    colora prereg check PREREG CONFIG
+    colora prereg lock CONFIG --out prereg/NAME.md | colora prereg check PREREG CONFIG
 
 Errors in the input (config, model directory, task, output directory) print one line naming what
 is wrong and exit with status 2; a failure during a run exits with status 1.
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in passthrough:
             return cmd_passthrough(passthrough[argv[0]], argv[1:])
+        if argv[:2] == ["tasks", "calibrate"]:
+            return cmd_passthrough("colora.calibrate", argv[2:])
         if argv and argv[0] == "bench":
             args, rest = parser.parse_known_args(argv)
             return cmd_bench(args, rest)

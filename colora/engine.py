@@ -29,7 +29,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 @dataclass(frozen=True)
 class GenRequest:
-    job: str
+    job: str | None  # None: the base model, no adapter
     prompt_ids: tuple[int, ...]
     max_tokens: int
     temperature: float
@@ -174,12 +174,12 @@ class RolloutEngine:
             self._done.append((key, []))
             return
         for r in requests:
-            if r.job not in self._adapters:
+            if r.job is not None and r.job not in self._adapters:
                 raise KeyError(f"job {r.job!r} has no adapter loaded in the engine")
         engine = self.llm.llm_engine
         self._batches[key] = _Batch([None] * len(requests), len(requests))
         for i, r in enumerate(requests):
-            version, lora = self._adapters[r.job]
+            version, lora = self._adapters[r.job] if r.job is not None else (-1, None)  # None: the base model
             params = SamplingParams(
                 temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, min_tokens=r.min_tokens,
                 ignore_eos=r.ignore_eos, seed=r.seed,
