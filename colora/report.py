@@ -399,19 +399,25 @@ def fig_timeline(runs: list[RunData], res: dict, path: Path) -> None:
             continue
         t0 = min(s["start"] for s in spans)
 
-        def lane(s: dict) -> str:
-            if s["phase"] == "eval" or s["group"] < 0:
-                return "eval (all jobs)"
-            if r.arm == "dedicated":
-                return "job " + ",".join(s["jobs"])
-            names = ",".join((r.summary.get("groups") or [[]])[s["group"]] if r.summary.get("groups") else s["jobs"])
-            return f"group {s['group']}: {names[:40]}"
+        def group_lane(g: int) -> str:
+            names = ",".join(r.summary["groups"][g]) if r.summary.get("groups") else ""
+            return f"group {g}: {names[:40]}"
 
-        names = sorted({lane(s) for s in spans}, key=lambda n: (n.startswith("eval"), n))
+        def lanes_of(s: dict) -> list[str]:
+            if s["phase"] == "eval":
+                return ["eval (all jobs)"]
+            if r.arm == "dedicated":
+                return ["job " + ",".join(s["jobs"])]
+            if s["group"] < 0 and s.get("groups"):  # one training step for several ready groups
+                return [group_lane(g) for g in s["groups"]]
+            return [group_lane(s["group"])] if s["group"] >= 0 else ["eval (all jobs)"]
+
+        names = sorted({n for s in spans for n in lanes_of(s)}, key=lambda n: (n.startswith("eval"), n))
         lanes = {n: i for i, n in enumerate(names)}
         for s in spans:
-            ax.barh(lanes[lane(s)], s["end"] - s["start"], left=s["start"] - t0, height=0.7, zorder=2,
-                    color=PHASE_COLORS.get(s["phase"], "k"), edgecolor="white", lw=0.3)
+            for n in lanes_of(s):
+                ax.barh(lanes[n], s["end"] - s["start"], left=s["start"] - t0, height=0.7, zorder=2,
+                        color=PHASE_COLORS.get(s["phase"], "k"), edgecolor="white", lw=0.3)
         w = r.summary.get("window", {})
         for win in w.get("windows", [w]):
             if win.get("seconds"):
