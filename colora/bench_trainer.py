@@ -58,7 +58,9 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
 
     _reset(args.device)
     model = load_base_model(model_dir, args.dtype, args.device)
-    bank = AdapterBank(args.device, backend)
+    packed = backend.endswith("+packed")
+    backend = backend.removesuffix("+packed")
+    bank = AdapterBank(args.device, backend, pack_projections=packed)
     inject_lora(model, bank)
     names = [f"job{i}" for i in range(args.jobs)]
     jobs = {}
@@ -66,7 +68,8 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
         jobs[n] = JobConfig(name=n, task="addition", lora_rank=args.rank, lora_alpha=2.0 * args.rank,
                             max_new_tokens=args.completion)
         bank.add_job(n, args.rank, 2.0 * args.rank, jobs[n].target_modules, 0, 1e-5)
-    cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, lora_backend=backend, logprob_backend=backend)
+    cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, lora_backend=backend, logprob_backend=backend,
+                        pack_projections=packed)
     trainer = MultiJobTrainer(model, bank, cfg, jobs, pad_id=0)
     vocab = model.config.vocab_size
     times = []
@@ -80,7 +83,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
             times.append(time.perf_counter() - t0)
     peak = _peak(args.device)
     del trainer, bank, model
-    return {"impl": f"colora ({backend})", "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
+    return {"impl": f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''})", "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
 
 
 def bench_peft(model_dir: str, args) -> dict:
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peft-micro-seqs", type=int, default=32, help="peft's micro-batch (sequences)")
-    p.add_argument("--impls", nargs="+", default=["triton", "torch", "peft"])
+    p.add_argument("--impls", nargs="+", default=["triton", "triton+packed", "torch", "peft"])
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the program)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -56,9 +56,10 @@ class _Active:
 
 
 class AdapterBank:
-    def __init__(self, device: torch.device | str, lora_backend: str = "auto"):
+    def __init__(self, device: torch.device | str, lora_backend: str = "auto", pack_projections: bool = False):
         self.device = torch.device(device)
         self.lora_backend = lora_backend
+        self.pack_projections = pack_projections
         self.jobs: dict[str, JobAdapter] = {}
         self.modules: dict[str, nn.Linear] = {}  # module path -> base linear (shapes)
         self._active: _Active | None = None
@@ -218,14 +219,23 @@ def _rmtree(p: Path) -> None:
     shutil.rmtree(p, ignore_errors=True)
 
 
+# Projections that read the same input in Qwen3/Llama blocks, the first one called first.
+PACKS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 class MultiLoRALinear(nn.Module):
-    """A frozen base linear plus, for each row, the LoRA delta of that row's job."""
+    """A frozen base linear plus, for each row, the LoRA delta of that row's job.
+
+    With `bank.pack_projections`, the first projection of a pack (q of q/k/v, gate of gate/up)
+    computes the whole pack's LoRA in one grouped call (one read of x, one dx) and hands its
+    siblings their outputs when they are called with the same input tensor."""
 
     def __init__(self, base: nn.Linear, bank: AdapterBank, path: str):
         super().__init__()
         self.base = base
         self.bank = bank
         self.path = path
+        self.pack: tuple[MultiLoRALinear, ...] = ()  # set on a pack's leader by inject_lora
 
     @property
     def weight(self) -> torch.Tensor:  # some model code reads proj.weight.dtype / .device
@@ -233,6 +243,16 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., d_in] -> [..., d_out]
+        act = self.bank._active
+        if act is not None and self.bank.pack_projections:
+            held = act.cache.get(("packed", self.path))
+            if held is not None and held[0] is x:  # computed by the pack's leader for this very input
+                del act.cache[("packed", self.path)]
+                return held[1]
+            if self.pack:
+                out = self._forward_pack(x)
+                if out is not None:
+                    return out
         st = self.bank.stacked(self.path, x.dtype)
         if st is None:
             return self.base(x)
@@ -244,6 +264,27 @@ class MultiLoRALinear(nn.Module):
         y2 = self.base(x2)  # [T, d_out], not a view: the kernel adds the LoRA delta into it in place
         y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2)
         return y2.view(*x.shape[:-1], y2.shape[-1])
+
+
+    def _forward_pack(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The whole pack in one grouped call, or None when the siblings' adapter layouts differ
+        (a job adapts q but not k, say): then each projection goes on its own."""
+        from colora.kernels import grouped_lora_packed
+
+        sts = [self.bank.stacked(m.path, x.dtype) for m in self.pack]
+        if any(st is None for st in sts):
+            return None
+        metas = [st[2] for st in sts]
+        if any(m.rank_start != metas[0].rank_start or m.scale != metas[0].scale for m in metas[1:]):
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        bases = [m.base(x2) for m in self.pack]  # [T, d_out_s] each, added into in place
+        ys = grouped_lora_packed(x2, [st[0] for st in sts], [st[1] for st in sts], metas[0],
+                                 backend=self.bank.lora_backend, add_to=bases)
+        outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
+        for m, out in zip(self.pack[1:], outs[1:]):
+            self.bank._active.cache[("packed", m.path)] = (x, out)  # holding x: its id cannot be reused
+        return outs[0]
 
 
 def inject_lora(model: nn.Module, bank: AdapterBank, target_modules=None) -> list[str]:
@@ -262,4 +303,10 @@ def inject_lora(model: nn.Module, bank: AdapterBank, target_modules=None) -> lis
             found.append(path)
     if not found:
         raise ValueError(f"no nn.Linear named one of {sorted(targets)} in the base model")
+    wrapped = {path: model.get_submodule(path) for path in found}
+    for path in found:
+        parent, last = path.rsplit(".", 1) if "." in path else ("", path)
+        for names in PACKS:
+            if last == names[0] and all(f"{parent}.{n}" in wrapped for n in names):
+                wrapped[path].pack = tuple(wrapped[f"{parent}.{n}"] for n in names)
     return found

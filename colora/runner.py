@@ -310,7 +310,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         t0 = time.perf_counter()
         tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         model = load_base_model(setup.model_dir, tdtype, device)
-        bank = AdapterBank(device, cfg.trainer.lora_backend)
+        bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections)
         inject_lora(model, bank)
         for j in cfg.jobs:
             bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, exp.seed, j.learning_rate,

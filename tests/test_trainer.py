@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from colora.config import JobConfig, TrainerConfig
 from colora.grpo import group_advantages
@@ -157,3 +158,35 @@ def test_triton_kernels_give_the_reference_step(tiny_model_dir):
     if device == "cpu":  # after one Adam step; tf32 noise on the GPU can flip the sign of tiny gradients
         for got, want in ((a_tri, a_ref), (b_tri, b_ref)):
             assert max((got[k][1] - want[k][1]).abs().max().item() for k in want) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_packed_projections_take_the_same_step(tiny_model_dir, backend, monkeypatch):
+    """q/k/v and gate/up in one grouped call each give the unpacked step; a job that adapts only
+    some of a pack's projections (JOB_A: q and v) makes that pack fall back to separate calls."""
+    import os
+
+    import colora.kernels as ck
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter or a GPU")
+    full = dataclasses.replace(JOB_B, name="c", lora_rank=4)  # adapts every projection
+    packed_calls = []
+    real = ck.grouped_lora_packed
+    monkeypatch.setattr(ck, "grouped_lora_packed", lambda x, As, *a, **k: packed_calls.append(len(As)) or real(x, As, *a, **k))
+    results = []
+    for packed in (False, True):
+        trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B, full], micro_batch_tokens=128, device=device)
+        trainer.cfg = dataclasses.replace(trainer.cfg, logprob_backend=backend)
+        bank.lora_backend, bank.pack_projections = backend, packed
+        st = trainer.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B, full)})
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}))
+    n_layers = AutoConfig.from_pretrained(tiny_model_dir).num_hidden_layers
+    # gate/up packed in every layer of every micro-batch's forward; q/k/v fell back (a has no k)
+    assert packed_calls and set(packed_calls) == {2} and len(packed_calls) % n_layers == 0
+    (s0, p0), (s1, p1) = results
+    for j in ("a", "b", "c"):
+        assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
+        assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
+        assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
