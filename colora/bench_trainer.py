@@ -82,8 +82,41 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
         if step > 0:  # the first step compiles and autotunes
             times.append(time.perf_counter() - t0)
     peak = _peak(args.device)
+    impl = f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''})"
+    out = {"impl": impl, "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
+    if args.profile:
+        ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, args.repeats + 1)
+        out["profile"] = profile_step(lambda: trainer.step(ro), args.device, f"{args.out}.profile.txt", impl)
     del trainer, bank, model
-    return {"impl": f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''})", "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
+    return out
+
+
+def profile_step(step, device: str, path: str, title: str) -> dict:
+    """One step under torch.profiler: wall time, the time the GPU spent in kernels, how many ops
+    the host dispatched and kernels it launched, and the top ops by host and by device time
+    (appended to `path`). Tells a host-bound step (GPU busy share well under 1) from a GPU-bound one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    _sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_s = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels) / 1e6
+    ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU)
+    avg = prof.key_averages()
+    dev_key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    summary = {"wall_s": wall, "gpu_kernel_s": gpu_s, "gpu_busy_share": gpu_s / wall, "host_ops": ops,
+               "kernels": len(kernels)}
+    with open(path, "a") as f:
+        f.write(f"## {title}\n{json.dumps(summary)}\n\n")
+        f.write(avg.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
+        f.write(avg.table(sort_by=dev_key, row_limit=25) + "\n\n")
+    return summary
 
 
 def bench_peft(model_dir: str, args) -> dict:
@@ -139,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peft-micro-seqs", type=int, default=32, help="peft's micro-batch (sequences)")
     p.add_argument("--impls", nargs="+", default=["triton", "triton+packed", "torch", "peft"])
+    p.add_argument("--profile", action="store_true", help="also profile one step per colora impl (OUT.profile.txt)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the program)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -5,6 +5,8 @@
 # to colora, colora.kernels and colora.tasks. Everything lands in $OUT (what comes back).
 #
 #   bash scripts/h200.sh kernels            GPU kernel tests, kernel benchmark, trainer-step benchmark
+#   bash scripts/h200.sh tests              the GPU tests of the kernels and the trainer
+#   bash scripts/h200.sh trainer ARGS...    colora bench trainer ARGS... --out $OUT/trainer_step
 #   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline)
 #   bash scripts/h200.sh run ARGS...        colora run ARGS...
 set -uo pipefail
@@ -28,6 +30,13 @@ case "$1" in
     timeout 170 python3 -P -m pytest -q tests/test_kernels_gpu.py tests/test_kernels.py tests/test_trainer.py -k "gpu or triton or not interpreter" -p no:cacheprovider 2>&1 | tail -40 >> "$LOG"
     timeout 200 python3 -P -m colora.cli bench kernels --out "$OUT/kernels" >> "$LOG" 2>&1; echo "bench kernels: $?" >> "$LOG"
     timeout 170 python3 -P -m colora.cli bench trainer --peft-micro-seqs 32 --out "$OUT/trainer_step" >> "$LOG" 2>&1; echo "bench trainer: $?" >> "$LOG"
+    ;;
+  tests)
+    timeout 300 python3 -P -m pytest -q tests/test_kernels_gpu.py tests/test_kernels.py tests/test_trainer.py -k "gpu or triton or not interpreter" -p no:cacheprovider 2>&1 | tail -40 >> "$LOG"
+    ;;
+  trainer)
+    shift
+    python3 -P -m colora.cli bench trainer "$@" --out "$OUT/trainer_step" >> "$LOG" 2>&1; echo "bench trainer: $?" >> "$LOG"
     ;;
   arms)
     shift
