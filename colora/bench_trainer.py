@@ -58,8 +58,12 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
 
     _reset(args.device)
     model = load_base_model(model_dir, args.dtype, args.device)
-    packed = backend.endswith("+packed")
-    backend = backend.removesuffix("+packed")
+    backend, *flags = backend.split("+")
+    packed, fused = "packed" in flags, "fused" in flags
+    if fused:
+        from .fusion import fuse_elementwise
+
+        fuse_elementwise(model)
     bank = AdapterBank(args.device, backend, pack_projections=packed)
     inject_lora(model, bank)
     names = [f"job{i}" for i in range(args.jobs)]
@@ -69,7 +73,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
                             max_new_tokens=args.completion)
         bank.add_job(n, args.rank, 2.0 * args.rank, jobs[n].target_modules, 0, 1e-5)
     cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, lora_backend=backend, logprob_backend=backend,
-                        pack_projections=packed)
+                        pack_projections=packed, fuse_elementwise="on" if fused else "off")
     trainer = MultiJobTrainer(model, bank, cfg, jobs, pad_id=0)
     vocab = model.config.vocab_size
     times = []
@@ -82,12 +86,16 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
         if step > 0:  # the first step compiles and autotunes
             times.append(time.perf_counter() - t0)
     peak = _peak(args.device)
-    impl = f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''})"
+    impl = f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''}{', fused elementwise' if fused else ''})"
     out = {"impl": impl, "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
     if args.profile:
         ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, args.repeats + 1)
         out["profile"] = profile_step(lambda: trainer.step(ro), args.device, f"{args.out}.profile.txt", impl)
     del trainer, bank, model
+    if fused:
+        from .fusion import restore_rotary
+
+        restore_rotary()  # the next implementation measures the model's own code
     return out
 
 
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peft-micro-seqs", type=int, default=32, help="peft's micro-batch (sequences)")
-    p.add_argument("--impls", nargs="+", default=["triton", "triton+packed", "torch", "peft"])
+    p.add_argument("--impls", nargs="+", default=["triton", "triton+packed", "triton+fused", "triton+packed+fused", "torch", "peft"])
     p.add_argument("--profile", action="store_true", help="also profile one step per colora impl (OUT.profile.txt)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the program)")
     args = p.parse_args(argv)

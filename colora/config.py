@@ -115,6 +115,9 @@ class TrainerConfig:
     # q/k/v and gate/up LoRA in one grouped call per input (4 calls per layer instead of 7); off
     # until measured on the GPU (a grouped call's host overhead dominated the H200 trainer step).
     pack_projections: bool = False
+    # RMSNorm, rotary and SiLU*up through torch.compile (colora/fusion.py): "auto" = on CUDA only,
+    # where the eager elementwise code took more GPU time than the matrix products.
+    fuse_elementwise: Literal["auto", "on", "off"] = "auto"
     # A job whose adapter holds a weight beyond this after an update is stopped before the engine
     # loads it (diverged training; LoRA weights are O(1) or far below). 0 disables the check.
     max_adapter_weight: float = 1e4

@@ -310,6 +310,10 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         t0 = time.perf_counter()
         tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         model = load_base_model(setup.model_dir, tdtype, device)
+        from .fusion import fuse_elementwise, should_fuse
+
+        if should_fuse(cfg.trainer.fuse_elementwise, device):
+            fuse_elementwise(model)
         bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections)
         inject_lora(model, bank)
         for j in cfg.jobs:

@@ -1,0 +1,101 @@
+"""Fused elementwise parts of the base model's layers for the trainer (`trainer.fuse_elementwise`).
+
+The H200 profile of a trainer step (reports/h200/trainer_profile.md) showed the GPU spending more
+time in Hugging Face's eager elementwise code than in matrix products: RMSNorm upcasts every hidden
+state to fp32 and makes five passes over it, rotary embeddings four muls and a cat on q and k, the MLP
+a SiLU and a mul, each again in the backward. torch.compile (Inductor) fuses each of those into one
+kernel forward and one backward, with the same arithmetic; the projections and the LoRA kernels stay
+as they are (the compiled pieces are pure functions between them, so no graph ever holds a LoRA call).
+
+We compile three small functions rather than the layer: the LoRA projections are custom autograd
+functions whose metadata changes per micro-batch, and compiling around them would break the graph at
+every projection anyway. Shapes are dynamic (the token count changes every micro-batch), so each
+function compiles once per process and dtype.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+import torch.nn.functional as F
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Qwen3RMSNorm / LlamaRMSNorm, operation for operation
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+_compiled: dict[str, object] = {}
+_rotary_originals: dict[str, object] = {}  # modeling module name -> its own apply_rotary_pos_emb
+
+
+def _compile(name: str, fn):
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=True)
+    return _compiled[name]
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return _compile("rms_norm", _rms_norm)(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(_compile("silu_mul", _silu_mul)(self.gate_proj(x), self.up_proj(x)))
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+def fuse_elementwise(model: torch.nn.Module) -> dict[str, int]:
+    """Route the model's RMSNorms, SiLU-gated MLPs and rotary embedding through compiled functions.
+    Only modules that match the Llama/Qwen3 pattern exactly are touched (an RMSNorm with `weight`
+    and `variance_epsilon`, an MLP with gate/up/down projections and a SiLU); anything else keeps its
+    own forward. Returns how many of each were fused."""
+    counts = {"rms_norm": 0, "mlp": 0, "rotary": 0}
+    for mod in model.modules():
+        name = type(mod).__name__
+        if name.endswith("RMSNorm") and isinstance(getattr(mod, "weight", None), torch.Tensor) \
+                and isinstance(getattr(mod, "variance_epsilon", None), float):
+            mod.forward = types.MethodType(_norm_forward, mod)
+            counts["rms_norm"] += 1
+        elif all(hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj")) and _is_silu(getattr(mod, "act_fn", None)):
+            mod.forward = types.MethodType(_mlp_forward, mod)
+            counts["mlp"] += 1
+    # The attention layers call their modeling module's apply_rotary_pos_emb by global name; the
+    # compiled function computes the same thing (it is compiled from that very function).
+    modeling = sys.modules.get(type(model).__module__)
+    orig = getattr(modeling, "apply_rotary_pos_emb", None)
+    if orig is not None and not getattr(orig, "_colora_fused", False):
+        fused = _compile(f"rotary:{modeling.__name__}", orig)
+        wrapper = lambda *a, **k: fused(*a, **k)  # noqa: E731  (a plain function, so it can carry the mark)
+        wrapper._colora_fused = True
+        _rotary_originals[modeling.__name__] = orig
+        modeling.apply_rotary_pos_emb = wrapper
+    if orig is not None:
+        counts["rotary"] = 1
+    return counts
+
+
+def restore_rotary() -> None:
+    """Give every patched modeling module its own apply_rotary_pos_emb back (the norms and MLPs are
+    patched per instance and go with their model)."""
+    for name, orig in _rotary_originals.items():
+        sys.modules[name].apply_rotary_pos_emb = orig
+    _rotary_originals.clear()
+
+
+def should_fuse(setting: str, device: torch.device | str) -> bool:
+    """`trainer.fuse_elementwise`: "on", "off", or "auto" (on for CUDA, where it was measured)."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return setting == "on"
