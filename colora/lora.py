@@ -55,6 +55,31 @@ class _Active:
     metas: dict = field(default_factory=dict)  # (rank_start, scale) -> LoRABatchMeta
 
 
+@dataclass
+class _StepLeaves:
+    jobs: tuple[str, ...]
+    stacks: dict = field(default_factory=dict)  # module path -> (job names, A leaf, Bt leaf)
+
+    def hand_over(self, bank: "AdapterBank") -> None:
+        for path, (names, A, Bt) in self.stacks.items():
+            if A.grad is None and Bt.grad is None:
+                continue
+            ranks = [bank.jobs[n].rank for n in names]
+            gA = A.grad.split(ranks, 0) if A.grad is not None else [None] * len(names)
+            gBt = Bt.grad.split(ranks, 0) if Bt.grad is not None else [None] * len(names)
+            for n, ga, gb in zip(names, gA, gBt):
+                job = bank.jobs[n]
+                _add_grad(job.A[path], ga)
+                _add_grad(job.B[path], None if gb is None else gb.t())
+        self.stacks.clear()
+
+
+def _add_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    if g is None:
+        return
+    p.grad = g if p.grad is None else p.grad + g
+
+
 class AdapterBank:
     def __init__(self, device: torch.device | str, lora_backend: str = "auto", pack_projections: bool = False):
         self.device = torch.device(device)
@@ -63,6 +88,7 @@ class AdapterBank:
         self.jobs: dict[str, JobAdapter] = {}
         self.modules: dict[str, nn.Linear] = {}  # module path -> base linear (shapes)
         self._active: _Active | None = None
+        self._leaves: _StepLeaves | None = None
 
     # -- jobs -----------------------------------------------------------------------------------
     def add_job(self, name: str, rank: int, alpha: float, target_modules: tuple[str, ...], run_seed: int,
@@ -108,6 +134,36 @@ class AdapterBank:
         finally:
             self._active = prev
 
+    @contextlib.contextmanager
+    def step_scope(self, jobs: tuple[str, ...]):
+        """One optimizer step's micro-batches, all activated with `jobs` in this order. Inside, each
+        module's adapters are stacked once for the whole step into fp32 leaves that collect every
+        micro-batch's gradient (one accumulation per module per micro-batch instead of one per job,
+        projection and matrix); on a normal exit those gradients are handed to the jobs' own
+        parameters (`.grad`, as views), exactly the sums they would have accumulated themselves.
+        After an exception nothing is handed over."""
+        prev, self._leaves = self._leaves, _StepLeaves(tuple(jobs))
+        try:
+            yield
+            self._leaves.hand_over(self)
+        finally:
+            self._leaves = prev
+
+    def _stack(self, path: str, names: list[str]):
+        """(A [R, d_in], Bt [R, d_out]) of `names` at `path`: fp32 leaves of this step when a step
+        scope covers the activation, else differentiable cats of the parameters."""
+        leaves = self._leaves
+        if leaves is not None and leaves.jobs == self._active.jobs:
+            hit = leaves.stacks.get(path)
+            if hit is None:
+                with torch.no_grad():
+                    A = torch.cat([self.jobs[n].A[path] for n in names], 0)
+                    Bt = torch.cat([self.jobs[n].B[path].t() for n in names], 0)
+                hit = leaves.stacks[path] = (names, A.requires_grad_(), Bt.requires_grad_())
+            return hit[1], hit[2]
+        return (torch.cat([self.jobs[n].A[path] for n in names], 0),
+                torch.cat([self.jobs[n].B[path].t() for n in names], 0))
+
     def stacked(self, path: str, dtype: torch.dtype):
         """(A [R, d_in], B [d_out, R], meta) for the active jobs at `path`, or None if no active job
         adapts this module. A and B are differentiable views of the jobs' fp32 parameters cast to
@@ -120,17 +176,16 @@ class AdapterBank:
         hit = act.cache.get(path)
         if hit is not None:
             return hit
-        As, Bs, ranks, scales = [], [], [], []
+        names, ranks, scales = [], [], []
         for name in act.jobs:
             job = self.jobs[name]
             if path in job.A:
-                As.append(job.A[path])
-                Bs.append(job.B[path])
+                names.append(name)
                 ranks.append(job.rank)
             else:
                 ranks.append(0)
             scales.append(job.scale)
-        if not As:
+        if not names:
             act.cache[path] = None
             return None
         rank_start = [0]
@@ -144,7 +199,9 @@ class AdapterBank:
             meta = act.metas[layout] = (act.meta.with_ranks(*layout) if act.meta is not None
                                         else LoRABatchMeta.build(act.seg_start, *layout, self.device))
             act.meta = act.meta or meta
-        out = (torch.cat(As, 0).to(dtype), torch.cat(Bs, 1).to(dtype), meta)
+        A, Bt = self._stack(path, names)
+        # B as a view of Bt: the kernels want B^T contiguous, so the forward makes no copy of it
+        out = (A.to(dtype), Bt.to(dtype).t(), meta)
         # Autograd graphs are per activation; a cached cat is reused only within one.
         act.cache[path] = out
         return out

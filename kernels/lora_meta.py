@@ -136,7 +136,9 @@ class LoRABatchMeta:
                 r0, r1 = self.rank_start[j], self.rank_start[j + 1]
                 for s in range(slices):
                     idx.extend(range(s * R + r0, s * R + r1))
-            self._derived[key] = torch.tensor(idx, dtype=torch.int64).to(self.device)
+            host = torch.tensor(idx, dtype=torch.int64)
+            host = host.pin_memory() if self.device.type == "cuda" else host
+            self._derived[key] = host.to(self.device, non_blocking=True)  # no wait for the queued layers
         return self._derived[key]
 
     @property

@@ -190,3 +190,33 @@ def test_packed_projections_take_the_same_step(tiny_model_dir, backend, monkeypa
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
+
+
+def test_step_scoped_stacks_take_the_per_activation_step(tiny_model_dir):
+    """The step scope (each module's adapters stacked once per step, gradients handed over at its
+    end) gives the same step as stacking per micro-batch, over several micro-batches; an exception
+    inside the scope hands no gradient over."""
+    import contextlib
+
+    results = []
+    for scoped in (True, False):
+        trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=64)
+        if not scoped:
+            bank.step_scope = lambda jobs: contextlib.nullcontext()
+        ro = {j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B)}
+        assert len(trainer._micro_batches(trainer._sequences(ro), ("a", "b"))) > 2
+        st = trainer.step(ro)
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b")}))
+    (s0, p0), (s1, p1) = results
+    for j in ("a", "b"):
+        assert s0[j].grad_norm == s1[j].grad_norm and s0[j].loss == s1[j].loss
+        assert all(torch.equal(p0[j][k][i], p1[j][k][i]) for k in p0[j] for i in (0, 1))
+
+    trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=64)
+    ro = {j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B)}
+    with pytest.raises(RuntimeError, match="boom"):
+        with bank.step_scope(("a", "b")):
+            trainer._forward_backward(trainer._micro_batches(trainer._sequences(ro), ("a", "b"))[0], ("a", "b"),
+                                      torch.zeros(2, 6, dtype=torch.float64))
+            raise RuntimeError("boom")
+    assert all(p.grad is None for j in ("a", "b") for p in bank.jobs[j].parameters())
