@@ -166,9 +166,10 @@ class AdapterBank:
 
     def stacked(self, path: str, dtype: torch.dtype):
         """(A [R, d_in], B [d_out, R], meta) for the active jobs at `path`, or None if no active job
-        adapts this module. A and B are differentiable views of the jobs' fp32 parameters cast to
-        `dtype`, cached for the current activation (one cat per module per micro-batch, shared by
-        forward recomputation under gradient checkpointing); `meta` is the kernels' LoRABatchMeta
+        adapts this module. A and B are the jobs' fp32 adapters stacked (once per step inside
+        `step_scope`, else once per activation) and cast to `dtype`, differentiable, cached for the
+        current activation (shared by forward recomputation under gradient checkpointing); B is a
+        transposed view of a contiguous B^T, as the kernels read it; `meta` is the kernels' LoRABatchMeta
         for this module's rank layout, built on the host once per layout and activation."""
         act = self._active
         if act is None:
