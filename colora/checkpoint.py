@@ -14,7 +14,6 @@ fails its manifest check on load and the previous checkpoint is used.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from .runlog import sha256_file
+
 STATE = "state.pt"
 MANIFEST = "manifest.json"
 
@@ -31,13 +32,6 @@ MANIFEST = "manifest.json"
 class CheckpointError(RuntimeError):
     pass
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -59,7 +53,7 @@ def save(root: Path, tag: int, state: dict, keep: int) -> Path:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        manifest = {"file": STATE, "sha256": _sha256(tmp / STATE), "bytes": (tmp / STATE).stat().st_size,
+        manifest = {"file": STATE, "sha256": sha256_file(tmp / STATE), "bytes": (tmp / STATE).stat().st_size,
                     "tag": tag, "steps": {n: s["step"] for n, s in state["jobs"].items()}}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f)
@@ -89,7 +83,7 @@ def verify(path: Path) -> dict:
     size = st_p.stat().st_size
     if size != man.get("bytes"):
         raise CheckpointError(f"{st_p}: {size} bytes, the manifest says {man.get('bytes')} (truncated?)")
-    if _sha256(st_p) != man.get("sha256"):
+    if sha256_file(st_p) != man.get("sha256"):
         raise CheckpointError(f"{st_p}: sha256 does not match the manifest (damaged)")
     return man
 

@@ -1,6 +1,6 @@
 """Fused elementwise parts of the base model's layers for the trainer (`trainer.fuse_elementwise`).
 
-The H200 profile of a trainer step (reports/h200/trainer_profile.md) showed the GPU spending more
+The H200 profile of a trainer step (reports/h200/fused/trainer_profile_eager.txt) showed the GPU spending more
 time in Hugging Face's eager elementwise code than in matrix products: RMSNorm upcasts every hidden
 state to fp32 and makes five passes over it, rotary embeddings four muls and a cat on q and k, the MLP
 a SiLU and a mul, each again in the backward. torch.compile (Inductor) fuses each of those into one

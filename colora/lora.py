@@ -152,17 +152,19 @@ class AdapterBank:
     def _stack(self, path: str, names: list[str]):
         """(A [R, d_in], Bt [R, d_out]) of `names` at `path`: fp32 leaves of this step when a step
         scope covers the activation, else differentiable cats of the parameters."""
+        def cat():
+            return (torch.cat([self.jobs[n].A[path] for n in names], 0),
+                    torch.cat([self.jobs[n].B[path].t() for n in names], 0))
+
         leaves = self._leaves
-        if leaves is not None and leaves.jobs == self._active.jobs:
-            hit = leaves.stacks.get(path)
-            if hit is None:
-                with torch.no_grad():
-                    A = torch.cat([self.jobs[n].A[path] for n in names], 0)
-                    Bt = torch.cat([self.jobs[n].B[path].t() for n in names], 0)
-                hit = leaves.stacks[path] = (names, A.requires_grad_(), Bt.requires_grad_())
-            return hit[1], hit[2]
-        return (torch.cat([self.jobs[n].A[path] for n in names], 0),
-                torch.cat([self.jobs[n].B[path].t() for n in names], 0))
+        if leaves is None or leaves.jobs != self._active.jobs:
+            return cat()
+        hit = leaves.stacks.get(path)
+        if hit is None:
+            with torch.no_grad():
+                A, Bt = cat()
+            hit = leaves.stacks[path] = (names, A.requires_grad_(), Bt.requires_grad_())
+        return hit[1], hit[2]
 
     def stacked(self, path: str, dtype: torch.dtype):
         """(A [R, d_in], B [d_out, R], meta) for the active jobs at `path`, or None if no active job
@@ -322,7 +324,6 @@ class MultiLoRALinear(nn.Module):
         y2 = self.base(x2)  # [T, d_out], not a view: the kernel adds the LoRA delta into it in place
         y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2)
         return y2.view(*x.shape[:-1], y2.shape[-1])
-
 
     def _forward_pack(self, x: torch.Tensor) -> torch.Tensor | None:
         """The whole pack in one grouped call, or None when the siblings' adapter layouts differ

@@ -7,6 +7,7 @@ keeps what it measured. TensorBoard or plots are made from these files, never th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -26,6 +27,15 @@ def _clean(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_clean(x) for x in v]
     return v
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

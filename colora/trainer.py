@@ -87,12 +87,6 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     return body
 
 
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 class MultiJobTrainer:
     def __init__(self, model: torch.nn.Module, bank: AdapterBank, cfg: TrainerConfig,
                  jobs: dict[str, JobConfig], pad_id: int):
@@ -168,7 +162,7 @@ class MultiJobTrainer:
         return [sorted(mb, key=lambda s: rank[s.job]) for mb in mbs]
 
     def _forward_backward(self, mb: list[_Seq], order: tuple[str, ...], sums: torch.Tensor) -> None:
-        from colora.kernels import selective_log_softmax
+        from colora.kernels import selective_log_softmax, upload
 
         dev = self.device
         B, L = len(mb), max(len(s.ids) for s in mb)
@@ -191,11 +185,11 @@ class MultiJobTrainer:
         # Two uploads from pinned memory, not blocking: a plain .to(cuda) waits for the GPU to finish
         # the previous micro-batch's backward, and the host would stop queueing work meanwhile.
         N = len(pos)
-        longs = _upload(torch.cat([ids.view(-1), mask.view(-1), torch.tensor(pos, dtype=torch.long),
+        longs = upload(torch.cat([ids.view(-1), mask.view(-1), torch.tensor(pos, dtype=torch.long),
                                    torch.tensor(per_tok["job"], dtype=torch.long)]), dev)
         ids, mask = longs[: B * L].view(B, L), longs[B * L: 2 * B * L].view(B, L)
         pos_t, job_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N:]  # [N] each
-        floats = _upload(torch.tensor([per_tok[k] for k in ("w", "adv", "temp", "kl", "elp")], dtype=torch.float32), dev)
+        floats = upload(torch.tensor([per_tok[k] for k in ("w", "adv", "temp", "kl", "elp")], dtype=torch.float32), dev)
         w, adv, temp, klc, elp = floats.unbind(0)
         targets = ids.view(-1)[pos_t + 1]  # [N]
         rows = {j: sum(1 for s in mb if s.job == j) for j in order}

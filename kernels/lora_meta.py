@@ -37,6 +37,14 @@ def _check_offsets(v: tuple[int, ...], name: str) -> None:
             raise ValueError(f"{name} must be non-decreasing: {name}[{i}]={v[i]} > {name}[{i + 1}]={v[i + 1]}")
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device` without waiting for the work already queued there: from pinned memory,
+    non-blocking (a pageable copy to the GPU would wait for the queued layers)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, eq=False)
 class Tiles:
     """Row tiles of at most `block` rows that never straddle two jobs, ordered by job.
@@ -103,12 +111,8 @@ class LoRABatchMeta:
             raise ValueError(f"scale must be finite, got {list(sc)}")
         if seg[-1] >= 2**31 or rs[-1] >= 2**31:
             raise ValueError(f"tokens ({seg[-1]}) and total rank ({rs[-1]}) must fit int32")
-        pin = device.type == "cuda"
-        small = torch.tensor(list(seg) + list(rs), dtype=torch.int32)
-        small = small.pin_memory() if pin else small
-        small = small.to(device, non_blocking=True)
-        scale_t = torch.tensor(sc, dtype=torch.float32)
-        scale_t = (scale_t.pin_memory() if pin else scale_t).to(device, non_blocking=True)
+        small = upload(torch.tensor(list(seg) + list(rs), dtype=torch.int32), device)
+        scale_t = upload(torch.tensor(sc, dtype=torch.float32), device)
         return LoRABatchMeta(seg, rs, sc, device, small[: J + 1], small[J + 1:], scale_t, tiles)
 
     def with_ranks(self, rank_start: IntsLike, scale: FloatsLike) -> LoRABatchMeta:
@@ -136,9 +140,7 @@ class LoRABatchMeta:
                 r0, r1 = self.rank_start[j], self.rank_start[j + 1]
                 for s in range(slices):
                     idx.extend(range(s * R + r0, s * R + r1))
-            host = torch.tensor(idx, dtype=torch.int64)
-            host = host.pin_memory() if self.device.type == "cuda" else host
-            self._derived[key] = host.to(self.device, non_blocking=True)  # no wait for the queued layers
+            self._derived[key] = upload(torch.tensor(idx, dtype=torch.int64), self.device)
         return self._derived[key]
 
     @property
@@ -172,10 +174,7 @@ class LoRABatchMeta:
         n = int(job_start[-1])
         job = np.repeat(np.arange(self.num_jobs), per_job)  # [n]
         row = seg[job] + (np.arange(n) - job_start[job]) * block  # [n]
-        host = torch.from_numpy(np.concatenate([job, row, job_start]).astype(np.int32))
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = upload(torch.from_numpy(np.concatenate([job, row, job_start]).astype(np.int32)), self.device)
         t = Tiles(block, n, dev[:n], dev[n: 2 * n], dev[2 * n:])
         self._tiles[block] = t
         return t
