@@ -9,6 +9,9 @@
 #   bash scripts/h200.sh trainer ARGS...    colora bench trainer ARGS... --out $OUT/trainer_step
 #   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline)
 #   bash scripts/h200.sh run ARGS...        colora run ARGS...
+#   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
+#   bash scripts/h200.sh cli ARGS...        colora ARGS... (e.g. sweep; the log is $OUT/cli.log;
+#                                           COLORA_TIMEOUT=S stops it after S seconds)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out}
@@ -45,6 +48,18 @@ case "$1" in
   run)
     shift
     python3 -P -m colora.cli run "$@" >> "$LOG" 2>&1; echo "run: $?" >> "$LOG"
+    ;;
+  smollm2)
+    # The host reaches no index: the model is converted from the GGUF the kit carries.
+    [ -f "$COLORA_HOME/models/smollm2/config.json" ] || \
+      python3 -P -m colora.cli model smollm2 "$COLORA_HOME/models/smollm2" \
+        --source /tmp/colora-site/colora-models/SmolLM2-135M-Instruct.Q4_1.gguf >> "$LOG" 2>&1
+    echo "model smollm2: $?" >> "$LOG"
+    ;;
+  cli)
+    shift
+    # COLORA_TIMEOUT=S stops the command (SIGTERM to python itself) after S seconds; 0: no limit.
+    timeout "${COLORA_TIMEOUT:-0}" python3 -P -m colora.cli "$@" >> "$LOG" 2>&1; echo "colora $1: $?" >> "$LOG"
     ;;
 esac
 grep -v -E "^\(|INFO|WARNING" "$LOG" | tail -60
