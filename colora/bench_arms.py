@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import python_m
 from .config import Config, load_config, replace
 
 NON_MPS = ("dedicated", "shared_sync", "overlap")
@@ -52,11 +53,16 @@ def with_jobs(cfg: Config, n: int) -> Config:
 
 
 def plan(cfg: Config, args) -> list[dict]:
-    """Every run of the benchmark: (arm, seed, jobs, overrides, label)."""
+    """Every run of the benchmark: (arm, seed, jobs, overrides, label).
+
+    The main arms of every seed come first, then the job-count runs, then the tuning sweep: each batch
+    (without and with MPS) runs in this order, so a deadline cuts the extras before a seed's headline.
+    """
     runs = []
     for seed in args.seeds:
         for arm in args.arms:
             runs.append({"arm": arm, "seed": seed, "jobs": len(cfg.jobs), "set": [], "label": "main"})
+    for seed in args.seeds:
         for n in args.jobs:
             if n != len(cfg.jobs):
                 for arm in args.scale_arms or [args.headline]:
@@ -162,7 +168,7 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
         for r in extra:
             s = r["summary"] or {}
             lines.append(f"| {r['label']} | {r['arm']} | {r['jobs']} | {r['seed']} | "
-                         f"{(r['steps_per_hour'] or 0):.0f} | {(r['ratio'] or 0):.3f} | "
+                         f"{_fmt(r['steps_per_hour'], 0)} | {_fmt(r['ratio'], 3)} | "
                          f"{_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
     lines += ["", "Per run: phase times and engine start (reported apart from throughput):", "",
               "| arm | seed | label | engine start s | measured steps | measured s | busy | GPU util | MPS |",
@@ -266,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"MPS unavailable here ({e}); the child decides what to do", flush=True)
                 daemon = None
         # Each batch in its own process: one engine per process, and a clean MPS state.
-        cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "colora.bench_arms", args.config, "--child", kind, "--runs", str(root),
+        cmd = [*python_m("colora.bench_arms"), args.config, "--child", kind, "--runs", str(root),
                "--only", json.dumps(batch)] + [f"--set={s}" for s in args.set]
         print(f"== {kind} batch: {len(batch)} runs", flush=True)
         child = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from . import python_m
 from .config import ARMS, Config, ConfigError, diff, from_dict, load_config, replace
 from .runlog import write_json_atomic
 
@@ -164,7 +165,7 @@ def run_in_process(cfg: Config, out: Path, cache, log: Callable[[str], None]) ->
 
 def run_in_child(config_path: str, overrides: list[str], out: Path, log_path: Path) -> dict:
     """`colora run` in a child process (MPS arms on a GPU); its output goes to `log_path`."""
-    cmd = [sys.executable, "-m", "colora.cli", "run", str(config_path)]
+    cmd = [*python_m("colora.cli"), "run", str(config_path)]
     for o in overrides:
         cmd += ["--set", o]
     cmd += ["--out", str(out)]

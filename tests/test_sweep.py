@@ -169,3 +169,17 @@ def test_mps_arm_on_a_gpu_goes_to_a_child(tmp_path):
                     progress=lambda s: None)
     assert fake.calls == [("dedicated", 1)]
     assert child_calls == [["experiment.steps=3", "experiment.arm=overlap_mps", "experiment.seed=1"]]
+
+
+def test_child_processes_keep_safe_path():
+    """A sweep's MPS child (and bench arms' children) is started as its parent was: under -P it must
+    not import a `colora` from its working directory (on the GPU host that folder lacks colora.tasks)."""
+    import subprocess
+    import sys
+
+    code = "import colora, json; print(json.dumps(colora.python_m('colora.cli')))"
+    for flags, want in (([], False), (["-P"], True)):
+        out = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True)
+        cmd = json.loads(out.stdout)
+        assert cmd[0] == sys.executable and cmd[-2:] == ["-m", "colora.cli"]
+        assert ("-P" in cmd) == want, (flags, cmd)

