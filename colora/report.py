@@ -60,6 +60,7 @@ class RunData:
     reward_mean: dict[str, float]  # job -> mean over ok steps of the step's mean reward
     curves: dict[str, list[tuple[int, float]]]  # job -> [(step, reward)]
     spans: list[dict] = field(default_factory=list)
+    eval_before: dict[str, float] = field(default_factory=dict)  # job -> eval accuracy before training
 
     @property
     def steps_per_hour(self) -> float:
@@ -120,6 +121,7 @@ def load_run(path: Path) -> RunData | None:
         return None
     ev = json.loads((path / "eval.json").read_text()) if (path / "eval.json").is_file() else {}
     eval_after = {j: float(v["accuracy"]) for j, v in ev.get("after", {}).items() if "accuracy" in v}
+    eval_before = {j: float(v["accuracy"]) for j, v in ev.get("before", {}).items() if "accuracy" in v}
     rows = [r for r in read_jsonl(path / "metrics.jsonl")
             if r.get("status") == "ok" and "reward" in r and "event" not in r]
     curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -128,7 +130,7 @@ def load_run(path: Path) -> RunData | None:
     curves = {j: sorted(v) for j, v in curves.items()}
     reward_mean = {j: float(np.mean([r for _, r in v])) for j, v in curves.items()}
     return RunData(path, cfg.experiment.arm, cfg.experiment.seed, _sweep_repeat(path), lock_hash(cfg), summary,
-                   eval_after, reward_mean, curves, read_jsonl(path / "timeline.jsonl"))
+                   eval_after, reward_mean, curves, read_jsonl(path / "timeline.jsonl"), eval_before)
 
 
 def load_runs(paths: list[str | Path]) -> tuple[list[RunData], list[str]]:
@@ -186,6 +188,23 @@ def _iv(d: dict | None) -> stats.Interval | None:
     return None if d is None else stats.Interval(**d)
 
 
+def eval_by_job(runs: list[RunData], arms: list[str]) -> dict:
+    """{arm: {job: {"before", "after", "change", "seeds"}}}: eval accuracy before and after training,
+    averaged over repeats per seed and then over seeds (jobs evaluated both times only)."""
+    out = {}
+    for a in arms:
+        before, after = _per_job(runs, a, "eval_before"), _per_job(runs, a, "eval_after")
+        keys = sorted(set(before) & set(after))
+        jobs = {}
+        for job in sorted({j for j, _ in keys}):
+            ks = [k for k in keys if k[0] == job]
+            b, f = float(np.mean([before[k] for k in ks])), float(np.mean([after[k] for k in ks]))
+            jobs[job] = {"before": b, "after": f, "change": f - b, "seeds": [s for _, s in ks]}
+        if jobs:
+            out[a] = jobs
+    return out
+
+
 def analyse(runs: list[RunData], gates: stats.Gates, analysis: dict, expected_seeds: list[int] | None) -> dict:
     """Every number of the report, keyed by arm and seed (seeds as strings: JSON keys)."""
     seed = int(analysis.get("bootstrap_seed", 0))
@@ -205,6 +224,7 @@ def analyse(runs: list[RunData], gates: stats.Gates, analysis: dict, expected_se
         if 0 in reps and 1 in reps and all(math.isfinite(x) and x > 0 for x in (reps[0], reps[1])):
             aa[s] = stats.aa_spread(reps[0], reps[1])
     out["aa"] = {"throughput": {str(s): v for s, v in aa.items()}}
+    out["eval_by_job"] = eval_by_job(runs, arms)
     if "dedicated" not in arms:
         out["notes"].append("no dedicated run: no ratios, paired differences or gates")
         return out
@@ -496,6 +516,20 @@ def render(res: dict, runs: list[RunData], command: str, gates: stats.Gates, pre
                          f"{_ci(c['bootstrap'])} |")
                 if c["dropped"]:
                     L.append(f"| | unpaired, left out | {', '.join(f'{j} seed {s}' for j, s in c['dropped'])} | | | |")
+    ebj = res.get("eval_by_job") or {}
+    if ebj:
+        arms_e = [a for a in res["arms"] if a in ebj]
+        jobs = sorted({j for a in arms_e for j in ebj[a]})
+        L += ["", "## Eval accuracy before and after training, per job", "",
+              "Held-out eval split, greedy; each cell: before -> after (change), the mean over seeds (and "
+              "repeats). The last row counts the jobs whose accuracy rose.", "",
+              "| job | " + " | ".join(arms_e) + " |", "|---" * (len(arms_e) + 1) + "|"]
+        for j in jobs:
+            cells = [(f"{ebj[a][j]['before']:.3f} -> {ebj[a][j]['after']:.3f} ({ebj[a][j]['change']:+.3f})"
+                      if j in ebj[a] else "-") for a in arms_e]
+            L.append(f"| {j} | " + " | ".join(cells) + " |")
+        L.append("| rose on | " + " | ".join(
+            f"{sum(v['change'] > 0 for v in ebj[a].values())} of {len(ebj[a])}" for a in arms_e) + " |")
     src = f"pre-registered in `{prereg['path']}`" if prereg else "the reference study's numbers; no --prereg given"
     L += ["", f"## Gates ({src})", "",
           f"throughput >= {gates.min_ratio:g}x dedicated on every seed; mean gain (ratio - 1) > "

@@ -51,7 +51,7 @@ def write_fake_run(d: Path, arm: str, seed: int, sph: float, acc: dict, rewards:
                 f.write(json.dumps({"job": j, "step": step, "reward": r, "status": "ok", "group": 0}) + "\n")
                 f.write(json.dumps({"job": j, "event": "reload", "version": step + 1, "seconds": 0.01}) + "\n")
         f.write(json.dumps({"job": JOBS[0], "step": 99, "reward": 123.0, "status": "stopped"}) + "\n")  # not ok
-    write_json_atomic(d / "eval.json", {"n": 4, "before": {j: {"accuracy": 0.0} for j in JOBS},
+    write_json_atomic(d / "eval.json", {"n": 4, "before": {j: {"accuracy": BEFORE[j]} for j in JOBS},
                                         "after": {j: {"accuracy": acc[j], "n": 4} for j in JOBS}})
     window = ({"steps": sum(w["steps"] for w in windows), "seconds": sum(w["seconds"] for w in windows),
                "windows": windows} if arm == "dedicated" else {**windows[0], "groups": [list(JOBS)]})
@@ -61,6 +61,8 @@ def write_fake_run(d: Path, arm: str, seed: int, sph: float, acc: dict, rewards:
                                            "groups": None if arm == "dedicated" else [list(JOBS)], "window": window})
     write_json_atomic(d / "status.json", {"state": "complete"})
 
+
+BEFORE = {"add": 0.125, "mod": 0.5}  # eval accuracy before training, every run (the base model)
 
 # Chosen numbers: (arm, seed, repeat) -> steps/h, eval accuracy per job, rewards per step per job
 FAKE = {
@@ -113,6 +115,13 @@ def test_report_numbers_match_hand_computation(tmp_path):
     aa = {(j, sd): x for j, sd, x in s["aa"]["eval_accuracy"]["pairs"]}
     assert aa == pytest.approx({("add", 1): 0.25, ("mod", 1): 0.0})
 
+    # eval before -> after per job: repeats averaged per seed, then seeds
+    ebj = s["eval_by_job"]
+    add = dict(ebj["dedicated"]["add"])
+    assert add.pop("seeds") == [1, 2]
+    assert add == pytest.approx({"before": 0.125, "after": (0.625 + 0.25) / 2, "change": (0.625 + 0.25) / 2 - 0.125})
+    assert ebj["shared_sync"]["mod"]["change"] == pytest.approx(0.25 - 0.5)
+
     # gates: 2.255x and 2.1x >= 2.0; gain 1.18 > 5 x 0.04; accuracy lower bound is far below -0.05
     g = {r["name"]: r for r in s["gates"]["shared_sync"]["results"]}
     assert g["throughput"]["status"] == "PASS" and g["throughput"]["value"] == pytest.approx(2.1)
@@ -123,6 +132,8 @@ def test_report_numbers_match_hand_computation(tmp_path):
     md = (tmp_path / "rep" / "report.md").read_text()
     assert any(x.strip().startswith("colora report ") for x in md.splitlines()[:6])  # opens with its command
     assert f"{2300 / 1020:.3f}x" in md and "**FAIL**" in md and "**PASS**" in md
+    assert "| add | 0.125 -> 0.438 (+0.312) | 0.125 -> 0.500 (+0.375) |" in md
+    assert "| rose on | 1 of 2 | 1 of 2 |" in md
     for f in s["figures"]:
         assert (tmp_path / "rep" / f).stat().st_size > 10_000, f
     assert len(s["figures"]) == 4
