@@ -33,7 +33,6 @@ class CheckpointError(RuntimeError):
     pass
 
 
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

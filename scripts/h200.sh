@@ -8,9 +8,8 @@
 #   bash scripts/h200.sh tests              the GPU tests of the kernels and the trainer
 #   bash scripts/h200.sh trainer ARGS...    colora bench trainer ARGS... --out $OUT/trainer_step
 #   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline)
-#   bash scripts/h200.sh run ARGS...        colora run ARGS...
 #   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
-#   bash scripts/h200.sh cli ARGS...        colora ARGS... (e.g. sweep; the log is $OUT/cli.log;
+#   bash scripts/h200.sh cli ARGS...        colora ARGS... (run, sweep, ...; the log is $OUT/cli.log;
 #                                           COLORA_TIMEOUT=S stops it after S seconds)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,14 +27,17 @@ LOG="$OUT/$1.log"
   python3 -c "import sys, torch, triton, transformers, peft; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
   python3 -c "import vllm; print('vllm', vllm.__version__)" 2>&1 | tail -1
 } >> "$LOG" 2>&1
+gpu_tests() {  # the GPU tests of the kernels and the trainer, within $1 seconds
+  timeout "$1" python3 -P -m pytest -q tests/test_kernels_gpu.py tests/test_kernels.py tests/test_trainer.py -k "gpu or triton or not interpreter" -p no:cacheprovider 2>&1 | tail -40 >> "$LOG"
+}
 case "$1" in
   kernels)
-    timeout 170 python3 -P -m pytest -q tests/test_kernels_gpu.py tests/test_kernels.py tests/test_trainer.py -k "gpu or triton or not interpreter" -p no:cacheprovider 2>&1 | tail -40 >> "$LOG"
+    gpu_tests 170
     timeout 200 python3 -P -m colora.cli bench kernels --out "$OUT/kernels" >> "$LOG" 2>&1; echo "bench kernels: $?" >> "$LOG"
     timeout 170 python3 -P -m colora.cli bench trainer --peft-micro-seqs 32 --out "$OUT/trainer_step" >> "$LOG" 2>&1; echo "bench trainer: $?" >> "$LOG"
     ;;
   tests)
-    timeout 300 python3 -P -m pytest -q tests/test_kernels_gpu.py tests/test_kernels.py tests/test_trainer.py -k "gpu or triton or not interpreter" -p no:cacheprovider 2>&1 | tail -40 >> "$LOG"
+    gpu_tests 300
     ;;
   trainer)
     shift
@@ -44,10 +46,6 @@ case "$1" in
   arms)
     shift
     python3 -P -m colora.cli bench arms "$@" --out "$OUT/arms" >> "$LOG" 2>&1; echo "bench arms: $?" >> "$LOG"
-    ;;
-  run)
-    shift
-    python3 -P -m colora.cli run "$@" >> "$LOG" 2>&1; echo "run: $?" >> "$LOG"
     ;;
   smollm2)
     # The host reaches no index: the model is converted from the GGUF the kit carries.
