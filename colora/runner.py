@@ -332,7 +332,13 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
                             str(setup.model_dir), log, on_step=ckpt.maybe_save)
         for name in jobs:
             v = bank.jobs[name].version
-            engine.set_adapter(name, v, str(bank.export_peft(name, scratch / name / f"v{v}", str(setup.model_dir))))
+            engine.set_adapter(name, v, str(bank.export_peft(name, scratch / name / f"v{v}", str(setup.model_dir), tdtype)))
+
+        if not engine.warmed:  # once per engine: its compiled kernels stay for every later run
+            with timeline.span("engine_warmup"):
+                secs = engine.warm_up(exp.seed)
+            engine.warmed = True
+            log(f"engine warmed up in {secs:.1f}s")
 
         if resume_state is not None and (out / "eval_before.json").exists():
             before = json.loads((out / "eval_before.json").read_text())

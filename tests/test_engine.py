@@ -104,3 +104,31 @@ def test_unknown_job_is_refused(engine):
 
     with pytest.raises(KeyError, match="no adapter"):
         engine.generate([GenRequest("nobody", (1, 2, 3), 4, 1.0)])
+
+
+def test_warm_up_goes_through_every_adapter_and_changes_nothing(engine, bank_model, tmp_path):
+    """The warm-up queues odd token counts through each loaded adapter and leaves the engine idle,
+    with the same adapter versions and the same rollout for the same seed."""
+    from colora.engine import GenRequest
+
+    bank, _ = bank_model
+    for name in ("a", "b"):
+        v = bank.jobs[name].version
+        engine.set_adapter(name, v, str(bank.export_peft(name, tmp_path / f"w{name}{v}", "tiny")))
+    req = [GenRequest("a", tuple(range(40, 70)), 6, 1.0, seed=7)]
+    before = engine.generate(req)[0].completion_ids
+    versions = {n: engine.version(n) for n in ("a", "b")}
+    seen = []
+    submit = engine.submit
+    engine.submit = lambda key, reqs: (seen.append(reqs), submit(key, reqs))[1]
+    try:
+        secs = engine.warm_up(seed=3)
+    finally:
+        del engine.submit
+    assert secs > 0 and not engine.busy()
+    assert {r.job for reqs in seen for r in reqs} == {"a", "b"}
+    totals = [sum(len(r.prompt_ids) for r in reqs) for reqs in seen]
+    assert all(t % 16 for t in totals) and min(totals) < 128 < max(totals)
+    assert max(totals) > engine._largest_graph()
+    assert {n: engine.version(n) for n in ("a", "b")} == versions
+    assert engine.generate(req)[0].completion_ids == before
