@@ -112,6 +112,7 @@ class CoRunner:
         self.on_step = on_step  # checkpoint hook, called on the main thread after each group step
         self._prompt_cache: dict[tuple, list[int]] = {}
         self._submit_q: queue.Queue | None = None  # set while the engine thread runs
+        self._queued_at: dict[int, float] = {}  # group -> when it was handed to the engine thread
 
     # -- prompts and requests ------------------------------------------------------------------
     def prompt_ids(self, messages: tuple[dict, ...]) -> list[int]:
@@ -186,7 +187,9 @@ class CoRunner:
                 for g, results in self.engine.poll():
                     items, t0 = inflight.pop(g)
                     end = self.timeline.now()
-                    self.timeline.add("generate", t0, end, group=g, jobs=tuple(items), sequences=len(results))
+                    # queued: when the trainer handed the group over (t0 - queued: the engine thread's delay)
+                    self.timeline.add("generate", t0, end, group=g, jobs=tuple(items), sequences=len(results),
+                                      queued=round(self._queued_at.pop(g, t0), 6))
                     by_job: dict[str, list[GenResult]] = {n: [] for n in items}
                     for r in results:
                         by_job[r.request.job].append(r)
@@ -242,7 +245,7 @@ class CoRunner:
             stats = self.trainer.step(rollouts)
         t_train = time.perf_counter() - t0
         now = self.timeline.now()
-        parts = []
+        parts, exports = [], []
         for name, st in stats.items():
             js = self.jobs[name]
             rs = rollouts[name]
@@ -256,14 +259,19 @@ class CoRunner:
                 self.metrics.write({**row, "status": "stopped"})
                 self.stop(js, st.failure)
                 continue
-            path = self.bank.export_peft(name, self.adapter_root / name / f"v{st.version}", self.base_model)
-            js.pending = (st.version, path)
+            exports.append((js, st.version))
             js.step += 1
             js.step_ends.append(now)
             self.metrics.write({**row, "status": "ok"})
             if js.step >= self.cfg.experiment.steps:
                 js.status = "done"
             parts.append(f"{name} r={rewards[name]:.2f}")
+        # The engine's copy of each new adapter, in the engine's dtype (see AdapterBank.export_peft).
+        dtype = getattr(torch, self.engine.dtype)
+        with self.timeline.span("export", group=group, groups=list(groups), jobs=tuple(js.name for js, _ in exports)):
+            for js, version in exports:
+                js.pending = (version, self.bank.export_peft(js.name, self.adapter_root / js.name / f"v{version}",
+                                                             self.base_model, dtype))
         self.log(f"{progress} | {' '.join(parts)} | gen {max(t_gen.values()):.1f}s train {t_train:.1f}s")
         if self.on_step is not None:
             self.on_step()
@@ -279,6 +287,10 @@ class CoRunner:
         else:
             self.engine.drop(js.name)
 
+    def _queue(self, submit_q: queue.Queue, group: int) -> None:
+        self._queued_at[group] = self.timeline.now()
+        submit_q.put(group)
+
     # -- arms --------------------------------------------------------------------------------
     def run_groups(self, groups: list[list[str]]) -> None:
         """Phase-offset groups over the continuous engine (see the module docstring). Returns when
@@ -293,7 +305,7 @@ class CoRunner:
         waiting = deque(g for g, names in enumerate(groups) if any(self.jobs[n].status == "running" for n in names))
         outstanding = 0
         if waiting:
-            submit_q.put(waiting.popleft())
+            self._queue(submit_q, waiting.popleft())
             outstanding = 1
         self._submit_q = submit_q
         stop_watch = threading.Event()
@@ -321,14 +333,14 @@ class CoRunner:
                         raise item
                 outstanding -= len(ready)
                 if waiting:
-                    submit_q.put(waiting.popleft())
+                    self._queue(submit_q, waiting.popleft())
                     outstanding += 1
                 step = max(self.jobs[n].step for g, _, _ in ready for n in groups[g]) + 1
                 label = "groups " + ",".join(str(g) for g, _, _ in ready) if len(groups) > 1 else "step"
                 self.train_task(ready, f"{label} {step}/{steps}")
                 for g, _, _ in ready:
                     if any(self.jobs[n].status == "running" for n in groups[g]):
-                        submit_q.put(g)
+                        self._queue(submit_q, g)
                         outstanding += 1
         finally:
             stop_watch.set()

@@ -210,8 +210,12 @@ class AdapterBank:
         return out
 
     # -- export / state ---------------------------------------------------------------------------
-    def export_peft(self, name: str, out_dir: str | Path, base_model: str) -> Path:
-        """Write the job's adapter in PEFT's format, atomically (temp dir + rename)."""
+    def export_peft(self, name: str, out_dir: str | Path, base_model: str, dtype: torch.dtype = torch.float32) -> Path:
+        """Write the job's adapter in PEFT's format, atomically (temp dir + rename).
+
+        `dtype`: the tensors' type in the file. The engine's copies are written in the engine's own
+        dtype: vLLM casts an adapter to its dtype as the first thing it does on loading, so a bf16
+        file gives it the same weights as an fp32 one at half the bytes to write and read."""
         from safetensors.torch import save_file
 
         job = self.jobs[name]
@@ -223,7 +227,7 @@ class AdapterBank:
             names += [f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"]
             params += [job.A[path], job.B[path]]
         # One device-to-host copy for the whole adapter, not one (and one sync) per tensor.
-        flat = torch.cat([p.detach().float().reshape(-1) for p in params]).cpu()
+        flat = torch.cat([p.detach().to(dtype).reshape(-1) for p in params]).cpu()
         tensors, at = {}, 0
         for name, p in zip(names, params):
             tensors[name] = flat[at: at + p.numel()].view(p.shape).clone()

@@ -40,7 +40,7 @@ from .runlog import read_jsonl, write_json_atomic
 
 ARM_COLORS = {"dedicated": "#7f7f7f", "shared_sync": "#1f77b4", "overlap": "#ff7f0e", "mps": "#2ca02c",
               "overlap_mps": "#d62728"}
-PHASE_COLORS = {"generate": "#4c72b0", "train": "#dd8452", "reload": "#55a868", "eval": "#8172b3"}
+PHASE_COLORS = {"generate": "#4c72b0", "train": "#dd8452", "export": "#8c8c8c", "reload": "#55a868", "eval": "#8172b3"}
 METRICS = (("eval_accuracy", "final eval accuracy"), ("train_reward", "mean training reward"))
 
 
@@ -413,7 +413,7 @@ def fig_timeline(runs: list[RunData], res: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(picks), 1, figsize=(12, 1.0 + 1.2 * len(picks) + 0.25 * sum(
         len(r.summary.get("groups") or r.eval_after or [0]) for r in picks)), squeeze=False, sharex=True)
     for ax, r in zip(axes[:, 0], picks):
-        spans = [s for s in r.spans if s["phase"] != "engine_start"]
+        spans = [s for s in r.spans if s["phase"] not in ("engine_start", "engine_warmup")]
         if not spans:
             ax.set_title(f"{r.arm}: no timeline")
             continue

@@ -71,3 +71,18 @@ def test_job_state_round_trip(tiny_model_dir):
     assert other.jobs["a"].version == 5
     assert all(torch.equal(other.jobs["a"].A[k], job.A[k]) and torch.equal(other.jobs["a"].B[k], job.B[k]) for k in job.A)
     assert float(other.jobs["a"].optimizer.state_dict()["state"][0]["step"]) == 1.0
+
+
+def test_export_in_the_engines_dtype_is_the_cast_of_the_fp32_export(tiny_model_dir, tmp_path):
+    """vLLM casts an adapter to its own dtype on loading: a bf16 file must hold exactly that cast."""
+    from safetensors.torch import load_file
+
+    _, bank = _bank_with_jobs(tiny_model_dir)
+    full = load_file(str(bank.export_peft("a", tmp_path / "f32", "tiny") / "adapter_model.safetensors"))
+    half = load_file(str(bank.export_peft("a", tmp_path / "bf16", "tiny", torch.bfloat16) / "adapter_model.safetensors"))
+    assert full.keys() == half.keys() and all(t.dtype == torch.float32 for t in full.values())
+    for k in full:
+        assert half[k].dtype == torch.bfloat16 and torch.equal(half[k], full[k].to(torch.bfloat16)), k
+    assert any(t.abs().max() > 0 for t in half.values())
+    size = lambda d: (tmp_path / d / "adapter_model.safetensors").stat().st_size
+    assert size("bf16") < 0.6 * size("f32")
