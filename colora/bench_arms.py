@@ -2,10 +2,10 @@
 
     colora bench arms experiments/reference8_throughput.toml --seeds 1 2 3 --out reports/arms
 
-Two processes, one engine each (vLLM's start is 80-160 s on the H200): this one runs the arms
-without MPS (dedicated, shared_sync, overlap) and a child process started with MPS runs the MPS arms
-(mps, overlap_mps), since whether a process is an MPS client is fixed when it makes its CUDA
-context. Runs of a process share its engine (`engine.max_loras` must cover the largest job count).
+Child processes, one engine each (vLLM's start is 80-160 s on the H200): one runs the arms without
+MPS (dedicated, shared_sync, overlap) and one started with MPS runs the MPS arms (mps, overlap_mps),
+since whether a process is an MPS client, and with what share of the SMs, is fixed when it makes its
+CUDA context (a tuning sweep over the MPS percentages gets one MPS process per setting). Runs of a process share its engine (`engine.max_loras` must cover the largest job count).
 `--jobs 2 4 16` also runs the headline arm with that many jobs (the config's jobs repeated with new
 names); their baseline is the dedicated throughput of the seed's base workload, since a dedicated
 job runs alone whatever the number of jobs (stated in the report). `--vary KEY=V1,V2` runs the
@@ -61,7 +61,8 @@ def plan(cfg: Config, args) -> list[dict]:
     runs = []
     for seed in args.seeds:
         for arm in args.arms:
-            runs.append({"arm": arm, "seed": seed, "jobs": len(cfg.jobs), "set": [], "label": "main"})
+            ded = [f"experiment.steps={args.dedicated_steps}"] if arm == "dedicated" and args.dedicated_steps else []
+            runs.append({"arm": arm, "seed": seed, "jobs": len(cfg.jobs), "set": ded, "label": "main"})
     for seed in args.seeds:
         for n in args.jobs:
             if n != len(cfg.jobs):
@@ -73,6 +74,21 @@ def plan(cfg: Config, args) -> list[dict]:
             runs.append({"arm": args.headline, "seed": args.seeds[0], "jobs": len(cfg.jobs), "set": [f"{key}={v}"],
                          "label": f"vary:{key}={v}"})
     return runs
+
+
+def batches(config: str, overrides: list[str], runs: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The child processes, in order: one for the runs without MPS, then one per distinct pair of MPS
+    thread percentages (engine, trainer). CUDA reads a process's percentage once, when it makes its
+    context, so runs that vary it (`--vary overlap.mps_trainer_percentage=...`) cannot share a
+    process (nor, for the engine's, an engine)."""
+    out: list[tuple[str, list[dict]]] = [("plain", [r for r in runs if r["arm"] in NON_MPS])]
+    by_share: dict[tuple[int, int], list[dict]] = {}
+    for r in runs:
+        if r["arm"] in MPS:
+            ov = load_config(config, [*overrides, *r["set"]]).overlap
+            by_share.setdefault((ov.mps_engine_percentage, ov.mps_trainer_percentage), []).append(r)
+    out += [("mps", rs) for rs in by_share.values()]
+    return [(kind, rs) for kind, rs in out if rs]
 
 
 def run_dir(root: Path, r: dict) -> Path:
@@ -120,12 +136,37 @@ def run_batch(config: str, overrides: list[str], runs: list[dict], root: Path, m
             print(f"MPS daemon: {daemon.stop()}", flush=True)
 
 
+PHASES = ("generate", "handoff", "train", "export", "reload")
+
+
+def phase_stats(spans: list[dict], window: dict) -> dict:
+    """Median and largest duration of each phase whose span starts inside the measured window(s).
+    `handoff`: from the trainer handing a group to the engine thread to that thread taking it up."""
+    ws = window.get("windows") or [window]
+    inside = [s for s in spans if any(w["start"] <= s["start"] < w["end"] for w in ws if w.get("seconds"))]
+    out = {}
+    for ph in PHASES:
+        if ph == "handoff":
+            d = [s["start"] - s["queued"] for s in inside if s["phase"] == "generate" and "queued" in s]
+        else:
+            d = [s["end"] - s["start"] for s in inside if s["phase"] == ph]
+        if d:
+            d.sort()
+            out[ph] = {"n": len(d), "median": d[len(d) // 2] if len(d) % 2 else (d[len(d) // 2 - 1] + d[len(d) // 2]) / 2,
+                       "max": d[-1]}
+    return out
+
+
 def collect(runs: list[dict], root: Path) -> list[dict]:
+    from .runlog import read_jsonl
+
     rows = []
     for r in runs:
         p = run_dir(root, r) / "summary.json"
         s = json.loads(p.read_text()) if p.exists() else None
-        rows.append({**r, "summary": s})
+        tl = run_dir(root, r) / "timeline.jsonl"
+        phases = phase_stats(read_jsonl(tl), s["window"]) if s and s.get("window") and tl.exists() else {}
+        rows.append({**r, "summary": s, "phases": phases})
     base = {r["seed"]: r["summary"]["steps_per_hour"] for r in rows
             if r["arm"] == "dedicated" and r["label"] == "main" and r["summary"]}
     for r in rows:
@@ -145,7 +186,11 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
     arms = [a for a in NON_MPS + MPS if any(r["arm"] == a and r["label"] == "main" for r in rows)]
     lines = [f"# Arms benchmark: {cfg.experiment.name}", "", "```", command, "```", "",
              f"Config hash `{cfg.hash()}`; model `{cfg.experiment.model}`; {len(cfg.jobs)} jobs; "
-             f"{cfg.experiment.steps} steps of which {cfg.experiment.warmup_steps} warm-up (not measured).", "",
+             f"{cfg.experiment.steps} steps of which {cfg.experiment.warmup_steps} warm-up (not measured)"
+             + "".join(f"; dedicated runs: {x.split('=', 1)[1]} steps per job (a steady per-job loop; set apart "
+                       "to fit the device time)" for x in sorted({x for r in rows if r["arm"] == "dedicated"
+                                                                   for x in r["set"] if x.startswith("experiment.steps=")}))
+             + ".", "",
              "Steps per device-hour (ratio to the same seed's dedicated baseline):", "",
              "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ratio |",
              "|---|" + "---|" * (len(seeds) + 1)]
@@ -179,6 +224,16 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
                      f"{' (reused)' if s.get('engine_reused') else ''} | {s.get('steps_measured', '-')} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "
                      f"{_fmt(s.get('gpu_util'))} | {s.get('mps', '-')} |")
+    timed = [r for r in rows if r.get("phases")]
+    if timed:
+        lines += ["", "Phase durations in the measured window, seconds: median / largest (handoff: from the trainer "
+                  "handing a group over to the engine thread taking it up; generate includes loading the group's "
+                  "adapters, which reload also shows):", "",
+                  "| arm | seed | label | " + " | ".join(PHASES) + " |", "|---|---|---|" + "---|" * len(PHASES)]
+        for r in timed:
+            ph = r["phases"]
+            cells = [f"{ph[k]['median']:.2f} / {ph[k]['max']:.2f}" if k in ph else "-" for k in PHASES]
+            lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -199,7 +254,7 @@ def draw_timelines(rows: list[dict], root: Path, path: Path, window_s: float = 6
             picks.append(r)
     if not picks:
         return
-    colors = {"generate": "tab:blue", "train": "tab:orange", "reload": "tab:green"}
+    colors = {"generate": "tab:blue", "train": "tab:orange", "export": "tab:gray", "reload": "tab:green"}
     fig, axes = plt.subplots(len(picks), 1, figsize=(11, 1.6 * len(picks) + 0.6), squeeze=False)
     for ax, r in zip(axes[:, 0], picks):
         spans = read_jsonl(run_dir(root, r) / "timeline.jsonl")
@@ -209,16 +264,17 @@ def draw_timelines(rows: list[dict], root: Path, path: Path, window_s: float = 6
             if s["phase"] not in colors or s["end"] < t0 or s["start"] > t0 + window_s:
                 continue
             lane = 0 if r["arm"] == "dedicated" else max(s.get("group", 0), 0)
-            if s["phase"] == "train" and s.get("groups") and len(s["groups"]) > 1:
+            if s["phase"] in ("train", "export") and s.get("groups") and len(s["groups"]) > 1:
                 lane = min(s["groups"])
-            ax.barh(lane + (0.2 if s["phase"] == "train" else 0), s["end"] - s["start"], left=s["start"] - t0,
+            ax.barh(lane + (0.2 if s["phase"] in ("train", "export") else 0), s["end"] - s["start"], left=s["start"] - t0,
                     height=0.35, color=colors[s["phase"]])
         ax.set_xlim(0, window_s)
         ax.set_ylabel(r["arm"], rotation=0, ha="right", va="center")
         ax.set_yticks([])
         ax.set_title(f"{r['arm']}: {r['steps_per_hour']:.0f} steps/h"
                      + (f", {r['ratio']:.2f}x dedicated" if r.get("ratio") else ""), fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("seconds into the measured window (lanes: groups; blue generate, orange train, green reload)")
+    axes[-1, 0].set_xlabel("seconds into the measured window (lanes: groups; blue generate, orange train, "
+                           "grey export, green reload)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -239,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-arms", nargs="*", default=[], choices=list(NON_MPS + MPS),
                    help="arms run at each --jobs count (default: the headline arm)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--dedicated-steps", type=int, default=0, metavar="N",
+                   help="steps per job of the dedicated baseline (default: the config's); the report says so")
     p.add_argument("--out", default="reports/arms", help="report path without suffix")
     p.add_argument("--runs", default="runs/bench", help="where the run directories go")
     p.add_argument("--deadline", type=float, default=0, help="seconds for the whole benchmark; 0: none")
@@ -252,13 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs = plan(cfg, args)
     command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
-    plain = [r for r in runs if r["arm"] in NON_MPS]
-    mps = [r for r in runs if r["arm"] in MPS]
     failed = False
     deadline = time.monotonic() + args.deadline if args.deadline else None
-    for kind, batch in (("plain", plain), ("mps", mps)):
-        if not batch:
-            continue
+    for kind, batch in batches(args.config, args.set, runs):
         daemon = None
         if kind == "mps":
             # This process never makes a CUDA context, so it can start the daemon for the child and

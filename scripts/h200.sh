@@ -7,7 +7,8 @@
 #   bash scripts/h200.sh kernels            GPU kernel tests, kernel benchmark, trainer-step benchmark
 #   bash scripts/h200.sh tests              the GPU tests of the kernels and the trainer
 #   bash scripts/h200.sh trainer ARGS...    colora bench trainer ARGS... --out $OUT/trainer_step
-#   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline)
+#   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline; with --runs
+#                                           /tmp/colora-runs the run directories come back as runs.tgz)
 #   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
 #   bash scripts/h200.sh cli ARGS...        colora ARGS... (run, sweep, ...; the log is $OUT/cli.log;
 #                                           COLORA_TIMEOUT=S stops it after S seconds)
@@ -46,6 +47,9 @@ case "$1" in
   arms)
     shift
     python3 -P -m colora.cli bench arms "$@" --out "$OUT/arms" >> "$LOG" 2>&1; echo "bench arms: $?" >> "$LOG"
+    # the run directories (timelines, metrics, logs; not the adapters), when --runs /tmp/colora-runs
+    [ -d /tmp/colora-runs ] && tar czf "$OUT/runs.tgz" --exclude=adapters --exclude=.adapters \
+      --exclude=checkpoints -C /tmp colora-runs
     ;;
   smollm2)
     # The host reaches no index: the model is converted from the GGUF the kit carries.

@@ -17,7 +17,7 @@ SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 
 def _args(**kw) -> argparse.Namespace:
     d = {"seeds": [1, 2], "arms": ["dedicated", "shared_sync", "overlap_mps"], "jobs": [], "vary": [],
-         "headline": "overlap_mps", "scale_arms": []}
+         "headline": "overlap_mps", "scale_arms": [], "dedicated_steps": 0}
     return argparse.Namespace(**(d | kw))
 
 
@@ -35,6 +35,47 @@ def test_plan_runs_every_seeds_main_arms_before_the_extras():
     assert [r["set"] for r in runs[10:]] == [["overlap.mps_trainer_percentage=50"], ["overlap.mps_trainer_percentage=100"]]
     mps = [r for r in runs if r["arm"] in bench_arms.MPS]  # the MPS batch, in its own process, keeps the order
     assert [r["label"] for r in mps][:2] == ["main", "main"]
+
+
+def test_dedicated_steps_apply_to_the_dedicated_runs_only_and_the_report_says_so(tmp_path):
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], dedicated_steps=3, jobs=[4]))
+    assert {r["arm"]: r["set"] for r in runs if r["label"] == "main"} == {
+        "dedicated": ["experiment.steps=3"], "shared_sync": [], "overlap_mps": []}
+    assert all(r["set"] == [] for r in runs if r["label"] != "main")
+    bench_arms.write_report(bench_arms.collect(runs, tmp_path), tmp_path / "rep", "cmd", cfg)
+    assert "dedicated runs: 3 steps per job" in (tmp_path / "rep.md").read_text()
+
+
+def test_each_mps_share_gets_its_own_process():
+    """CUDA fixes a process's MPS percentage at its first CUDA call: a sweep over it must not reuse
+    the process (or the engine) of another setting."""
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], vary=["overlap.mps_trainer_percentage=50,100",
+                                                      "overlap.mps_engine_percentage=60", "overlap.groups=3"]))
+    got = [(kind, [(r["arm"], r["label"]) for r in rs]) for kind, rs in bench_arms.batches(str(SMOKE), [], runs)]
+    assert got == [
+        ("plain", [("dedicated", "main"), ("shared_sync", "main")]),
+        ("mps", [("overlap_mps", "main"), ("overlap_mps", "vary:overlap.mps_trainer_percentage=100"),
+                 ("overlap_mps", "vary:overlap.groups=3")]),
+        ("mps", [("overlap_mps", "vary:overlap.mps_trainer_percentage=50")]),
+        ("mps", [("overlap_mps", "vary:overlap.mps_engine_percentage=60")]),
+    ]
+
+
+def test_phase_stats_count_only_spans_inside_the_window():
+    spans = [{"phase": "generate", "start": 0.5, "end": 3.0, "queued": 0.0},  # before the window
+             {"phase": "generate", "start": 2.0, "end": 4.0, "queued": 1.5},
+             {"phase": "generate", "start": 5.0, "end": 9.0, "queued": 4.0},
+             {"phase": "train", "start": 4.0, "end": 5.0}, {"phase": "train", "start": 6.0, "end": 6.5},
+             {"phase": "train", "start": 7.0, "end": 7.25}, {"phase": "export", "start": 11.0, "end": 12.0}]
+    st = bench_arms.phase_stats(spans, {"start": 1.0, "end": 10.0, "seconds": 9.0})
+    assert st["generate"] == {"n": 2, "median": 3.0, "max": 4.0}
+    assert st["handoff"] == {"n": 2, "median": 0.75, "max": 1.0}
+    assert st["train"] == {"n": 3, "median": 0.5, "max": 1.0}
+    assert "export" not in st and "reload" not in st  # the export starts after the window
+    ded = {"windows": [{"start": 0.0, "end": 1.0, "seconds": 1.0}, {"start": 6.0, "end": 8.0, "seconds": 2.0}]}
+    assert bench_arms.phase_stats(spans, ded)["train"]["n"] == 2
 
 
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
