@@ -89,6 +89,7 @@ class AdapterBank:
         self.modules: dict[str, nn.Linear] = {}  # module path -> base linear (shapes)
         self._active: _Active | None = None
         self._leaves: _StepLeaves | None = None
+        self._host: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # page-locked export buffers
 
     # -- jobs -----------------------------------------------------------------------------------
     def add_job(self, name: str, rank: int, alpha: float, target_modules: tuple[str, ...], run_seed: int,
@@ -226,8 +227,16 @@ class AdapterBank:
         for path in job.A:
             names += [f"base_model.model.{path}.lora_A.weight", f"base_model.model.{path}.lora_B.weight"]
             params += [job.A[path], job.B[path]]
-        # One device-to-host copy for the whole adapter, not one (and one sync) per tensor.
-        flat = torch.cat([p.detach().to(dtype).reshape(-1) for p in params]).cpu()
+        # One device-to-host copy for the whole adapter, not one (and one sync) per tensor, into a
+        # page-locked buffer kept per job: one DMA, no staging through pageable memory.
+        flat = torch.cat([p.detach().to(dtype).reshape(-1) for p in params])
+        if flat.is_cuda:
+            buf = self._host.get((name, dtype))
+            if buf is None or buf.numel() != flat.numel():
+                buf = self._host[(name, dtype)] = torch.empty(flat.numel(), dtype=dtype, pin_memory=True)
+            flat = buf.copy_(flat)
+        else:
+            flat = flat.cpu()
         tensors, at = {}, 0
         for name, p in zip(names, params):
             tensors[name] = flat[at: at + p.numel()].view(p.shape).clone()

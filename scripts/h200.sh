@@ -8,7 +8,8 @@
 #   bash scripts/h200.sh tests              the GPU tests of the kernels and the trainer
 #   bash scripts/h200.sh trainer ARGS...    colora bench trainer ARGS... --out $OUT/trainer_step
 #   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline; with --runs
-#                                           /tmp/colora-runs the run directories come back as runs.tgz)
+#                                           /tmp/colora-runs the run directories come back as runs.tgz;
+#                                           ARMS_NAME=NAME names the report, default arms)
 #   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
 #   bash scripts/h200.sh cli ARGS...        colora ARGS... (run, sweep, ...; the log is $OUT/cli.log;
 #                                           COLORA_TIMEOUT=S stops it after S seconds)
@@ -46,7 +47,7 @@ case "$1" in
     ;;
   arms)
     shift
-    python3 -P -m colora.cli bench arms "$@" --out "$OUT/arms" >> "$LOG" 2>&1; echo "bench arms: $?" >> "$LOG"
+    python3 -P -m colora.cli bench arms "$@" --out "$OUT/${ARMS_NAME:-arms}" >> "$LOG" 2>&1; echo "bench arms: $?" >> "$LOG"
     # the run directories (timelines, metrics, logs; not the adapters), when --runs /tmp/colora-runs
     [ -d /tmp/colora-runs ] && tar czf "$OUT/runs.tgz" --exclude=adapters --exclude=.adapters \
       --exclude=checkpoints -C /tmp colora-runs

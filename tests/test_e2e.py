@@ -67,6 +67,10 @@ def test_overlap_two_groups_never_stale(tmp_path, tiny_model_dir, cache):
     train = [s for s in spans if s["phase"] == "train"]
     # one group generated while the other trained at least once
     assert any(g["group"] != t["group"] and g["start"] < t["end"] and t["start"] < g["end"] for g in gen for t in train)
+    # adapters move one transfer at a time: no export overlaps a reload
+    ship = sorted((s for s in spans if s["phase"] in ("export", "reload")), key=lambda s: s["start"])
+    assert {s["phase"] for s in ship} == {"export", "reload"}
+    assert all(a["end"] <= b["start"] for a, b in zip(ship, ship[1:]))
 
 
 def test_dedicated_runs_each_job_alone(tmp_path, tiny_model_dir, cache):

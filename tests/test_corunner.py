@@ -1,0 +1,99 @@
+"""The co-runner's adapter shipping, with fakes for the engine and the adapter bank (no vLLM)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from colora.config import load_config
+from colora.corunner import CoRunner, EngineFailure, JobState
+from colora.runlog import JsonlWriter, Timeline
+
+SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
+
+
+class FakeEngine:
+    dtype = "bfloat16"
+
+    def __init__(self, runner_ref: list):
+        self.ref = runner_ref
+        self.why = ""
+        self.loads = []
+
+    def set_adapter(self, job, version, path):
+        assert self.ref[0]._ship_lock.locked(), "an adapter was loaded outside `shipping`"
+        self.loads.append((job, version, path))
+        return 0.0
+
+    def dead(self):
+        return self.why
+
+
+class FakeBank:
+    def __init__(self, runner_ref: list):
+        self.ref = runner_ref
+        self.exports = []
+
+    def export_peft(self, name, out_dir, base_model, dtype):
+        assert self.ref[0]._ship_lock.locked(), "an adapter was exported outside `shipping`"
+        self.exports.append((name, dtype))
+        return Path(out_dir)
+
+
+def _corunner(tmp_path):
+    cfg = load_config(SMOKE)
+    ref: list = []
+    engine, bank = FakeEngine(ref), FakeBank(ref)
+    jobs = {j.name: JobState(j, task=None) for j in cfg.jobs}
+    c = CoRunner(cfg, engine, trainer=None, bank=bank, tokenizer=None, jobs=jobs, timeline=Timeline(),
+                 metrics=JsonlWriter(tmp_path / "metrics.jsonl"), adapter_root=tmp_path, base_model="base",
+                 log=lambda m: None)
+    ref.append(c)
+    return c, engine, bank
+
+
+def test_export_and_reload_each_hold_the_shipping_lock(tmp_path):
+    import torch
+
+    c, engine, bank = _corunner(tmp_path)
+    names = list(c.jobs)
+    c.export_adapters([(c.jobs[n], 1) for n in names], group=0, groups=[0])
+    assert bank.exports == [(n, torch.bfloat16) for n in names]  # in the engine's dtype
+    assert all(c.jobs[n].pending == (1, tmp_path / n / "v1") for n in names)
+    c.load_pending(names, group=0)
+    assert [(j, v) for j, v, _ in engine.loads] == [(n, 1) for n in names]
+    assert all(c.jobs[n].pending is None for n in names)
+    assert [s["phase"] for s in c.timeline.spans] == ["export", "reload"]
+
+
+def test_shipping_is_one_at_a_time_and_gives_up_when_the_engine_dies(tmp_path):
+    c, engine, _ = _corunner(tmp_path)
+    inside, release = threading.Event(), threading.Event()
+    times = {}
+
+    def holder():
+        with c.shipping():
+            inside.set()
+            release.wait()
+            times["released"] = time.perf_counter()
+
+    t = threading.Thread(target=holder)
+    t.start()
+    inside.wait()
+    threading.Timer(0.3, release.set).start()
+    with c.shipping():
+        times["entered"] = time.perf_counter()
+    t.join()
+    assert times["entered"] >= times["released"]
+
+    # a holder that never lets go (an engine thread stuck in a dead engine): the waiter gives up
+    hung = threading.Event()
+    threading.Thread(target=lambda: (c._ship_lock.acquire(), hung.set()), daemon=True).start()
+    hung.wait()
+    engine.why = "engine process 123 died"
+    with pytest.raises(EngineFailure, match="123 died"):
+        with c.shipping():
+            pass
