@@ -144,7 +144,12 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
     `handoff`: from the trainer handing a group to the engine thread to that thread taking it up."""
     ws = window.get("windows") or [window]
     inside = [s for s in spans if any(w["start"] <= s["start"] < w["end"] for w in ws if w.get("seconds"))]
-    out = {}
+    out: dict = {}
+    train = sorted(s["end"] - s["start"] for s in inside if s["phase"] == "train")
+    if train:
+        med = train[len(train) // 2]
+        # a training step far beyond the others (a compile, a stall): it counts in the throughput
+        out["train_outliers"] = [round(d, 3) for d in train if d > max(3 * med, med + 1.0)]
     for ph in PHASES:
         if ph == "handoff":
             d = [s["start"] - s["queued"] for s in inside if s["phase"] == "generate" and "queued" in s]
@@ -234,6 +239,12 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
             ph = r["phases"]
             cells = [f"{ph[k]['median']:.2f} / {ph[k]['max']:.2f}" if k in ph else "-" for k in PHASES]
             lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
+        for r in timed:
+            if r["phases"].get("train_outliers"):
+                lines.append(f"\nWarning: {r['arm']} seed {r['seed']} ({r['label']}): training steps of "
+                             + ", ".join(f"{d:.2f} s" for d in r["phases"]["train_outliers"])
+                             + f" in the measured window against a median of {r['phases']['train']['median']:.2f} s "
+                             "(a compile or a stall); its steps per hour include them.")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -43,8 +43,12 @@ def test_dedicated_steps_apply_to_the_dedicated_runs_only_and_the_report_says_so
     assert {r["arm"]: r["set"] for r in runs if r["label"] == "main"} == {
         "dedicated": ["experiment.steps=3"], "shared_sync": [], "overlap_mps": []}
     assert all(r["set"] == [] for r in runs if r["label"] != "main")
-    bench_arms.write_report(bench_arms.collect(runs, tmp_path), tmp_path / "rep", "cmd", cfg)
-    assert "dedicated runs: 3 steps per job" in (tmp_path / "rep.md").read_text()
+    rows = bench_arms.collect(runs, tmp_path)
+    rows[0]["phases"] = {"train": {"n": 9, "median": 0.35, "max": 3.95}, "train_outliers": [1.71, 3.95]}
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
+    md = (tmp_path / "rep.md").read_text()
+    assert "dedicated runs: 3 steps per job" in md
+    assert "Warning: dedicated seed 1 (main): training steps of 1.71 s, 3.95 s" in md
 
 
 def test_each_mps_share_gets_its_own_process():
@@ -74,6 +78,9 @@ def test_phase_stats_count_only_spans_inside_the_window():
     assert st["handoff"] == {"n": 2, "median": 0.75, "max": 1.0}
     assert st["train"] == {"n": 3, "median": 0.5, "max": 1.0}
     assert "export" not in st and "reload" not in st  # the export starts after the window
+    assert st["train_outliers"] == []
+    slow = spans + [{"phase": "train", "start": 9.0, "end": 13.0}]  # 4 s against a median of 1 s
+    assert bench_arms.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})["train_outliers"] == [4.0]
     ded = {"windows": [{"start": 0.0, "end": 1.0, "seconds": 1.0}, {"start": 6.0, "end": 8.0, "seconds": 2.0}]}
     assert bench_arms.phase_stats(spans, ded)["train"]["n"] == 2
 
