@@ -5,7 +5,8 @@
 Child processes, one engine each (vLLM's start is 80-160 s on the H200): one runs the arms without
 MPS (dedicated, shared_sync, overlap) and one started with MPS runs the MPS arms (mps, overlap_mps),
 since whether a process is an MPS client, and with what share of the SMs, is fixed when it makes its
-CUDA context (a tuning sweep over the MPS percentages gets one MPS process per setting). Runs of a process share its engine (`engine.max_loras` must cover the largest job count).
+CUDA context (a tuning sweep over the MPS percentages gets one MPS process per setting). Runs of a
+process share its engine (`engine.max_loras` must cover the largest job count).
 `--jobs 2 4 16` also runs the headline arm with that many jobs (the config's jobs repeated with new
 names); their baseline is the dedicated throughput of the seed's base workload, since a dedicated
 job runs alone whatever the number of jobs (stated in the report). `--vary KEY=V1,V2` runs the
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -145,20 +147,18 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
     ws = window.get("windows") or [window]
     inside = [s for s in spans if any(w["start"] <= s["start"] < w["end"] for w in ws if w.get("seconds"))]
     out: dict = {}
-    train = sorted(s["end"] - s["start"] for s in inside if s["phase"] == "train")
-    if train:
-        med = train[len(train) // 2]
-        # a training step far beyond the others (a compile, a stall): it counts in the throughput
-        out["train_outliers"] = [round(d, 3) for d in train if d > max(3 * med, med + 1.0)]
     for ph in PHASES:
         if ph == "handoff":
             d = [s["start"] - s["queued"] for s in inside if s["phase"] == "generate" and "queued" in s]
         else:
             d = [s["end"] - s["start"] for s in inside if s["phase"] == ph]
         if d:
-            d.sort()
-            out[ph] = {"n": len(d), "median": d[len(d) // 2] if len(d) % 2 else (d[len(d) // 2 - 1] + d[len(d) // 2]) / 2,
-                       "max": d[-1]}
+            out[ph] = {"n": len(d), "median": statistics.median(d), "max": max(d)}
+    if "train" in out:
+        # a training step far beyond the others (a compile, a stall): it counts in the throughput
+        med = out["train"]["median"]
+        out["train_outliers"] = [round(s["end"] - s["start"], 3) for s in inside if s["phase"] == "train"
+                                 and s["end"] - s["start"] > max(3 * med, med + 1.0)]
     return out
 
 
@@ -167,9 +167,9 @@ def collect(runs: list[dict], root: Path) -> list[dict]:
 
     rows = []
     for r in runs:
-        p = run_dir(root, r) / "summary.json"
-        s = json.loads(p.read_text()) if p.exists() else None
-        tl = run_dir(root, r) / "timeline.jsonl"
+        d = run_dir(root, r)
+        s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None
+        tl = d / "timeline.jsonl"
         phases = phase_stats(read_jsonl(tl), s["window"]) if s and s.get("window") and tl.exists() else {}
         rows.append({**r, "summary": s, "phases": phases})
     base = {r["seed"]: r["summary"]["steps_per_hour"] for r in rows
@@ -189,13 +189,13 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
                                                      indent=2, default=str))
     seeds = sorted({r["seed"] for r in rows})
     arms = [a for a in NON_MPS + MPS if any(r["arm"] == a and r["label"] == "main" for r in rows)]
+    ded_steps = sorted({x.split("=", 1)[1] for r in rows if r["arm"] == "dedicated" for x in r["set"]
+                        if x.startswith("experiment.steps=")})
+    ded_note = "".join(f"; dedicated runs: {n} steps per job (a steady per-job loop; set apart to fit the device "
+                       "time)" for n in ded_steps)
     lines = [f"# Arms benchmark: {cfg.experiment.name}", "", "```", command, "```", "",
              f"Config hash `{cfg.hash()}`; model `{cfg.experiment.model}`; {len(cfg.jobs)} jobs; "
-             f"{cfg.experiment.steps} steps of which {cfg.experiment.warmup_steps} warm-up (not measured)"
-             + "".join(f"; dedicated runs: {x.split('=', 1)[1]} steps per job (a steady per-job loop; set apart "
-                       "to fit the device time)" for x in sorted({x for r in rows if r["arm"] == "dedicated"
-                                                                   for x in r["set"] if x.startswith("experiment.steps=")}))
-             + ".", "",
+             f"{cfg.experiment.steps} steps of which {cfg.experiment.warmup_steps} warm-up (not measured){ded_note}.", "",
              "Steps per device-hour (ratio to the same seed's dedicated baseline):", "",
              "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ratio |",
              "|---|" + "---|" * (len(seeds) + 1)]

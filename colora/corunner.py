@@ -289,6 +289,8 @@ class CoRunner:
     def export_adapters(self, exports: list[tuple[JobState, int]], group: int, groups: list[int]) -> None:
         """Write the engine's copy of each new adapter version (in the engine's dtype, see
         AdapterBank.export_peft); the engine thread loads it before the job's next rollouts."""
+        if not exports:  # every job of the step stopped
+            return
         dtype = getattr(torch, self.engine.dtype)
         with self.shipping(), self.timeline.span("export", group=group, groups=groups,
                                                  jobs=tuple(js.name for js, _ in exports)):

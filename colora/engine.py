@@ -125,7 +125,7 @@ class RolloutEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = cfg.max_model_len
         self.dtype = dtype
-        self.warmed = False  # set by whoever ran `warm_up`
+        self.warmed = False  # set by `warm_up`
         self.logprobs = cfg.logprobs
         self._adapters: dict[str, tuple[int, Any]] = {}  # job -> (version, LoRARequest)
         self._next_id = 1
@@ -185,14 +185,13 @@ class RolloutEngine:
                 k += 1
             rounds.append(reqs)
         pending = set()
-        for i, reqs in enumerate(rounds):
+        for i, reqs in enumerate(rounds):  # each round joins the previous one's decoding
             self.submit(("warm-up", i), reqs)
             pending.add(("warm-up", i))
-            for key, _ in self.poll():
-                pending.discard(key)
+            pending.difference_update(key for key, _ in self.poll())
         while pending:
-            for key, _ in self.poll():
-                pending.discard(key)
+            pending.difference_update(key for key, _ in self.poll())
+        self.warmed = True
         return time.perf_counter() - t0
 
     def _largest_graph(self) -> int:

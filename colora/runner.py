@@ -337,7 +337,6 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         if not engine.warmed:  # once per engine: its compiled kernels stay for every later run
             with timeline.span("engine_warmup"):
                 secs = engine.warm_up(exp.seed)
-            engine.warmed = True
             log(f"engine warmed up in {secs:.1f}s")
 
         if resume_state is not None and (out / "eval_before.json").exists():
