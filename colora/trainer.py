@@ -162,7 +162,7 @@ class MultiJobTrainer:
         return [sorted(mb, key=lambda s: rank[s.job]) for mb in mbs]
 
     def _forward_backward(self, mb: list[_Seq], order: tuple[str, ...], sums: torch.Tensor) -> None:
-        from colora.kernels import selective_log_softmax, upload
+        from colora.kernels import selective_log_softmax, upload, upload_aligned
 
         dev = self.device
         B, L = len(mb), max(len(s.ids) for s in mb)
@@ -189,8 +189,9 @@ class MultiJobTrainer:
                                    torch.tensor(per_tok["job"], dtype=torch.long)]), dev)
         ids, mask = longs[: B * L].view(B, L), longs[B * L: 2 * B * L].view(B, L)
         pos_t, job_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N:]  # [N] each
-        floats = upload(torch.tensor([per_tok[k] for k in ("w", "adv", "temp", "kl", "elp")], dtype=torch.float32), dev)
-        w, adv, temp, klc, elp = floats.unbind(0)
+        # each row on a 16-byte boundary: temp goes to a Triton kernel, compiled per pointer alignment
+        w, adv, temp, klc, elp = upload_aligned([per_tok[k] for k in ("w", "adv", "temp", "kl", "elp")],
+                                                torch.float32, dev)
         targets = ids.view(-1)[pos_t + 1]  # [N]
         rows = {j: sum(1 for s in mb if s.job == j) for j in order}
         W = self.lm_head.weight

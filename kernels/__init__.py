@@ -7,7 +7,7 @@ Each entry point takes `backend`: "triton" (CUDA, or Triton's interpreter with T
 from .backend import BACKENDS, resolve_backend
 from .logsoftmax import selective_log_softmax
 from .lora import grouped_lora, grouped_lora_packed
-from .lora_meta import LoRABatchMeta, upload
+from .lora_meta import LoRABatchMeta, upload, upload_aligned
 from .lora_ref import grouped_lora_packed_ref, grouped_lora_ref
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "resolve_backend",
     "selective_log_softmax",
     "upload",
+    "upload_aligned",
 ]

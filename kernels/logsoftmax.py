@@ -60,9 +60,17 @@ def _forward_torch(hidden, weight, targets, temp, chunk_size):
     return logp, ent
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of it that starts on a 16-byte boundary: Triton compiles a kernel again for
+    each new pattern of its pointers' alignment, and a caller's view at an odd offset (one row of a
+    packed upload: fp32 [N] at 8N bytes) would make that depend on the batch."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _forward_triton(hidden, weight, targets, temp, chunk_size, want_grad: bool, want_entropy: bool):
     """(logp [T], entropy [T] or None, G [T, d] or None)."""
     T, d = hidden.shape
+    targets, temp = _aligned(targets), _aligned(temp)
     V = weight.shape[0]
     logp = torch.empty(T, dtype=torch.float32, device=hidden.device)
     ent = torch.empty_like(logp) if want_entropy else logp  # a dummy pointer when not written

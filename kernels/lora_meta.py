@@ -45,6 +45,28 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+ALIGN = 16  # bytes: Triton specialises a pointer argument on its 16-byte alignment
+
+
+def upload_aligned(parts: list, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Each of `parts` (1-D sequences) on `device` in one upload: views of one buffer, every view
+    starting at a 16-byte boundary.
+
+    Triton compiles a kernel once per combination of its pointer arguments' 16-byte alignment, so
+    views at data-dependent offsets (the tile arrays of n tiles, back to back: `row` at 4n bytes) made
+    new micro-batch sizes compile the grouped-LoRA kernels again mid-run, a stall of seconds."""
+    step = ALIGN // torch.empty((), dtype=dtype).element_size()
+    starts, total = [], 0
+    for p in parts:
+        starts.append(total)
+        total += -(-len(p) // step) * step
+    host = np.zeros(max(total, 1), dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+    for p, s0 in zip(parts, starts):
+        host[s0: s0 + len(p)] = p
+    dev = upload(torch.from_numpy(host), device)
+    return [dev[s0: s0 + len(p)] for p, s0 in zip(parts, starts)]
+
+
 @dataclass(frozen=True, eq=False)
 class Tiles:
     """Row tiles of at most `block` rows that never straddle two jobs, ordered by job.
@@ -111,9 +133,9 @@ class LoRABatchMeta:
             raise ValueError(f"scale must be finite, got {list(sc)}")
         if seg[-1] >= 2**31 or rs[-1] >= 2**31:
             raise ValueError(f"tokens ({seg[-1]}) and total rank ({rs[-1]}) must fit int32")
-        small = upload(torch.tensor(list(seg) + list(rs), dtype=torch.int32), device)
+        seg_t, rs_t = upload_aligned([seg, rs], torch.int32, device)
         scale_t = upload(torch.tensor(sc, dtype=torch.float32), device)
-        return LoRABatchMeta(seg, rs, sc, device, small[: J + 1], small[J + 1:], scale_t, tiles)
+        return LoRABatchMeta(seg, rs, sc, device, seg_t, rs_t, scale_t, tiles)
 
     def with_ranks(self, rank_start: IntsLike, scale: FloatsLike) -> LoRABatchMeta:
         """The same rows with another adapter layout (e.g. a module that some jobs do not adapt).
@@ -174,7 +196,6 @@ class LoRABatchMeta:
         n = int(job_start[-1])
         job = np.repeat(np.arange(self.num_jobs), per_job)  # [n]
         row = seg[job] + (np.arange(n) - job_start[job]) * block  # [n]
-        dev = upload(torch.from_numpy(np.concatenate([job, row, job_start]).astype(np.int32)), self.device)
-        t = Tiles(block, n, dev[:n], dev[n: 2 * n], dev[2 * n:])
+        t = Tiles(block, n, *upload_aligned([job, row, job_start], torch.int32, self.device))
         self._tiles[block] = t
         return t

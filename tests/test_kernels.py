@@ -184,6 +184,47 @@ def test_meta_rejects_bad_layouts():
     assert K.resolve_backend("auto", torch.device("cpu")) == "torch"
 
 
+@pytest.mark.parametrize("rows", [[1], [3, 0, 5], [64, 17, 1, 130], [7] * 9])
+def test_kernel_metadata_starts_on_16_byte_boundaries(rows):
+    """Triton compiles a kernel again for each new pattern of its pointers' 16-byte alignment. The
+    tile arrays sat back to back (row at 4n bytes for n tiles), so micro-batches whose tile count
+    was not a multiple of 4 compiled the LoRA kernels again mid-run; the values stay what they were."""
+    seg = [0]
+    for r in rows:
+        seg.append(seg[-1] + r)
+    ranks = [0] + [8 * (j + 1) for j in range(len(rows))]
+    m = K.LoRABatchMeta.build(seg, ranks, [1.0] * len(rows))
+    tensors = {"seg_start": m.seg_start_t, "rank_start": m.rank_start_t, "scale": m.scale_t}
+    for block in (1, 2, 3, 16, 64):
+        t = m.tiles(block)
+        tensors |= {f"job/{block}": t.job, f"row/{block}": t.row, f"job_start/{block}": t.job_start}
+        per_job = [-(-r // block) for r in rows]
+        assert t.n == sum(per_job) and t.job_start.tolist() == [sum(per_job[:j]) for j in range(len(rows) + 1)]
+        assert t.job.tolist() == [j for j, n in enumerate(per_job) for _ in range(n)]
+        assert t.row.tolist() == [seg[j] + i * block for j, n in enumerate(per_job) for i in range(n)]
+    assert m.seg_start_t.tolist() == seg and m.rank_start_t.tolist() == ranks
+    misaligned = {k: v.data_ptr() % 16 for k, v in tensors.items() if v.data_ptr() % 16}
+    assert not misaligned, misaligned
+
+
+def test_upload_aligned_keeps_values_and_aligns_every_part():
+    parts = [[1.5, 2.5, 3.5], [], [4.0], [5.0, 6.0, 7.0, 8.0, 9.0]]
+    out = K.upload_aligned(parts, torch.float32, torch.device("cpu"))
+    assert [o.tolist() for o in out] == parts
+    assert all(o.data_ptr() % 16 == 0 and o.dtype == torch.float32 for o in out)
+
+
+def test_log_softmax_hands_its_kernel_aligned_vectors():
+    from colora.kernels.logsoftmax import _aligned
+
+    base = torch.arange(9, dtype=torch.float32)
+    odd = base[1:]  # 4 bytes past a 16-byte boundary
+    assert odd.data_ptr() % 16 == 4
+    fixed = _aligned(odd)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, odd)
+    assert _aligned(base) is base  # aligned already: no copy
+
+
 def test_lists_tensors_and_meta_give_the_same_result():
     case = lora_case([5, 9], [4, 8], 24, 24, torch.float32, DEV, seed=4)
     m = case.meta
