@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from . import grpo
+from . import compilewatch, grpo
 from .config import Config, JobConfig
 from .engine import GenRequest, GenResult, RolloutEngine
 from .lora import AdapterBank
@@ -256,8 +256,12 @@ class CoRunner:
         if not rollouts:
             return
         t0 = time.perf_counter()
-        with self.timeline.span("train", group=group, groups=list(groups), jobs=tuple(rollouts)):
+        before = compilewatch.snapshot()
+        with self.timeline.span("train", group=group, groups=list(groups), jobs=tuple(rollouts)) as span:
             stats = self.trainer.step(rollouts)
+            compiled = compilewatch.since(before)
+            if compiled:  # the usual cause of a step far slower than the others
+                span["compiles"] = compiled
         t_train = time.perf_counter() - t0
         now = self.timeline.now()
         parts, exports = [], []

@@ -104,9 +104,11 @@ class Timeline:
 
     @contextlib.contextmanager
     def span(self, phase: str, *, group: int = -1, jobs: tuple[str, ...] = (), **extra: Any):
+        """Record the block as one span. Yields the span's extra fields: what the block learns while
+        it runs (what compiled in a training step, say) goes into the span too."""
         start = self.now()
         try:
-            yield
+            yield extra
         finally:
             self.add(phase, start, self.now(), group=group, jobs=jobs, **extra)
 

@@ -307,6 +307,11 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
 
         import torch
 
+        from . import compilewatch
+
+        # Counts the trainer's Triton compiles from here on (a hook that increments a counter), so
+        # the timeline's train spans can name what compiled in a slow step; Dynamo's are always counted.
+        compilewatch.install()
         t0 = time.perf_counter()
         tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         model = load_base_model(setup.model_dir, tdtype, device)

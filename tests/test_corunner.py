@@ -1,16 +1,20 @@
-"""The co-runner's adapter shipping, with fakes for the engine and the adapter bank (no vLLM)."""
+"""The co-runner's adapter shipping and its train spans, with fakes for the engine, the adapter bank and
+the trainer (no vLLM)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from colora.config import load_config
 from colora.corunner import CoRunner, EngineFailure, JobState
+from colora.engine import GenRequest, GenResult
 from colora.runlog import JsonlWriter, Timeline
+from colora.trainer import JobStepStats
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 
@@ -30,6 +34,9 @@ class FakeEngine:
 
     def dead(self):
         return self.why
+
+    def decode(self, results):
+        pass
 
 
 class FakeBank:
@@ -97,3 +104,48 @@ def test_shipping_is_one_at_a_time_and_gives_up_when_the_engine_dies(tmp_path):
     with pytest.raises(EngineFailure, match="123 died"):
         with c.shipping():
             pass
+
+
+class CompilingTrainer:
+    """A trainer whose steps run a torch.compile'd function: the first step compiles it."""
+
+    def __init__(self):
+        import torch
+
+        def scale(x):
+            return x * 2 + 1
+
+        self.fn = torch.compile(scale, backend="eager")  # fresh: compiled at its first call
+        self.steps = 0
+
+    def step(self, rollouts):
+        import torch
+
+        self.fn(torch.ones(4))
+        self.steps += 1
+        return {name: JobStepStats(0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1, len(rs), self.steps)
+                for name, rs in rollouts.items()}
+
+
+def _ready(c) -> list:
+    """One group's finished rollouts for every job, as the engine thread hands them over."""
+    by_job = {}
+    for name, js in c.jobs.items():
+        jc = js.cfg
+        items = [SimpleNamespace(id=p) for p in range(jc.prompts_per_step)]
+        results = [GenResult(GenRequest(name, (1, 2), 4, 1.0, tag=(p, s)), 0, [3, 4], [-0.5, -0.5], "", "stop")
+                   for p in range(jc.prompts_per_step) for s in range(jc.samples_per_prompt)]
+        by_job[name] = (items, results)
+    return [(0, by_job, 1.0)]
+
+
+def test_a_train_span_names_what_compiled_in_its_step_and_only_then(tmp_path):
+    c, _, _ = _corunner(tmp_path)
+    c.trainer = CompilingTrainer()
+    for js in c.jobs.values():
+        js.task = SimpleNamespace(reward=lambda text, item: float(item.id % 2))
+    c.train_task(_ready(c), "step 1/3")
+    c.train_task(_ready(c), "step 2/3")  # the same shapes: nothing to compile
+    train = [s for s in c.timeline.spans if s["phase"] == "train"]
+    assert [s.get("compiles") for s in train] == [{"dynamo": 1}, None]
+    assert all(js.step == 2 for js in c.jobs.values())
