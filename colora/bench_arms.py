@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from . import python_m
+from .compilewatch import describe
 from .config import Config, load_config, replace
 
 NON_MPS = ("dedicated", "shared_sync", "overlap")
@@ -157,8 +158,10 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
     if "train" in out:
         # a training step far beyond the others (a compile, a stall): it counts in the throughput
         med = out["train"]["median"]
-        out["train_outliers"] = [round(s["end"] - s["start"], 3) for s in inside if s["phase"] == "train"
-                                 and s["end"] - s["start"] > max(3 * med, med + 1.0)]
+        slow = [s for s in inside if s["phase"] == "train" and s["end"] - s["start"] > max(3 * med, med + 1.0)]
+        out["train_outliers"] = [round(s["end"] - s["start"], 3) for s in slow]
+        if any(s.get("compiles") for s in slow):  # what compiled in each (timelines since compilewatch)
+            out["train_outlier_compiles"] = [s.get("compiles", {}) for s in slow]
     return out
 
 
@@ -241,8 +244,10 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
             lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
         for r in timed:
             if r["phases"].get("train_outliers"):
+                slow = r["phases"]["train_outliers"]
+                why = [describe(c) for c in r["phases"].get("train_outlier_compiles", [{}] * len(slow))]
                 lines.append(f"\nWarning: {r['arm']} seed {r['seed']} ({r['label']}): training steps of "
-                             + ", ".join(f"{d:.2f} s" for d in r["phases"]["train_outliers"])
+                             + ", ".join(f"{d:.2f} s" + (f" ({w})" if w else "") for d, w in zip(slow, why))
                              + f" in the measured window against a median of {r['phases']['train']['median']:.2f} s "
                              "(a compile or a stall); its steps per hour include them.")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -83,6 +83,27 @@ def test_phase_stats_count_only_spans_inside_the_window():
     assert bench_arms.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})["train_outliers"] == [4.0]
     ded = {"windows": [{"start": 0.0, "end": 1.0, "seconds": 1.0}, {"start": 6.0, "end": 8.0, "seconds": 2.0}]}
     assert bench_arms.phase_stats(spans, ded)["train"]["n"] == 2
+    assert "train_outlier_compiles" not in bench_arms.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})
+
+
+def test_the_outlier_warning_names_what_compiled_in_each_slow_step(tmp_path):
+    """Timelines record what compiled in a training step (compilewatch); the warning says it for
+    the slow steps that had compiles and adds nothing for the others."""
+    shrink = {"triton": 3, "dynamo": 1, "kernels": {"lora_shrink_kernel": 2, "lora_reduce_kernel": 1}}
+    spans = [{"phase": "train", "start": t, "end": t + 0.4} for t in (2.0, 3.0, 4.0, 5.0, 6.0)]
+    spans[1]["compiles"] = {"dynamo": 1}  # a compile in a step of usual length: not an outlier
+    spans += [{"phase": "train", "start": 7.0, "end": 13.39, "compiles": shrink},
+              {"phase": "train", "start": 14.0, "end": 18.0}]
+    st = bench_arms.phase_stats(spans, {"start": 1.0, "end": 20.0, "seconds": 19.0})
+    assert st["train_outliers"] == [6.39, 4.0]
+    assert st["train_outlier_compiles"] == [shrink, {}]
+    cfg = load_config(SMOKE)
+    rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=["dedicated"])), tmp_path)
+    rows[0]["phases"] = st
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
+    assert ("Warning: dedicated seed 1 (main): training steps of 6.39 s (Triton: lora_shrink_kernel x2, "
+            "lora_reduce_kernel x1; Dynamo: 1 graph), 4.00 s in the measured window against a median of 0.40 s"
+            in (tmp_path / "rep.md").read_text())
 
 
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
