@@ -300,6 +300,31 @@ def _fmt(v, nd: int = 2) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
 
+STOP_TERM_S = 20.0  # how long a stopped batch may take to shut its engine down before it is killed
+STOP_REPORT_S = 10.0  # then the MPS daemon's stop and the report
+
+
+def wait_or_stop(child: subprocess.Popen, deadline: float | None) -> int | str:
+    """The child's exit code, or "deadline" when it had to be stopped: SIGTERM to its process group
+    early enough that the shutdown (at most STOP_TERM_S, then SIGKILL) and the report still end by
+    `deadline` (time.monotonic()), which is the whole benchmark's limit (`--deadline`)."""
+    if deadline is None:
+        return child.wait()
+    stop_at = deadline - STOP_TERM_S - STOP_REPORT_S
+    try:
+        return child.wait(timeout=max(0.0, stop_at - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    # Out of time: stop the batch (and its engine) cleanly; the caller reports what finished.
+    os.killpg(child.pid, signal.SIGTERM)
+    try:
+        child.wait(timeout=STOP_TERM_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    return "deadline"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="colora bench arms", description=__doc__.split("\n\n")[0])
     p.add_argument("config")
@@ -315,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps per job of the dedicated baseline (default: the config's); the report says so")
     p.add_argument("--out", default="reports/arms", help="report path without suffix")
     p.add_argument("--runs", default="runs/bench", help="where the run directories go")
-    p.add_argument("--deadline", type=float, default=0, help="seconds for the whole benchmark; 0: none")
+    p.add_argument("--deadline", type=float, default=0, help="seconds for the whole benchmark, its shutdown and report included; 0: none")
     p.add_argument("--child", choices=["mps", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--only", help=argparse.SUPPRESS)  # JSON list of runs for a child process
     args = p.parse_args(argv)
@@ -346,17 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                "--only", json.dumps(batch)] + [f"--set={s}" for s in args.set]
         print(f"== {kind} batch: {len(batch)} runs", flush=True)
         child = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)
-        try:
-            rc = child.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            # Out of time: stop the batch (and its engine) cleanly; report what finished.
-            os.killpg(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-            rc = "deadline"
+        rc = wait_or_stop(child, deadline)
         if daemon is not None:
             print(f"MPS daemon: {daemon.stop()}", flush=True)
         if rc != 0:

@@ -160,3 +160,20 @@ def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
     md = (tmp_path / "arms.md").read_text()
     assert "colora bench arms " in md and "| jobs3 | shared_sync | 3 | 1 |" in md
     assert (tmp_path / "arms_timeline.png").stat().st_size > 5_000
+
+
+def test_the_deadline_covers_the_shutdown_of_a_batch_that_will_not_stop(monkeypatch):
+    """`--deadline` is the whole benchmark's limit: a batch is stopped early enough that its shutdown
+    (SIGTERM, then SIGKILL after STOP_TERM_S) and the report fit before it."""
+    import subprocess
+    import time
+
+    monkeypatch.setattr(bench_arms, "STOP_TERM_S", 1.0)
+    monkeypatch.setattr(bench_arms, "STOP_REPORT_S", 0.5)
+    stubborn = subprocess.Popen(["bash", "-c", 'trap "" TERM; sleep 60 & wait'], start_new_session=True)
+    t0 = time.monotonic()
+    assert bench_arms.wait_or_stop(stubborn, t0 + 3.0) == "deadline"
+    assert stubborn.returncode is not None and time.monotonic() - t0 < 3.0  # killed, with the report's time left
+    quick = subprocess.Popen(["bash", "-c", "exit 3"], start_new_session=True)
+    assert bench_arms.wait_or_stop(quick, time.monotonic() + 10.0) == 3
+    assert bench_arms.wait_or_stop(subprocess.Popen(["true"], start_new_session=True), None) == 0
