@@ -155,6 +155,9 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
             d = [s["end"] - s["start"] for s in inside if s["phase"] == ph]
         if d:
             out[ph] = {"n": len(d), "median": statistics.median(d), "max": max(d)}
+    rate = engine_rate(inside)
+    if rate:
+        out["engine"] = rate
     if "train" in out:
         # a training step far beyond the others (a compile, a stall): it counts in the throughput
         med = out["train"]["median"]
@@ -163,6 +166,25 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
         if any(s.get("compiles") for s in slow):  # what compiled in each (timelines since compilewatch)
             out["train_outlier_compiles"] = [s.get("compiles", {}) for s in slow]
     return out
+
+
+def engine_rate(spans: list[dict]) -> dict:
+    """The engine's steps per second while some group trains and while none does: medians over the
+    timeline's half-second `engine_steps` buckets that had requests in flight (a bucket counts as
+    training when a train span covers half of it or more), with the mean requests in flight per
+    step. Under MPS the trainer's kernels share the GPU with the engine's; this says what that
+    costs the decoding. {} when the timeline has no engine steps."""
+    trains = [(s["start"], s["end"]) for s in spans if s["phase"] == "train"]
+    split: dict[str, list[tuple[float, float]]] = {"training": [], "not_training": []}
+    for b in spans:
+        if b["phase"] != "engine_steps" or not b["steps"]:
+            continue
+        length = b["end"] - b["start"]
+        covered = sum(max(0.0, min(e, b["end"]) - max(s, b["start"])) for s, e in trains)
+        key = "training" if covered >= length / 2 else "not_training"
+        split[key].append((b["steps"] / length, b["inflight"] / b["steps"]))
+    return {k: {"n": len(v), "steps_per_s": statistics.median(x for x, _ in v),
+                "inflight": statistics.fmean(y for _, y in v)} for k, v in split.items() if v}
 
 
 def collect(runs: list[dict], root: Path) -> list[dict]:
@@ -242,6 +264,17 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
             ph = r["phases"]
             cells = [f"{ph[k]['median']:.2f} / {ph[k]['max']:.2f}" if k in ph else "-" for k in PHASES]
             lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
+        rated = [r for r in timed if r["phases"].get("engine")]
+        if rated:
+            lines += ["", "The engine's decoding while a group trains and while none does (medians over half-second "
+                      "buckets with requests in flight; requests in flight per engine step, mean):", "",
+                      "| arm | seed | label | steps/s, training | steps/s, not training | in flight, training "
+                      "| in flight, not training |", "|---|---|---|---|---|---|---|"]
+            for r in rated:
+                e = r["phases"]["engine"]
+                cells = [f"{e[k]['steps_per_s']:.0f} (n={e[k]['n']})" if k in e else "-" for k in ("training", "not_training")]
+                cells += [f"{e[k]['inflight']:.0f}" if k in e else "-" for k in ("training", "not_training")]
+                lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
         for r in timed:
             if r["phases"].get("train_outliers"):
                 slow = r["phases"]["train_outliers"]

@@ -72,6 +72,29 @@ def _engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
+class StepRate:
+    """Engine steps counted in buckets of `bucket` seconds (time.perf_counter): per bucket the steps
+    that ended in it, their summed duration and the requests in flight summed over them (each step
+    of continuous batching advances every running sequence by a token). Bounded memory: one entry
+    per bucket, whatever the number of steps. `take()` hands the buckets over and starts afresh."""
+
+    def __init__(self, bucket: float = 0.5):
+        self.bucket = bucket
+        self._b: dict[int, list] = {}  # bucket index -> [steps, busy seconds, in-flight sum]
+
+    def record(self, start: float, end: float, inflight: int) -> None:
+        b = self._b.setdefault(int(end // self.bucket), [0, 0.0, 0])
+        b[0] += 1
+        b[1] += end - start
+        b[2] += inflight
+
+    def take(self) -> list[dict]:
+        """[{start, end, steps, busy, inflight}] in time order (perf_counter seconds); then empty."""
+        b, self._b = self._b, {}
+        return [{"start": i * self.bucket, "end": (i + 1) * self.bucket, "steps": n, "busy": round(busy, 6),
+                 "inflight": inflight} for i, (n, busy, inflight) in sorted(b.items())]
+
+
 class RolloutEngine:
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
                  dtype: str, seed: int, device: str):
@@ -133,6 +156,7 @@ class RolloutEngine:
         self._inflight: dict[str, tuple[Any, int, GenRequest, int]] = {}  # request id -> (batch, index, request, version)
         self._batches: dict[Any, _Batch] = {}
         self._done: list[tuple[Any, list[GenResult]]] = []
+        self.steps = StepRate()  # engine steps per time bucket: how fast decoding went, and when
 
     def set_adapter(self, job: str, version: int, path: str) -> float:
         """Load `path` as `job`'s adapter `version` now (not lazily at the next request) and drop the
@@ -263,7 +287,10 @@ class RolloutEngine:
         done, self._done = self._done, []
         if not self._inflight:
             return done
-        for o in self.llm.llm_engine.step():
+        t0, inflight = time.perf_counter(), len(self._inflight)
+        outputs = self.llm.llm_engine.step()
+        self.steps.record(t0, time.perf_counter(), inflight)
+        for o in outputs:
             if not o.finished:
                 continue
             key, i, r, version = self._inflight.pop(o.request_id)

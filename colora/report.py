@@ -413,7 +413,7 @@ def fig_timeline(runs: list[RunData], res: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(picks), 1, figsize=(12, 1.0 + 1.2 * len(picks) + 0.25 * sum(
         len(r.summary.get("groups") or r.eval_after or [0]) for r in picks)), squeeze=False, sharex=True)
     for ax, r in zip(axes[:, 0], picks):
-        spans = [s for s in r.spans if s["phase"] not in ("engine_start", "engine_warmup")]
+        spans = [s for s in r.spans if s["phase"] not in ("engine_start", "engine_warmup", "engine_steps")]
         if not spans:
             ax.set_title(f"{r.arm}: no timeline")
             continue

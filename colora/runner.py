@@ -8,7 +8,8 @@ directory) before any directory is created or any engine started. The run direct
     config.json      the resolved config and its hash
     status.json      running | failed (with the error) | complete
     metrics.jsonl    one row per job per step (train/<job>/... values), plus events
-    timeline.jsonl   every phase span (generate, train, reload, eval) with its group and jobs
+    timeline.jsonl   every phase span (generate, train, reload, eval) with its group and jobs, and the
+                     engine's steps per half second (engine_steps: steps, busy seconds, requests in flight)
     eval.json        held-out accuracy per job before and after training (greedy)
     summary.json     throughput and per-job outcome; written last, so it marks a complete run
     adapters/<job>/  each job's final adapter in PEFT format
@@ -350,9 +351,15 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
             with timeline.span("eval", jobs=tuple(jobs), when="before"):
                 before = evaluate(corunner, list(jobs), exp.eval_size, exp.seed, exp.eval_max_new_tokens)
             write_json_atomic(out / "eval_before.json", before)
+        steps = getattr(engine, "steps", None)  # the engine's step rate, recorded for this run's steps only
+        if steps is not None:
+            steps.take()
         try:
             with GpuSampler(timeline) as gpu:
                 window = corunner.run()
+            if steps is not None:
+                for b in steps.take():
+                    timeline.add("engine_steps", b.pop("start") - timeline.origin, b.pop("end") - timeline.origin, **b)
         except EngineFailure as e:
             path = ckpt.save_now()
             raise RunFailed(f"the vLLM engine failed mid-run ({e}); every job's state is saved in "

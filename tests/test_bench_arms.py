@@ -106,6 +106,30 @@ def test_the_outlier_warning_names_what_compiled_in_each_slow_step(tmp_path):
             in (tmp_path / "rep.md").read_text())
 
 
+def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
+    """Half-second buckets of engine steps: a bucket half or more under a train span counts as
+    training; buckets without requests in flight (the engine idle) count in neither."""
+    spans = [{"phase": "train", "group": 1, "start": 1.0, "end": 2.0}]
+    buckets = [(0.0, 100, 25600), (0.5, 90, 23040),  # not training
+               (1.0, 40, 20480), (1.5, 50, 25600),  # covered by the train span
+               (2.25, 80, 8000),  # a quarter covered: not training
+               (3.0, 0, 0)]  # idle
+    spans += [{"phase": "engine_steps", "group": -1, "start": t, "end": t + 0.5, "steps": n, "busy": 0.4,
+               "inflight": f} for t, n, f in buckets]
+    rate = bench_arms.engine_rate(spans)
+    assert rate["training"] == {"n": 2, "steps_per_s": 90.0, "inflight": pytest.approx(512)}  # 80 and 100 steps/s
+    assert rate["not_training"]["n"] == 3 and rate["not_training"]["steps_per_s"] == 180.0
+    assert rate["not_training"]["inflight"] == pytest.approx((256 + 256 + 100) / 3)
+    assert bench_arms.engine_rate([s for s in spans if s["phase"] == "train"]) == {}
+    st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
+    assert st["engine"] == rate
+    cfg = load_config(SMOKE)
+    rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"])), tmp_path)
+    rows[0]["phases"] = st
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
+    assert "| overlap_mps | 1 | main | 90 (n=2) | 180 (n=3) | 512 | 204 |" in (tmp_path / "rep.md").read_text()
+
+
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
     cfg = load_config(SMOKE)
     jobs = bench_arms.scaled_jobs(cfg, 5)

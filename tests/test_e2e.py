@@ -67,6 +67,10 @@ def test_overlap_two_groups_never_stale(tmp_path, tiny_model_dir, cache):
     train = [s for s in spans if s["phase"] == "train"]
     # one group generated while the other trained at least once
     assert any(g["group"] != t["group"] and g["start"] < t["end"] and t["start"] < g["end"] for g in gen for t in train)
+    # the engine's steps of the run, in half-second buckets, none before the run's first generation
+    steps = [s for s in spans if s["phase"] == "engine_steps"]
+    assert steps and sum(s["steps"] for s in steps) >= 3 and all(s["inflight"] >= s["steps"] for s in steps)
+    assert min(s["end"] for s in steps) > min(g["start"] for g in gen)
     # adapters move one transfer at a time: no export overlaps a reload
     ship = sorted((s for s in spans if s["phase"] in ("export", "reload")), key=lambda s: s["start"])
     assert {s["phase"] for s in ship} == {"export", "reload"}

@@ -132,3 +132,17 @@ def test_warm_up_goes_through_every_adapter_and_changes_nothing(engine, bank_mod
     assert max(totals) > engine._largest_graph()
     assert {n: engine.version(n) for n in ("a", "b")} == versions
     assert engine.generate(req)[0].completion_ids == before
+
+
+def test_step_rate_buckets_steps_by_when_they_ended():
+    from colora.engine import StepRate
+
+    r = StepRate(bucket=0.5)
+    r.record(0.1, 0.2, 4)
+    r.record(0.2, 0.45, 6)
+    r.record(0.45, 0.7, 2)  # ends in the second bucket
+    r.record(2.0, 2.1, 1)
+    assert r.take() == [{"start": 0.0, "end": 0.5, "steps": 2, "busy": pytest.approx(0.35), "inflight": 10},
+                        {"start": 0.5, "end": 1.0, "steps": 1, "busy": pytest.approx(0.25), "inflight": 2},
+                        {"start": 2.0, "end": 2.5, "steps": 1, "busy": pytest.approx(0.1), "inflight": 1}]
+    assert r.take() == []  # handed over: starts afresh
