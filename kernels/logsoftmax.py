@@ -21,6 +21,7 @@ import triton
 
 from .backend import resolve_backend
 from .logsoftmax_kernels import selective_logsoftmax_kernel
+from .lora_meta import ALIGN
 
 
 def _temperatures(temperature: float | torch.Tensor, T: int, device: torch.device) -> torch.Tensor:
@@ -64,7 +65,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t`, or a copy of it that starts on a 16-byte boundary: Triton compiles a kernel again for
     each new pattern of its pointers' alignment, and a caller's view at an odd offset (one row of a
     packed upload: fp32 [N] at 8N bytes) would make that depend on the batch."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
 
 
 def _forward_triton(hidden, weight, targets, temp, chunk_size, want_grad: bool, want_entropy: bool):
