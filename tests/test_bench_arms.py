@@ -195,9 +195,13 @@ def test_the_deadline_covers_the_shutdown_of_a_batch_that_will_not_stop(monkeypa
     monkeypatch.setattr(bench_arms, "STOP_TERM_S", 1.0)
     monkeypatch.setattr(bench_arms, "STOP_REPORT_S", 0.5)
     stubborn = subprocess.Popen(["bash", "-c", 'trap "" TERM; sleep 60 & wait'], start_new_session=True)
-    t0 = time.monotonic()
-    assert bench_arms.wait_or_stop(stubborn, t0 + 3.0) == "deadline"
-    assert stubborn.returncode is not None and time.monotonic() - t0 < 3.0  # killed, with the report's time left
+    waits, wait = [], stubborn.wait
+    stubborn.wait = lambda timeout=None: waits.append(timeout) or wait(timeout)  # the schedule, not the clock
+    deadline = time.monotonic() + 3.0
+    assert bench_arms.wait_or_stop(stubborn, deadline) == "deadline"
+    assert stubborn.returncode == -9  # it ignored SIGTERM, so it was killed
+    # waited until the deadline less the shutdown and report shares, then STOP_TERM_S for SIGTERM
+    assert 0 < waits[0] <= 3.0 - 1.0 - 0.5 and waits[1] == 1.0 and len(waits) == 3
     quick = subprocess.Popen(["bash", "-c", "exit 3"], start_new_session=True)
     assert bench_arms.wait_or_stop(quick, time.monotonic() + 10.0) == 3
     assert bench_arms.wait_or_stop(subprocess.Popen(["true"], start_new_session=True), None) == 0
