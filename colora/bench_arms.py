@@ -94,6 +94,18 @@ def batches(config: str, overrides: list[str], runs: list[dict]) -> list[tuple[s
     return [(kind, rs) for kind, rs in out if rs]
 
 
+def child_env(kind: str, batch: list[dict], config: str, overrides: list[str]) -> dict[str, str]:
+    """The environment of a batch's process. An MPS batch's process starts with its trainer's share
+    (`batches` gives each share pair a process of its own): CUDA fixes a process's share when it
+    first initialises there, so nothing the process does before the runner claims its context can
+    give it another."""
+    env = dict(os.environ)
+    if kind == "mps":
+        ov = load_config(config, [*overrides, *batch[0]["set"]]).overlap
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(ov.mps_trainer_percentage)
+    return env
+
+
 def run_dir(root: Path, r: dict) -> Path:
     tag = r["label"].replace(":", "-").replace("=", "-").replace("/", "-")
     return root / r["arm"] / f"seed{r['seed']}-{tag}"
@@ -403,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [*python_m("colora.bench_arms"), args.config, "--child", kind, "--runs", str(root),
                "--only", json.dumps(batch)] + [f"--set={s}" for s in args.set]
         print(f"== {kind} batch: {len(batch)} runs", flush=True)
-        child = subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True)
+        child = subprocess.Popen(cmd, env=child_env(kind, batch, args.config, args.set), start_new_session=True)
         rc = wait_or_stop(child, deadline)
         if daemon is not None:
             print(f"MPS daemon: {daemon.stop()}", flush=True)

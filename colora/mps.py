@@ -7,9 +7,14 @@ daemon is stopped when the run ends, also on error. Stop the engine and the trai
 quitting the daemon under a live client hung the process on the H200, so `quit` has a timeout.
 
     with MpsDaemon(root) as mps:
-        mps.set_share(engine_percentage)   # before the engine process is spawned
+        mps.claim(trainer_percentage)      # this process's context, first thing: its share is fixed now
+        mps.set_share(engine_percentage)   # for the engine process spawned next
         ...start the engine...
-        mps.set_share(trainer_percentage)  # before this process's first CUDA call
+
+A process's share is fixed when CUDA first initialises in it (the driver joins the daemon then), and
+the engine's client initialises CUDA in the trainer's process while it starts the engine: setting the
+trainer's share after the engine had started had no effect (the H200 showed all 132 SMs to a trainer
+configured for 25%). So `claim` makes the context before anything else can.
 """
 
 from __future__ import annotations
@@ -25,6 +30,36 @@ CONTROL = "nvidia-cuda-mps-control"
 
 class MpsUnavailable(RuntimeError):
     pass
+
+
+class MpsShareError(RuntimeError):
+    """This process's CUDA context cannot have the share asked for (it exists already)."""
+
+
+# The share this process's CUDA context was made with by `MpsDaemon.claim`, and the SMs it then saw.
+_claimed: dict[str, int] = {}
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _make_context() -> int:
+    """Make this process's CUDA context now; the SMs it may use (fewer than the device's under MPS
+    with a thread percentage below 100)."""
+    import torch
+
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    return torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def mps_available() -> tuple[bool, str]:
@@ -86,6 +121,28 @@ class MpsDaemon:
         if not 1 <= percentage <= 100:
             raise ValueError(f"MPS percentage ({percentage}) must be from 1 to 100")
         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percentage)
+
+    def claim(self, percentage: int) -> int | None:
+        """Make this process's CUDA context now, with `percentage` of the SMs; returns the SMs it
+        sees (None without CUDA). Once per process: a later claim of the same share returns the same,
+        a different share raises MpsShareError (it needs a process of its own), as does a context that
+        exists already and was not made here (its share is whatever the environment said then)."""
+        if _claimed:
+            if _claimed["percentage"] != percentage:
+                raise MpsShareError(
+                    f"this process's CUDA context has {_claimed['percentage']}% of the SMs and a process's MPS "
+                    f"share is fixed once its context exists: {percentage}% needs a new process "
+                    "(colora bench arms runs each share in its own)")
+            return _claimed["sms"]
+        if _cuda_initialized():
+            raise MpsShareError(
+                "this process initialised CUDA before colora set its MPS share, so the trainer's share "
+                f"({percentage}%) cannot apply; start the MPS run in a fresh process")
+        self.set_share(percentage)  # before CUDA's first initialisation here, which reads it
+        if not _cuda_available():
+            return None
+        _claimed.update(percentage=percentage, sms=_make_context())
+        return _claimed["sms"]
 
     def stop(self) -> str:
         """Send `quit` (with a timeout), restore the environment. Returns what happened."""

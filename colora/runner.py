@@ -218,7 +218,7 @@ def _start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], No
         return None, "not used by this arm"
     note = f"on: engine {ov.mps_engine_percentage}%, trainer {ov.mps_trainer_percentage}%"
     if process_mps is not None:
-        process_mps.set_share(ov.mps_engine_percentage)
+        note = _claim_shares(process_mps, ov, note)
         return process_mps, note + " (process-wide daemon)"
     if cfg.experiment.device == "cpu":
         return None, "UNAVAILABLE (CPU run): arm ran without MPS"
@@ -232,8 +232,21 @@ def _start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], No
         log(f"warning: MPS unavailable ({e}): arm {arm} runs without MPS")
         return None, f"UNAVAILABLE ({e}): arm ran without MPS"
     stack.callback(lambda: log(f"MPS daemon: {mps.stop()}"))  # registered first: runs after the engine closes
+    return mps, _claim_shares(mps, ov, note)
+
+
+def _claim_shares(mps, ov, note: str) -> str:
+    """This process's CUDA context with the trainer's share, before the engine's client can make it
+    (with whatever share the environment said then), and the engine's share for the engine process
+    spawned next. The note gains the SMs the trainer's context sees."""
+    from .mps import MpsShareError
+
+    try:
+        sms = mps.claim(ov.mps_trainer_percentage)
+    except MpsShareError as e:
+        raise RunError(str(e)) from None
     mps.set_share(ov.mps_engine_percentage)
-    return mps, note
+    return note + (f" (trainer sees {sms} SMs)" if sms else "")
 
 
 def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
@@ -303,8 +316,6 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         if not engine.reused:
             timeline.add("engine_start", -engine.start_seconds, 0.0)
         log(f"engine {'reused' if engine.reused else 'ready'} (it took {engine.start_seconds:.1f}s to start)")
-        if mps is not None:
-            mps.set_share(cfg.overlap.mps_trainer_percentage)
 
         import torch
 

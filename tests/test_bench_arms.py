@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,11 @@ def test_each_mps_share_gets_its_own_process():
         ("mps", [("overlap_mps", "vary:overlap.mps_trainer_percentage=50")]),
         ("mps", [("overlap_mps", "vary:overlap.mps_engine_percentage=60")]),
     ]
+    # each MPS process starts with its trainer's share in its environment; the plain one as we are
+    shares = [bench_arms.child_env(kind, rs, str(SMOKE), []).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+              for kind, rs in bench_arms.batches(str(SMOKE), [], runs)]
+    assert shares[1:] == ["100", "50", "100"]
+    assert shares[0] == os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
 
 def test_phase_stats_count_only_spans_inside_the_window():

@@ -106,6 +106,68 @@ def test_mps_daemon_is_stopped_after_a_failing_run(tmp_path, tiny_model_dir, mon
     assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "failed"
 
 
+def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(tmp_path, tiny_model_dir, monkeypatch):
+    """CUDA fixes a process's MPS share when it first initialises there, and the engine's client does
+    that while it starts the engine: the H200 showed all 132 SMs to a trainer set to 25% until the
+    trainer made its context first. Here CUDA is faked: the context must be made under the trainer's
+    share, the engine process spawned under the engine's."""
+    import colora.engine
+    import colora.mps
+
+    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n[ \"$1\" = \"-d\" ] || read cmd\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    monkeypatch.setattr(colora.mps, "_claimed", {})
+    monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: False)
+    monkeypatch.setattr(colora.mps, "_cuda_available", lambda: True)
+    events = []
+
+    def make_context():
+        events.append(("context", os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]))
+        return 33
+
+    def engine(*a, **k):
+        events.append(("engine", os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(colora.mps, "_make_context", make_context)
+    monkeypatch.setattr(colora.engine.RolloutEngine, "__init__", engine)
+    from colora.runner import run
+
+    cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "experiment.arm=overlap_mps",
+                              "overlap.mps_trainer_percentage=25", "overlap.mps_engine_percentage=90"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        run(cfg, tmp_path / "run", log=lambda s: None)
+    assert events == [("context", "25"), ("engine", "90")]
+
+
+def test_a_process_claims_one_share(monkeypatch, tmp_path):
+    import colora.mps
+    from colora.mps import MpsDaemon, MpsShareError
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipe"))
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)  # restored after the test
+    monkeypatch.setattr(colora.mps, "_claimed", {})
+    monkeypatch.setattr(colora.mps, "_cuda_available", lambda: True)
+    monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: True)
+    d = MpsDaemon.attached()
+    with pytest.raises(MpsShareError, match="initialised CUDA before colora set its MPS share"):
+        d.claim(25)  # a context made by someone else, with whatever share: refused, not mislabelled
+    monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: False)
+    made = []
+    monkeypatch.setattr(colora.mps, "_make_context", lambda: made.append(1) or 33)
+    assert d.claim(25) == 33 and d.claim(25) == 33 and made == [1]  # once per process
+    with pytest.raises(MpsShareError, match="has 25% of the SMs.*50% needs a new process"):
+        d.claim(50)
+    monkeypatch.setattr(colora.mps, "_claimed", {})
+    monkeypatch.setattr(colora.mps, "_cuda_available", lambda: False)
+    assert d.claim(40) is None and os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"  # no CUDA here
+
+
 def test_mps_arm_refused_without_mps(tmp_path, tiny_model_dir, capsys):
     from colora.cli import main
 
