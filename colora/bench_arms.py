@@ -181,11 +181,14 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
 
 
 def engine_rate(spans: list[dict]) -> dict:
-    """The engine's steps per second while some group trains and while none does: medians over the
-    timeline's half-second `engine_steps` buckets that had requests in flight (a bucket counts as
-    training when a train span covers half of it or more), with the mean requests in flight per
-    step. Under MPS the trainer's kernels share the GPU with the engine's; this says what that
-    costs the decoding. {} when the timeline has no engine steps."""
+    """The engine's steps per second of stepping while some group trains and while none does:
+    medians over the timeline's half-second `engine_steps` buckets that had requests in flight (a
+    bucket counts as training when a train span covers half of it or more), with the mean requests in
+    flight per step. Per second of the bucket's busy time, not of its length: a bucket in which a
+    group's generation ended is mostly idle, and per second of its length would read as slow
+    decoding (the H200's dedicated arm read 76 against 257 steps/s so, with nothing else on the GPU).
+    Under MPS the trainer's kernels share the GPU with the engine's; this says what that costs the
+    decoding. {} when the timeline has no engine steps."""
     trains = [(s["start"], s["end"]) for s in spans if s["phase"] == "train"]
     split: dict[str, list[tuple[float, float]]] = {"training": [], "not_training": []}
     for b in spans:
@@ -194,7 +197,7 @@ def engine_rate(spans: list[dict]) -> dict:
         length = b["end"] - b["start"]
         covered = sum(max(0.0, min(e, b["end"]) - max(s, b["start"])) for s, e in trains)
         key = "training" if covered >= length / 2 else "not_training"
-        split[key].append((b["steps"] / length, b["inflight"] / b["steps"]))
+        split[key].append((b["steps"] / (b.get("busy") or length), b["inflight"] / b["steps"]))
     return {k: {"n": len(v), "steps_per_s": statistics.median(x for x, _ in v),
                 "inflight": statistics.fmean(y for _, y in v)} for k, v in split.items() if v}
 
@@ -278,8 +281,9 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
             lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
         rated = [r for r in timed if r["phases"].get("engine")]
         if rated:
-            lines += ["", "The engine's decoding while a group trains and while none does (medians over half-second "
-                      "buckets with requests in flight; requests in flight per engine step, mean):", "",
+            lines += ["", "The engine's decoding while a group trains and while none does (engine steps per second "
+                      "of stepping, medians over half-second buckets with requests in flight; requests in flight "
+                      "per engine step, mean):", "",
                       "| arm | seed | label | steps/s, training | steps/s, not training | in flight, training "
                       "| in flight, not training |", "|---|---|---|---|---|---|---|"]
             for r in rated:
@@ -386,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="reports/arms", help="report path without suffix")
     p.add_argument("--runs", default="runs/bench", help="where the run directories go")
     p.add_argument("--deadline", type=float, default=0, help="seconds for the whole benchmark, its shutdown and report included; 0: none")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the report from the run directories already under --runs")
     p.add_argument("--child", choices=["mps", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--only", help=argparse.SUPPRESS)  # JSON list of runs for a child process
     args = p.parse_args(argv)
@@ -398,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
     failed = False
     deadline = time.monotonic() + args.deadline if args.deadline else None
-    for kind, batch in batches(args.config, args.set, runs):
+    for kind, batch in [] if args.report_only else batches(args.config, args.set, runs):
         daemon = None
         if kind == "mps":
             # This process never makes a CUDA context, so it can start the daemon for the child and

@@ -114,18 +114,20 @@ def test_the_outlier_warning_names_what_compiled_in_each_slow_step(tmp_path):
 
 def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
     """Half-second buckets of engine steps: a bucket half or more under a train span counts as
-    training; buckets without requests in flight (the engine idle) count in neither."""
+    training; buckets without requests in flight (the engine idle) count in neither; the rate is per
+    second the engine stepped (a bucket where a generation ended is mostly idle, not slow)."""
     spans = [{"phase": "train", "group": 1, "start": 1.0, "end": 2.0}]
-    buckets = [(0.0, 100, 25600), (0.5, 90, 23040),  # not training
-               (1.0, 40, 20480), (1.5, 50, 25600),  # covered by the train span
-               (2.25, 80, 8000),  # a quarter covered: not training
-               (3.0, 0, 0)]  # idle
-    spans += [{"phase": "engine_steps", "group": -1, "start": t, "end": t + 0.5, "steps": n, "busy": 0.4,
-               "inflight": f} for t, n, f in buckets]
+    buckets = [(0.0, 100, 25600, 0.5), (0.5, 90, 23040, 0.5),  # not training
+               (1.0, 40, 20480, 0.5), (1.5, 50, 25600, 0.5),  # covered by the train span
+               (2.25, 80, 8000, 0.5),  # a quarter covered: not training
+               (2.75, 20, 400, 0.1),  # the end of a generation: busy a fifth of the bucket, 200 steps/s
+               (3.25, 0, 0, 0.0)]  # idle
+    spans += [{"phase": "engine_steps", "group": -1, "start": t, "end": t + 0.5, "steps": n, "busy": busy,
+               "inflight": f} for t, n, f, busy in buckets]
     rate = bench_arms.engine_rate(spans)
     assert rate["training"] == {"n": 2, "steps_per_s": 90.0, "inflight": pytest.approx(512)}  # 80 and 100 steps/s
-    assert rate["not_training"]["n"] == 3 and rate["not_training"]["steps_per_s"] == 180.0
-    assert rate["not_training"]["inflight"] == pytest.approx((256 + 256 + 100) / 3)
+    assert rate["not_training"]["n"] == 4 and rate["not_training"]["steps_per_s"] == 190.0  # 160 180 200 200
+    assert rate["not_training"]["inflight"] == pytest.approx((256 + 256 + 100 + 20) / 4)
     assert bench_arms.engine_rate([s for s in spans if s["phase"] == "train"]) == {}
     st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
     assert st["engine"] == rate
@@ -133,7 +135,7 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
     rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"])), tmp_path)
     rows[0]["phases"] = st
     bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
-    assert "| overlap_mps | 1 | main | 90 (n=2) | 180 (n=3) | 512 | 204 |" in (tmp_path / "rep.md").read_text()
+    assert "| overlap_mps | 1 | main | 90 (n=2) | 190 (n=4) | 512 | 158 |" in (tmp_path / "rep.md").read_text()
 
 
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
@@ -186,6 +188,12 @@ def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
     for k, r in by.items():
         assert r["ratio"] == pytest.approx(summaries[k]["steps_per_hour"] / base)
     assert sum(not s["engine_reused"] for s in summaries.values()) == 1  # one engine for the batch
+    # --report-only: the same report again from the run directories, nothing run
+    before = sorted(p.name for p in (tmp_path / "runs").rglob("*"))
+    assert bench_arms.main(argv + ["--out", str(tmp_path / "again"), "--report-only"]) == 0
+    assert sorted(p.name for p in (tmp_path / "runs").rglob("*")) == before
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert [(r["label"], r["ratio"]) for r in again["runs"]] == [(r["label"], r["ratio"]) for r in data["runs"]]
     assert len(summaries[("shared_sync", "jobs3")]["groups"][0]) == 3
     md = (tmp_path / "arms.md").read_text()
     assert "colora bench arms " in md and "| jobs3 | shared_sync | 3 | 1 |" in md
