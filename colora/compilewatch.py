@@ -18,6 +18,9 @@ median of 0.4-0.5 s). Two compilers can run in a training step:
   backend hands back each compiled graph; it needs no install. (The same counter in output_graph.py
   from torch 2.0 through 2.13; tests/test_compilewatch.py checks the behaviour, on 2.13 so far.)
   `counters["frames"]["ok"]` was not taken: it also counts frames that produced no graph.
+  A recompile also says why: Dynamo appends each failed guard's reason to
+  `torch._dynamo.utils.guard_failures` (per code object), and `since` returns the new ones
+  (`recompiles`), so a mid-run recompile names the guard (a dtype, a size it specialised on).
 
 Counts are process-wide, whichever thread compiled. In colora's process that is the trainer: vLLM's
 engine core, with its own kernels, runs in a process of its own.
@@ -40,11 +43,16 @@ _kernels: Counter[str] = Counter()  # Triton compiles per kernel name, since `in
 _installed = False
 
 
+MAX_REASONS = 4  # recompile reasons kept per interval (each cut to REASON_CHARS)
+REASON_CHARS = 240
+
+
 @dataclass(frozen=True)
 class Snapshot:
     triton: int
     dynamo: int
     kernels: tuple[tuple[str, int], ...]  # (kernel name, Triton compiles), sorted by name
+    guard_failures: tuple[tuple[object, int], ...] = ()  # (code object, failed guards recorded so far)
 
 
 def install() -> bool:
@@ -105,10 +113,28 @@ def _dynamo_graphs() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
+def _guard_failures() -> dict:
+    utils = sys.modules.get("torch._dynamo.utils")
+    return getattr(utils, "guard_failures", None) or {}
+
+
 def snapshot() -> Snapshot:
     with _lock:
         kernels = tuple(sorted(_kernels.items()))
-    return Snapshot(sum(n for _, n in kernels), _dynamo_graphs(), kernels)
+    guards = tuple((code, len(reasons)) for code, reasons in list(_guard_failures().items()))
+    return Snapshot(sum(n for _, n in kernels), _dynamo_graphs(), kernels, guards)
+
+
+def _new_reasons(before: Snapshot) -> list[str]:
+    """The failed-guard reasons Dynamo recorded since `before`: "function: reason", at most
+    MAX_REASONS, each cut to REASON_CHARS."""
+    old = dict(before.guard_failures)
+    out = []
+    for code, reasons in list(_guard_failures().items()):
+        name = getattr(code, "co_name", str(code))
+        for r in list(reasons)[old.get(code, 0):]:
+            out.append(f"{name}: {r}"[:REASON_CHARS])
+    return out[:MAX_REASONS]
 
 
 def since(before: Snapshot, after: Snapshot | None = None) -> dict:
@@ -118,13 +144,14 @@ def since(before: Snapshot, after: Snapshot | None = None) -> dict:
     old = dict(before.kernels)
     kernels = {k: n - old.get(k, 0) for k, n in after.kernels if n > old.get(k, 0)}
     # max(0, ...): someone may clear Dynamo's counters (PyTorch's own tests do) between snapshots
-    out = {"triton": after.triton - before.triton, "dynamo": max(0, after.dynamo - before.dynamo), "kernels": kernels}
+    out = {"triton": after.triton - before.triton, "dynamo": max(0, after.dynamo - before.dynamo), "kernels": kernels,
+           "recompiles": _new_reasons(before)}
     return {k: v for k, v in out.items() if v}
 
 
 def describe(compiles: dict) -> str:
     """One line for a report: "Triton: lora_shrink_kernel x2, lora_reduce_kernel x1; Dynamo: 1 graph"
-    (kernels by count, then name; "" when nothing compiled)."""
+    (kernels by count, then name; "" when nothing compiled), and the first recompile's reason."""
     parts = []
     kernels = compiles.get("kernels") or {}
     if kernels:
@@ -133,4 +160,6 @@ def describe(compiles: dict) -> str:
     if compiles.get("dynamo"):
         n = compiles["dynamo"]
         parts.append(f"Dynamo: {n} graph{'s' if n != 1 else ''}")
+    if compiles.get("recompiles"):
+        parts.append(f"recompiled as {compiles['recompiles'][0]}")
     return "; ".join(parts)

@@ -22,8 +22,14 @@ def test_a_dynamo_compile_counts_once_and_a_call_of_the_same_shape_not_at_all():
     again = compilewatch.snapshot()
     fn(torch.randn(3))
     assert compilewatch.since(again) == {}
-    fn(torch.randn(3, dtype=torch.float64))  # a guard fails: a recompile is one more graph
-    assert compilewatch.since(again) == {"dynamo": 1}
+    fn(torch.randn(3, dtype=torch.float64))  # a guard fails: a recompile is one more graph, and why
+    got = compilewatch.since(again)
+    assert got["dynamo"] == 1 and len(got["recompiles"]) == 1
+    assert got["recompiles"][0].startswith("double: ") and "dtype mismatch" in got["recompiles"][0]
+    assert "recompiled as double: " in compilewatch.describe(got)
+    later = compilewatch.snapshot()
+    fn(torch.randn(3, dtype=torch.float64))
+    assert compilewatch.since(later) == {}  # reasons already reported are not reported again
 
 
 def test_a_frame_without_tensor_work_is_no_graph():
