@@ -68,8 +68,8 @@ class JobState:
 
 
 def split_groups(jobs: list[str], n_groups: int, cost: dict[str, float] | None = None) -> list[list[str]]:
-    """Balanced groups: longest-processing-time-first over each job's estimated phase cost (by
-    default its tokens per step: prompts x samples x max_new_tokens), ties by name."""
+    """Balanced groups: longest-processing-time-first over each job's phase cost (`CoRunner.run`
+    gives the tokens of its next step's requests, `request_tokens`; default: all equal), ties by name."""
     n = max(1, min(n_groups, len(jobs)))
     cost = cost or {j: 1.0 for j in jobs}
     groups: list[list[str]] = [[] for _ in range(n)]
@@ -79,6 +79,14 @@ def split_groups(jobs: list[str], n_groups: int, cost: dict[str, float] | None =
         groups[i].append(j)
         load[i] += cost[j]
     return [g for g in groups if g]
+
+
+def request_tokens(reqs: list[GenRequest]) -> float:
+    """The tokens of one step's requests, prompts included: what both phases scale with (the
+    engine prefills and decodes them, the trainer runs every one forward and back). Exact for
+    workloads that set response lengths (each request's length is drawn when it is made); with
+    natural EOS the responses count at max_new_tokens, an upper bound."""
+    return float(sum(len(r.prompt_ids) + r.max_tokens for r in reqs))
 
 
 def response_length(job: JobConfig, seed: int) -> int | None:
@@ -388,8 +396,10 @@ class CoRunner:
                 windows.append(measure_window({n: self.jobs[n]}, t0, self.cfg.experiment.warmup_steps))
             return combine_windows(windows)
         n_groups = self.cfg.overlap.groups if arm in ("overlap", "overlap_mps") else 1
-        cost = {n: float(self.jobs[n].cfg.prompts_per_step * self.jobs[n].cfg.samples_per_prompt
-                         * self.jobs[n].cfg.max_new_tokens) for n in names}
+        # Each job's cost: the tokens of its next step's actual requests (its prompts, tokenized,
+        # and the response lengths drawn for them): prompt lengths differ by task, lengths by config.
+        cost = {n: request_tokens(self.step_requests(self.jobs[n], self.jobs[n].step)[1]) for n in names} \
+            if n_groups > 1 else None
         groups = split_groups(names, n_groups, cost)
         t0 = self.timeline.now()
         self.run_groups(groups)

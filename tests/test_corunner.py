@@ -149,3 +149,39 @@ def test_a_train_span_names_what_compiled_in_its_step_and_only_then(tmp_path):
     train = [s for s in c.timeline.spans if s["phase"] == "train"]
     assert [s.get("compiles") for s in train] == [{"dynamo": 1}, None]
     assert all(js.step == 2 for js in c.jobs.values())
+
+
+def test_groups_are_balanced_by_the_tokens_of_each_jobs_actual_requests(tmp_path, monkeypatch):
+    """Four jobs whose configured maxima are equal but whose drawn response lengths are not: the
+    groups balance the tokens the jobs will actually ask for, prompts included."""
+    from colora.config import resolve
+    from colora.corunner import request_tokens, split_groups
+    from colora.tasks import get_task
+
+    cfg = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=2"])
+    d = cfg.to_dict()
+    lengths = {"a": 200, "b": 60, "c": 50, "d": 40}  # fixed lengths, max_new_tokens 256 for all
+    d["jobs"] = [{**d["jobs"][0], "name": n, "max_new_tokens": 256,
+                  "response_length": {"dist": "lognormal", "median": m, "sigma": 0.01, "min": 1}}
+                 for n, m in lengths.items()]
+    cfg = resolve(d)
+
+    class Tok:
+        def apply_chat_template(self, msgs, **k):
+            return msgs[-1]["content"]
+
+        def __call__(self, text, add_special_tokens=False):
+            return SimpleNamespace(input_ids=list(range(len(text.split()))))
+
+    jobs = {j.name: JobState(j, task=get_task(j.task, **dict(j.task_options))) for j in cfg.jobs}
+    c = CoRunner(cfg, FakeEngine([]), trainer=None, bank=None, tokenizer=Tok(), jobs=jobs, timeline=Timeline(),
+                 metrics=JsonlWriter(tmp_path / "metrics.jsonl"), adapter_root=tmp_path, base_model="base",
+                 log=lambda m: None)
+    seen = []
+    monkeypatch.setattr(c, "run_groups", lambda groups: seen.append([list(g) for g in groups]))
+    c.run()
+    tokens = {n: request_tokens(c.step_requests(jobs[n], 0)[1]) for n in jobs}
+    assert tokens["b"] + tokens["c"] + tokens["d"] < tokens["a"]  # a alone outweighs the other three
+    assert seen == [split_groups(list(jobs), 2, tokens)] and sorted(map(sorted, seen[0])) == [["a"], ["b", "c", "d"]]
+    # by configured maxima alone (all equal) the split would have paired them by name instead
+    assert sorted(map(sorted, split_groups(list(jobs), 2))) == [["a", "c"], ["b", "d"]]
