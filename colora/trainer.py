@@ -12,9 +12,11 @@ whose version is not the job's current version is refused (`StaleRolloutError`) 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from . import grpo
@@ -62,6 +64,40 @@ class JobStepStats:
     sequences: int
     version: int  # the adapter version after the step
     failure: str = ""
+
+
+def pack_micro_batch(mb: list["_Seq"], order: tuple[str, ...], pad_id: int) -> tuple[np.ndarray, dict]:
+    """A micro-batch's host arrays, built with numpy (per-token Python lists took 19 ms for 110 rows
+    of 15k completion tokens on a 2-core CPU, host time between two micro-batches' GPU work).
+
+    Returns (longs, per_tok): longs is int64 [ids (B*L, right-padded with pad_id) | mask (B*L) |
+    pos (N) | job (N)], where pos[i] is the flat position of the hidden state that predicts the i-th
+    completion token (position t predicts token t+1: completion tokens ids[P:P+n] come from
+    P-1..P+n-2) and job[i] its job's index in `order`; per_tok holds float32 [N] arrays w, adv, temp,
+    kl (each sequence's value repeated over its completion tokens) and elp (the engine's logprobs
+    where it returned one per token, else NaN)."""
+    B, lens = len(mb), np.fromiter((len(s.ids) for s in mb), np.int64, len(mb))
+    L = int(lens.max())
+    prompt = np.fromiter((s.prompt_len for s in mb), np.int64, B)
+    n = lens - prompt
+    rows = np.repeat(np.arange(B), lens)
+    cols = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    ids = np.full((B, L), pad_id, np.int64)
+    ids[rows, cols] = np.fromiter(itertools.chain.from_iterable(s.ids for s in mb), np.int64, int(lens.sum()))
+    mask = np.zeros((B, L), np.int64)
+    mask[rows, cols] = 1
+    N = int(n.sum())
+    pos = np.repeat(np.arange(B) * L + prompt - 1, n) + (np.arange(N) - np.repeat(np.cumsum(n) - n, n))
+    index = {j: i for i, j in enumerate(order)}
+    job = np.repeat(np.fromiter((index[s.job] for s in mb), np.int64, B), n)
+    per_tok = {k: np.repeat(np.fromiter((getattr(s, a) for s in mb), np.float32, B), n)
+               for k, a in (("w", "weight"), ("adv", "advantage"), ("temp", "temperature"), ("kl", "kl_coef"))}
+    elp = np.full(N, np.nan, np.float32)
+    for s, start, k in zip(mb, np.cumsum(n) - n, n):
+        if len(s.engine_logprobs) == k:
+            elp[start: start + k] = s.engine_logprobs
+    per_tok["elp"] = elp
+    return np.concatenate([ids.reshape(-1), mask.reshape(-1), pos, job]), per_tok
 
 
 @dataclass
@@ -166,27 +202,11 @@ class MultiJobTrainer:
 
         dev = self.device
         B, L = len(mb), max(len(s.ids) for s in mb)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        pos, per_tok = [], {k: [] for k in ("w", "adv", "temp", "kl", "elp", "job")}
-        for b, s in enumerate(mb):
-            ids[b, : len(s.ids)] = torch.tensor(s.ids)
-            mask[b, : len(s.ids)] = 1
-            n = s.n_completion
-            # hidden at position t predicts token t+1: completion tokens ids[P:P+n] come from P-1..P+n-2
-            pos.extend(range(b * L + s.prompt_len - 1, b * L + s.prompt_len - 1 + n))
-            per_tok["w"] += [s.weight] * n
-            per_tok["adv"] += [s.advantage] * n
-            per_tok["temp"] += [s.temperature] * n
-            per_tok["kl"] += [s.kl_coef] * n
-            elp = s.engine_logprobs if len(s.engine_logprobs) == n else [math.nan] * n
-            per_tok["elp"] += elp
-            per_tok["job"] += [order.index(s.job)] * n
+        longs_host, per_tok = pack_micro_batch(mb, order, self.pad_id)
         # Two uploads from pinned memory, not blocking: a plain .to(cuda) waits for the GPU to finish
         # the previous micro-batch's backward, and the host would stop queueing work meanwhile.
-        N = len(pos)
-        longs = upload(torch.cat([ids.view(-1), mask.view(-1), torch.tensor(pos, dtype=torch.long),
-                                   torch.tensor(per_tok["job"], dtype=torch.long)]), dev)
+        N = len(per_tok["w"])
+        longs = upload(torch.from_numpy(longs_host), dev)
         ids, mask = longs[: B * L].view(B, L), longs[B * L: 2 * B * L].view(B, L)
         pos_t, job_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N:]  # [N] each
         # each row on a 16-byte boundary: temp goes to a Triton kernel, compiled per pointer alignment

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig
@@ -220,3 +221,50 @@ def test_step_scoped_stacks_take_the_per_activation_step(tiny_model_dir):
                                       torch.zeros(2, 6, dtype=torch.float64))
             raise RuntimeError("boom")
     assert all(p.grad is None for j in ("a", "b") for p in bank.jobs[j].parameters())
+
+
+def _pack_reference(mb, order, pad_id):
+    """The per-token Python loop pack_micro_batch replaced, kept as its specification."""
+    import math
+
+    B, L = len(mb), max(len(s.ids) for s in mb)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    pos, per_tok = [], {k: [] for k in ("w", "adv", "temp", "kl", "elp", "job")}
+    for b, s in enumerate(mb):
+        ids[b, : len(s.ids)] = torch.tensor(s.ids)
+        mask[b, : len(s.ids)] = 1
+        n = s.n_completion
+        pos.extend(range(b * L + s.prompt_len - 1, b * L + s.prompt_len - 1 + n))
+        per_tok["w"] += [s.weight] * n
+        per_tok["adv"] += [s.advantage] * n
+        per_tok["temp"] += [s.temperature] * n
+        per_tok["kl"] += [s.kl_coef] * n
+        per_tok["elp"] += s.engine_logprobs if len(s.engine_logprobs) == n else [math.nan] * n
+        per_tok["job"] += [order.index(s.job)] * n
+    longs = torch.cat([ids.view(-1), mask.view(-1), torch.tensor(pos), torch.tensor(per_tok.pop("job"))])
+    return longs, {k: torch.tensor(v, dtype=torch.float32) for k, v in per_tok.items()}
+
+
+def test_pack_micro_batch_equals_the_per_token_loop():
+    import random
+
+    from colora.trainer import _Seq, pack_micro_batch
+
+    rng = random.Random(0)
+    order = ("b", "a", "c")
+    mb = []
+    for i in range(23):
+        p, n = rng.randint(1, 9), rng.randint(1, 12)
+        elp = [rng.random() for _ in range(n)] if i % 3 else [0.5] * (n + 1)  # a wrong count: NaN
+        mb.append(_Seq(order[i % 3], [rng.randrange(1, 500) for _ in range(p + n)], p, rng.random(),
+                       rng.uniform(-2, 2), rng.choice([0.7, 1.0]), rng.choice([0.0, 0.05]), elp))
+    mb.sort(key=lambda s: order.index(s.job))
+    want_longs, want = _pack_reference(mb, order, pad_id=7)
+    longs, got = pack_micro_batch(mb, order, pad_id=7)
+    assert longs.dtype == np.int64 and torch.equal(torch.from_numpy(longs), want_longs)
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == np.float32
+        assert torch.equal(torch.from_numpy(got[k]).nan_to_num(-9.0), want[k].nan_to_num(-9.0)), k
+    assert np.isnan(got["elp"]).sum() == sum(s.n_completion for i, s in enumerate(mb) if len(s.engine_logprobs) != s.n_completion)
