@@ -11,6 +11,14 @@ staggered: group g+1's first rollouts are queued when group g's come back. A gro
 rollouts are queued only after its own step, so every rollout comes from its job's current adapter
 (and the trainer checks the version of each).
 
+Groups start balanced by the tokens of each job's first requests (`request_tokens`: exact where the
+workload sets response lengths, max_new_tokens where responses end at EOS). Once every job has
+finished its warm-up steps the split is weighed again on the tokens the jobs actually used (prompt
+and completion, mean per step) and, where that lowers the largest group's load by REGROUP_GAIN or
+more, jobs move: a job moves only right after its own step (its group's rollouts are back, its new
+adapter exported), into a group whose next rollouts it then joins, so it is never in flight twice
+and stays on-policy; a group keeps at least one job.
+
 | arm          | groups                      | MPS (set up by the runner) |
 | ------------ | --------------------------- | -------------------------- |
 | dedicated    | one job at a time, alone    | no                         |
@@ -81,6 +89,33 @@ def split_groups(jobs: list[str], n_groups: int, cost: dict[str, float] | None =
     return [g for g in groups if g]
 
 
+REGROUP_GAIN = 0.10  # move jobs only if the largest group's measured load falls by this share or more
+
+
+def plan_regroup(groups: list[list[str]], cost: dict[str, float], min_gain: float = REGROUP_GAIN) -> dict[str, int] | None:
+    """Where each job of `groups` should go ({job: group index}) for the split `split_groups` makes
+    from `cost`, with the new groups matched to the current indices so that fewest jobs move; None
+    when the largest group's load would not fall by `min_gain` (a share) or more."""
+    jobs = [j for g in groups for j in g]
+    new = split_groups(jobs, len(groups), cost)
+    if len(new) != len(groups):
+        return None
+    load = lambda gs: max(sum(cost[j] for j in g) for g in gs)  # noqa: E731
+    if load(new) > load(groups) * (1.0 - min_gain):
+        return None
+    # match new groups to current indices, most jobs staying first (greedy over the overlap counts)
+    pairs = sorted(((len(set(n) & set(g)), -i, -k) for i, g in enumerate(groups) for k, n in enumerate(new)),
+                   reverse=True)
+    slot: dict[int, int] = {}
+    used: set[int] = set()
+    for _, mi, mk in pairs:
+        i, k = -mi, -mk
+        if k not in slot and i not in used:
+            slot[k] = i
+            used.add(i)
+    return {j: slot[k] for k, n in enumerate(new) for j in n}
+
+
 def request_tokens(reqs: list[GenRequest]) -> float:
     """The tokens of one step's requests, prompts included: what both phases scale with (the
     engine prefills and decodes them, the trainer runs every one forward and back). Exact for
@@ -122,6 +157,9 @@ class CoRunner:
         self._submit_q: queue.Queue | None = None  # set while the engine thread runs
         self._queued_at: dict[int, float] = {}  # group -> when it was handed to the engine thread
         self._ship_lock = threading.Lock()  # see `shipping`
+        self._used_tokens: dict[str, list[int]] = {}  # job -> prompt + completion tokens of each step
+        self._regroup: dict[str, int] | None = None  # job -> planned group, while moves are pending
+        self._regroup_decided = False
 
     # -- prompts and requests ------------------------------------------------------------------
     def prompt_ids(self, messages: tuple[dict, ...]) -> list[int]:
@@ -287,6 +325,7 @@ class CoRunner:
                 self.stop(js, st.failure)
                 continue
             exports.append((js, st.version))
+            self._used_tokens.setdefault(name, []).append(sum(len(r.prompt_ids) + len(r.completion_ids) for r in rs))
             js.step += 1
             js.step_ends.append(now)
             self.metrics.write({**row, "status": "ok"})
@@ -320,6 +359,44 @@ class CoRunner:
             self._submit_q.put(("drop", js.name))  # the engine thread owns the engine
         else:
             self.engine.drop(js.name)
+
+    def regroup(self, groups: list[list[str]], ready: list[int]) -> None:
+        """Weigh the split again on measured tokens once every job is past its warm-up (once per
+        run), then move the planned jobs of the groups in `ready` (just trained, not yet queued
+        again). Groups are replaced, never edited in place: the engine thread reads a group's list
+        when it submits the group, so it sees the old list or the new one, not half of each."""
+        if len(groups) < 2:
+            return
+        running = [n for g in groups for n in g if self.jobs[n].status == "running"]
+        if not self._regroup_decided:
+            after = max(1, self.cfg.experiment.warmup_steps)
+            if not running or any(len(self._used_tokens.get(n, ())) < after for n in running):
+                return
+            self._regroup_decided = True
+            cost = {n: float(np.mean(self._used_tokens.get(n) or [0])) for g in groups for n in g}
+            self._regroup = plan_regroup(groups, cost)
+            loads = [round(sum(cost[n] for n in g)) for g in groups]
+            if self._regroup is None:
+                self.metrics.write({"event": "regroup", "moved": [], "loads": loads})
+                return
+            self.metrics.write({"event": "regroup", "loads": loads,
+                                "moved": sorted(n for g, names in enumerate(groups) for n in names
+                                                if self._regroup.get(n, g) != g),
+                                "plan": self._regroup})
+            self.log(f"regrouping on measured tokens per step (group loads {loads}): {self._regroup}")
+        if self._regroup is None:
+            return
+        cycling = {g for g, names in enumerate(groups) if any(self.jobs[n].status == "running" for n in names)}
+        for g in ready:
+            for n in list(groups[g]):
+                dst = self._regroup.get(n, g)
+                # a group left with no running job is queued no more: a job moved into it would starve
+                if dst != g and dst in cycling and len(groups[g]) > 1 and self.jobs[n].status == "running":
+                    groups[g] = [x for x in groups[g] if x != n]
+                    groups[dst] = groups[dst] + [n]
+                self._regroup.pop(n, None)
+        if not self._regroup:
+            self._regroup = None
 
     def _queue(self, submit_q: queue.Queue, group: int) -> None:
         self._queued_at[group] = self.timeline.now()
@@ -372,6 +449,7 @@ class CoRunner:
                 step = max(self.jobs[n].step for g, _, _ in ready for n in groups[g]) + 1
                 label = "groups " + ",".join(str(g) for g, _, _ in ready) if len(groups) > 1 else "step"
                 self.train_task(ready, f"{label} {step}/{steps}")
+                self.regroup(groups, [g for g, _, _ in ready])
                 for g, _, _ in ready:
                     if any(self.jobs[n].status == "running" for n in groups[g]):
                         self._queue(submit_q, g)

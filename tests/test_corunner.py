@@ -185,3 +185,114 @@ def test_groups_are_balanced_by_the_tokens_of_each_jobs_actual_requests(tmp_path
     assert seen == [split_groups(list(jobs), 2, tokens)] and sorted(map(sorted, seen[0])) == [["a"], ["b", "c", "d"]]
     # by configured maxima alone (all equal) the split would have paired them by name instead
     assert sorted(map(sorted, split_groups(list(jobs), 2))) == [["a", "c"], ["b", "d"]]
+
+
+class LoopEngine:
+    """An engine for `run_groups`: each poll completes the oldest submitted batch, every rollout
+    tagged with the adapter version loaded for its job, each job's completions of a set length."""
+
+    dtype = "bfloat16"
+
+    def __init__(self, lengths: dict[str, int]):
+        self.lengths, self.loaded, self.queue = lengths, {}, []
+
+    def set_adapter(self, job, version, path):
+        self.loaded[job] = version
+        return 0.0
+
+    def submit(self, key, reqs):
+        self.queue.append((key, [GenResult(r, self.loaded.get(r.job, 0), [3] * self.lengths[r.job], [], "", "stop")
+                                 for r in reqs]))
+
+    def poll(self):
+        time.sleep(0.002)
+        return [self.queue.pop(0)] if self.queue else []
+
+    def busy(self):
+        return bool(self.queue)
+
+    def dead(self):
+        return ""
+
+    def decode(self, results):
+        pass
+
+    def drop(self, job):
+        pass
+
+
+class VersionTrainer:
+    """Steps every job it is given and refuses a rollout not from the job's current version."""
+
+    def __init__(self):
+        self.version: dict[str, int] = {}
+
+    def step(self, rollouts):
+        out = {}
+        for name, rs in rollouts.items():
+            v = self.version.get(name, 0)
+            assert {r.version for r in rs} == {v}, f"{name}: stale rollout (versions {sorted({r.version for r in rs})}, current {v})"
+            self.version[name] = v + 1
+            out[name] = JobStepStats(0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1, len(rs), v + 1)
+        return out
+
+
+class ThreeTokens:
+    """A tokenizer for which every prompt is three tokens."""
+
+    def apply_chat_template(self, msgs, **kw):
+        return "x"
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[1, 2, 3])
+
+
+def test_groups_move_jobs_on_measured_tokens_and_every_rollout_stays_on_policy(tmp_path):
+    """Four jobs that look alike before they run (natural EOS, one max_new_tokens), so the first split
+    pairs them by name, a with c: the two that turn out to write long answers. After the warm-up the
+    run swaps c and d, each right after its own group's step, and no rollout is ever stale."""
+    from colora.config import resolve
+    from colora.runlog import read_jsonl
+
+    d = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=6",
+                            "experiment.warmup_steps=1"]).to_dict()
+    d["jobs"] = [{**d["jobs"][0], "name": n, "response_length": {"dist": "natural"}} for n in "abcd"]
+    cfg = resolve(d)
+    task = SimpleNamespace(
+        sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
+        reward=lambda text, item: float(item.id % 2))
+    ref: list = []
+    engine = LoopEngine({"a": 200, "b": 40, "c": 180, "d": 40})
+    c = CoRunner(cfg, engine, VersionTrainer(), FakeBank(ref), ThreeTokens(), {j.name: JobState(j, task) for j in cfg.jobs},
+                 Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"), tmp_path, "base", log=lambda m: None)
+    ref.append(c)
+    window = c.run()
+    c.metrics.close()
+    assert window["groups"] == [["a", "d"], ["b", "c"]]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    [event] = [r for r in rows if r.get("event") == "regroup"]
+    assert event["moved"] == ["c", "d"] and event["loads"][0] > 4 * event["loads"][1]
+    steps = {n: [r for r in rows if r.get("job") == n and r.get("status") == "ok"] for n in "abcd"}
+    assert all(len(v) == 6 for v in steps.values())  # every job did every step
+    for n, first, last in (("c", 0, 1), ("d", 1, 0)):
+        seen = [r["group"] for r in steps[n]]
+        assert seen[0] == first and seen[-1] == last and seen.count(first) + seen.count(last) == 6
+        assert seen == [first] * seen.count(first) + [last] * seen.count(last)  # moved once
+    assert all(r["rollout_versions"] == [r["step"]] for v in steps.values() for r in v)  # on-policy
+
+
+def test_plan_regroup_moves_fewest_jobs_and_only_for_a_real_gain():
+    from colora.corunner import plan_regroup
+
+    cost = {"a": 10.0, "b": 1.0, "c": 9.0, "d": 1.0}
+    assert plan_regroup([["a", "c"], ["b", "d"]], cost) == {"a": 0, "d": 0, "b": 1, "c": 1}  # 19 / 2 -> 11 / 10
+    assert plan_regroup([["a", "d"], ["c", "b"]], cost) is None  # already the best split
+    six = {"a": 9.0, "b": 8.0, "c": 5.0, "d": 4.0, "e": 1.0, "f": 1.0}
+    for groups in ([["c", "d", "e", "f"], ["a", "b"]], [["a", "b"], ["c", "d", "e", "f"]]):  # 11 / 17 -> 14 / 14
+        plan = plan_regroup(groups, six)
+        assert sorted(sorted(j for j in plan if plan[j] == g) for g in (0, 1)) == [["a", "d", "e"], ["b", "c", "f"]]
+        moved = [j for g, names in enumerate(groups) for j in names if plan[j] != g]
+        assert len(moved) == 3  # of 6: the new groups keep the indices that keep most jobs in place
+    near = {"a": 10.0, "b": 9.5, "c": 1.0, "d": 0.4}  # [a,c]=11 [b,d]=9.9 -> best [a,d] [b,c] 10.5: 4.5% only
+    assert plan_regroup([["a", "c"], ["b", "d"]], near) is None
+    assert plan_regroup([["a", "c"], ["b", "d"]], near, min_gain=0.04) == {"a": 0, "d": 0, "b": 1, "c": 1}
