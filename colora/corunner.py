@@ -377,10 +377,10 @@ class CoRunner:
             self._regroup = plan_regroup(groups, cost)
             loads = [round(sum(cost[n] for n in g)) for g in groups]
             if self._regroup is None:
-                self.metrics.write({"event": "regroup", "moved": [], "loads": loads})
+                self.metrics.write({"event": "regroup", "planned_moves": [], "loads": loads})
                 return
             self.metrics.write({"event": "regroup", "loads": loads,
-                                "moved": sorted(n for g, names in enumerate(groups) for n in names
+                                "planned_moves": sorted(n for g, names in enumerate(groups) for n in names
                                                 if self._regroup.get(n, g) != g),
                                 "plan": self._regroup})
             self.log(f"regrouping on measured tokens per step (group loads {loads}): {self._regroup}")

@@ -271,7 +271,7 @@ def test_groups_move_jobs_on_measured_tokens_and_every_rollout_stays_on_policy(t
     assert window["groups"] == [["a", "d"], ["b", "c"]]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     [event] = [r for r in rows if r.get("event") == "regroup"]
-    assert event["moved"] == ["c", "d"] and event["loads"][0] > 4 * event["loads"][1]
+    assert event["planned_moves"] == ["c", "d"] and event["loads"][0] > 4 * event["loads"][1]
     steps = {n: [r for r in rows if r.get("job") == n and r.get("status") == "ok"] for n in "abcd"}
     assert all(len(v) == 6 for v in steps.values())  # every job did every step
     for n, first, last in (("c", 0, 1), ("d", 1, 0)):
