@@ -188,18 +188,31 @@ def engine_rate(spans: list[dict]) -> dict:
     group's generation ended is mostly idle, and per second of its length would read as slow
     decoding (the H200's dedicated arm read 76 against 257 steps/s so, with nothing else on the GPU).
     Under MPS the trainer's kernels share the GPU with the engine's; this says what that costs the
-    decoding. {} when the timeline has no engine steps."""
+    decoding. With `waiting` (timelines that record each step's wait for the engine core): the
+    median share of step time spent waiting for the core, high where the GPU bounds the decoding,
+    low where the client's Python in this process does (see engine.StepRate). {} when the timeline
+    has no engine steps."""
     trains = [(s["start"], s["end"]) for s in spans if s["phase"] == "train"]
-    split: dict[str, list[tuple[float, float]]] = {"training": [], "not_training": []}
+    split: dict[str, list[tuple[float, float, float | None]]] = {"training": [], "not_training": []}
     for b in spans:
         if b["phase"] != "engine_steps" or not b["steps"]:
             continue
         length = b["end"] - b["start"]
         covered = sum(max(0.0, min(e, b["end"]) - max(s, b["start"])) for s, e in trains)
         key = "training" if covered >= length / 2 else "not_training"
-        split[key].append((b["steps"] / (b.get("busy") or length), b["inflight"] / b["steps"]))
-    return {k: {"n": len(v), "steps_per_s": statistics.median(x for x, _ in v),
-                "inflight": statistics.fmean(y for _, y in v)} for k, v in split.items() if v}
+        busy = b.get("busy") or length
+        wait = b["wait"] / busy if "wait" in b and busy > 0 else None
+        split[key].append((b["steps"] / busy, b["inflight"] / b["steps"], wait))
+    out = {}
+    for k, v in split.items():
+        if not v:
+            continue
+        out[k] = {"n": len(v), "steps_per_s": statistics.median(x for x, _, _ in v),
+                  "inflight": statistics.fmean(y for _, y, _ in v)}
+        waits = [w for _, _, w in v if w is not None]
+        if waits:
+            out[k]["waiting"] = statistics.median(waits)
+    return out
 
 
 def collect(runs: list[dict], root: Path) -> list[dict]:
@@ -283,13 +296,17 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
         if rated:
             lines += ["", "The engine's decoding while a group trains and while none does (engine steps per second "
                       "of stepping, medians over half-second buckets with requests in flight; requests in flight "
-                      "per engine step, mean):", "",
+                      "per engine step, mean; waiting: the median share of a step the engine's client spent waiting "
+                      "for the engine core's output, high where the GPU bounds the decoding, low where the client's "
+                      "Python in the trainer's process does):", "",
                       "| arm | seed | label | steps/s, training | steps/s, not training | in flight, training "
-                      "| in flight, not training |", "|---|---|---|---|---|---|---|"]
+                      "| in flight, not training | waiting, training | waiting, not training |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for r in rated:
                 e = r["phases"]["engine"]
                 cells = [f"{e[k]['steps_per_s']:.0f} (n={e[k]['n']})" if k in e else "-" for k in ("training", "not_training")]
                 cells += [f"{e[k]['inflight']:.0f}" if k in e else "-" for k in ("training", "not_training")]
+                cells += [f"{e[k]['waiting']:.2f}" if "waiting" in e.get(k, {}) else "-" for k in ("training", "not_training")]
                 lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
         for r in timed:
             if r["phases"].get("train_outliers"):

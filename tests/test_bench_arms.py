@@ -135,7 +135,16 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
     rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"])), tmp_path)
     rows[0]["phases"] = st
     bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
-    assert "| overlap_mps | 1 | main | 90 (n=2) | 190 (n=4) | 512 | 158 |" in (tmp_path / "rep.md").read_text()
+    assert "| overlap_mps | 1 | main | 90 (n=2) | 190 (n=4) | 512 | 158 | - | - |" in (tmp_path / "rep.md").read_text()
+    # timelines that record each step's wait for the engine core: its median share per split
+    for b in spans:
+        if b["phase"] == "engine_steps":
+            b["wait"] = b["busy"] * (0.9 if 1.0 <= b["start"] < 2.0 else 0.25)
+    rate = bench_arms.engine_rate(spans)
+    assert rate["training"]["waiting"] == pytest.approx(0.9) and rate["not_training"]["waiting"] == pytest.approx(0.25)
+    rows[0]["phases"] = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
+    assert "| 512 | 158 | 0.90 | 0.25 |" in (tmp_path / "rep.md").read_text()
 
 
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():

@@ -70,6 +70,8 @@ def test_overlap_two_groups_never_stale(tmp_path, tiny_model_dir, cache):
     # the engine's steps of the run, in half-second buckets, none before the run's first generation
     steps = [s for s in spans if s["phase"] == "engine_steps"]
     assert steps and sum(s["steps"] for s in steps) >= 3 and all(s["inflight"] >= s["steps"] for s in steps)
+    # the part of each step spent waiting for vLLM's engine core (timed around its client's get_output)
+    assert all(0.0 <= s["wait"] <= s["busy"] + 1e-6 for s in steps) and sum(s["wait"] for s in steps) > 0
     assert min(s["end"] for s in steps) > min(g["start"] for g in gen)
     # adapters move one transfer at a time: no export overlaps a reload
     ship = sorted((s for s in spans if s["phase"] in ("export", "reload")), key=lambda s: s["start"])

@@ -5,6 +5,8 @@ One engine for the module (vLLM's start costs tens of seconds on 2 cores).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -138,11 +140,26 @@ def test_step_rate_buckets_steps_by_when_they_ended():
     from colora.engine import StepRate
 
     r = StepRate(bucket=0.5)
-    r.record(0.1, 0.2, 4)
-    r.record(0.2, 0.45, 6)
+    r.record(0.1, 0.2, 4, wait=0.05)
+    r.record(0.2, 0.45, 6, wait=0.2)
     r.record(0.45, 0.7, 2)  # ends in the second bucket
-    r.record(2.0, 2.1, 1)
-    assert r.take() == [{"start": 0.0, "end": 0.5, "steps": 2, "busy": pytest.approx(0.35), "inflight": 10},
-                        {"start": 0.5, "end": 1.0, "steps": 1, "busy": pytest.approx(0.25), "inflight": 2},
-                        {"start": 2.0, "end": 2.5, "steps": 1, "busy": pytest.approx(0.1), "inflight": 1}]
+    r.record(2.0, 2.1, 1, wait=0.1)
+    A = pytest.approx
+    assert r.take() == [{"start": 0.0, "end": 0.5, "steps": 2, "busy": A(0.35), "wait": A(0.25), "inflight": 10},
+                        {"start": 0.5, "end": 1.0, "steps": 1, "busy": A(0.25), "wait": 0.0, "inflight": 2},
+                        {"start": 2.0, "end": 2.5, "steps": 1, "busy": A(0.1), "wait": A(0.1), "inflight": 1}]
     assert r.take() == []  # handed over: starts afresh
+
+
+def test_the_wait_for_the_engine_core_is_timed_and_the_output_handed_on():
+    from colora.engine import _time_waits
+
+    class Core:
+        def get_output(self, timeout=None):
+            time.sleep(0.01)
+            return ("outputs", timeout)
+
+    core = Core()
+    waited = _time_waits(core)
+    assert core.get_output(timeout=3) == ("outputs", 3) and core.get_output() == ("outputs", None)
+    assert waited[0] >= 0.02  # two calls of at least 10 ms each (a lower bound, not a speed)
