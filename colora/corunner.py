@@ -104,12 +104,11 @@ def plan_regroup(groups: list[list[str]], cost: dict[str, float], min_gain: floa
     if load(new) > load(groups) * (1.0 - min_gain):
         return None
     # match new groups to current indices, most jobs staying first (greedy over the overlap counts)
-    pairs = sorted(((len(set(n) & set(g)), -i, -k) for i, g in enumerate(groups) for k, n in enumerate(new)),
-                   reverse=True)
+    pairs = sorted(((len(set(n) & set(g)), i, k) for i, g in enumerate(groups) for k, n in enumerate(new)),
+                   key=lambda t: (-t[0], t[1], t[2]))
     slot: dict[int, int] = {}
     used: set[int] = set()
-    for _, mi, mk in pairs:
-        i, k = -mi, -mk
+    for _, i, k in pairs:
         if k not in slot and i not in used:
             slot[k] = i
             used.add(i)
