@@ -274,12 +274,13 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
                          f"{_fmt(r['steps_per_hour'], 0)} | {_fmt(r['ratio'], 3)} | "
                          f"{_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
     lines += ["", "Per run: phase times and engine start (reported apart from throughput):", "",
-              "| arm | seed | label | engine start s | measured steps | measured s | busy | GPU util | MPS |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| arm | seed | label | engine start s | sampler | measured steps | measured s | busy | GPU util | MPS |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["summary"] or {}
         lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {_fmt(s.get('engine_start_s'), 0)}"
-                     f"{' (reused)' if s.get('engine_reused') else ''} | {s.get('steps_measured', '-')} | "
+                     f"{' (reused)' if s.get('engine_reused') else ''} | {s.get('engine_sampler', '-')} | "
+                     f"{s.get('steps_measured', '-')} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "
                      f"{_fmt(s.get('gpu_util'))} | {s.get('mps', '-')} |")
     timed = [r for r in rows if r.get("phases")]

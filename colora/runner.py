@@ -315,7 +315,8 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
             stack.callback(engine.close)
         if not engine.reused:
             timeline.add("engine_start", -engine.start_seconds, 0.0)
-        log(f"engine {'reused' if engine.reused else 'ready'} (it took {engine.start_seconds:.1f}s to start)")
+        log(f"engine {'reused' if engine.reused else 'ready'} (it took {engine.start_seconds:.1f}s to start; "
+            f"sampler: {engine.sampler})")
 
         import torch
 
@@ -395,7 +396,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
     return {
         "experiment": exp.name, "arm": exp.arm, "seed": exp.seed, "config_hash": cfg.hash(),
         "model": str(setup.model_dir), "device": device, "dtype": dtype, "mps": mps_note,
-        "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "trainer_setup_s": trainer_setup_s,
+        "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "engine_sampler": engine.sampler, "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show
         "trainer_sm_count": torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else None,
         "steps_measured": window["steps"], "seconds_measured": window["seconds"],

@@ -101,6 +101,21 @@ def test_same_seed_same_rollout(engine, bank_model):
     assert one[0].completion_ids != one[1].completion_ids
 
 
+def test_the_worker_samples_seeded_requests_through_colora(engine):
+    # the engine process imported colora.vllm_sampler as its worker extension, which installed it
+    assert engine.sampler == "colora"
+    assert engine.llm.collective_rpc("colora_seeded_sampling") == [True]
+
+
+def test_an_unknown_sampler_is_refused(tiny_model_dir, monkeypatch):
+    from colora.engine import RolloutEngine
+
+    monkeypatch.setenv("COLORA_VLLM_SAMPLER", "fast")
+    with pytest.raises(ValueError, match="COLORA_VLLM_SAMPLER must be 'colora' or 'vllm', got 'fast'"):
+        RolloutEngine(str(tiny_model_dir), EngineConfig(), max_loras=1, max_lora_rank=8, dtype="float32",
+                      seed=0, device="cpu")
+
+
 def test_unknown_job_is_refused(engine):
     from colora.engine import GenRequest
 
