@@ -19,6 +19,7 @@ import torch
 import triton
 
 from .backend import resolve_backend
+from .lora_meta import upload
 from .noise_kernels import INV_2_23, seeded_exponential_kernel
 
 _M32 = 0xFFFFFFFF
@@ -59,7 +60,7 @@ def _fill_ref(q: torch.Tensor, meta: torch.Tensor) -> None:
     cols = torch.arange(q.shape[1], dtype=torch.int64, device=q.device)
     for row, k0, k1 in meta.t().tolist():
         x = _lowbias32_ref(_lowbias32_ref(cols ^ k0) ^ k1)
-        u = ((x >> 9).to(torch.float32) + 0.5) * INV_2_23
+        u = ((x >> 9).to(torch.float32) + 0.5) * INV_2_23.value
         q[row] = -torch.log(u)
 
 
@@ -75,7 +76,8 @@ def seeded_exponential_(q: torch.Tensor, rows: np.ndarray, keys: np.ndarray, bac
         return q
     if min(rows) < 0 or max(rows) >= q.shape[0]:
         raise ValueError(f"rows must lie in [0, {q.shape[0]}), got {min(rows)}..{max(rows)}")
-    meta = torch.from_numpy(noise_meta(rows, keys)).to(q.device, non_blocking=True)  # [3, R]
+    # pinned and non-blocking: a copy from pageable memory can make vLLM's host wait for the step's forward
+    meta = upload(torch.from_numpy(noise_meta(rows, keys)), q.device)  # [3, R]
     if resolve_backend(backend, q.device) == "torch":
         _fill_ref(q, meta)
         return q

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-INV_2_23 = 1.0 / 8388608.0  # 2^-23: 23 bits of the hash make a uniform that fp32 holds exactly
+INV_2_23 = tl.constexpr(1.0 / 8388608.0)  # 2^-23: 23 bits of the hash make a uniform fp32 holds exactly
 
 
 @triton.jit
