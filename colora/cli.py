@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
     b.add_argument("what", choices=["kernels", "arms", "trainer"])
-    for name in ("sweep", "report", "prereg"):
+    for name in ("sweep", "report", "prereg", "replay-step"):
         sub.add_parser(name, add_help=False)
     return p
 
@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    passthrough = {"sweep": "colora.sweep", "report": "colora.report", "prereg": "colora.prereg"}
+    passthrough = {"sweep": "colora.sweep", "report": "colora.report", "prereg": "colora.prereg",
+                   "replay-step": "colora.replay"}
     from .runner import RunFailed
 
     try:

@@ -31,6 +31,7 @@ and stays on-policy; a group keeps at least one job.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import queue
 from collections import deque
@@ -307,6 +308,9 @@ class CoRunner:
             compiled = compilewatch.since(before)
             if compiled:  # the usual cause of a step far slower than the others
                 span["compiles"] = compiled
+        if any(st.failure for st in stats.values()):
+            self.log(f"kept what the failed training step ran on in {self.keep_failed_step(rollouts, stats, group)} "
+                     "(colora replay-step DIR runs it again)")
         t_train = time.perf_counter() - t0
         now = self.timeline.now()
         parts, exports = [], []
@@ -335,6 +339,26 @@ class CoRunner:
         self.log(f"{progress} | {' '.join(parts)} | gen {max(t_gen.values()):.1f}s train {t_train:.1f}s")
         if self.on_step is not None:
             self.on_step()
+
+    def keep_failed_step(self, rollouts: dict[str, list[Rollout]], stats: dict, group: int) -> Path:
+        """Keep what a training step that failed (a loss, gradient or weight not finite, a diverged
+        adapter) ran on, before its jobs are stopped: every rollout of the shared batch, and each
+        job's adapter and AdamW state. A job that failed on its loss or gradient was not updated, so
+        its state is the one the step saw; a job that was updated is one update further (copying every
+        adapter before every step to keep the exact one would cost each step a device sync). A NaN in a
+        shared batch can come from the data, from one job's adapter, or from the arithmetic of that
+        batch's shapes; `colora replay-step DIR` runs the step again by itself to tell which."""
+        import dataclasses
+
+        step = min(self.jobs[n].step for n in rollouts)
+        d = self.metrics.path.parent / "failed_steps" / f"step{step}-group{group}"
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / "rollouts.jsonl", "w") as f:
+            for r in (r for rs in rollouts.values() for r in rs):
+                f.write(json.dumps({k: v for k, v in dataclasses.asdict(r).items() if k != "text"}) + "\n")
+        failures = {n: st.failure for n, st in stats.items() if st.failure}
+        torch.save({"jobs": {n: self.bank.job_state(n) for n in rollouts}, "failures": failures}, d / "state.pt")
+        return d
 
     def export_adapters(self, exports: list[tuple[JobState, int]], group: int, groups: list[int]) -> None:
         """Write the engine's copy of each new adapter version (in the engine's dtype, see

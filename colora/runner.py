@@ -272,6 +272,26 @@ def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
     return run(cfg, out, resume_state=state, log=log)
 
 
+def build_trainer(cfg: Config, model_dir: Path, device: str, dtype, pad_id: int):
+    """The frozen base model with every job's adapter injected, and the trainer over it:
+    (model, bank, trainer). Used by a run and by `colora replay-step`."""
+    from .fusion import fuse_elementwise, should_fuse
+    from .lora import AdapterBank, inject_lora
+    from .models import load_base_model
+    from .trainer import MultiJobTrainer
+
+    model = load_base_model(model_dir, dtype, device)
+    if should_fuse(cfg.trainer.fuse_elementwise, device):
+        fuse_elementwise(model)
+    bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections)
+    inject_lora(model, bank)
+    for j in cfg.jobs:
+        bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, cfg.experiment.seed, j.learning_rate,
+                     j.weight_decay, j.adam_betas, j.adam_eps)
+    trainer = MultiJobTrainer(model, bank, cfg.trainer, {j.name: j for j in cfg.jobs}, pad_id)
+    return model, bank, trainer
+
+
 def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None = None,
          process_mps=None, resume_state: dict | None = None) -> dict:
     from .checkpoint import Checkpointer
@@ -279,9 +299,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
     from .engine import RolloutEngine
     from .evaluate import evaluate
     from .gpumon import GpuSampler
-    from .lora import AdapterBank, inject_lora
-    from .models import load_base_model, load_tokenizer
-    from .trainer import MultiJobTrainer
+    from .models import load_tokenizer
 
     cfg, out = setup.cfg, setup.out
     exp = cfg.experiment
@@ -327,17 +345,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         compilewatch.install()
         t0 = time.perf_counter()
         tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        model = load_base_model(setup.model_dir, tdtype, device)
-        from .fusion import fuse_elementwise, should_fuse
-
-        if should_fuse(cfg.trainer.fuse_elementwise, device):
-            fuse_elementwise(model)
-        bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections)
-        inject_lora(model, bank)
-        for j in cfg.jobs:
-            bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, exp.seed, j.learning_rate,
-                         j.weight_decay, j.adam_betas, j.adam_eps)
-        trainer = MultiJobTrainer(model, bank, cfg.trainer, {j.name: j for j in cfg.jobs}, tok.pad_token_id)
+        model, bank, trainer = build_trainer(cfg, setup.model_dir, device, tdtype, tok.pad_token_id)
         trainer_setup_s = time.perf_counter() - t0
 
         scratch = adapter_scratch(out)

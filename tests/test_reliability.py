@@ -235,6 +235,19 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
     assert s3["jobs"]["healthy"]["status"] == "done" and s3["jobs"]["healthy"]["steps"] == 3
     events = [r for r in read_jsonl(tmp_path / "three" / "metrics.jsonl") if r.get("event") == "stopped"]
     assert {e["job"] for e in events} == {"add", "mod"}
+    # the failed training step was kept, and running it again by itself fails the same way
+    from colora import replay
+
+    kept = sorted((tmp_path / "three" / "failed_steps").iterdir())
+    assert len(kept) == 1, kept
+    raw, rollouts, state = replay.load_failed_step(kept[0])
+    assert "mod" in rollouts and "not finite" in state["failures"]["mod"]
+    again = replay.replay(kept[0], [], None, log=lambda s: None)
+    assert again["mod"].failure and "not finite" in again["mod"].failure
+    assert not again["healthy"].failure
+    assert replay.main([str(kept[0])]) == 1
+    assert replay.main([str(kept[0]), "--sdpa", "math", "--set", "trainer.micro_batch_tokens=64"]) == 1
+    assert replay.main([str(tmp_path / "three")]) == 2  # not a failed-step directory
     got = _adapters(tmp_path / "three")["healthy"]
     want = _adapters(tmp_path / "one")["healthy"]
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
