@@ -8,9 +8,10 @@ in-place reload kept serving the old KV until `reset_prefix_cache()`), and the o
 removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
 adapter that produced it; the trainer refuses any other version.
 
-Per-request sampling seeds make a run's rollouts a function of its seed. vLLM's worker samples every
-seeded request of a step in one kernel launch through colora/vllm_sampler.py (vLLM's own sampler
-launches one per request); COLORA_VLLM_SAMPLER=vllm keeps vLLM's, to measure the difference.
+Per-request sampling seeds make a run's rollouts a function of its seed. vLLM's sampler draws each
+seeded request's noise with one kernel launch per request per step; with COLORA_VLLM_SAMPLER=colora
+vLLM's worker draws every seeded row of a step in one launch instead (colora/vllm_sampler.py). Not the
+default: its H200 A/B (reports/h200/README.md, seventh session) showed no gain beyond the noise.
 
 Generation is continuous: `submit(key, requests)` queues a batch in the running engine at any time
 (a group's next step joins the other groups' sequences still decoding) and `poll()` runs one engine
@@ -153,7 +154,7 @@ class RolloutEngine:
             # Log-probs of the distribution actually sampled. Only when asked: in this mode vLLM's
             # sampler takes a log-softmax over the whole vocabulary every step, wanted or not.
             kwargs["logprobs_mode"] = "processed_logprobs"
-        self.sampler = os.environ.get("COLORA_VLLM_SAMPLER", "colora")
+        self.sampler = os.environ.get("COLORA_VLLM_SAMPLER", "vllm")
         if self.sampler not in ("colora", "vllm"):
             raise ValueError(f"COLORA_VLLM_SAMPLER must be 'colora' or 'vllm', got {self.sampler!r}")
         if self.sampler == "colora":

@@ -14,7 +14,8 @@ The count is kept where vLLM keeps it, in the CUDA generator's Philox offset: ea
 takes vLLM's own loop.
 
 vLLM imports this module in its worker process when the engine is built with
-`worker_extension_cls="colora.vllm_sampler.SeededSampling"` (colora/engine.py); the import installs
+`worker_extension_cls="colora.vllm_sampler.SeededSampling"` (colora/engine.py does with
+COLORA_VLLM_SAMPLER=colora; not the default until an H200 A/B shows it faster); the import installs
 the sampler. The draws are a different random stream from vLLM's, equally exact in distribution (the
 exponential race, on 23-bit uniforms), and reproducible from the seed.
 """

@@ -21,9 +21,11 @@ pytestmark = pytest.mark.vllm
 def engine(tiny_model_dir):
     from colora.engine import RolloutEngine
 
-    eng = RolloutEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=1024,
-                                                          enforce_eager=True),
-                        max_loras=2, max_lora_rank=8, dtype="float32", seed=0, device="cpu")
+    with pytest.MonkeyPatch.context() as mp:  # colora's seeded sampler, so its install is tested here
+        mp.setenv("COLORA_VLLM_SAMPLER", "colora")
+        eng = RolloutEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=1024,
+                                                              enforce_eager=True),
+                            max_loras=2, max_lora_rank=8, dtype="float32", seed=0, device="cpu")
     yield eng
     eng.close()
 
