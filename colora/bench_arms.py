@@ -170,6 +170,9 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
     rate = engine_rate(inside)
     if rate:
         out["engine"] = rate
+    chain = group_chain(inside)
+    if chain:
+        out["chain"] = chain
     if "train" in out:
         # a training step far beyond the others (a compile, a stall): it counts in the throughput
         med = out["train"]["median"]
@@ -177,6 +180,27 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
         out["train_outliers"] = [round(s["end"] - s["start"], 3) for s in slow]
         if any(s.get("compiles") for s in slow):  # what compiled in each (timelines since compilewatch)
             out["train_outlier_compiles"] = [s.get("compiles", {}) for s in slow]
+    return out
+
+
+def group_chain(spans: list[dict]) -> dict:
+    """A group's cycle, the mean time between its successive training steps, beside the means of the
+    phases it chains in series (generate, then train, then export of the new adapters; the group's
+    next generation waits for that export). Where the cycle is about their sum, the chain is what
+    bounds the throughput and the phase that grew against the dedicated arm is the one to cut. Over
+    the groups that trained at least twice in `spans`; {} for fewer than two groups (one group has no
+    offset phases to compare)."""
+    ends: dict[int, list[float]] = {}
+    for s in spans:
+        if s["phase"] == "train" and s.get("group", -1) >= 0:
+            ends.setdefault(s["group"], []).append(s["end"])
+    cycles = [b - a for e in ends.values() for a, b in zip(sorted(e), sorted(e)[1:])]
+    if len(ends) < 2 or not cycles:
+        return {}
+    out = {"groups": len(ends), "cycle": statistics.fmean(cycles)}
+    for ph in ("generate", "train", "export"):
+        d = [s["end"] - s["start"] for s in spans if s["phase"] == ph]
+        out[ph] = statistics.fmean(d) if d else 0.0
     return out
 
 
@@ -293,6 +317,18 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
             ph = r["phases"]
             cells = [f"{ph[k]['median']:.2f} / {ph[k]['max']:.2f}" if k in ph else "-" for k in PHASES]
             lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
+        chained = [r for r in timed if r["phases"].get("chain")]
+        if chained:
+            lines += ["", "Each group's chain (means, seconds): the cycle between a group's successive training steps, "
+                      "beside the phases it runs in series; a cycle near their sum says the chain bounds the "
+                      "throughput:", "",
+                      "| arm | seed | label | groups | cycle | generate | train | export | generate + train + export |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for r in chained:
+                c = r["phases"]["chain"]
+                lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {c['groups']} | {c['cycle']:.2f} | "
+                             f"{c['generate']:.2f} | {c['train']:.2f} | {c['export']:.2f} | "
+                             f"{c['generate'] + c['train'] + c['export']:.2f} |")
         rated = [r for r in timed if r["phases"].get("engine")]
         if rated:
             lines += ["", "The engine's decoding while a group trains and while none does (engine steps per second "

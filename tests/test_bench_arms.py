@@ -147,6 +147,29 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
     assert "| 512 | 158 | 0.90 | 0.25 |" in (tmp_path / "rep.md").read_text()
 
 
+def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
+    """Two groups offset by half a cycle, each: generate 2 s, train 1 s, export 0.5 s, then again. The
+    cycle is the time between a group's successive training steps (3.5 s here, the three phases'
+    sum); one group has no chain to report."""
+    spans = []
+    for g, t0 in ((0, 0.0), (1, 1.75)):
+        for k in range(3):
+            t = t0 + 3.5 * k
+            spans += [{"phase": "generate", "group": g, "start": t, "end": t + 2.0},
+                      {"phase": "train", "group": g, "start": t + 2.0, "end": t + 3.0},
+                      {"phase": "export", "group": g, "start": t + 3.0, "end": t + 3.5}]
+    chain = bench_arms.group_chain(spans)
+    assert chain == {"groups": 2, "cycle": pytest.approx(3.5), "generate": 2.0, "train": 1.0, "export": 0.5}
+    assert bench_arms.group_chain([s for s in spans if s["group"] == 0]) == {}
+    st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 20.0, "seconds": 20.0})
+    assert st["chain"] == chain
+    cfg = load_config(SMOKE)
+    rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"])), tmp_path)
+    rows[0]["phases"] = st
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
+    assert "| overlap_mps | 1 | main | 2 | 3.50 | 2.00 | 1.00 | 0.50 | 3.50 |" in (tmp_path / "rep.md").read_text()
+
+
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
     cfg = load_config(SMOKE)
     jobs = bench_arms.scaled_jobs(cfg, 5)
