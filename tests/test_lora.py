@@ -86,3 +86,45 @@ def test_export_in_the_engines_dtype_is_the_cast_of_the_fp32_export(tiny_model_d
     assert any(t.abs().max() > 0 for t in half.values())
     size = lambda d: (tmp_path / d / "adapter_model.safetensors").stat().st_size
     assert size("bf16") < 0.6 * size("f32")
+
+
+def test_write_safetensors_gives_the_librarys_tensors(tmp_path):
+    import pytest
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from colora.lora import write_safetensors
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(3, 5), (7,), (2, 1, 4), (1,)]
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
+        names = [f"t{i}.weight" for i in range(len(shapes))]
+        write_safetensors(tmp_path / "x.safetensors", names, shapes, flat)
+        got = load_file(tmp_path / "x.safetensors")
+        assert list(got) == sorted(names)
+        for n, t in zip(names, tensors):
+            assert got[n].dtype == dtype and torch.equal(got[n], t.to(dtype))
+        with safe_open(tmp_path / "x.safetensors", "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+        header_len = int.from_bytes((tmp_path / "x.safetensors").read_bytes()[:8], "little")
+        assert header_len % 8 == 0  # the body starts 8-byte aligned, as the library writes it
+    with pytest.raises(ValueError, match="the shapes hold 31 elements, flat has 30"):
+        write_safetensors(tmp_path / "y.safetensors", names, shapes, flat[:-1])
+    with pytest.raises(ValueError, match="1-D CPU tensor"):
+        write_safetensors(tmp_path / "y.safetensors", names, shapes, flat.to(torch.float64))
+
+
+def test_export_writes_the_jobs_weights_in_the_asked_dtype(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    _, bank = _bank_with_jobs(tiny_model_dir)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = bank.export_peft("b", tmp_path / f"b-{dtype}", str(tiny_model_dir), dtype)
+        got = load_file(out / "adapter_model.safetensors")
+        job = bank.jobs["b"]
+        assert len(got) == 2 * len(job.A)
+        for path in job.A:
+            assert torch.equal(got[f"base_model.model.{path}.lora_A.weight"], job.A[path].detach().to(dtype))
+            assert torch.equal(got[f"base_model.model.{path}.lora_B.weight"], job.B[path].detach().to(dtype))
