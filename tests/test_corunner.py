@@ -281,6 +281,35 @@ def test_groups_move_jobs_on_measured_tokens_and_every_rollout_stays_on_policy(t
     assert all(r["rollout_versions"] == [r["step"]] for v in steps.values() for r in v)  # on-policy
 
 
+def test_four_groups_of_eight_jobs_run_every_step_on_policy(tmp_path):
+    """`overlap.groups=4` on 8 alike jobs, the sweep the H200 benchmark has next: four groups of two,
+    each job in one group, every job does every step, and every rollout is from its job's current
+    adapter version (the trainer refuses any other)."""
+    from colora.config import resolve
+    from colora.runlog import read_jsonl
+
+    d = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=4", "experiment.steps=5",
+                            "experiment.warmup_steps=1"]).to_dict()
+    d["jobs"] = [{**d["jobs"][0], "name": n, "response_length": {"dist": "natural"}} for n in "abcdefgh"]
+    cfg = resolve(d)
+    task = SimpleNamespace(
+        sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
+        reward=lambda text, item: float(item.id % 2))
+    ref: list = []
+    c = CoRunner(cfg, LoopEngine({n: 40 for n in "abcdefgh"}), VersionTrainer(), FakeBank(ref), ThreeTokens(),
+                 {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"),
+                 tmp_path, "base", log=lambda m: None)
+    ref.append(c)
+    window = c.run()
+    c.metrics.close()
+    assert len(window["groups"]) == 4 and all(len(g) == 2 for g in window["groups"])
+    assert sorted(n for g in window["groups"] for n in g) == list("abcdefgh")
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("status") == "ok"]
+    assert sorted((r["job"], r["step"]) for r in rows) == [(n, k) for n in "abcdefgh" for k in range(5)]
+    assert all(r["rollout_versions"] == [r["step"]] for r in rows)  # on-policy
+    assert {r["group"] for r in rows} == {0, 1, 2, 3}
+
+
 def test_plan_regroup_moves_fewest_jobs_and_only_for_a_real_gain():
     from colora.corunner import plan_regroup
 
