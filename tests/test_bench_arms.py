@@ -92,6 +92,15 @@ def test_phase_stats_count_only_spans_inside_the_window():
     assert "train_outlier_compiles" not in bench_arms.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})
 
 
+def _report(tmp_path, arm: str, phases: dict) -> str:
+    """The Markdown report of one run of `arm` (seed 1 of the smoke config) with these phase stats."""
+    cfg = load_config(SMOKE)
+    rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=[arm])), tmp_path)
+    rows[0]["phases"] = phases
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
+    return (tmp_path / "rep.md").read_text()
+
+
 def test_the_outlier_warning_names_what_compiled_in_each_slow_step(tmp_path):
     """Timelines record what compiled in a training step (compilewatch); the warning says it for
     the slow steps that had compiles and adds nothing for the others."""
@@ -103,13 +112,9 @@ def test_the_outlier_warning_names_what_compiled_in_each_slow_step(tmp_path):
     st = bench_arms.phase_stats(spans, {"start": 1.0, "end": 20.0, "seconds": 19.0})
     assert st["train_outliers"] == [6.39, 4.0]
     assert st["train_outlier_compiles"] == [shrink, {}]
-    cfg = load_config(SMOKE)
-    rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=["dedicated"])), tmp_path)
-    rows[0]["phases"] = st
-    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
     assert ("Warning: dedicated seed 1 (main): training steps of 6.39 s (Triton: lora_shrink_kernel x2, "
             "lora_reduce_kernel x1; Dynamo: 1 graph), 4.00 s in the measured window against a median of 0.40 s"
-            in (tmp_path / "rep.md").read_text())
+            in _report(tmp_path, "dedicated", st))
 
 
 def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
@@ -131,20 +136,15 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
     assert bench_arms.engine_rate([s for s in spans if s["phase"] == "train"]) == {}
     st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
     assert st["engine"] == rate
-    cfg = load_config(SMOKE)
-    rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"])), tmp_path)
-    rows[0]["phases"] = st
-    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
-    assert "| overlap_mps | 1 | main | 90 (n=2) | 190 (n=4) | 512 | 158 | - | - |" in (tmp_path / "rep.md").read_text()
+    assert "| overlap_mps | 1 | main | 90 (n=2) | 190 (n=4) | 512 | 158 | - | - |" in _report(tmp_path, "overlap_mps", st)
     # timelines that record each step's wait for the engine core: its median share per split
     for b in spans:
         if b["phase"] == "engine_steps":
             b["wait"] = b["busy"] * (0.9 if 1.0 <= b["start"] < 2.0 else 0.25)
     rate = bench_arms.engine_rate(spans)
     assert rate["training"]["waiting"] == pytest.approx(0.9) and rate["not_training"]["waiting"] == pytest.approx(0.25)
-    rows[0]["phases"] = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
-    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
-    assert "| 512 | 158 | 0.90 | 0.25 |" in (tmp_path / "rep.md").read_text()
+    st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
+    assert "| 512 | 158 | 0.90 | 0.25 |" in _report(tmp_path, "overlap_mps", st)
 
 
 def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
@@ -163,11 +163,7 @@ def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
     assert bench_arms.group_chain([s for s in spans if s["group"] == 0]) == {}
     st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 20.0, "seconds": 20.0})
     assert st["chain"] == chain
-    cfg = load_config(SMOKE)
-    rows = bench_arms.collect(bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"])), tmp_path)
-    rows[0]["phases"] = st
-    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
-    assert "| overlap_mps | 1 | main | 2 | 3.50 | 2.00 | 1.00 | 0.50 | 3.50 |" in (tmp_path / "rep.md").read_text()
+    assert "| overlap_mps | 1 | main | 2 | 3.50 | 2.00 | 1.00 | 0.50 | 3.50 |" in _report(tmp_path, "overlap_mps", st)
 
 
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():

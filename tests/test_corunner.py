@@ -247,25 +247,33 @@ class ThreeTokens:
         return SimpleNamespace(input_ids=[1, 2, 3])
 
 
-def test_groups_move_jobs_on_measured_tokens_and_every_rollout_stays_on_policy(tmp_path):
-    """Four jobs that look alike before they run (natural EOS, one max_new_tokens), so the first split
-    pairs them by name, a with c: the two that turn out to write long answers. After the warm-up the
-    run swaps c and d, each right after its own group's step, and no rollout is ever stale."""
+def _loop_runner(tmp_path, overrides: list[str], lengths: dict[str, int]) -> CoRunner:
+    """A co-runner over the smoke config's first job copied as the jobs of `lengths` (natural EOS,
+    completions of those lengths), with LoopEngine, VersionTrainer and a three-token tokenizer."""
     from colora.config import resolve
-    from colora.runlog import read_jsonl
 
-    d = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=6",
-                            "experiment.warmup_steps=1"]).to_dict()
-    d["jobs"] = [{**d["jobs"][0], "name": n, "response_length": {"dist": "natural"}} for n in "abcd"]
+    d = load_config(SMOKE, overrides).to_dict()
+    d["jobs"] = [{**d["jobs"][0], "name": n, "response_length": {"dist": "natural"}} for n in lengths]
     cfg = resolve(d)
     task = SimpleNamespace(
         sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
         reward=lambda text, item: float(item.id % 2))
     ref: list = []
-    engine = LoopEngine({"a": 200, "b": 40, "c": 180, "d": 40})
-    c = CoRunner(cfg, engine, VersionTrainer(), FakeBank(ref), ThreeTokens(), {j.name: JobState(j, task) for j in cfg.jobs},
-                 Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"), tmp_path, "base", log=lambda m: None)
+    c = CoRunner(cfg, LoopEngine(lengths), VersionTrainer(), FakeBank(ref), ThreeTokens(),
+                 {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"),
+                 tmp_path, "base", log=lambda m: None)
     ref.append(c)
+    return c
+
+
+def test_groups_move_jobs_on_measured_tokens_and_every_rollout_stays_on_policy(tmp_path):
+    """Four jobs that look alike before they run (natural EOS, one max_new_tokens), so the first split
+    pairs them by name, a with c: the two that turn out to write long answers. After the warm-up the
+    run swaps c and d, each right after its own group's step, and no rollout is ever stale."""
+    from colora.runlog import read_jsonl
+
+    c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=6",
+                                "experiment.warmup_steps=1"], {"a": 200, "b": 40, "c": 180, "d": 40})
     window = c.run()
     c.metrics.close()
     assert window["groups"] == [["a", "d"], ["b", "c"]]
@@ -285,21 +293,10 @@ def test_four_groups_of_eight_jobs_run_every_step_on_policy(tmp_path):
     """`overlap.groups=4` on 8 alike jobs, the sweep the H200 benchmark has next: four groups of two,
     each job in one group, every job does every step, and every rollout is from its job's current
     adapter version (the trainer refuses any other)."""
-    from colora.config import resolve
     from colora.runlog import read_jsonl
 
-    d = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=4", "experiment.steps=5",
-                            "experiment.warmup_steps=1"]).to_dict()
-    d["jobs"] = [{**d["jobs"][0], "name": n, "response_length": {"dist": "natural"}} for n in "abcdefgh"]
-    cfg = resolve(d)
-    task = SimpleNamespace(
-        sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
-        reward=lambda text, item: float(item.id % 2))
-    ref: list = []
-    c = CoRunner(cfg, LoopEngine({n: 40 for n in "abcdefgh"}), VersionTrainer(), FakeBank(ref), ThreeTokens(),
-                 {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"),
-                 tmp_path, "base", log=lambda m: None)
-    ref.append(c)
+    c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=4", "experiment.steps=5",
+                                "experiment.warmup_steps=1"], {n: 40 for n in "abcdefgh"})
     window = c.run()
     c.metrics.close()
     assert len(window["groups"]) == 4 and all(len(g) == 2 for g in window["groups"])
