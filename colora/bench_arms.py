@@ -191,10 +191,10 @@ def group_chain(spans: list[dict]) -> dict:
     the groups that trained at least twice in `spans`; {} for fewer than two groups (one group has no
     offset phases to compare)."""
     ends: dict[int, list[float]] = {}
-    for s in spans:
+    for s in sorted(spans, key=lambda s: s["end"]):
         if s["phase"] == "train" and s.get("group", -1) >= 0:
             ends.setdefault(s["group"], []).append(s["end"])
-    cycles = [b - a for e in ends.values() for a, b in zip(sorted(e), sorted(e)[1:])]
+    cycles = [b - a for e in ends.values() for a, b in zip(e, e[1:])]
     if len(ends) < 2 or not cycles:
         return {}
     out = {"groups": len(ends), "cycle": statistics.fmean(cycles)}

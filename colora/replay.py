@@ -53,18 +53,15 @@ def load_failed_step(d: Path) -> tuple[dict, dict, dict]:
 
 def replay(d: Path, overrides: list[str], sdpa: str | None, log=print) -> dict:
     """Train once on the kept rollouts; returns job -> JobStepStats."""
-    import torch
-
     from .config import from_dict, replace
     from .models import load_tokenizer
-    from .runner import build_trainer, resolve_device, resolve_model
+    from .runner import build_trainer, resolve_device, resolve_model, torch_dtype
 
     raw, rollouts, state = load_failed_step(d)
     cfg = replace(from_dict(raw), overrides)
     device, dtype = resolve_device(cfg)
     model_dir = resolve_model(cfg.experiment.model, log)
-    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    _, bank, trainer = build_trainer(cfg, model_dir, device, tdtype, load_tokenizer(model_dir).pad_token_id)
+    bank, trainer = build_trainer(cfg, model_dir, device, torch_dtype(dtype), load_tokenizer(model_dir).pad_token_id)
     for job, rs in rollouts.items():
         if job not in bank.jobs:
             raise ReplayError(f"job {job!r} of the kept rollouts is not in the run's config")

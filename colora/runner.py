@@ -272,9 +272,16 @@ def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
     return run(cfg, out, resume_state=state, log=log)
 
 
+def torch_dtype(name: str):
+    """The torch dtype of a resolved `experiment.dtype` ("float32", "bfloat16", "float16")."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def build_trainer(cfg: Config, model_dir: Path, device: str, dtype, pad_id: int):
     """The frozen base model with every job's adapter injected, and the trainer over it:
-    (model, bank, trainer). Used by a run and by `colora replay-step`."""
+    (bank, trainer). Used by a run and by `colora replay-step`."""
     from .fusion import fuse_elementwise, should_fuse
     from .lora import AdapterBank, inject_lora
     from .models import load_base_model
@@ -288,8 +295,7 @@ def build_trainer(cfg: Config, model_dir: Path, device: str, dtype, pad_id: int)
     for j in cfg.jobs:
         bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, cfg.experiment.seed, j.learning_rate,
                      j.weight_decay, j.adam_betas, j.adam_eps)
-    trainer = MultiJobTrainer(model, bank, cfg.trainer, {j.name: j for j in cfg.jobs}, pad_id)
-    return model, bank, trainer
+    return bank, MultiJobTrainer(model, bank, cfg.trainer, {j.name: j for j in cfg.jobs}, pad_id)
 
 
 def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None = None,
@@ -344,8 +350,8 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         # the timeline's train spans can name what compiled in a slow step; Dynamo's are always counted.
         compilewatch.install()
         t0 = time.perf_counter()
-        tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-        model, bank, trainer = build_trainer(cfg, setup.model_dir, device, tdtype, tok.pad_token_id)
+        tdtype = torch_dtype(dtype)
+        bank, trainer = build_trainer(cfg, setup.model_dir, device, tdtype, tok.pad_token_id)
         trainer_setup_s = time.perf_counter() - t0
 
         scratch = adapter_scratch(out)
@@ -404,7 +410,8 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
     return {
         "experiment": exp.name, "arm": exp.arm, "seed": exp.seed, "config_hash": cfg.hash(),
         "model": str(setup.model_dir), "device": device, "dtype": dtype, "mps": mps_note,
-        "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "engine_sampler": engine.sampler, "trainer_setup_s": trainer_setup_s,
+        "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "engine_sampler": engine.sampler,
+        "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show
         "trainer_sm_count": torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else None,
         "steps_measured": window["steps"], "seconds_measured": window["seconds"],
