@@ -124,6 +124,15 @@ def _time_waits(engine_core) -> list[float]:
     return waited
 
 
+def sampler_from_env() -> str:
+    """Which sampler vLLM's worker uses for seeded requests: COLORA_VLLM_SAMPLER, "vllm" (its own,
+    the default) or "colora" (colora/vllm_sampler.py). Anything else is a ValueError naming it."""
+    sampler = os.environ.get("COLORA_VLLM_SAMPLER", "vllm")
+    if sampler not in ("colora", "vllm"):
+        raise ValueError(f"COLORA_VLLM_SAMPLER must be 'colora' or 'vllm', got {sampler!r}")
+    return sampler
+
+
 class RolloutEngine:
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
                  dtype: str, seed: int, device: str):
@@ -154,9 +163,7 @@ class RolloutEngine:
             # Log-probs of the distribution actually sampled. Only when asked: in this mode vLLM's
             # sampler takes a log-softmax over the whole vocabulary every step, wanted or not.
             kwargs["logprobs_mode"] = "processed_logprobs"
-        self.sampler = os.environ.get("COLORA_VLLM_SAMPLER", "vllm")
-        if self.sampler not in ("colora", "vllm"):
-            raise ValueError(f"COLORA_VLLM_SAMPLER must be 'colora' or 'vllm', got {self.sampler!r}")
+        self.sampler = sampler_from_env()
         if self.sampler == "colora":
             kwargs["worker_extension_cls"] = "colora.vllm_sampler.SeededSampling"
         if device == "cpu":

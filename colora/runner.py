@@ -142,6 +142,12 @@ class Setup:
 
 def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], None] = print) -> Setup:
     """Every input check that needs no engine. Creates nothing on failure."""
+    from .engine import sampler_from_env
+
+    try:
+        sampler_from_env()
+    except ValueError as e:
+        raise RunError(str(e)) from None
     tasks = load_tasks(cfg.jobs)
     check_out_dir(out, resume)
     model_dir = resolve_model(cfg.experiment.model, log)

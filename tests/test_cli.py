@@ -65,6 +65,19 @@ def test_unwritable_out_dir(capsys, tiny_model_dir):
            "/proc/colora-run")
 
 
+def test_unknown_sampler_is_refused_before_anything_runs(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("COLORA_VLLM_SAMPLER", "fast")
+    out = tmp_path / "run"
+    _fails(capsys, ["run", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--out", str(out)],
+           "COLORA_VLLM_SAMPLER", "'fast'", "'colora' or 'vllm'")
+    assert not out.exists()
+
+
+def test_replay_step_of_a_directory_that_no_run_kept(capsys, tmp_path):
+    assert main(["replay-step", str(tmp_path)]) == 2
+    assert "rollouts.jsonl' is missing" in capsys.readouterr().err
+
+
 def test_bad_toml(capsys, tmp_path):
     p = tmp_path / "x.toml"
     p.write_text("[experiment\nsteps = 3")
