@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from colora.lora import AdapterBank, inject_lora
 from colora.models import load_base_model
 
 
-def _bank_with_jobs(model_dir, seed=3):
-    model = load_base_model(model_dir, torch.float32, "cpu")
-    bank = AdapterBank("cpu", "torch")
+def _bank_with_jobs(model_dir, seed=3, device="cpu"):
+    model = load_base_model(model_dir, torch.float32, device)
+    bank = AdapterBank(device, "torch")
     inject_lora(model, bank)
     bank.add_job("a", 4, 8.0, ("q_proj", "v_proj", "down_proj"), seed, 1e-3)
     bank.add_job("b", 8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), seed, 1e-3)
@@ -20,7 +21,7 @@ def _bank_with_jobs(model_dir, seed=3):
     with torch.no_grad():  # nonzero B so the adapters actually change the output
         for job in bank.jobs.values():
             for k in job.B:
-                job.B[k].copy_(torch.randn(job.B[k].shape, generator=g) * 0.05)
+                job.B[k].copy_(torch.randn(job.B[k].shape, generator=g).to(device) * 0.05)
     return model, bank
 
 
@@ -89,7 +90,6 @@ def test_export_in_the_engines_dtype_is_the_cast_of_the_fp32_export(tiny_model_d
 
 
 def test_write_safetensors_gives_the_librarys_tensors(tmp_path):
-    import pytest
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -128,3 +128,25 @@ def test_export_writes_the_jobs_weights_in_the_asked_dtype(tiny_model_dir, tmp_p
         for path in job.A:
             assert torch.equal(got[f"base_model.model.{path}.lora_A.weight"], job.A[path].detach().to(dtype))
             assert torch.equal(got[f"base_model.model.{path}.lora_B.weight"], job.B[path].detach().to(dtype))
+
+
+@pytest.mark.gpu
+def test_export_from_the_gpu_writes_the_current_weights(tiny_model_dir, tmp_path):
+    """The CUDA branch: one flatten, one copy into a page-locked buffer kept per job and dtype. The
+    buffer is reused, so a second export after an update must carry the new weights, not the old."""
+    from safetensors.torch import load_file
+
+    _, bank = _bank_with_jobs(tiny_model_dir, device="cuda")
+    job = bank.jobs["b"]
+    for dtype in (torch.bfloat16, torch.float32):
+        for round_ in range(2):
+            with torch.no_grad():
+                for k in job.B:
+                    job.B[k].add_(0.01 * (round_ + 1))
+            out = bank.export_peft("b", tmp_path / f"b-{dtype}-{round_}", str(tiny_model_dir), dtype)
+            got = load_file(out / "adapter_model.safetensors")
+            for path in job.A:
+                assert torch.equal(got[f"base_model.model.{path}.lora_A.weight"], job.A[path].detach().to(dtype).cpu())
+                assert torch.equal(got[f"base_model.model.{path}.lora_B.weight"], job.B[path].detach().to(dtype).cpu())
+    assert {k[1] for k in bank._host if k[0] == "b"} == {torch.bfloat16, torch.float32}
+    assert all(buf.is_pinned() for buf in bank._host.values())
