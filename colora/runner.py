@@ -329,9 +329,16 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         if max_loras < len(cfg.jobs):
             raise RunError(f"engine.max_loras ({max_loras}) must be at least the number of jobs ({len(cfg.jobs)})")
         def start_engine():
-            log(f"starting the engine on {device} ({dtype}) for {len(cfg.jobs)} jobs")
-            return RolloutEngine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
-                                 dtype=dtype, seed=exp.seed, device=device)
+            # COLORA_ENGINE_PROCESS=1 (experimental): the engine's client in a process of its own
+            remote = os.environ.get("COLORA_ENGINE_PROCESS") == "1"
+            log(f"starting the engine on {device} ({dtype}) for {len(cfg.jobs)} jobs"
+                + (", its client in a process of its own" if remote else ""))
+            if remote:
+                from .engine_process import RemoteEngine as Engine
+            else:
+                Engine = RolloutEngine
+            return Engine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
+                          dtype=dtype, seed=exp.seed, device=device)
 
         # A cached engine is shared only by runs of one MPS state: a process's MPS membership is
         # fixed when its CUDA context is made (process_mps: the whole process is an MPS client).

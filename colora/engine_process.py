@@ -1,0 +1,196 @@
+"""The rollout engine's client in a process of its own (experimental: `COLORA_ENGINE_PROCESS=1`).
+
+On the H200 under MPS (reports/h200/fourth), a group's adapter export on the trainer's thread took
+2-4x longer while the other group generated, and an adapter load on the engine thread 5x longer while
+the other group trained. Both threads share the trainer's Python interpreter, and vLLM's client turns
+every engine step into Python work (its output processing for every running sequence) on the engine
+thread. `RemoteEngine` keeps `RolloutEngine` and that work in a child process; the engine thread of
+the trainer's process only sends a group's adapters and requests and receives its finished batch.
+
+Same interface as `RolloutEngine` (the co-runner, evaluation and the runner use either): one thread
+makes every call. Results are the child's `GenResult`s, unchanged (per-request seeds make them the
+same as in-process ones; tested).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from typing import Any
+
+from .config import EngineConfig
+from .engine import GenRequest, GenResult, RolloutEngine
+
+
+def _serve(conn, kwargs: dict) -> None:
+    """The child: one RolloutEngine; commands from `conn` between engine steps, finished batches back."""
+    try:
+        eng = RolloutEngine(**kwargs)
+    except BaseException as e:  # noqa: BLE001  (everything goes back to the parent, which raises it)
+        conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    conn.send(("ready", eng.start_seconds, eng._largest_graph(), [p.pid for p in eng._procs]))
+    try:
+        while True:
+            while not eng.busy() or conn.poll(0):  # block for a command only when nothing decodes
+                op, *args = conn.recv()
+                if op == "stop":
+                    conn.send(("reply", None))
+                    return
+                try:
+                    out = getattr(eng, op)(*args)
+                except Exception as e:  # a refused adapter, a bad request: the parent raises it
+                    conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+                    continue
+                if op != "submit":
+                    conn.send(("reply", out))
+            for key, results in eng.poll():
+                conn.send(("done", key, results))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone
+        pass
+    finally:
+        eng.close()
+
+
+class EngineProcessError(RuntimeError):
+    """The engine's process refused a command or failed; the message is its error."""
+
+
+class RemoteEngine:
+    generate = RolloutEngine.generate  # submit + poll, the same code as in-process
+    decode = RolloutEngine.decode  # texts are decoded here, by the caller's tokenizer
+
+    def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
+                 dtype: str, seed: int, device: str):
+        import psutil
+
+        from .models import load_tokenizer
+
+        ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
+        self._conn, child = ctx.Pipe()
+        kwargs = dict(model_dir=model_dir, cfg=cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
+                      seed=seed, device=device)
+        self._proc = ctx.Process(target=_serve, args=(child, kwargs), name="colora-engine")
+        t0 = time.perf_counter()
+        self._proc.start()
+        child.close()
+        msg = self._recv()
+        if msg[0] == "error":
+            self._proc.join(timeout=30)
+            raise EngineProcessError(f"the engine's process failed to start: {msg[1]}\n{msg[2]}")
+        _, self.start_seconds, self._graph, pids = msg
+        self.start_seconds = time.perf_counter() - t0
+        self._procs = [psutil.Process(p) for p in pids] + [psutil.Process(self._proc.pid)]
+        self.tokenizer = load_tokenizer(model_dir)
+        self.max_model_len = cfg.max_model_len
+        self.dtype = dtype
+        self.warmed = False
+        self._adapters: dict[str, int] = {}  # job -> version loaded in the child
+        self._inflight: set = set()  # batch keys submitted and not yet back
+        self._next_request = 0  # makes generate()'s batch keys unique
+        self._done: list[tuple[Any, list[GenResult]]] = []
+
+    # -- messages ---------------------------------------------------------------------------------
+    def _recv(self):
+        try:
+            return self._conn.recv()
+        except EOFError:
+            why = self.dead() or f"exit code {self._proc.exitcode if self._proc else None}"
+            raise EngineProcessError(f"the engine's process ended ({why})") from None
+
+    def _call(self, op: str, *args):
+        """Send a command and wait for its reply; batches that finish meanwhile are kept for poll()."""
+        self._conn.send((op, *args))
+        while True:
+            msg = self._recv()
+            if msg[0] == "reply":
+                return msg[1]
+            if msg[0] == "error":
+                raise EngineProcessError(f"engine process, {op}: {msg[1]}")
+            self._take(msg)
+
+    def _take(self, msg) -> None:
+        if msg[0] == "error":  # of a submit, which has no reply of its own
+            raise EngineProcessError(f"engine process: {msg[1]}")
+        _, key, results = msg
+        self._inflight.discard(key)
+        self._done.append((key, results))
+
+    # -- RolloutEngine's interface ----------------------------------------------------------------
+    def set_adapter(self, job: str, version: int, path: str) -> float:
+        secs = self._call("set_adapter", job, version, str(path))
+        self._adapters[job] = version
+        return secs
+
+    def version(self, job: str) -> int:
+        return self._adapters[job]
+
+    def drop(self, job: str) -> None:
+        if self._adapters.pop(job, None) is not None:
+            self._call("drop", job)
+
+    def drop_all(self) -> None:
+        for job in list(self._adapters):
+            self.drop(job)
+
+    def warm_up(self, seed: int = 0) -> float:
+        return self._call("warm_up", seed)
+
+    def _largest_graph(self) -> int:
+        return self._graph
+
+    def submit(self, key: Any, requests: list[GenRequest]) -> None:
+        if key in self._inflight:
+            raise KeyError(f"batch {key!r} is already in flight")
+        for r in requests:
+            if r.job is not None and r.job not in self._adapters:
+                raise KeyError(f"job {r.job!r} has no adapter loaded in the engine")
+        if not requests:
+            self._done.append((key, []))
+            return
+        self._inflight.add(key)
+        self._next_request += len(requests)
+        self._conn.send(("submit", key, requests))
+
+    def poll(self) -> list[tuple[Any, list[GenResult]]]:
+        """Wait for the next finished batch (or return those already back) while any is in flight."""
+        if self._inflight and not self._done:
+            self._take(self._recv())
+        while self._inflight and self._conn.poll(0):
+            self._take(self._recv())
+        done, self._done = self._done, []
+        return done
+
+    def busy(self) -> bool:
+        return bool(self._inflight) or bool(self._done)
+
+    def dead(self) -> str:
+        import psutil
+
+        for p in self._procs:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return f"engine process {p.pid} died"
+        return ""
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        try:
+            if proc.is_alive():
+                self._conn.send(("stop",))
+                while self._conn.poll(60):
+                    if self._conn.recv()[0] == "reply":
+                        break
+        except (EOFError, BrokenPipeError, OSError):
+            pass
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        self._conn.close()

