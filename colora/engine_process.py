@@ -1,5 +1,11 @@
 """The rollout engine's client in a process of its own (experimental: `COLORA_ENGINE_PROCESS=1`).
 
+MEASURED SLOWER on the H200 (reports/h200/README.md, fifth session; same machine and code, seed 2):
+dedicated 1872 against 2154 steps/h in-process, overlap_mps 5242 against 5781. Known fault: `poll`
+waits in the pipe until some batch finishes, so a group handed to the engine thread meanwhile waits
+for the other group's generation (hand-off 0.29-0.63 s median against 0.01 s in-process); exports
+and reloads were also 2-4x slower. Not merged for that reason.
+
 On the H200 under MPS (reports/h200/fourth), a group's adapter export on the trainer's thread took
 2-4x longer while the other group generated, and an adapter load on the engine thread 5x longer while
 the other group trained. Both threads share the trainer's Python interpreter, and vLLM's client turns
