@@ -1,10 +1,13 @@
 """The rollout engine's client in a process of its own (experimental: `COLORA_ENGINE_PROCESS=1`).
 
 MEASURED SLOWER on the H200 (reports/h200/README.md, fifth session; same machine and code, seed 2):
-dedicated 1872 against 2154 steps/h in-process, overlap_mps 5242 against 5781. Known fault: `poll`
-waits in the pipe until some batch finishes, so a group handed to the engine thread meanwhile waits
-for the other group's generation (hand-off 0.29-0.63 s median against 0.01 s in-process); exports
-and reloads were also 2-4x slower. Not merged for that reason.
+dedicated 1872 against 2154 steps/h in-process, overlap_mps 5242 against 5781. The fault found then:
+`poll` waited in the pipe until some batch finished, so a group handed to the engine thread meanwhile
+waited for the other group's generation (hand-off 0.29-0.63 s median against 0.01 s in-process);
+exports and reloads were also 2-4x slower. Yet a group's generation was shorter (2.70 s median
+against 3.08 s): the client's Python work off the trainer's interpreter. `poll` now waits at most
+POLL_WAIT_S (this branch, after the sixth session; NOT YET RUN ON THE H200). Not merged until an A/B
+on the H200 shows it faster than in-process.
 
 On the H200 under MPS (reports/h200/fourth), a group's adapter export on the trainer's thread took
 2-4x longer while the other group generated, and an adapter load on the engine thread 5x longer while
@@ -159,9 +162,13 @@ class RemoteEngine:
         self._next_request += len(requests)
         self._conn.send(("submit", key, requests))
 
+    POLL_WAIT_S = 0.002  # the longest poll() waits for a batch: the caller then looks for new work
+
     def poll(self) -> list[tuple[Any, list[GenResult]]]:
-        """Wait for the next finished batch (or return those already back) while any is in flight."""
-        if self._inflight and not self._done:
+        """The batches back since the last call, waiting at most POLL_WAIT_S for one while any is in
+        flight. It waited for the next batch to finish before, so a group handed to the engine thread
+        meanwhile waited for another group's generation (0.29-0.63 s on the H200, fifth session)."""
+        if self._inflight and not self._done and self._conn.poll(self.POLL_WAIT_S):
             self._take(self._recv())
         while self._inflight and self._conn.poll(0):
             self._take(self._recv())
