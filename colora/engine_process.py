@@ -39,7 +39,7 @@ def _serve(conn, kwargs: dict) -> None:
     except BaseException as e:  # noqa: BLE001  (everything goes back to the parent, which raises it)
         conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
-    conn.send(("ready", eng.start_seconds, eng._largest_graph(), [p.pid for p in eng._procs]))
+    conn.send(("ready", eng.start_seconds, eng._largest_graph(), [p.pid for p in eng._procs], eng.sampler))
     try:
         while True:
             while not eng.busy() or conn.poll(0):  # block for a command only when nothing decodes
@@ -88,7 +88,7 @@ class RemoteEngine:
         if msg[0] == "error":
             self._proc.join(timeout=30)
             raise EngineProcessError(f"the engine's process failed to start: {msg[1]}\n{msg[2]}")
-        _, self.start_seconds, self._graph, pids = msg
+        _, self.start_seconds, self._graph, pids, self.sampler = msg
         self.start_seconds = time.perf_counter() - t0
         self._procs = [psutil.Process(p) for p in pids] + [psutil.Process(self._proc.pid)]
         self.tokenizer = load_tokenizer(model_dir)
