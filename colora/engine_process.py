@@ -1,13 +1,15 @@
 """The rollout engine's client in a process of its own (experimental: `COLORA_ENGINE_PROCESS=1`).
 
-MEASURED SLOWER on the H200 (reports/h200/README.md, fifth session; same machine and code, seed 2):
-dedicated 1872 against 2154 steps/h in-process, overlap_mps 5242 against 5781. The fault found then:
-`poll` waited in the pipe until some batch finished, so a group handed to the engine thread meanwhile
-waited for the other group's generation (hand-off 0.29-0.63 s median against 0.01 s in-process);
-exports and reloads were also 2-4x slower. Yet a group's generation was shorter (2.70 s median
-against 3.08 s): the client's Python work off the trainer's interpreter. `poll` now waits at most
-POLL_WAIT_S (this branch, after the sixth session; NOT YET RUN ON THE H200). Not merged until an A/B
-on the H200 shows it faster than in-process.
+Opt-in, not the default. Measured on the H200 (reports/h200/eighth, one machine, seed 1,
+overlap_mps, two runs each): 5399 and 5677 steps/h through this process against 5168 and 5304 in
+the trainer's (+5.8% on the means; the two ranges do not overlap, but two runs a side are few). A
+group's generation was shorter (3.27-3.51 s median against 3.60-3.75 s) and the hand-off stayed at
+0.00-0.01 s. The dedicated arm run through it had four training steps of 1.9-3.2 s against a 0.44 s
+median with no compile recorded (in-process, same seed and machine: at most 0.50 s), not explained:
+so no ratio to the dedicated arm is claimed for it. The fifth session's run of an earlier version
+was slower (5242 against 5781): its `poll` waited in the pipe until some batch finished, so a group
+handed to the engine thread waited for the other group's generation (hand-off 0.29-0.63 s); `poll`
+now waits at most POLL_WAIT_S.
 
 On the H200 under MPS (reports/h200/fourth), a group's adapter export on the trainer's thread took
 2-4x longer while the other group generated, and an adapter load on the engine thread 5x longer while
