@@ -133,6 +133,15 @@ def sampler_from_env() -> str:
     return sampler
 
 
+def engine_process_from_env() -> bool:
+    """Whether the engine's client runs in a process of its own (colora/engine_process.py):
+    COLORA_ENGINE_PROCESS, "1" yes, "0" or unset no (the default). Anything else is a ValueError."""
+    value = os.environ.get("COLORA_ENGINE_PROCESS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"COLORA_ENGINE_PROCESS must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
 class RolloutEngine:
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
                  dtype: str, seed: int, device: str):

@@ -142,10 +142,11 @@ class Setup:
 
 def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], None] = print) -> Setup:
     """Every input check that needs no engine. Creates nothing on failure."""
-    from .engine import sampler_from_env
+    from .engine import engine_process_from_env, sampler_from_env
 
     try:
         sampler_from_env()
+        engine_process_from_env()
     except ValueError as e:
         raise RunError(str(e)) from None
     tasks = load_tasks(cfg.jobs)
@@ -308,7 +309,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
          process_mps=None, resume_state: dict | None = None) -> dict:
     from .checkpoint import Checkpointer
     from .corunner import CoRunner, EngineFailure, JobState, throughput
-    from .engine import RolloutEngine
+    from .engine import RolloutEngine, engine_process_from_env
     from .evaluate import evaluate
     from .gpumon import GpuSampler
     from .models import load_tokenizer
@@ -329,8 +330,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         if max_loras < len(cfg.jobs):
             raise RunError(f"engine.max_loras ({max_loras}) must be at least the number of jobs ({len(cfg.jobs)})")
         def start_engine():
-            # COLORA_ENGINE_PROCESS=1 (experimental): the engine's client in a process of its own
-            remote = os.environ.get("COLORA_ENGINE_PROCESS") == "1"
+            remote = engine_process_from_env()  # COLORA_ENGINE_PROCESS=1: opt-in, see engine_process.py
             log(f"starting the engine on {device} ({dtype}) for {len(cfg.jobs)} jobs"
                 + (", its client in a process of its own" if remote else ""))
             if remote:

@@ -65,11 +65,14 @@ def test_unwritable_out_dir(capsys, tiny_model_dir):
            "/proc/colora-run")
 
 
-def test_unknown_sampler_is_refused_before_anything_runs(capsys, tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("COLORA_VLLM_SAMPLER", "fast")
+@pytest.mark.parametrize("var,value,allowed", [("COLORA_VLLM_SAMPLER", "fast", "'colora' or 'vllm'"),
+                                               ("COLORA_ENGINE_PROCESS", "yes", "'0' or '1'")])
+def test_unknown_engine_switch_is_refused_before_anything_runs(capsys, tmp_path, tiny_model_dir, monkeypatch,
+                                                               var, value, allowed):
+    monkeypatch.setenv(var, value)
     out = tmp_path / "run"
     _fails(capsys, ["run", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--out", str(out)],
-           "COLORA_VLLM_SAMPLER", "'fast'", "'colora' or 'vllm'")
+           var, repr(value), allowed)
     assert not out.exists()
 
 
