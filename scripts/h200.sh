@@ -7,6 +7,7 @@
 #   bash scripts/h200.sh kernels            GPU kernel tests, kernel benchmark, trainer-step benchmark
 #   bash scripts/h200.sh tests              the GPU tests of the kernels and the trainer
 #   bash scripts/h200.sh trainer ARGS...    colora bench trainer ARGS... --out $OUT/trainer_step
+#   bash scripts/h200.sh engine ARGS...     colora bench engine ARGS... --out $OUT/engine (step time by batch)
 #   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline; with --runs
 #                                           /tmp/colora-runs the run directories come back as runs.tgz;
 #                                           ARMS_NAME=NAME names the report, default arms)
@@ -44,6 +45,10 @@ case "$1" in
   trainer)
     shift
     python3 -P -m colora.cli bench trainer "$@" --out "$OUT/trainer_step" >> "$LOG" 2>&1; echo "bench trainer: $?" >> "$LOG"
+    ;;
+  engine)
+    shift
+    python3 -P -m colora.cli bench engine "$@" --out "$OUT/engine" >> "$LOG" 2>&1; echo "bench engine: $?" >> "$LOG"
     ;;
   arms)
     shift
