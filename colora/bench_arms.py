@@ -192,8 +192,11 @@ def group_chain(spans: list[dict]) -> dict:
     offset phases to compare)."""
     ends: dict[int, list[float]] = {}
     for s in sorted(spans, key=lambda s: s["end"]):
-        if s["phase"] == "train" and s.get("group", -1) >= 0:
-            ends.setdefault(s["group"], []).append(s["end"])
+        if s["phase"] != "train":
+            continue
+        # one step may train several ready groups at once: its span has group -1 and lists them
+        for g in s.get("groups") or ([s["group"]] if s.get("group", -1) >= 0 else []):
+            ends.setdefault(g, []).append(s["end"])
     cycles = [b - a for e in ends.values() for a, b in zip(e, e[1:])]
     if len(ends) < 2 or not cycles:
         return {}
