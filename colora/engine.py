@@ -124,6 +124,20 @@ def _time_waits(engine_core) -> list[float]:
     return waited
 
 
+def dead_process(procs) -> str:
+    """'' while every psutil.Process in `procs` lives, else which one died."""
+    import psutil
+
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            pass
+        return f"engine process {p.pid} ({p.name() if p.is_running() else 'gone'}) died"
+    return ""
+
+
 def sampler_from_env() -> str:
     """Which sampler vLLM's worker uses for seeded requests: COLORA_VLLM_SAMPLER, "vllm" (its own,
     the default) or "colora" (colora/vllm_sampler.py). Anything else is a ValueError naming it."""
@@ -285,16 +299,7 @@ class RolloutEngine:
 
     def dead(self) -> str:
         """Why the engine's processes are gone ('' while they all live)."""
-        import psutil
-
-        for p in self._procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    continue
-            except psutil.NoSuchProcess:
-                pass
-            return f"engine process {p.pid} ({p.name() if p.is_running() else 'gone'}) died"
-        return ""
+        return dead_process(self._procs)
 
     def version(self, job: str) -> int:
         return self._adapters[job][0]

@@ -31,7 +31,7 @@ import traceback
 from typing import Any
 
 from .config import EngineConfig
-from .engine import GenRequest, GenResult, RolloutEngine
+from .engine import GenRequest, GenResult, RolloutEngine, dead_process
 
 
 def _serve(conn, kwargs: dict) -> None:
@@ -181,16 +181,7 @@ class RemoteEngine:
         return bool(self._inflight) or bool(self._done)
 
     def dead(self) -> str:
-        import psutil
-
-        for p in self._procs:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    continue
-            except psutil.NoSuchProcess:
-                pass
-            return f"engine process {p.pid} died"
-        return ""
+        return dead_process(self._procs)
 
     def close(self) -> None:
         if self._proc is None:
