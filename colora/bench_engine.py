@@ -23,14 +23,16 @@ KV reads of 300 sequences of a 0.6B model need. This program tells apart what a 
 - --profile: vLLM's torch profiler around one batch (the jobs' adapters, seeded, the largest batch);
   its table of operator times (CPU and, on CUDA, GPU) is written to OUT.profile.txt.
 
-One engine, started once (as `colora run` starts it, with the config's engine settings and the
-sampler chosen by COLORA_VLLM_SAMPLER). The adapters are the jobs' PEFT initialisation with B drawn
+One engine, started once as `colora run` starts it for the config's arm: its engine settings, the
+sampler chosen by COLORA_VLLM_SAMPLER, and for an MPS arm under colora's MPS daemon with the arm's
+shares (`--set experiment.arm=dedicated`: without MPS; the report says which). The adapters are the jobs' PEFT initialisation with B drawn
 at random (every LoRA product is computed either way). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shutil
@@ -107,7 +109,8 @@ def to_markdown(result: dict) -> str:
            f"{env['device']}; vLLM {env['vllm']}, torch {env['torch']}; {env['date']}. Model `{result['model']}` "
            f"({result['dtype']}), sampler `{result['sampler']}`, {len(result['jobs'])} adapters (ranks "
            f"{sorted(set(result['ranks']))}); every request decodes exactly {result['tokens']} tokens after a "
-           f"{result['prompt']}-token prompt. Engine start {result['engine_start_s']:.0f} s (not in any figure).", "",
+           f"{result['prompt']}-token prompt. Engine start {result['engine_start_s']:.0f} s (not in any figure). "
+           f"Arm {result['arm']}: MPS {result['mps']}.", "",
            "| adapters | per-request seeds | batch | steps | ms per step (median) | tokens/s | waiting |",
            "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import load_config
     from .engine import RolloutEngine
-    from .runner import resolve_device, resolve_model
+    from .runner import resolve_device, resolve_model, start_mps
 
     cfg = load_config(args.config, args.set)
     if args.prompt + args.tokens > cfg.engine.max_model_len:
@@ -156,13 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     prof_dir = scratch / "profile"
     extra = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": str(prof_dir),
                                  "torch_profiler_with_stack": False}} if args.profile else None
-    engine = None
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        _, mps_note = start_mps(cfg, stack, print, None)  # before any CUDA context, as a run does
         paths = _adapters(cfg, model_dir, dtype, scratch)
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         engine = RolloutEngine(str(model_dir), cfg.engine, max_loras=max_loras,
                                max_lora_rank=max(j.lora_rank for j in cfg.jobs), dtype=dtype, seed=cfg.experiment.seed,
                                device=device, engine_args=extra)
+        stack.callback(engine.close)  # before the MPS daemon stops (registered after it)
         for name, path in paths.items():
             engine.set_adapter(name, 0, str(path))
         engine.warm_up(cfg.experiment.seed)
@@ -198,16 +203,13 @@ def main(argv: list[str] | None = None) -> int:
                             "vllm": vllm.__version__, "torch": torch.__version__,
                             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
             "model": cfg.experiment.model, "dtype": dtype, "sampler": engine.sampler, "engine_start_s": engine.start_seconds,
+            "arm": cfg.experiment.arm, "mps": mps_note,
             "jobs": names, "ranks": [j.lora_rank for j in cfg.jobs], "tokens": args.tokens, "prompt": args.prompt,
             "rows": rows,
             "fits": [{"adapters": a, "seeded": s, **_fit([r for r in rows if r["adapters"] == a and r["seeded"] == s])}
                      for a in (False, True) for s in (True, False)],
             "profile": profile,
         }
-    finally:
-        if engine is not None:
-            engine.close()
-        shutil.rmtree(scratch, ignore_errors=True)
     Path(args.out + ".json").write_text(json.dumps(result, indent=1))
     md = to_markdown(result)
     Path(args.out + ".md").write_text(md)

@@ -215,7 +215,7 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, log: 
     return summary
 
 
-def _start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], None], process_mps):
+def start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], None], process_mps):
     """MPS for this run: the process-wide daemon if there is one, else our own for an MPS arm
     (stopped by `stack` after the engine), else none. Returns (daemon or None, note for the summary)."""
     from .mps import MpsDaemon, MpsUnavailable
@@ -321,7 +321,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
     timeline = Timeline(JsonlWriter(out / "timeline.jsonl"))
     with contextlib.ExitStack() as stack:
         stack.callback(metrics.close)
-        mps, mps_note = _start_mps(cfg, stack, log, process_mps)
+        mps, mps_note = start_mps(cfg, stack, log, process_mps)
         device, dtype = resolve_device(cfg)
 
         tok = load_tokenizer(setup.model_dir)
