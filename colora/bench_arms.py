@@ -306,7 +306,8 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
     for r in rows:
         s = r["summary"] or {}
         lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {_fmt(s.get('engine_start_s'), 0)}"
-                     f"{' (reused)' if s.get('engine_reused') else ''} | {s.get('engine_sampler', '-')} | "
+                     f"{' (reused)' if s.get('engine_reused') else ''} | {s.get('engine_sampler', '-')}"
+                     f"{', client in its own process' if s.get('engine_process') else ''} | "
                      f"{s.get('steps_measured', '-')} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "
                      f"{_fmt(s.get('gpu_util'))} | {s.get('mps', '-')} |")

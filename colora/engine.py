@@ -157,6 +157,8 @@ def engine_process_from_env() -> bool:
 
 
 class RolloutEngine:
+    own_process = False  # the client runs in this process (engine_process.RemoteEngine: in its own)
+
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
                  dtype: str, seed: int, device: str, engine_args: dict[str, Any] | None = None):
         """engine_args: more of vLLM's engine arguments, over colora's (benchmarks: its profiler)."""

@@ -69,6 +69,7 @@ class EngineProcessError(RuntimeError):
 
 
 class RemoteEngine:
+    own_process = True
     generate = RolloutEngine.generate  # submit + poll, the same code as in-process
     decode = RolloutEngine.decode  # texts are decoded here, by the caller's tokenizer
 

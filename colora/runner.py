@@ -424,6 +424,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "experiment": exp.name, "arm": exp.arm, "seed": exp.seed, "config_hash": cfg.hash(),
         "model": str(setup.model_dir), "device": device, "dtype": dtype, "mps": mps_note,
         "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "engine_sampler": engine.sampler,
+        "engine_process": engine.own_process,
         "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show
         "trainer_sm_count": torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else None,

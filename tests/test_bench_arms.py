@@ -192,8 +192,10 @@ def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
     sph = {("dedicated", "main"): 1000.0, ("shared_sync", "main"): 2100.0, ("overlap_mps", "jobs4"): 2600.0}
     for r in runs:
         if (r["arm"], r["label"]) in sph:
+            own = r["arm"] == "shared_sync"  # this run's engine client ran in a process of its own
             write_json_atomic(bench_arms.run_dir(tmp_path, r) / "summary.json",
-                              {"steps_per_hour": sph[(r["arm"], r["label"])], "busy_fraction": 0.5})
+                              {"steps_per_hour": sph[(r["arm"], r["label"])], "busy_fraction": 0.5,
+                               "engine_sampler": "vllm", "engine_process": own})
     rows = bench_arms.collect(runs, tmp_path)
     ratio = {(r["arm"], r["label"]): r["ratio"] for r in rows}
     assert ratio == {("dedicated", "main"): 1.0, ("shared_sync", "main"): 2.1, ("overlap_mps", "main"): None,
@@ -203,6 +205,8 @@ def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
     assert "| shared_sync | 2100 (2.100x) | 2.100x |" in md
     assert "| overlap_mps | - | - |" in md  # did not finish: no number, no ratio
     assert "| jobs4 | overlap_mps | 4 | 1 | 2600 | 2.600 |" in md
+    assert "| shared_sync | 1 | main | - | vllm, client in its own process | " in md
+    assert "| dedicated | 1 | main | - | vllm | " in md
     data = json.loads((tmp_path / "rep.json").read_text())
     assert data["config_hash"] == cfg.hash() and len(data["runs"]) == 4
 

@@ -31,7 +31,8 @@ def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, ti
         monkeypatch.setenv("COLORA_ENGINE_PROCESS", remote)
         cache = EngineCache()
         try:
-            run(cfg, tmp_path / remote, engine_cache=cache, log=lambda s: None)
+            summary = run(cfg, tmp_path / remote, engine_cache=cache, log=lambda s: None)
+            assert summary["engine_process"] is (remote == "1")  # the report's sampler column says so
             if remote == "1":
                 from colora.engine_process import RemoteEngine
 
