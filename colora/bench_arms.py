@@ -186,7 +186,8 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
 def group_chain(spans: list[dict]) -> dict:
     """A group's cycle, the mean time between its successive training steps, beside the means of the
     phases it chains in series (generate, then train, then export of the new adapters; the group's
-    next generation waits for that export). Where the cycle is about their sum, the chain is what
+    next generation waits for that export) and of its wait between generating and training (while the
+    trainer trains another group). Where the cycle is about their sum, the chain is what
     bounds the throughput and the phase that grew against the dedicated arm is the one to cut. Over
     the groups that trained at least twice in `spans`; {} for fewer than two groups (one group has no
     offset phases to compare)."""
@@ -204,6 +205,21 @@ def group_chain(spans: list[dict]) -> dict:
     for ph in ("generate", "train", "export"):
         d = [s["end"] - s["start"] for s in spans if s["phase"] == ph]
         out[ph] = statistics.fmean(d) if d else 0.0
+    # wait: from a group's generation ending to its training starting (the trainer busy with another
+    # group's step); one value per group a training step trains
+    gen_ends: dict[int, list[float]] = {}
+    for s in spans:
+        if s["phase"] == "generate" and s.get("group", -1) >= 0:
+            gen_ends.setdefault(s["group"], []).append(s["end"])
+    waits = []
+    for s in spans:
+        if s["phase"] != "train":
+            continue
+        for g in s.get("groups") or ([s["group"]] if s.get("group", -1) >= 0 else []):
+            before = [e for e in gen_ends.get(g, []) if e <= s["start"] + 1e-9]
+            if before:
+                waits.append(s["start"] - max(before))
+    out["wait"] = statistics.fmean(waits) if waits else 0.0
     return out
 
 
@@ -220,7 +236,7 @@ def engine_rate(spans: list[dict]) -> dict:
     low where the client's Python in this process does (see engine.StepRate). {} when the timeline
     has no engine steps."""
     trains = [(s["start"], s["end"]) for s in spans if s["phase"] == "train"]
-    split: dict[str, list[tuple[float, float, float | None]]] = {"training": [], "not_training": []}
+    split: dict[str, list[tuple[float, float, float | None, int]]] = {"training": [], "not_training": []}
     for b in spans:
         if b["phase"] != "engine_steps" or not b["steps"]:
             continue
@@ -229,14 +245,21 @@ def engine_rate(spans: list[dict]) -> dict:
         key = "training" if covered >= length / 2 else "not_training"
         busy = b.get("busy") or length
         wait = b["wait"] / busy if "wait" in b and busy > 0 else None
-        split[key].append((b["steps"] / busy, b["inflight"] / b["steps"], wait))
+        split[key].append((b["steps"] / busy, b["inflight"] / b["steps"], wait, b["steps"]))
     out = {}
     for k, v in split.items():
         if not v:
             continue
-        out[k] = {"n": len(v), "steps_per_s": statistics.median(x for x, _, _ in v),
-                  "inflight": statistics.fmean(y for _, y, _ in v)}
-        waits = [w for _, _, w in v if w is not None]
+        out[k] = {"n": len(v), "steps_per_s": statistics.median(x for x, _, _, _ in v),
+                  "inflight": statistics.fmean(y for _, y, _, _ in v)}
+        # ms per step = fixed + per request x requests in flight, least squares over the buckets of
+        # three steps or more (a bucket of one or two steps is mostly a step that straddles it or
+        # loads an adapter: in the H200's runs they moved the fixed part from 5.9 to 13.5 ms)
+        fit = [(y, 1e3 / x) for x, y, _, n in v if n >= 3]
+        if len(fit) >= 3 and len({round(y, 6) for y, _ in fit}) >= 2:
+            slope, icept = statistics.linear_regression(*zip(*fit))
+            out[k]["fixed_ms"], out[k]["per_request_us"] = icept, 1e3 * slope
+        waits = [w for _, _, w, _ in v if w is not None]
         if waits:
             out[k]["waiting"] = statistics.median(waits)
     return out
@@ -326,13 +349,15 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
             lines += ["", "Each group's chain (means, seconds): the cycle between a group's successive training steps, "
                       "beside the phases it runs in series; a cycle near their sum says the chain bounds the "
                       "throughput:", "",
-                      "| arm | seed | label | groups | cycle | generate | train | export | generate + train + export |",
-                      "|---|---|---|---|---|---|---|---|---|"]
+                      "| arm | seed | label | groups | cycle | generate | wait for the trainer | train | export "
+                      "| their sum |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
             for r in chained:
                 c = r["phases"]["chain"]
+                wait = c.get("wait", 0.0)  # reports rebuilt from older summaries have none
                 lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {c['groups']} | {c['cycle']:.2f} | "
-                             f"{c['generate']:.2f} | {c['train']:.2f} | {c['export']:.2f} | "
-                             f"{c['generate'] + c['train'] + c['export']:.2f} |")
+                             f"{c['generate']:.2f} | {wait:.2f} | {c['train']:.2f} | {c['export']:.2f} | "
+                             f"{c['generate'] + wait + c['train'] + c['export']:.2f} |")
         rated = [r for r in timed if r["phases"].get("engine")]
         if rated:
             lines += ["", "The engine's decoding while a group trains and while none does (engine steps per second "
@@ -348,6 +373,16 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
                 cells = [f"{e[k]['steps_per_s']:.0f} (n={e[k]['n']})" if k in e else "-" for k in ("training", "not_training")]
                 cells += [f"{e[k]['inflight']:.0f}" if k in e else "-" for k in ("training", "not_training")]
                 cells += [f"{e[k]['waiting']:.2f}" if "waiting" in e.get(k, {}) else "-" for k in ("training", "not_training")]
+                lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
+            lines += ["", "The engine's step time against the requests in flight (least squares over the same buckets: "
+                      "ms per step = fixed + per request x in flight; a per-request cost the decode's memory traffic "
+                      "cannot explain points at the engine's host work):", "",
+                      "| arm | seed | label | training: fixed ms | training: per request us | not training: fixed ms "
+                      "| not training: per request us |", "|---|---|---|---|---|---|---|"]
+            for r in rated:
+                e = r["phases"]["engine"]
+                cells = [f"{e[k][f]:{fmt}}" if f in e.get(k, {}) else "-" for k in ("training", "not_training")
+                         for f, fmt in (("fixed_ms", ".2f"), ("per_request_us", ".1f"))]
                 lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
         for r in timed:
             if r["phases"].get("train_outliers"):

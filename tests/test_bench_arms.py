@@ -131,12 +131,18 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
                "inflight": f} for t, n, f, busy in buckets]
     rate = bench_arms.engine_rate(spans)
     assert rate["training"] == {"n": 2, "steps_per_s": 90.0, "inflight": pytest.approx(512)}  # 80 and 100 steps/s
+    # ms per step against in flight, not training: (256, 5.0), (256, 5.556), (100, 6.25), (20, 5.0); two
+    # training buckets are too few for a line
+    nt = rate["not_training"]
+    assert nt["fixed_ms"] == pytest.approx(5.5199, abs=1e-3) and nt["per_request_us"] == pytest.approx(-0.434, abs=1e-3)
     assert rate["not_training"]["n"] == 4 and rate["not_training"]["steps_per_s"] == 190.0  # 160 180 200 200
     assert rate["not_training"]["inflight"] == pytest.approx((256 + 256 + 100 + 20) / 4)
     assert bench_arms.engine_rate([s for s in spans if s["phase"] == "train"]) == {}
     st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
     assert st["engine"] == rate
-    assert "| overlap_mps | 1 | main | 90 (n=2) | 190 (n=4) | 512 | 158 | - | - |" in _report(tmp_path, "overlap_mps", st)
+    report = _report(tmp_path, "overlap_mps", st)
+    assert "| overlap_mps | 1 | main | 90 (n=2) | 190 (n=4) | 512 | 158 | - | - |" in report
+    assert "| overlap_mps | 1 | main | - | - | 5.52 | -0.4 |" in report
     # timelines that record each step's wait for the engine core: its median share per split
     for b in spans:
         if b["phase"] == "engine_steps":
@@ -145,6 +151,20 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
     assert rate["training"]["waiting"] == pytest.approx(0.9) and rate["not_training"]["waiting"] == pytest.approx(0.25)
     st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
     assert "| 512 | 158 | 0.90 | 0.25 |" in _report(tmp_path, "overlap_mps", st)
+
+
+def test_engine_step_line_leaves_out_buckets_of_one_or_two_steps():
+    """Buckets on the line ms = 6 + 0.02 x in flight give it back exactly; a bucket of one long step
+    (a step straddling the bucket, an adapter load) is left out of the line, not of the rate."""
+    spans = []
+    for i, f in enumerate((20, 100, 200, 300)):
+        steps = 40
+        spans.append({"phase": "engine_steps", "group": -1, "start": 0.5 * i, "end": 0.5 * i + 0.5, "steps": steps,
+                      "busy": steps * (6.0 + 0.02 * f) / 1e3, "inflight": steps * f})
+    spans.append({"phase": "engine_steps", "group": -1, "start": 2.0, "end": 2.5, "steps": 1, "busy": 0.4, "inflight": 5})
+    nt = bench_arms.engine_rate(spans)["not_training"]
+    assert nt["n"] == 5
+    assert nt["fixed_ms"] == pytest.approx(6.0) and nt["per_request_us"] == pytest.approx(20.0)
 
 
 def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
@@ -159,11 +179,12 @@ def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
                       {"phase": "train", "group": g, "start": t + 2.0, "end": t + 3.0},
                       {"phase": "export", "group": g, "start": t + 3.0, "end": t + 3.5}]
     chain = bench_arms.group_chain(spans)
-    assert chain == {"groups": 2, "cycle": pytest.approx(3.5), "generate": 2.0, "train": 1.0, "export": 0.5}
+    assert chain == {"groups": 2, "cycle": pytest.approx(3.5), "generate": 2.0, "train": 1.0, "export": 0.5,
+                     "wait": 0.0}
     assert bench_arms.group_chain([s for s in spans if s["group"] == 0]) == {}
     st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 20.0, "seconds": 20.0})
     assert st["chain"] == chain
-    assert "| overlap_mps | 1 | main | 2 | 3.50 | 2.00 | 1.00 | 0.50 | 3.50 |" in _report(tmp_path, "overlap_mps", st)
+    assert "| overlap_mps | 1 | main | 2 | 3.50 | 2.00 | 0.00 | 1.00 | 0.50 | 3.50 |" in _report(tmp_path, "overlap_mps", st)
 
 
 def test_group_chain_counts_a_step_that_trained_several_groups_for_each():
@@ -176,6 +197,19 @@ def test_group_chain_counts_a_step_that_trained_several_groups_for_each():
         spans += [{"phase": "generate", "group": g, "start": t, "end": t + 3.0} for g in (0, 1)]
         spans += [{"phase": "train", "group": -1, "groups": [0, 1], "start": t + 3.0, "end": t + 4.0}]
     assert bench_arms.group_chain(spans)["cycle"] == pytest.approx(4.0)
+
+
+def test_group_chain_says_how_long_a_group_waited_for_the_trainer():
+    """Both groups finish generating at once (2 s); the trainer takes group 0 (1 s) then group 1,
+    which waited 1 s: the mean wait over the two groups' steps is 0.5 s."""
+    spans = []
+    for k in range(3):
+        t = 4.0 * k
+        spans += [{"phase": "generate", "group": g, "start": t, "end": t + 2.0} for g in (0, 1)]
+        spans += [{"phase": "train", "group": 0, "start": t + 2.0, "end": t + 3.0},
+                  {"phase": "train", "group": 1, "start": t + 3.0, "end": t + 4.0}]
+    chain = bench_arms.group_chain(spans)
+    assert chain["wait"] == pytest.approx(0.5) and chain["cycle"] == pytest.approx(4.0)
 
 
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
