@@ -183,6 +183,12 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
     return out
 
 
+def _trained_groups(span: dict) -> list[int]:
+    """The groups a train span trained: one step may train several ready groups at once, and its
+    span then has group -1 and lists them."""
+    return span.get("groups") or ([span["group"]] if span.get("group", -1) >= 0 else [])
+
+
 def group_chain(spans: list[dict]) -> dict:
     """A group's cycle, the mean time between its successive training steps, beside the means of the
     phases it chains in series (generate, then train, then export of the new adapters; the group's
@@ -191,12 +197,10 @@ def group_chain(spans: list[dict]) -> dict:
     bounds the throughput and the phase that grew against the dedicated arm is the one to cut. Over
     the groups that trained at least twice in `spans`; {} for fewer than two groups (one group has no
     offset phases to compare)."""
+    trains = sorted((s for s in spans if s["phase"] == "train"), key=lambda s: s["end"])
     ends: dict[int, list[float]] = {}
-    for s in sorted(spans, key=lambda s: s["end"]):
-        if s["phase"] != "train":
-            continue
-        # one step may train several ready groups at once: its span has group -1 and lists them
-        for g in s.get("groups") or ([s["group"]] if s.get("group", -1) >= 0 else []):
+    for s in trains:
+        for g in _trained_groups(s):
             ends.setdefault(g, []).append(s["end"])
     cycles = [b - a for e in ends.values() for a, b in zip(e, e[1:])]
     if len(ends) < 2 or not cycles:
@@ -212,10 +216,8 @@ def group_chain(spans: list[dict]) -> dict:
         if s["phase"] == "generate" and s.get("group", -1) >= 0:
             gen_ends.setdefault(s["group"], []).append(s["end"])
     waits = []
-    for s in spans:
-        if s["phase"] != "train":
-            continue
-        for g in s.get("groups") or ([s["group"]] if s.get("group", -1) >= 0 else []):
+    for s in trains:
+        for g in _trained_groups(s):
             before = [e for e in gen_ends.get(g, []) if e <= s["start"] + 1e-9]
             if before:
                 waits.append(s["start"] - max(before))

@@ -73,7 +73,7 @@ def _measure(engine, batch: int, tokens: int, prompts: list[tuple[int, ...]], jo
     reqs = [GenRequest(jobs[i % len(jobs)], prompts[i % len(prompts)], max_tokens=tokens, temperature=1.0,
                        seed=(1000 + i) if seeded else None, min_tokens=tokens, ignore_eos=True) for i in range(batch)]
     steps, key = [], ("bench", batch, seeded, jobs[0])
-    w0 = engine._waited[0]
+    w0 = engine.waited
     t0 = time.perf_counter()
     engine.submit(key, reqs)
     results = None
@@ -88,7 +88,7 @@ def _measure(engine, batch: int, tokens: int, prompts: list[tuple[int, ...]], jo
         raise RuntimeError(f"a request of the batch of {batch} did not decode exactly {tokens} tokens")
     return {"batch": batch, "adapters": jobs[0] is not None, "seeded": seeded, "steps": len(steps),
             "ms_per_step": 1e3 * statistics.median(steps), "wall_s": wall, "tokens_per_s": batch * tokens / wall,
-            "waiting": (engine._waited[0] - w0) / wall}
+            "waiting": (engine.waited - w0) / wall}
 
 
 def _fit(rows: list[dict]) -> dict:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from .config import load_config
-    from .engine import RolloutEngine
+    from .engine import RolloutEngine, plain_token_ids
     from .runner import resolve_device, resolve_model, start_mps
 
     cfg = load_config(args.config, args.set)
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in paths.items():
             engine.set_adapter(name, 0, str(path))
         engine.warm_up(cfg.experiment.seed)
-        vocab = [i for i in range(min(len(engine.tokenizer), 32768)) if i not in set(engine.tokenizer.all_special_ids)]
+        vocab = plain_token_ids(engine.tokenizer)
         rng = np.random.default_rng(cfg.experiment.seed)
         prompts = [tuple(int(t) for t in rng.choice(vocab, args.prompt)) for _ in range(64)]
         names = [j.name for j in cfg.jobs]

@@ -138,6 +138,15 @@ def dead_process(procs) -> str:
     return ""
 
 
+def plain_token_ids(tokenizer, limit: int = 32768):
+    """The token ids below `limit` that are not special tokens (numpy int array): the ids random
+    prompts are drawn from (warm-up batches, the engine benchmark)."""
+    import numpy as np
+
+    special = set(tokenizer.all_special_ids)
+    return np.array([i for i in range(min(len(tokenizer), limit)) if i not in special])
+
+
 def sampler_from_env() -> str:
     """Which sampler vLLM's worker uses for seeded requests: COLORA_VLLM_SAMPLER, "vllm" (its own,
     the default) or "colora" (colora/vllm_sampler.py). Anything else is a ValueError naming it."""
@@ -265,9 +274,7 @@ class RolloutEngine:
 
         t0 = time.perf_counter()
         jobs = list(self._adapters) or [None]
-        vocab = len(self.tokenizer)
-        special = set(self.tokenizer.all_special_ids)
-        ids = np.array([i for i in range(min(vocab, 32768)) if i not in special])
+        ids = plain_token_ids(self.tokenizer)
         rng = np.random.default_rng(seed)
         largest = self._largest_graph()
         longest = max(8, self.max_model_len - 8)
@@ -291,6 +298,11 @@ class RolloutEngine:
             pending.difference_update(key for key, _ in self.poll())
         self.warmed = True
         return time.perf_counter() - t0
+
+    @property
+    def waited(self) -> float:
+        """Seconds the client's steps have spent waiting for the engine core, since the start."""
+        return self._waited[0]
 
     def _largest_graph(self) -> int:
         """The largest batch vLLM captured a CUDA graph for (0 when it runs eagerly)."""
