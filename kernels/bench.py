@@ -159,6 +159,54 @@ def bench_add_to(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     return rows
 
 
+def _reduce_cases(quick: bool) -> list[tuple[str, int, int, str]]:
+    """(name, N, rank of the call, chunking) for each reduce a layer's backward launches in the trainer
+    step of the issue (packed q/k/v and gate/up, rank 16): the fused dy pass's dB per slice (one
+    partial per 64-row tile) and each projection's dA (sgrad's chunks)."""
+    if quick:
+        return [("dB tiny", 48, 16, "tiles"), ("dA tiny packed", 40, 32, "sgrad")]
+    return [("dB q", 2048, 16, "tiles"), ("dB k/v/o/down", 1024, 16, "tiles"), ("dB gate/up", 3072, 16, "tiles"),
+            ("dA q|k|v", 1024, 48, "sgrad"), ("dA o", 2048, 16, "sgrad"), ("dA gate|up", 1024, 32, "sgrad"),
+            ("dA down", 3072, 16, "sgrad")]
+
+
+def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
+    """The segment reduction alone (fp32 partials -> a job's rows of dA or dB^T), its launch now
+    (`reduce_shape`) against the previous one (128 or 64 columns a program, one partial per step),
+    at the trainer step's micro-batch: 8 jobs x 4096 tokens."""
+    import triton
+
+    from .lora_ops import _block_r, _launch_reduce, _num_sms, reduce_shape, sgrad_chunk
+
+    J, tpj = (4, 40) if quick else (8, 4096)
+    rows = []
+    for name, N, rank, chunking in _reduce_cases(quick):
+        meta = K.LoRABatchMeta.build([tpj * j for j in range(J + 1)], [rank * j for j in range(J + 1)],
+                                     [2.0] * J, device)
+        block_r = _block_r(rank)
+        if chunking == "tiles":
+            chunks = meta.tiles(16 if quick else 64)
+        else:
+            block_n_sgrad = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))
+            chunks = meta.tiles(sgrad_chunk(meta, triton.cdiv(N, block_n_sgrad), block_r))
+        part = torch.randn(max(chunks.n, 1), block_r, N, device=device)
+        out = torch.empty(meta.total_rank, N, device=device, dtype=torch.bfloat16)
+        before = (min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N))), 1)
+        now = reduce_shape(J, N, block_r, _num_sms(device))
+        t = {}
+        for key, shape in (("before", before), ("now", now)):
+            t[key] = _timer(lambda: _launch_reduce(part, out, meta, chunks, block_r, True, shape=shape), device, quick)
+        nbytes = part.numel() * 4 + out.numel() * 2
+        rows.append({"case": name, "N": N, "rank": rank, "block_r": block_r, "jobs": J, "tokens_per_job": tpj,
+                     "partials_per_job": chunks.n // J, "shape_before": list(before), "shape_now": list(now),
+                     "before_us": t["before"] * 1e6, "now_us": t["now"] * 1e6, "speedup": t["before"] / t["now"],
+                     "now_GBps": nbytes / t["now"] / 1e9})
+        print(f"reduce {name:14s} N {N:5d} r {rank:3d}: {chunks.n // J:3d} partials/job, before {t['before'] * 1e6:7.1f} us, "
+              f"now {t['now'] * 1e6:7.1f} us ({t['before'] / t['now']:.2f}x)", flush=True)
+        del part, out
+    return rows
+
+
 def bench_logsoftmax(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     rows = []
     d, V = (64, 1000) if quick else (1024, 151936)
@@ -256,6 +304,18 @@ def to_markdown(result: dict) -> str:
         out.append(f"| {r['T']} | {r['V']} | {_fmt(r['triton_ms'], 3)} | {_fmt(r['torch_chunked_ms'], 3)} | "
                    f"{_fmt(r['naive_ms'], 3)} | {_fmt(r['triton_peak_GB'])} | {_fmt(r['torch_chunked_peak_GB'])} | "
                    f"{_fmt(r['naive_peak_GB'])} | {_fmt(r['TFLOPs'], 1)} | {_fmt(100 * r['peak_share'], 1)} |")
+    if result.get("reduce"):
+        out += ["", "## Segment reduction of the weight gradients (fp32 partials -> dA, dB^T in bf16)", "",
+                "One reduce alone at the trainer step's micro-batch (8 jobs x 4096 tokens; tiny with --quick). before: "
+                "the same kernel launched as it was before `reduce_shape`, 128 columns a program (64 at BLOCK_R > 32) "
+                "and one partial per step; now: `reduce_shape`'s (columns, partials per step). GB/s: partials read + "
+                "output written, over the time now.", "",
+                "| reduce | N | rank | jobs x tok/job | partials/job | before us | now us | speedup | now shape | GB/s now |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["reduce"]:
+            out.append(f"| {r['case']} | {r['N']} | {r['rank']} | {r['jobs']} x {r['tokens_per_job']} | "
+                       f"{r['partials_per_job']} | {_fmt(r['before_us'], 1)} | {_fmt(r['now_us'], 1)} | "
+                       f"{_fmt(r['speedup'])} | {r['shape_now'][0]} x {r['shape_now'][1]} | {_fmt(r['now_GBps'], 0)} |")
     return "\n".join(out) + "\n"
 
 
@@ -264,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="colora bench kernels", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="reports/kernels", help="writes OUT.json and OUT.md")
     p.add_argument("--quick", action="store_true", help="tiny shapes (also on the CPU, through the interpreter)")
-    p.add_argument("--only", choices=["lora", "add_to", "logsoftmax"], action="append",
+    p.add_argument("--only", choices=["lora", "add_to", "logsoftmax", "reduce"], action="append",
                    help="run only these parts (repeatable)")
     args = p.parse_args(argv)
     from .testing import interpreted_kernels
@@ -276,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    parts = set(args.only or ["lora", "add_to", "logsoftmax"])
+    parts = set(args.only or ["lora", "add_to", "logsoftmax", "reduce"])
     t0 = time.time()
     cal = calibrate(device, args.quick)
     print(f"copy {cal['copy_GBps']:.0f} GB/s, bf16 matmul {cal['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
@@ -290,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         "lora": bench_lora(K, cal, device, args.quick) if "lora" in parts else [],
         "add_to": bench_add_to(K, cal, device, args.quick) if "add_to" in parts else [],
         "logsoftmax": bench_logsoftmax(K, cal, device, args.quick) if "logsoftmax" in parts else [],
+        "reduce": bench_reduce(K, cal, device, args.quick) if "reduce" in parts else [],
     }
     result["wall_s"] = time.time() - t0
     js, md = Path(args.out + ".json"), Path(args.out + ".md")

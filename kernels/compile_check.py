@@ -25,6 +25,7 @@ from triton.compiler import ASTSource
 
 from .logsoftmax_kernels import selective_logsoftmax_kernel
 from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
+from .lora_ops import reduce_shape
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -101,8 +102,11 @@ def variants():
                    ("stride_qn",), ("N", "p_slice", "chunk", "stride_pm", "stride_qm"), warps, 3)
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
                           scale_ptr="*fp32", N=i, stride_or=i, stride_on=i)
-            yield (f"reduce {dt} R{R}", lora_reduce_kernel, reduce, dict(BLOCK_R=R, BLOCK_N=bn, HAS_SCALE=True),
-                   ("stride_or",), ("N", "stride_on"), warps, 3)
+            rbn, chunks = reduce_shape(8, 1024, R, 132)  # as launched at 8 jobs x 1024 columns on the H200
+            for rbn, chunks in ((rbn, chunks), (bn, 1)):  # and one partial per step, as before reduce_shape
+                yield (f"reduce {dt} R{R} N{rbn} C{chunks}", lora_reduce_kernel, reduce,
+                       dict(BLOCK_R=R, BLOCK_N=rbn, CHUNKS=chunks, HAS_SCALE=True),
+                       ("stride_or",), ("N", "stride_on"), 8 if R * rbn * chunks >= 16384 else 4, 3)
         lsm = dict(logits_ptr=p, targets_ptr="*i64", temp_ptr="*fp32", logp_ptr="*fp32", ent_ptr="*fp32",
                    V=i, stride_l=i)
         yield (f"logsoftmax {dt}", selective_logsoftmax_kernel, lsm,

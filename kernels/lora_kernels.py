@@ -8,7 +8,7 @@ Four kernels serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T
   expand   y[t, n]             (+)= (s_j *) sum_k h[t, slice*r_j + k] W[n, rank_start[j] + k]
                                                                                   (h B^T; dh A)
   sgrad    partial[c, k, n]     = sum_{t in chunk c} p[t, slice*r_j + k] q[t, n]  (h^T dy; dh^T x)
-  reduce   out[rank_start[j] + k, n] = (s_j *) sum_{chunks c of job j} partial[c, k, n]
+  reduce   out[rank_start[j] + k, n] = (s_j *) sum_{chunks c of job j} partial[c, k, n]  (in chunk order)
 
 Every program handles rows of exactly one job (tiles from `LoRABatchMeta.tiles`), so each tile is a
 dense matmul against that job's slice of the stacked weights. Ranks are padded to BLOCK_R >= 16
@@ -174,10 +174,11 @@ def lora_reduce_kernel(
     job_chunk_ptr, rank_start_ptr, scale_ptr,
     N,
     stride_or, stride_on,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
-    """out rows of job j = scale_j * sum of its chunks' partials, in chunk order (deterministic);
-    a job with rank > 0 and no rows gets zeros."""
+    """out rows of job j = scale_j * sum of its chunks' partials, CHUNKS at a time in chunk order (a
+    fixed order: deterministic); a job with rank > 0 and no rows gets zeros. With CHUNKS > 1 a program
+    has CHUNKS loads in flight per step instead of one: the sum is a chain of small dependent loads."""
     job = tl.program_id(0)
     pid_n = tl.program_id(1)
     r0 = tl.load(rank_start_ptr + job)
@@ -186,14 +187,16 @@ def lora_reduce_kernel(
         return
     c0 = tl.load(job_chunk_ptr + job)
     c1 = tl.load(job_chunk_ptr + job + 1)
+    offs_c = tl.arange(0, CHUNKS)
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    part = part_ptr + c0.to(tl.int64) * BLOCK_R * N + offs_r[:, None] * N + offs_n[None, :]
-    for _ in range(c0, c1):
-        acc += tl.load(part, mask=n_ok[None, :], other=0.0)
-        part += BLOCK_R * N
+    tile = offs_r[None, :, None] * N + offs_n[None, None, :]  # [1, BLOCK_R, BLOCK_N]
+    for c in range(c0, c1, CHUNKS):
+        cs = c + offs_c
+        part = part_ptr + cs.to(tl.int64)[:, None, None] * BLOCK_R * N + tile
+        acc += tl.sum(tl.load(part, mask=(cs < c1)[:, None, None] & n_ok[None, None, :], other=0.0), axis=0)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + job)
     out = out_ptr + (r0 + offs_r)[:, None] * stride_or + offs_n[None, :] * stride_on

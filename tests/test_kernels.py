@@ -110,6 +110,30 @@ def test_sgrad_chunking_does_not_change_the_result():
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(16, 1), (16, 8), (32, 2), (64, 4)], ids=lambda s: f"n{s[0]}-c{s[1]}")
+def test_reduce_sums_each_jobs_partials_at_any_tile_shape(monkeypatch, shape):
+    """The reduce's column width and partials per step (reduce_shape) change how it walks the
+    partials, not the sum: each job's rows of p^T q (10 partials for job 0, a partial last step at 8
+    per step, a rank-4 job without rows gets zeros, 24 columns under a 32- or 64-wide tile), and the
+    same bits on a second call (a fixed order, no atomics)."""
+    from colora.kernels import lora_ops
+
+    case = lora_case([150, 3, 0, 90], [16, 8, 4, 4], 40, 24, torch.float32, DEV, seed=5)
+    h = (case.x @ case.A.t()).detach().contiguous()
+    q = case.dy
+    monkeypatch.setattr(lora_ops, "reduce_shape", lambda *a: shape)
+    got = lora_ops.lora_sgrad(h, q, case.meta, torch.full((case.meta.total_rank, 24), float("nan")).to(DEV), chunk=16)
+    again = lora_ops.lora_sgrad(h, q, case.meta, torch.empty((case.meta.total_rank, 24), device=DEV), chunk=16)
+    assert torch.equal(got, again)
+    meta = case.meta
+    for j in range(meta.num_jobs):
+        t0, t1, r0, r1 = meta.seg_start[j], meta.seg_start[j + 1], meta.rank_start[j], meta.rank_start[j + 1]
+        if t1 == t0:
+            assert (got[r0:r1] == 0).all()
+        else:
+            assert rel_err(got[r0:r1], h[t0:t1, : r1 - r0].double().t() @ q[t0:t1].double()) <= LORA_TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_packed_matches_separate_projections(dtype):
     """q|k|v packed: same outputs and gradients as three grouped_lora calls."""
@@ -292,3 +316,18 @@ def test_selective_log_softmax_rejects_a_trainable_head():
     h, W, tgt, _, _ = _logsoftmax_problem(4, 8, 16, torch.float32, seed=5)
     with pytest.raises(ValueError, match="frozen"):
         K.selective_log_softmax(h, W.requires_grad_(), tgt)
+
+
+def test_bench_kernels_reduce_writes_its_table(tmp_path):
+    """`colora bench kernels --quick --only reduce` on the CPU: one row per reduce case with both
+    launches timed, the JSON and the Markdown table written."""
+    import json
+
+    from colora.kernels.bench import main
+
+    assert main(["--quick", "--only", "reduce", "--out", str(tmp_path / "k")]) == 0
+    rows = json.loads((tmp_path / "k.json").read_text())["reduce"]
+    assert [r["case"] for r in rows] == ["dB tiny", "dA tiny packed"]
+    assert all(r["before_us"] > 0 and r["now_us"] > 0 and r["shape_before"][1] == 1 for r in rows)
+    md = (tmp_path / "k.md").read_text()
+    assert "## Segment reduction" in md and "| dB tiny | 48 | 16 | 4 x 40 |" in md
