@@ -192,7 +192,7 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
         part = torch.randn(max(chunks.n, 1), block_r, N, device=device)
         out = torch.empty(meta.total_rank, N, device=device, dtype=torch.bfloat16)
         before = (min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N))), 1)
-        now = reduce_shape(J, N, block_r, _num_sms(device))
+        now = reduce_shape(J, N, block_r, _num_sms(device), chunks.n)
         t = {}
         for key, shape in (("before", before), ("now", now)):
             t[key] = _timer(lambda: _launch_reduce(part, out, meta, chunks, block_r, True, shape=shape), device, quick)

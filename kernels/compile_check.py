@@ -102,7 +102,7 @@ def variants():
                    ("stride_qn",), ("N", "p_slice", "chunk", "stride_pm", "stride_qm"), warps, 3)
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
                           scale_ptr="*fp32", N=i, stride_or=i, stride_on=i)
-            rbn, chunks = reduce_shape(8, 1024, R, 132)  # as launched at 8 jobs x 1024 columns on the H200
+            rbn, chunks = reduce_shape(8, 1024, R, 132, 8 * 64)  # as launched at 8 jobs x 1024 columns on the H200
             for rbn, chunks in ((rbn, chunks), (bn, 1)):  # and one partial per step, as before reduce_shape
                 yield (f"reduce {dt} R{R} N{rbn} C{chunks}", lora_reduce_kernel, reduce,
                        dict(BLOCK_R=R, BLOCK_N=rbn, CHUNKS=chunks, HAS_SCALE=True),

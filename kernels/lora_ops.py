@@ -220,7 +220,7 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
     return out
 
 
-def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int) -> tuple[int, int]:
+def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int, partials: int) -> tuple[int, int]:
     """(columns per program, partials summed per step) of the reduce.
 
     The sum over a job's partials is a chain of loads: the fused dy pass leaves one partial per
@@ -228,8 +228,13 @@ def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int) -> tuple[int, in
     programs for 8 jobs x 1024 columns on 132 SMs) waited for each load in turn, about 105 us a call
     on the H200 (reports/h200/fused/trainer_profile_fused.txt). Now: narrower column tiles until
     there are about two programs per SM (at least 32 columns: 128-byte fp32 rows), and 2-8 partials
-    loaded at once (BLOCK_R x CHUNKS <= 128 rows in flight, 32 fp32 registers a thread at 4 warps)."""
+    loaded at once (BLOCK_R x CHUNKS <= 128 rows in flight, 32 fp32 registers a thread at 4 warps).
+    partials: the partials in all (all jobs). Below 8 a job, the previous launch (widest tiles, one
+    partial a step): measured faster there on the H200 (reports/h200/ninth/kernels.md: 7.8 against
+    14.1 us at 2 partials a job; 64 partials a job: 2.9-4.9x faster the new way)."""
     block_n = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))
+    if partials < 8 * num_jobs:
+        return block_n, 1
     while block_n > 32 and num_jobs * triton.cdiv(N, block_n) < 2 * sms:
         block_n //= 2
     return block_n, max(2, min(8, 128 // block_r))
@@ -239,7 +244,7 @@ def _launch_reduce(part, out, meta, chunks, block_r, scale, *, shape=None):
     """out[rank rows of job j] = (scale_j *) sum of job j's partials (part: fp32 [chunks, BLOCK_R, N]).
     shape: (BLOCK_N, CHUNKS) instead of `reduce_shape`'s (the benchmark's baseline; tests)."""
     N = part.shape[2]
-    block_n, per_step = shape or reduce_shape(meta.num_jobs, N, block_r, _num_sms(meta.device))
+    block_n, per_step = shape or reduce_shape(meta.num_jobs, N, block_r, _num_sms(meta.device), chunks.n)
     lora_reduce_kernel[(meta.num_jobs, triton.cdiv(N, block_n))](
         part, out,
         chunks.job_start, meta.rank_start_t, meta.scale_t,

@@ -134,6 +134,17 @@ def test_reduce_sums_each_jobs_partials_at_any_tile_shape(monkeypatch, shape):
             assert rel_err(got[r0:r1], h[t0:t1, : r1 - r0].double().t() @ q[t0:t1].double()) <= LORA_TOL[torch.float32]
 
 
+def test_reduce_shape_keeps_the_wide_launch_for_few_partials():
+    """Few partials a job (dA: 2-4): the previous launch, one partial a step at the widest tile, which
+    the H200 measured faster there; many (dB: 64 a job): 2-8 a step over narrower tiles."""
+    from colora.kernels.lora_ops import reduce_shape
+
+    assert reduce_shape(8, 3072, 16, 132, 8 * 2) == (128, 1)
+    assert reduce_shape(8, 1024, 64, 132, 8 * 4) == (64, 1)
+    block_n, per_step = reduce_shape(8, 1024, 16, 132, 8 * 64)
+    assert block_n < 128 and 2 <= per_step <= 8
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_packed_matches_separate_projections(dtype):
     """q|k|v packed: same outputs and gradients as three grouped_lora calls."""
