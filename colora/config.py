@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 ARMS = ("dedicated", "shared_sync", "overlap", "mps", "overlap_mps")
+OVERLAP_ARMS = ("overlap", "overlap_mps")  # the arms whose groups generate while another trains
 LOSSES = ("grpo_seq", "grpo_token", "dr_grpo")
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from . import compilewatch, grpo
-from .config import Config, JobConfig
+from .config import OVERLAP_ARMS, Config, JobConfig
 from .engine import GenRequest, GenResult, RolloutEngine
 from .lora import AdapterBank
 from .runlog import JsonlWriter, Timeline
@@ -496,7 +496,7 @@ class CoRunner:
                 self.run_groups([[n]])
                 windows.append(measure_window({n: self.jobs[n]}, t0, self.cfg.experiment.warmup_steps))
             return combine_windows(windows)
-        n_groups = self.cfg.overlap.groups if arm in ("overlap", "overlap_mps") else 1
+        n_groups = self.cfg.overlap.groups if arm in OVERLAP_ARMS else 1
         # Each job's cost: the tokens of its next step's actual requests (its prompts, tokenized,
         # and the response lengths drawn for them): prompt lengths differ by task, lengths by config.
         cost = {n: request_tokens(self.step_requests(self.jobs[n], self.jobs[n].step)[1]) for n in names} \

@@ -1,12 +1,14 @@
-"""The rollout engine's client in a process of its own (experimental: `COLORA_ENGINE_PROCESS=1`).
+"""The rollout engine's client in a process of its own: the default for the arms whose groups
+overlap (`COLORA_ENGINE_PROCESS`, unset or `auto`; `0` / `1` force it off or on; see
+`engine.engine_process_from_env`).
 
-Opt-in, not the default. Measured on the H200 (reports/h200/eighth, one machine, seed 1,
-overlap_mps, two runs each): 5399 and 5677 steps/h through this process against 5168 and 5304 in
-the trainer's (+5.8% on the means; the two ranges do not overlap, but two runs a side are few). A
-group's generation was shorter (3.27-3.51 s median against 3.60-3.75 s) and the hand-off stayed at
-0.00-0.01 s. The dedicated arm run through it had four training steps of 1.9-3.2 s against a 0.44 s
-median with no compile recorded (in-process, same seed and machine: at most 0.50 s), not explained:
-so no ratio to the dedicated arm is claimed for it. The fifth session's run of an earlier version
+Measured on the H200 (reports/h200/eighth, one machine, seed 1, overlap_mps, two runs each): 5399
+and 5677 steps/h through this process against 5168 and 5304 in the trainer's (+5.8% on the means;
+the two ranges do not overlap). A group's generation was shorter (3.27-3.51 s median against
+3.60-3.75 s) and the hand-off stayed at 0.00-0.01 s. The dedicated arm run through it had four
+training steps of 1.9-3.2 s against a 0.44 s median with no compile recorded (in-process, same seed
+and machine: at most 0.50 s), not explained: the sequential arms keep the client in-process, so the
+baseline of every ratio is the in-process one. The fifth session's run of an earlier version
 was slower (5242 against 5781): its `poll` waited in the pipe until some batch finished, so a group
 handed to the engine thread waited for the other group's generation (hand-off 0.29-0.63 s); `poll`
 now waits at most POLL_WAIT_S.
@@ -50,7 +52,7 @@ def _serve(conn, kwargs: dict) -> None:
                     conn.send(("reply", None))
                     return
                 try:
-                    out = getattr(eng, op)(*args)
+                    out = eng.steps.take() if op == "take_steps" else getattr(eng, op)(*args)
                 except Exception as e:  # a refused adapter, a bad request: the parent raises it
                     conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
                     continue
@@ -66,6 +68,17 @@ def _serve(conn, kwargs: dict) -> None:
 
 class EngineProcessError(RuntimeError):
     """The engine's process refused a command or failed; the message is its error."""
+
+
+class _RemoteSteps:
+    """`RolloutEngine.steps` of the child: its buckets of engine steps, on time.perf_counter's clock,
+    which on Linux is CLOCK_MONOTONIC, one clock for every process of the machine."""
+
+    def __init__(self, engine: RemoteEngine):
+        self._engine = engine
+
+    def take(self) -> list[dict]:
+        return self._engine._call("take_steps")
 
 
 class RemoteEngine:
@@ -102,6 +115,7 @@ class RemoteEngine:
         self._inflight: set = set()  # batch keys submitted and not yet back
         self._next_request = 0  # makes generate()'s batch keys unique
         self._done: list[tuple[Any, list[GenResult]]] = []
+        self.steps = _RemoteSteps(self)  # the child's engine-step record, as RolloutEngine.steps
 
     # -- messages ---------------------------------------------------------------------------------
     def _recv(self):

@@ -146,7 +146,7 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
 
     try:
         sampler_from_env()
-        engine_process_from_env()
+        engine_process_from_env(cfg.experiment.arm)
     except ValueError as e:
         raise RunError(str(e)) from None
     tasks = load_tasks(cfg.jobs)
@@ -329,8 +329,9 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         max_loras = cfg.engine.max_loras or len(cfg.jobs)
         if max_loras < len(cfg.jobs):
             raise RunError(f"engine.max_loras ({max_loras}) must be at least the number of jobs ({len(cfg.jobs)})")
+        remote = engine_process_from_env(exp.arm)  # COLORA_ENGINE_PROCESS, see there and engine_process.py
+
         def start_engine():
-            remote = engine_process_from_env()  # COLORA_ENGINE_PROCESS=1: opt-in, see engine_process.py
             log(f"starting the engine on {device} ({dtype}) for {len(cfg.jobs)} jobs"
                 + (", its client in a process of its own" if remote else ""))
             if remote:
@@ -343,7 +344,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         # A cached engine is shared only by runs of one MPS state: a process's MPS membership is
         # fixed when its CUDA context is made (process_mps: the whole process is an MPS client).
         if engine_cache is not None and (exp.arm not in MPS_ARMS or process_mps is not None):
-            key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, dtype, device)
+            key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, dtype, device, remote)
             engine = engine_cache.get(key, start_engine)
             stack.callback(engine.drop_all)  # the next run starts with no adapters of this one
         else:

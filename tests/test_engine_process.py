@@ -84,3 +84,16 @@ def test_poll_returns_while_a_batch_is_in_flight(send):
     t.join(timeout=30)  # a hang, not a speed: it waited for "b" forever before
     assert not t.is_alive() and got == [[("a", ["result"])] if send else []]
     assert eng._inflight == ({"b"} if send else {"a", "b"})
+
+
+@pytest.mark.parametrize("value,arm,own", [(None, "overlap_mps", True), (None, "overlap", True), (None, "dedicated", False),
+                                           (None, "shared_sync", False), (None, "mps", False), ("auto", "overlap", True),
+                                           ("0", "overlap_mps", False), ("1", "dedicated", True)])
+def test_the_client_runs_apart_by_default_only_where_groups_overlap(monkeypatch, value, arm, own):
+    from colora.engine import engine_process_from_env
+
+    if value is None:
+        monkeypatch.delenv("COLORA_ENGINE_PROCESS", raising=False)
+    else:
+        monkeypatch.setenv("COLORA_ENGINE_PROCESS", value)
+    assert engine_process_from_env(arm) is own

@@ -106,12 +106,15 @@ def test_mps_daemon_is_stopped_after_a_failing_run(tmp_path, tiny_model_dir, mon
     assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "failed"
 
 
-def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(tmp_path, tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("remote", ["auto", "0"])
+def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(tmp_path, tiny_model_dir, monkeypatch,
+                                                                              remote):
     """CUDA fixes a process's MPS share when it first initialises there, and the engine's client does
     that while it starts the engine: the H200 showed all 132 SMs to a trainer set to 25% until the
     trainer made its context first. Here CUDA is faked: the context must be made under the trainer's
     share, the engine process spawned under the engine's."""
     import colora.engine
+    import colora.engine_process
     import colora.mps
 
     fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
@@ -135,7 +138,11 @@ def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(t
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(colora.mps, "_make_context", make_context)
-    monkeypatch.setattr(colora.engine.RolloutEngine, "__init__", engine)
+    # the engine's client in this process, or in one of its own (the default for this arm): spawned
+    # under the engine's share either way
+    monkeypatch.setenv("COLORA_ENGINE_PROCESS", remote)
+    monkeypatch.setattr(colora.engine_process.RemoteEngine if remote != "0" else colora.engine.RolloutEngine,
+                        "__init__", engine)
     from colora.runner import run
 
     cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "experiment.arm=overlap_mps",
