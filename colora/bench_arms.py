@@ -222,7 +222,27 @@ def group_chain(spans: list[dict]) -> dict:
             if before:
                 waits.append(s["start"] - max(before))
     out["wait"] = statistics.fmean(waits) if waits else 0.0
+    # how the two sides were kept busy over the spans' extent: the share of it in which no group
+    # generated (the engine had no work: every group was training or waiting for the trainer) and
+    # the share in which the trainer trained
+    t0 = min(s["start"] for s in spans)
+    t1 = max(s["end"] for s in spans)
+    if t1 > t0:
+        gen = _covered([(s["start"], s["end"]) for s in spans if s["phase"] == "generate"], t0, t1)
+        out["engine_idle"] = 1.0 - gen / (t1 - t0)
+        out["trainer_busy"] = _covered([(s["start"], s["end"]) for s in trains], t0, t1) / (t1 - t0)
     return out
+
+
+def _covered(intervals: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Seconds of [t0, t1] inside at least one of the intervals."""
+    total, end = 0.0, t0
+    for a, b in sorted(intervals):
+        a, b = max(a, end), min(b, t1)
+        if b > a:
+            total += b - a
+            end = b
+    return total
 
 
 def engine_rate(spans: list[dict]) -> dict:
@@ -350,16 +370,19 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
         if chained:
             lines += ["", "Each group's chain (means, seconds): the cycle between a group's successive training steps, "
                       "beside the phases it runs in series; a cycle near their sum says the chain bounds the "
-                      "throughput:", "",
+                      "throughput. Engine idle: the share of the measured window in which no group generated "
+                      "(each was training or waiting for the trainer); trainer busy: the share in which it trained:",
+                      "",
                       "| arm | seed | label | groups | cycle | generate | wait for the trainer | train | export "
-                      "| their sum |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "| their sum | engine idle | trainer busy |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in chained:
                 c = r["phases"]["chain"]
                 wait = c.get("wait", 0.0)  # reports rebuilt from older summaries have none
                 lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {c['groups']} | {c['cycle']:.2f} | "
                              f"{c['generate']:.2f} | {wait:.2f} | {c['train']:.2f} | {c['export']:.2f} | "
-                             f"{c['generate'] + wait + c['train'] + c['export']:.2f} |")
+                             f"{c['generate'] + wait + c['train'] + c['export']:.2f} | {_share(c.get('engine_idle'))} | "
+                             f"{_share(c.get('trainer_busy'))} |")
         rated = [r for r in timed if r["phases"].get("engine")]
         if rated:
             lines += ["", "The engine's decoding while a group trains and while none does (engine steps per second "
@@ -438,6 +461,10 @@ def draw_timelines(rows: list[dict], root: Path, path: Path, window_s: float = 6
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
 
 
 def _fmt(v, nd: int = 2) -> str:

@@ -179,12 +179,32 @@ def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
                       {"phase": "train", "group": g, "start": t + 2.0, "end": t + 3.0},
                       {"phase": "export", "group": g, "start": t + 3.0, "end": t + 3.5}]
     chain = bench_arms.group_chain(spans)
+    # over [0, 12.25]: no group generates in [10.75, 12.25] (the last training and export); the
+    # trainer trains six 1-second steps
     assert chain == {"groups": 2, "cycle": pytest.approx(3.5), "generate": 2.0, "train": 1.0, "export": 0.5,
-                     "wait": 0.0}
+                     "wait": 0.0, "engine_idle": pytest.approx(1.5 / 12.25), "trainer_busy": pytest.approx(6 / 12.25)}
     assert bench_arms.group_chain([s for s in spans if s["group"] == 0]) == {}
     st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 20.0, "seconds": 20.0})
     assert st["chain"] == chain
-    assert "| overlap_mps | 1 | main | 2 | 3.50 | 2.00 | 0.00 | 1.00 | 0.50 | 3.50 |" in _report(tmp_path, "overlap_mps", st)
+    assert "| overlap_mps | 1 | main | 2 | 3.50 | 2.00 | 0.00 | 1.00 | 0.50 | 3.50 | 12% | 49% |" in \
+        _report(tmp_path, "overlap_mps", st)
+
+
+def test_group_chain_sees_the_engine_idle_while_phase_locked_groups_wait_for_the_trainer():
+    """Generations that end together (the H200's two groups, ninth session): the trainer trains one
+    group, then the other, and meanwhile no group generates. Over [0, 8]: generating in [0, 3.2] and
+    [4, 8], so the engine is idle 0.8 s (10%); the trainer trains 2 s (25%); group 1 waited 0.8 s."""
+    spans = [{"phase": "generate", "group": 0, "start": 0.0, "end": 3.0},
+             {"phase": "generate", "group": 1, "start": 0.5, "end": 3.2},
+             {"phase": "train", "group": 0, "start": 3.0, "end": 4.0},
+             {"phase": "train", "group": 1, "start": 4.0, "end": 5.0},
+             {"phase": "generate", "group": 0, "start": 4.0, "end": 7.0},
+             {"phase": "generate", "group": 1, "start": 5.0, "end": 8.0}]
+    chain = bench_arms.group_chain(spans + [{"phase": "train", "group": 0, "start": 7.0, "end": 7.5},
+                                            {"phase": "train", "group": 1, "start": 8.0, "end": 8.5}])
+    assert chain["engine_idle"] == pytest.approx(0.8 / 8.5 + 0.5 / 8.5)  # and [8, 8.5], the last step
+    assert chain["trainer_busy"] == pytest.approx(3.0 / 8.5)
+    assert chain["wait"] == pytest.approx((0.0 + 0.8 + 0.0 + 0.0) / 4)
 
 
 def test_group_chain_counts_a_step_that_trained_several_groups_for_each():
