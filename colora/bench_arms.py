@@ -10,7 +10,8 @@ process share its engine (`engine.max_loras` must cover the largest job count).
 `--jobs 2 4 16` also runs the headline arm with that many jobs (the config's jobs repeated with new
 names); their baseline is the dedicated throughput of the seed's base workload, since a dedicated
 job runs alone whatever the number of jobs (stated in the report). `--vary KEY=V1,V2` runs the
-headline arm once per value (the tuning sweep).
+headline arm once per value (the tuning sweep); `--vary env:NAME=V1,V2` does so with one of colora's
+switches that are environment variables (VARY_ENV), set for that run alone.
 
 Writes OUT.json (every run's summary and the ratios) and OUT.md (tables that open with the command),
 and the run directories under --runs.
@@ -19,6 +20,7 @@ and the run directories under --runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -74,9 +76,36 @@ def plan(cfg: Config, args) -> list[dict]:
     for spec in args.vary:
         key, values = spec.split("=", 1)
         for v in values.split(","):
-            runs.append({"arm": args.headline, "seed": args.seeds[0], "jobs": len(cfg.jobs), "set": [f"{key}={v}"],
-                         "label": f"vary:{key}={v}"})
+            run = {"arm": args.headline, "seed": args.seeds[0], "jobs": len(cfg.jobs), "set": [f"{key}={v}"],
+                   "label": f"vary:{key}={v}"}
+            if key.startswith("env:"):
+                name = key[len("env:"):]
+                if name not in VARY_ENV:
+                    raise ValueError(f"--vary {spec}: {name} is not one of the switches a run can vary: "
+                                     f"{', '.join(VARY_ENV)}")
+                run.update(set=[], env={name: v})
+            runs.append(run)
     return runs
+
+
+# The environment switches `--vary env:NAME=...` may set per run: read when a run starts, and part
+# of the engine cache's key where they shape the engine (COLORA_VLLM_SAMPLER is not: it is left out).
+VARY_ENV = ("COLORA_RELOAD_FIRST", "COLORA_ENGINE_PROCESS")
+
+
+@contextlib.contextmanager
+def run_env(env: dict[str, str]):
+    """The run's environment switches set for the block, the previous values back after it."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def batches(config: str, overrides: list[str], runs: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -143,7 +172,8 @@ def run_batch(config: str, overrides: list[str], runs: list[dict], root: Path, m
             cfg = replace(cfg, [f"experiment.arm={r['arm']}", f"experiment.seed={r['seed']}", *r["set"]])
             print(f"[{i + 1}/{len(runs)}] {r['arm']} seed {r['seed']} jobs {r['jobs']} {r['label']}", flush=True)
             t0 = time.perf_counter()
-            s = run(cfg, out, engine_cache=cache, process_mps=daemon, log=lambda m: print("   ", m, flush=True))
+            with run_env(r.get("env", {})):
+                s = run(cfg, out, engine_cache=cache, process_mps=daemon, log=lambda m: print("   ", m, flush=True))
             print(f"    {s['steps_per_hour']:.0f} steps/h ({time.perf_counter() - t0:.0f}s)", flush=True)
     finally:
         cache.close()
@@ -352,7 +382,8 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
         s = r["summary"] or {}
         lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {_fmt(s.get('engine_start_s'), 0)}"
                      f"{' (reused)' if s.get('engine_reused') else ''} | {s.get('engine_sampler', '-')}"
-                     f"{', client in its own process' if s.get('engine_process') else ''} | "
+                     f"{', client in its own process' if s.get('engine_process') else ''}"
+                     f"{', reload first' if s.get('reload_first') else ''} | "
                      f"{s.get('steps_measured', '-')} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "
                      f"{_fmt(s.get('gpu_util'))} | {s.get('mps', '-')} |")
@@ -502,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--arms", nargs="+", default=list(NON_MPS + MPS), choices=list(NON_MPS + MPS))
     p.add_argument("--jobs", type=int, nargs="*", default=[], help="also run the headline arm with these job counts")
-    p.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2", help="tuning sweep of the headline arm")
+    p.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
+                   help="tuning sweep of the headline arm: a config key, or env:NAME for a switch of VARY_ENV")
     p.add_argument("--headline", default="overlap_mps", choices=list(NON_MPS + MPS))
     p.add_argument("--scale-arms", nargs="*", default=[], choices=list(NON_MPS + MPS),
                    help="arms run at each --jobs count (default: the headline arm)")
@@ -522,7 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         run_batch(args.config, args.set, json.loads(args.only), root, args.child == "mps")
         return 0
-    runs = plan(cfg, args)
+    try:
+        runs = plan(cfg, args)
+    except ValueError as e:
+        p.error(str(e))
     command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
     failed = False
     deadline = time.monotonic() + args.deadline if args.deadline else None

@@ -142,11 +142,13 @@ class Setup:
 
 def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], None] = print) -> Setup:
     """Every input check that needs no engine. Creates nothing on failure."""
+    from .corunner import reload_first_from_env
     from .engine import engine_process_from_env, sampler_from_env
 
     try:
         sampler_from_env()
         engine_process_from_env(cfg.experiment.arm)
+        reload_first_from_env()
     except ValueError as e:
         raise RunError(str(e)) from None
     tasks = load_tasks(cfg.jobs)
@@ -426,6 +428,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "model": str(setup.model_dir), "device": device, "dtype": dtype, "mps": mps_note,
         "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "engine_sampler": engine.sampler,
         "engine_process": engine.own_process,
+        "reload_first": corunner.reload_first,
         "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show
         "trainer_sm_count": torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else None,

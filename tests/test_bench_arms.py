@@ -52,6 +52,30 @@ def test_dedicated_steps_apply_to_the_dedicated_runs_only_and_the_report_says_so
     assert "Warning: dedicated seed 1 (main): training steps of 1.71 s, 3.95 s" in md
 
 
+def test_vary_env_sets_one_switch_for_its_run_alone(monkeypatch):
+    """`--vary env:COLORA_RELOAD_FIRST=0,1`: one headline run per value, no config override, the
+    variable set for that run only; a variable that is not a run's switch is refused by name."""
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"], vary=["env:COLORA_RELOAD_FIRST=0,1"]))
+    assert [(r["label"], r["set"], r.get("env")) for r in runs] == [
+        ("main", [], None), ("vary:env:COLORA_RELOAD_FIRST=0", [], {"COLORA_RELOAD_FIRST": "0"}),
+        ("vary:env:COLORA_RELOAD_FIRST=1", [], {"COLORA_RELOAD_FIRST": "1"})]
+    assert [kind for kind, _ in bench_arms.batches(str(SMOKE), [], runs)] == ["mps"]  # one share: one process
+    with pytest.raises(ValueError, match="COLORA_VLLM_SAMPLER is not one of .*COLORA_RELOAD_FIRST"):
+        bench_arms.plan(cfg, _args(seeds=[1], vary=["env:COLORA_VLLM_SAMPLER=colora"]))
+    monkeypatch.delenv("COLORA_RELOAD_FIRST", raising=False)
+    monkeypatch.setenv("COLORA_ENGINE_PROCESS", "0")
+    with bench_arms.run_env({"COLORA_RELOAD_FIRST": "1", "COLORA_ENGINE_PROCESS": "1"}):
+        assert os.environ["COLORA_RELOAD_FIRST"] == "1" and os.environ["COLORA_ENGINE_PROCESS"] == "1"
+    assert "COLORA_RELOAD_FIRST" not in os.environ and os.environ["COLORA_ENGINE_PROCESS"] == "0"
+
+
+def test_vary_of_an_unknown_switch_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_arms.main([str(SMOKE), "--vary", "env:HOME=/tmp", "--report-only"])
+    assert e.value.code == 2 and "HOME is not one of" in capsys.readouterr().err
+
+
 def test_each_mps_share_gets_its_own_process():
     """CUDA fixes a process's MPS percentage at its first CUDA call: a sweep over it must not reuse
     the process (or the engine) of another setting."""

@@ -322,3 +322,57 @@ def test_plan_regroup_moves_fewest_jobs_and_only_for_a_real_gain():
     near = {"a": 10.0, "b": 9.5, "c": 1.0, "d": 0.4}  # [a,c]=11 [b,d]=9.9 -> best [a,d] [b,c] 10.5: 4.5% only
     assert plan_regroup([["a", "c"], ["b", "d"]], near) is None
     assert plan_regroup([["a", "c"], ["b", "d"]], near, min_gain=0.04) == {"a": 0, "d": 0, "b": 1, "c": 1}
+
+
+class SlowLoadEngine(LoopEngine):
+    """LoopEngine whose adapter loads take a while, as they do on the GPU while the trainer trains."""
+
+    def set_adapter(self, job, version, path):
+        time.sleep(0.03)
+        return super().set_adapter(job, version, path)
+
+
+class SlowTrainer(VersionTrainer):
+    def step(self, rollouts):
+        time.sleep(0.03)
+        return super().step(rollouts)
+
+
+@pytest.mark.parametrize("reload_first", ["0", "1"])
+def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path, monkeypatch, reload_first):
+    """COLORA_RELOAD_FIRST=1: no training step starts while a group's adapters are loading (the
+    H200's loads took 3x longer during training); every job still does every step on-policy. Without
+    it the trainer goes on with the next group at once, and with these timings its steps overlap the
+    loads."""
+    from colora.config import resolve
+    from colora.runlog import read_jsonl
+
+    monkeypatch.setenv("COLORA_RELOAD_FIRST", reload_first)
+    d = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=5",
+                            "experiment.warmup_steps=1"]).to_dict()
+    lengths = {n: 40 for n in "abcd"}
+    d["jobs"] = [{**d["jobs"][0], "name": n, "response_length": {"dist": "natural"}} for n in lengths]
+    cfg = resolve(d)
+    task = SimpleNamespace(
+        sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
+        reward=lambda text, item: float(item.id % 2))
+    ref: list = []
+    c = CoRunner(cfg, SlowLoadEngine(lengths), SlowTrainer(), FakeBank(ref), ThreeTokens(),
+                 {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"),
+                 tmp_path, "base", log=lambda m: None)
+    ref.append(c)
+    assert c.reload_first is (reload_first == "1")
+    c.run()
+    c.metrics.close()
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("status") == "ok"]
+    assert sorted((r["job"], r["step"]) for r in rows) == [(n, k) for n in "abcd" for k in range(5)]
+    assert all(r["rollout_versions"] == [r["step"]] for r in rows)  # on-policy
+    spans = c.timeline.spans
+    loads = [s for s in spans if s["phase"] == "reload"]
+    trains = [s for s in spans if s["phase"] == "train"]
+    overlapping = [(t, r) for t in trains for r in loads if t["start"] < r["end"] and r["start"] < t["end"]]
+    assert len(loads) >= 8 and len(trains) >= 8
+    if reload_first == "1":
+        assert not overlapping
+    else:
+        assert overlapping
