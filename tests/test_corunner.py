@@ -247,9 +247,10 @@ class ThreeTokens:
         return SimpleNamespace(input_ids=[1, 2, 3])
 
 
-def _loop_runner(tmp_path, overrides: list[str], lengths: dict[str, int]) -> CoRunner:
+def _loop_runner(tmp_path, overrides: list[str], lengths: dict[str, int], engine_cls=None, trainer_cls=None) -> CoRunner:
     """A co-runner over the smoke config's first job copied as the jobs of `lengths` (natural EOS,
-    completions of those lengths), with LoopEngine, VersionTrainer and a three-token tokenizer."""
+    completions of those lengths), with LoopEngine, VersionTrainer (or the given subclasses) and a
+    three-token tokenizer."""
     from colora.config import resolve
 
     d = load_config(SMOKE, overrides).to_dict()
@@ -259,9 +260,9 @@ def _loop_runner(tmp_path, overrides: list[str], lengths: dict[str, int]) -> CoR
         sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
         reward=lambda text, item: float(item.id % 2))
     ref: list = []
-    c = CoRunner(cfg, LoopEngine(lengths), VersionTrainer(), FakeBank(ref), ThreeTokens(),
-                 {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"),
-                 tmp_path, "base", log=lambda m: None)
+    c = CoRunner(cfg, (engine_cls or LoopEngine)(lengths), (trainer_cls or VersionTrainer)(), FakeBank(ref),
+                 ThreeTokens(), {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(),
+                 JsonlWriter(tmp_path / "metrics.jsonl"), tmp_path, "base", log=lambda m: None)
     ref.append(c)
     return c
 
@@ -344,23 +345,11 @@ def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path, monkey
     H200's loads took 3x longer during training); every job still does every step on-policy. Without
     it the trainer goes on with the next group at once, and with these timings its steps overlap the
     loads."""
-    from colora.config import resolve
     from colora.runlog import read_jsonl
 
     monkeypatch.setenv("COLORA_RELOAD_FIRST", reload_first)
-    d = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=5",
-                            "experiment.warmup_steps=1"]).to_dict()
-    lengths = {n: 40 for n in "abcd"}
-    d["jobs"] = [{**d["jobs"][0], "name": n, "response_length": {"dist": "natural"}} for n in lengths]
-    cfg = resolve(d)
-    task = SimpleNamespace(
-        sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
-        reward=lambda text, item: float(item.id % 2))
-    ref: list = []
-    c = CoRunner(cfg, SlowLoadEngine(lengths), SlowTrainer(), FakeBank(ref), ThreeTokens(),
-                 {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"),
-                 tmp_path, "base", log=lambda m: None)
-    ref.append(c)
+    c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=5",
+                                "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, SlowLoadEngine, SlowTrainer)
     assert c.reload_first is (reload_first == "1")
     c.run()
     c.metrics.close()
