@@ -90,7 +90,7 @@ def plan(cfg: Config, args) -> list[dict]:
 
 # The environment switches `--vary env:NAME=...` may set per run: read when a run starts, and part
 # of the engine cache's key where they shape the engine (COLORA_VLLM_SAMPLER is not: it is left out).
-VARY_ENV = ("COLORA_RELOAD_FIRST", "COLORA_ENGINE_PROCESS")
+VARY_ENV = ("COLORA_RELOAD_FIRST", "COLORA_ENGINE_PROCESS", "COLORA_PACKED_ROWS")
 
 
 @contextlib.contextmanager
@@ -383,7 +383,8 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
         lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {_fmt(s.get('engine_start_s'), 0)}"
                      f"{' (reused)' if s.get('engine_reused') else ''} | {s.get('engine_sampler', '-')}"
                      f"{', client in its own process' if s.get('engine_process') else ''}"
-                     f"{', reload first' if s.get('reload_first') else ''} | "
+                     f"{', reload first' if s.get('reload_first') else ''}"
+                     f"{', packed rows' if s.get('packed_rows') else ''} | "
                      f"{s.get('steps_measured', '-')} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "
                      f"{_fmt(s.get('gpu_util'))} | {s.get('mps', '-')} |")

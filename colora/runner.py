@@ -144,11 +144,13 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     """Every input check that needs no engine. Creates nothing on failure."""
     from .corunner import reload_first_from_env
     from .engine import engine_process_from_env, sampler_from_env
+    from .packing import packed_rows_from_env
 
     try:
         sampler_from_env()
         engine_process_from_env(cfg.experiment.arm)
         reload_first_from_env()
+        packed_rows_from_env()
     except ValueError as e:
         raise RunError(str(e)) from None
     tasks = load_tasks(cfg.jobs)
@@ -429,6 +431,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "engine_sampler": engine.sampler,
         "engine_process": engine.own_process,
         "reload_first": corunner.reload_first,
+        "packed_rows": trainer.packed,
         "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show
         "trainer_sm_count": torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else None,

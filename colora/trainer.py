@@ -22,6 +22,7 @@ import torch
 from . import grpo
 from .config import JobConfig, TrainerConfig
 from .lora import AdapterBank
+from .packing import packed_rows_from_env, use_packed_attention
 
 
 @dataclass
@@ -90,6 +91,35 @@ def pack_micro_batch(mb: list["_Seq"], order: tuple[str, ...], pad_id: int) -> t
     pos = np.repeat(np.arange(B) * L + prompt - 1, n) + (np.arange(N) - np.repeat(np.cumsum(n) - n, n))
     index = {j: i for i, j in enumerate(order)}
     job = np.repeat(np.fromiter((index[s.job] for s in mb), np.int64, B), n)
+    _, per_tok = _per_token(mb, n)
+    return np.concatenate([ids.reshape(-1), mask.reshape(-1), pos, job]), per_tok
+
+
+def pack_micro_batch_rows(mb: list["_Seq"], order: tuple[str, ...]) -> tuple[np.ndarray, dict]:
+    """`pack_micro_batch` without padding (colora/packing.py): the micro-batch's sequences back to
+    back in one row of T tokens. Returns (longs, per_tok): longs is int64 [ids (T) | position ids (T),
+    0 at each sequence's start | pos (N) | job (N) | cu (S+1), each sequence's start and T], pos[i]
+    the position in the row of the hidden state that predicts the i-th completion token; per_tok as
+    `pack_micro_batch`'s."""
+    from .packing import cumulative_starts
+
+    B, lens = len(mb), np.fromiter((len(s.ids) for s in mb), np.int64, len(mb))
+    prompt = np.fromiter((s.prompt_len for s in mb), np.int64, B)
+    n = lens - prompt
+    T, N = int(lens.sum()), int(n.sum())
+    cu = cumulative_starts(lens)
+    ids = np.fromiter(itertools.chain.from_iterable(s.ids for s in mb), np.int64, T)
+    positions = np.arange(T) - np.repeat(cu[:-1], lens)
+    pos = np.repeat(cu[:-1] + prompt - 1, n) + (np.arange(N) - np.repeat(np.cumsum(n) - n, n))
+    index = {j: i for i, j in enumerate(order)}
+    job = np.repeat(np.fromiter((index[s.job] for s in mb), np.int64, B), n)
+    _, per_tok = _per_token(mb, n)
+    return np.concatenate([ids, positions, pos, job, cu]), per_tok
+
+
+def _per_token(mb: list["_Seq"], n: np.ndarray) -> tuple[int, dict]:
+    """(N, {w, adv, temp, kl, elp}): each sequence's values repeated over its n completion tokens."""
+    B, N = len(mb), int(n.sum())
     per_tok = {k: np.repeat(np.fromiter((getattr(s, a) for s in mb), np.float32, B), n)
                for k, a in (("w", "weight"), ("adv", "advantage"), ("temp", "temperature"), ("kl", "kl_coef"))}
     elp = np.full(N, np.nan, np.float32)
@@ -97,7 +127,7 @@ def pack_micro_batch(mb: list["_Seq"], order: tuple[str, ...], pad_id: int) -> t
         if len(s.engine_logprobs) == k:
             elp[start: start + k] = s.engine_logprobs
     per_tok["elp"] = elp
-    return np.concatenate([ids.reshape(-1), mask.reshape(-1), pos, job]), per_tok
+    return N, per_tok
 
 
 @dataclass
@@ -134,6 +164,9 @@ class MultiJobTrainer:
         self.jobs = jobs
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
+        self.packed = packed_rows_from_env()  # COLORA_PACKED_ROWS: see colora/packing.py
+        if self.packed:
+            use_packed_attention(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -182,17 +215,21 @@ class MultiJobTrainer:
 
     def _micro_batches(self, seqs: list[_Seq], order: tuple[str, ...]) -> list[list[_Seq]]:
         """Greedy packing by padded tokens (rows x longest row <= micro_batch_tokens), longest first
-        to waste little padding; inside a micro-batch rows are sorted by job (contiguous segments)."""
+        to waste little padding, or with packed rows by tokens (their sum <= micro_batch_tokens);
+        inside a micro-batch rows are sorted by job (contiguous segments)."""
         budget = self.cfg.micro_batch_tokens
         rank = {j: i for i, j in enumerate(order)}
         mbs: list[list[_Seq]] = []
         cur: list[_Seq] = []
+        used = 0  # packed rows: the micro-batch's tokens so far
         for s in sorted(seqs, key=lambda s: -len(s.ids)):
             width = len(cur[0].ids) if cur else len(s.ids)
-            if cur and (len(cur) + 1) * width > budget:
+            full = used + len(s.ids) > budget if self.packed else (len(cur) + 1) * width > budget
+            if cur and full:
                 mbs.append(cur)
-                cur = []
+                cur, used = [], 0
             cur.append(s)
+            used += len(s.ids)
         if cur:
             mbs.append(cur)
         return [sorted(mb, key=lambda s: rank[s.job]) for mb in mbs]
@@ -202,30 +239,42 @@ class MultiJobTrainer:
 
         dev = self.device
         B, L = len(mb), max(len(s.ids) for s in mb)
-        longs_host, per_tok = pack_micro_batch(mb, order, self.pad_id)
+        if self.packed:
+            longs_host, per_tok = pack_micro_batch_rows(mb, order)
+        else:
+            longs_host, per_tok = pack_micro_batch(mb, order, self.pad_id)
         # Two uploads from pinned memory, not blocking: a plain .to(cuda) waits for the GPU to finish
         # the previous micro-batch's backward, and the host would stop queueing work meanwhile.
         N = len(per_tok["w"])
         longs = upload(torch.from_numpy(longs_host), dev)
-        ids, mask = longs[: B * L].view(B, L), longs[B * L: 2 * B * L].view(B, L)
-        pos_t, job_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N:]  # [N] each
+        if self.packed:  # one row of T tokens: [ids | position ids | pos | job | cu]
+            T = sum(len(s.ids) for s in mb)
+            inputs = {"input_ids": longs[:T].view(1, T), "position_ids": longs[T: 2 * T].view(1, T),
+                      "cu_seq_lens_q": longs[2 * T + 2 * N:].to(torch.int32), "max_length_q": L}
+            pos_t, job_of_tok = longs[2 * T: 2 * T + N], longs[2 * T + N: 2 * T + 2 * N]
+            tokens = {j: sum(len(s.ids) for s in mb if s.job == j) for j in order}
+            ids = inputs["input_ids"]
+        else:
+            ids, mask = longs[: B * L].view(B, L), longs[B * L: 2 * B * L].view(B, L)
+            inputs = {"input_ids": ids, "attention_mask": mask}
+            pos_t, job_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N:]  # [N] each
+            tokens = {j: sum(L for s in mb if s.job == j) for j in order}
         # each row on a 16-byte boundary: temp goes to a Triton kernel, compiled per pointer alignment
         w, adv, temp, klc, elp = upload_aligned([per_tok[k] for k in ("w", "adv", "temp", "kl", "elp")],
                                                 torch.float32, dev)
         targets = ids.view(-1)[pos_t + 1]  # [N]
-        rows = {j: sum(1 for s in mb if s.job == j) for j in order}
         W = self.lm_head.weight
 
         ref_logp = None
         if any(s.kl_coef > 0 for s in mb):
             with torch.no_grad():  # the frozen base model: no adapter active
-                h_ref = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
-                ref_logp = selective_log_softmax(h_ref.reshape(B * L, -1)[pos_t], W, targets, temperature=temp,
+                h_ref = self.body(**inputs).last_hidden_state
+                ref_logp = selective_log_softmax(h_ref.reshape(-1, h_ref.shape[-1])[pos_t], W, targets, temperature=temp,
                                                  chunk_size=self.cfg.logprob_chunk, backend=self.cfg.logprob_backend)
 
-        with self.bank.activate(order, [rows[j] * L for j in order]):
-            hidden = self.body(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, L, d]
-            h = hidden.reshape(B * L, -1)[pos_t]  # [N, d]
+        with self.bank.activate(order, [tokens[j] for j in order]):
+            hidden = self.body(**inputs).last_hidden_state  # [B, L, d], or [1, T, d] packed
+            h = hidden.reshape(-1, hidden.shape[-1])[pos_t]  # [N, d]
             logp, ent = selective_log_softmax(h, W, targets, temperature=temp, chunk_size=self.cfg.logprob_chunk,
                                               return_entropy=True, backend=self.cfg.logprob_backend)
             tok_loss, kl = grpo.token_loss(logp, logp.detach(), adv, ref_logp, klc)

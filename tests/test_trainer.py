@@ -268,3 +268,92 @@ def test_pack_micro_batch_equals_the_per_token_loop():
         assert got[k].dtype == np.float32
         assert torch.equal(torch.from_numpy(got[k]).nan_to_num(-9.0), want[k].nan_to_num(-9.0)), k
     assert np.isnan(got["elp"]).sum() == sum(s.n_completion for i, s in enumerate(mb) if len(s.engine_logprobs) != s.n_completion)
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [100, 1000])
+def test_packed_rows_take_the_padded_step(tiny_model_dir, monkeypatch, micro_batch_tokens):
+    """COLORA_PACKED_ROWS=1: each micro-batch's sequences back to back in one row, attention kept
+    inside each sequence, no padding: the same losses, gradient norms, KL and updates as the padded
+    trainer (job b's KL term runs the base model packed too), in fewer micro-batches where the
+    padding filled the budget."""
+    vocab, results, counts = 500, [], []
+    for packed in ("0", "1"):
+        monkeypatch.setenv("COLORA_PACKED_ROWS", packed)
+        trainer, bank, model = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=micro_batch_tokens)
+        assert trainer.packed is (packed == "1")
+        ro = {j.name: fixed_rollouts(j, 0, vocab) for j in (JOB_A, JOB_B)}
+        counts.append(len(trainer._micro_batches(trainer._sequences(ro), ("a", "b"))))
+        trainer.step(ro)
+        st = trainer.step({j.name: fixed_rollouts(j, 1, vocab) for j in (JOB_A, JOB_B)})  # KL > 0 once moved
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b")}))
+    (s0, p0), (s1, p1) = results
+    for j in ("a", "b"):
+        assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-5, abs=1e-7)
+        assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-5)
+        # KL of a barely moved policy (~4e-6): a difference of fp32 log-probs summed in another order
+        assert s1[j].kl == pytest.approx(s0[j].kl, rel=1e-5, abs=1e-8)
+        assert s1[j].entropy == pytest.approx(s0[j].entropy, rel=1e-5)
+        assert max((p1[j][k][i] - p0[j][k][i]).abs().max().item() for k in p0[j] for i in (0, 1)) <= 1e-6
+    assert s0["b"].kl > 0
+    assert counts == ([3, 2] if micro_batch_tokens == 100 else [1, 1])  # at 100 tokens the padding took one more
+
+
+def test_packed_rows_layout():
+    """pack_micro_batch_rows: ids back to back, positions restarting at each sequence, the hidden
+    state that predicts each completion token, its job, and the sequences' starts."""
+    from colora.trainer import _Seq, pack_micro_batch_rows
+
+    mb = [_Seq("b", [5, 6, 7, 8], 2, 1.0, 0.5, 1.0, 0.0, [-0.1, -0.2]),
+          _Seq("a", [9, 10, 11], 1, 2.0, -0.5, 0.7, 0.1, [])]
+    longs, per_tok = pack_micro_batch_rows(mb, ("b", "a"))
+    T, N = 7, 4
+    assert longs[:T].tolist() == [5, 6, 7, 8, 9, 10, 11]
+    assert longs[T:2 * T].tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert longs[2 * T:2 * T + N].tolist() == [1, 2, 4, 5]  # 7 and 8 from positions 1, 2; 10, 11 from 4, 5
+    assert longs[2 * T + N:2 * T + 2 * N].tolist() == [0, 0, 1, 1]
+    assert longs[2 * T + 2 * N:].tolist() == [0, 4, 7]
+    assert per_tok["w"].tolist() == [1.0, 1.0, 2.0, 2.0] and np.isnan(per_tok["elp"][2:]).all()
+
+
+def test_packed_rows_switch_is_checked(monkeypatch):
+    from colora.packing import packed_rows_from_env
+
+    monkeypatch.setenv("COLORA_PACKED_ROWS", "yes")
+    with pytest.raises(ValueError, match="COLORA_PACKED_ROWS must be '0' or '1', got 'yes'"):
+        packed_rows_from_env()
+
+
+@pytest.mark.gpu
+def test_packed_rows_on_the_gpu_take_the_padded_step(tiny_model_dir, monkeypatch):
+    """The CUDA path of colora/packing.py (torch's varlen attention, whatever its torch version's
+    signature): the same step as the padded trainer in fp32, within the flash kernels' tolerance."""
+    results = []
+    for packed in ("0", "1"):
+        monkeypatch.setenv("COLORA_PACKED_ROWS", packed)
+        trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=100, device="cuda")
+        for step in range(2):
+            st = trainer.step({j.name: fixed_rollouts(j, step, 500) for j in (JOB_A, JOB_B)})
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b")}))
+    (s0, p0), (s1, p1) = results
+    for j in ("a", "b"):
+        assert s1[j].loss == pytest.approx(s0[j].loss, rel=2e-3, abs=1e-5)
+        assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=2e-3)
+        assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_attention_on_the_gpu_equals_one_sdpa_call_per_sequence(dtype):
+    from colora.packing import varlen_attention
+
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 17, 1, 64, 30]
+    T = sum(lens)
+    q = torch.randn(1, 16, T, 128, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(1, 8, T, 128, generator=g).to("cuda", dtype) for _ in range(2))
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32, device="cuda")
+    got, _ = varlen_attention(None, q, k, v, None, scaling=0.088, cu_seq_lens_q=cu, max_length_q=max(lens))
+    want, _ = varlen_attention(None, q.cpu().float(), k.cpu().float(), v.cpu().float(), None, scaling=0.088,
+                               cu_seq_lens_q=cu.cpu(), max_length_q=max(lens))
+    assert got.shape == (1, T, 16, 128)
+    assert (got.float().cpu() - want).abs().max().item() <= 2e-2

@@ -1,0 +1,100 @@
+"""Padding-free micro-batches: every sequence of a micro-batch back to back in one row, attention kept
+inside each sequence (experimental: `COLORA_PACKED_ROWS=1`).
+
+Why: the trainer pads each micro-batch's rows to its longest (rows x longest <= trainer.
+micro_batch_tokens). A group of the reference workload's overlap arm (4 jobs x 64 sequences, 40 + 8-256
+tokens) is ~39k real tokens padded to ~56k in two micro-batches; one micro-batch of the same rows
+would need ~80k padded tokens, more memory than the trainer has beside the engine. On the H200 each
+micro-batch costs ~0.2 s of host work (reports/h200/ninth/micro_batch: 0.662 s for such a group in two
+micro-batches against 0.458 s in one). Packed, the group is one micro-batch of its real tokens, and no
+padded token is computed.
+
+How: the micro-batch is one row of T tokens; position ids restart at 0 for every sequence (the
+rotary embedding sees each sequence as alone); the attention is `varlen_attention`, registered with
+transformers' AttentionInterface as ATTN, which receives the sequences' cumulative starts
+(`cu_seq_lens_q`, as flash-attention's varlen API) from the model's forward: on CUDA torch's
+`torch.nn.attention.varlen.varlen_attn` (FlashAttention's varlen kernels, torch >= 2.10), elsewhere one
+causal SDPA call per sequence. transformers builds no mask for an attention it has no mask function
+for, so nothing of size T x T exists.
+
+NOT measured on the H200 (the CPU path is tested against the padded trainer: same log-probs, losses
+and gradients); not the default.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import numpy as np
+import torch
+
+ATTN = "colora_varlen"
+
+
+def packed_rows_from_env() -> bool:
+    """COLORA_PACKED_ROWS: "1" packs each micro-batch's rows without padding; "0" or unset pads them
+    (the default). Anything else is a ValueError."""
+    value = os.environ.get("COLORA_PACKED_ROWS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"COLORA_PACKED_ROWS must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Register `varlen_attention` with transformers and make `model` use it. Every forward must then
+    pass `cu_seq_lens_q` and `max_length_q` (one row of back-to-back sequences)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN, varlen_attention)
+    model.config._attn_implementation = ATTN
+
+
+def _torch_varlen():
+    """torch's varlen attention and how to ask it for causal attention (torch 2.10: is_causal=True;
+    later: window_size=(-1, 0)), or None where torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     scaling: float | None = None, dropout: float = 0.0, cu_seq_lens_q: torch.Tensor | None = None,
+                     max_length_q: int | None = None, sliding_window=None, **kwargs):
+    """Causal attention within each sequence of one packed row, in transformers' attention interface:
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). `cu_seq_lens_q`: int32
+    [S+1], the sequences' starts and T; `max_length_q`: the longest sequence."""
+    if cu_seq_lens_q is None or max_length_q is None:
+        raise ValueError(f"attention {ATTN!r} needs cu_seq_lens_q and max_length_q (colora's packed rows)")
+    if sliding_window is not None or dropout:
+        raise ValueError(f"attention {ATTN!r}: no sliding window or dropout (got {sliding_window}, {dropout})")
+    if query.shape[0] != 1:
+        raise ValueError(f"attention {ATTN!r} takes one packed row, got a batch of {query.shape[0]}")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    varlen = _torch_varlen() if q.is_cuda else None
+    if varlen is not None:
+        fn, causal, gqa = varlen
+        if not gqa and k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        extra = {"enable_gqa": True} if gqa else {}
+        cu = cu_seq_lens_q.to(torch.int32)
+        out = fn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, int(max_length_q), int(max_length_q),
+                 scale=scaling, **causal, **extra)
+        return out.unsqueeze(0), None
+    # the reference: one causal SDPA call per sequence
+    bounds = cu_seq_lens_q.tolist()
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qa, ka, va = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            qa, ka, va, is_causal=True, scale=scaling, enable_gqa=ka.shape[0] != qa.shape[0]).transpose(0, 1))
+    return torch.cat(outs, 0).unsqueeze(0), None
+
+
+def cumulative_starts(lengths: np.ndarray) -> np.ndarray:
+    """int64 [S+1]: 0, then the running sum of the sequences' lengths."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
