@@ -23,6 +23,7 @@ and gradients); not the default.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -50,6 +51,7 @@ def use_packed_attention(model: torch.nn.Module) -> None:
     model.config._attn_implementation = ATTN
 
 
+@functools.lru_cache(maxsize=1)
 def _torch_varlen():
     """torch's varlen attention and how to ask it for causal attention (torch 2.10: is_causal=True;
     later: window_size=(-1, 0)), or None where torch has none."""
