@@ -91,8 +91,7 @@ def pack_micro_batch(mb: list["_Seq"], order: tuple[str, ...], pad_id: int) -> t
     pos = np.repeat(np.arange(B) * L + prompt - 1, n) + (np.arange(N) - np.repeat(np.cumsum(n) - n, n))
     index = {j: i for i, j in enumerate(order)}
     job = np.repeat(np.fromiter((index[s.job] for s in mb), np.int64, B), n)
-    _, per_tok = _per_token(mb, n)
-    return np.concatenate([ids.reshape(-1), mask.reshape(-1), pos, job]), per_tok
+    return np.concatenate([ids.reshape(-1), mask.reshape(-1), pos, job]), _per_token(mb, n)
 
 
 def pack_micro_batch_rows(mb: list["_Seq"], order: tuple[str, ...]) -> tuple[np.ndarray, dict]:
@@ -113,12 +112,11 @@ def pack_micro_batch_rows(mb: list["_Seq"], order: tuple[str, ...]) -> tuple[np.
     pos = np.repeat(cu[:-1] + prompt - 1, n) + (np.arange(N) - np.repeat(np.cumsum(n) - n, n))
     index = {j: i for i, j in enumerate(order)}
     job = np.repeat(np.fromiter((index[s.job] for s in mb), np.int64, B), n)
-    _, per_tok = _per_token(mb, n)
-    return np.concatenate([ids, positions, pos, job, cu]), per_tok
+    return np.concatenate([ids, positions, pos, job, cu]), _per_token(mb, n)
 
 
-def _per_token(mb: list["_Seq"], n: np.ndarray) -> tuple[int, dict]:
-    """(N, {w, adv, temp, kl, elp}): each sequence's values repeated over its n completion tokens."""
+def _per_token(mb: list["_Seq"], n: np.ndarray) -> dict:
+    """{w, adv, temp, kl, elp}: each sequence's values repeated over its n completion tokens."""
     B, N = len(mb), int(n.sum())
     per_tok = {k: np.repeat(np.fromiter((getattr(s, a) for s in mb), np.float32, B), n)
                for k, a in (("w", "weight"), ("adv", "advantage"), ("temp", "temperature"), ("kl", "kl_coef"))}
@@ -127,7 +125,7 @@ def _per_token(mb: list["_Seq"], n: np.ndarray) -> tuple[int, dict]:
         if len(s.engine_logprobs) == k:
             elp[start: start + k] = s.engine_logprobs
     per_tok["elp"] = elp
-    return N, per_tok
+    return per_tok
 
 
 @dataclass
