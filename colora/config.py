@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import tomllib
 import typing
@@ -27,6 +28,17 @@ from typing import Any, Literal, get_args, get_origin
 
 ARMS = ("dedicated", "shared_sync", "overlap", "mps", "overlap_mps")
 OVERLAP_ARMS = ("overlap", "overlap_mps")  # the arms whose groups generate while another trains
+
+
+def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """The value of one of colora's environment switches (COLORA_*: how a run executes, not what it
+    is, so they stay out of the config's hash), `default` when unset; a ValueError naming the
+    variable, the allowed values and what it got otherwise."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        choices = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+        raise ValueError(f"{name} must be {choices}, got {value!r}")
+    return value
 LOSSES = ("grpo_seq", "grpo_token", "dr_grpo")
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

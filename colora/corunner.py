@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import queue
 from collections import deque
 import shutil
@@ -54,7 +53,7 @@ import numpy as np
 import torch
 
 from . import compilewatch, grpo
-from .config import OVERLAP_ARMS, Config, JobConfig
+from .config import OVERLAP_ARMS, Config, JobConfig, env_switch
 from .engine import GenRequest, GenResult, RolloutEngine
 from .lora import AdapterBank
 from .runlog import JsonlWriter, Timeline
@@ -147,10 +146,7 @@ def response_length(job: JobConfig, seed: int) -> int | None:
 def reload_first_from_env() -> bool:
     """COLORA_RELOAD_FIRST: "1", the trainer waits for a queued group's adapter load before its next
     step (see the module docstring); "0" or unset, it does not (the default). Else a ValueError."""
-    value = os.environ.get("COLORA_RELOAD_FIRST", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"COLORA_RELOAD_FIRST must be '0' or '1', got {value!r}")
-    return value == "1"
+    return env_switch("COLORA_RELOAD_FIRST", ("0", "1"), "0") == "1"
 
 
 class CoRunner:

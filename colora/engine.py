@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .config import OVERLAP_ARMS, EngineConfig
+from .config import OVERLAP_ARMS, EngineConfig, env_switch
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -150,10 +150,7 @@ def plain_token_ids(tokenizer, limit: int = 32768):
 def sampler_from_env() -> str:
     """Which sampler vLLM's worker uses for seeded requests: COLORA_VLLM_SAMPLER, "vllm" (its own,
     the default) or "colora" (colora/vllm_sampler.py). Anything else is a ValueError naming it."""
-    sampler = os.environ.get("COLORA_VLLM_SAMPLER", "vllm")
-    if sampler not in ("colora", "vllm"):
-        raise ValueError(f"COLORA_VLLM_SAMPLER must be 'colora' or 'vllm', got {sampler!r}")
-    return sampler
+    return env_switch("COLORA_VLLM_SAMPLER", ("colora", "vllm"), "vllm")
 
 
 def engine_process_from_env(arm: str) -> bool:
@@ -167,9 +164,7 @@ def engine_process_from_env(arm: str) -> bool:
     a group's generation 2.70 s against 3.08 s). In the sequential arms nothing runs beside the
     engine to compete for the interpreter, and the one dedicated run with the client apart had
     unexplained 1.9-3.2 s training steps: the baseline keeps the in-process client."""
-    value = os.environ.get("COLORA_ENGINE_PROCESS", "auto")
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"COLORA_ENGINE_PROCESS must be '0', '1' or 'auto', got {value!r}")
+    value = env_switch("COLORA_ENGINE_PROCESS", ("0", "1", "auto"), "auto")
     return value == "1" or (value == "auto" and arm in OVERLAP_ARMS)
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import numpy as np
 import torch
@@ -36,10 +35,9 @@ ATTN = "colora_varlen"
 def packed_rows_from_env() -> bool:
     """COLORA_PACKED_ROWS: "1" packs each micro-batch's rows without padding; "0" or unset pads them
     (the default). Anything else is a ValueError."""
-    value = os.environ.get("COLORA_PACKED_ROWS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"COLORA_PACKED_ROWS must be '0' or '1', got {value!r}")
-    return value == "1"
+    from .config import env_switch
+
+    return env_switch("COLORA_PACKED_ROWS", ("0", "1"), "0") == "1"
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
