@@ -11,7 +11,8 @@ process share its engine (`engine.max_loras` must cover the largest job count).
 names); their baseline is the dedicated throughput of the seed's base workload, since a dedicated
 job runs alone whatever the number of jobs (stated in the report). `--vary KEY=V1,V2` runs the
 headline arm once per value (the tuning sweep); `--vary env:NAME=V1,V2` does so with one of colora's
-switches that are environment variables (VARY_ENV), set for that run alone.
+switches that are environment variables (VARY_ENV), set for that run alone; `--vary K1=V1+K2=V2`
+runs it once with several settings together.
 
 Writes OUT.json (every run's summary and the ratios) and OUT.md (tables that open with the command),
 and the run directories under --runs.
@@ -23,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -74,23 +76,42 @@ def plan(cfg: Config, args) -> list[dict]:
                 for arm in args.scale_arms or [args.headline]:
                     runs.append({"arm": arm, "seed": seed, "jobs": n, "set": [], "label": f"jobs{n}"})
     for spec in args.vary:
-        key, values = spec.split("=", 1)
-        for v in values.split(","):
-            run = {"arm": args.headline, "seed": args.seeds[0], "jobs": len(cfg.jobs), "set": [f"{key}={v}"],
-                   "label": f"vary:{key}={v}"}
-            if key.startswith("env:"):
-                name = key[len("env:"):]
-                if name not in VARY_ENV:
-                    raise ValueError(f"--vary {spec}: {name} is not one of the switches a run can vary: "
-                                     f"{', '.join(VARY_ENV)}")
-                run.update(set=[], env={name: v})
-            runs.append(run)
+        for sets, env, label in vary_runs(spec):
+            runs.append({"arm": args.headline, "seed": args.seeds[0], "jobs": len(cfg.jobs), "set": sets,
+                         "label": label, **({"env": env} if env else {})})
     return runs
 
 
 # The environment switches `--vary env:NAME=...` may set per run: read when a run starts, and part
 # of the engine cache's key where they shape the engine (COLORA_VLLM_SAMPLER is not: it is left out).
 VARY_ENV = ("COLORA_RELOAD_FIRST", "COLORA_ENGINE_PROCESS", "COLORA_PACKED_ROWS")
+
+
+def vary_runs(spec: str) -> list[tuple[list[str], dict[str, str], str]]:
+    """The headline runs of one `--vary` spec, as (config overrides, environment switches, label).
+
+    KEY=V1,V2,...: one run per value. KEY=V+KEY2=V2+...: one run with every setting at once (each
+    with one value), e.g. `env:COLORA_PACKED_ROWS=1+trainer.micro_batch_tokens=65536`: settings that
+    only pay together. A KEY of env:NAME sets the environment switch NAME (one of VARY_ENV)."""
+    parts = re.split(r"\+(?=[A-Za-z_][\w.:]*=)", spec)
+    pairs = []
+    for part in parts:
+        key, sep, values = part.partition("=")
+        if not sep or not key or not values:
+            raise ValueError(f"--vary {spec}: {part!r} is not KEY=VALUE")
+        if key.startswith("env:") and key[len("env:"):] not in VARY_ENV:
+            raise ValueError(f"--vary {spec}: {key[len('env:'):]} is not one of the switches a run can vary: "
+                             f"{', '.join(VARY_ENV)}")
+        pairs.append((key, values.split(",")))
+    if len(pairs) > 1 and any(len(vs) > 1 for _, vs in pairs):
+        raise ValueError(f"--vary {spec}: settings joined by + take one value each")
+    combos = [[(k, v)] for k, vs in pairs for v in vs] if len(pairs) == 1 else [[(k, vs[0]) for k, vs in pairs]]
+    out = []
+    for combo in combos:
+        sets = [f"{k}={v}" for k, v in combo if not k.startswith("env:")]
+        env = {k[len("env:"):]: v for k, v in combo if k.startswith("env:")}
+        out.append((sets, env, "vary:" + "+".join(f"{k}={v}" for k, v in combo)))
+    return out
 
 
 @contextlib.contextmanager
@@ -535,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", nargs="+", default=list(NON_MPS + MPS), choices=list(NON_MPS + MPS))
     p.add_argument("--jobs", type=int, nargs="*", default=[], help="also run the headline arm with these job counts")
     p.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
-                   help="tuning sweep of the headline arm: a config key, or env:NAME for a switch of VARY_ENV")
+                   help="tuning sweep of the headline arm: a config key, or env:NAME for a switch of VARY_ENV; "
+                        "K1=V1+K2=V2: one run with several settings together")
     p.add_argument("--headline", default="overlap_mps", choices=list(NON_MPS + MPS))
     p.add_argument("--scale-arms", nargs="*", default=[], choices=list(NON_MPS + MPS),
                    help="arms run at each --jobs count (default: the headline arm)")

@@ -70,6 +70,29 @@ def test_vary_env_sets_one_switch_for_its_run_alone(monkeypatch):
     assert "COLORA_RELOAD_FIRST" not in os.environ and os.environ["COLORA_ENGINE_PROCESS"] == "0"
 
 
+def test_vary_joins_settings_with_plus_into_one_run():
+    """`--vary env:COLORA_PACKED_ROWS=1+trainer.micro_batch_tokens=65536`: one headline run with
+    both, the switch in its environment and the key as an override; lists of values do not mix
+    with +, and each part is checked like a lone one."""
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"],
+                                      vary=["env:COLORA_PACKED_ROWS=1+trainer.micro_batch_tokens=65536",
+                                            "overlap.coalesce=false"]))
+    assert [(r["label"], r["set"], r.get("env")) for r in runs] == [
+        ("main", [], None),
+        ("vary:env:COLORA_PACKED_ROWS=1+trainer.micro_batch_tokens=65536", ["trainer.micro_batch_tokens=65536"],
+         {"COLORA_PACKED_ROWS": "1"}),
+        ("vary:overlap.coalesce=false", ["overlap.coalesce=false"], None)]
+    assert bench_arms.vary_runs("overlap.mps_trainer_percentage=1e+2") == [
+        (["overlap.mps_trainer_percentage=1e+2"], {}, "vary:overlap.mps_trainer_percentage=1e+2")]
+    with pytest.raises(ValueError, match="one value each"):
+        bench_arms.vary_runs("env:COLORA_PACKED_ROWS=0,1+trainer.micro_batch_tokens=65536")
+    with pytest.raises(ValueError, match="HOME is not one of"):
+        bench_arms.vary_runs("trainer.micro_batch_tokens=65536+env:HOME=/tmp")
+    with pytest.raises(ValueError, match="is not KEY=VALUE"):
+        bench_arms.vary_runs("overlap.groups=")
+
+
 def test_vary_of_an_unknown_switch_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         bench_arms.main([str(SMOKE), "--vary", "env:HOME=/tmp", "--report-only"])
