@@ -22,7 +22,7 @@ import torch
 from . import grpo
 from .config import JobConfig, TrainerConfig
 from .lora import AdapterBank
-from .packing import packed_rows_from_env, use_packed_attention
+from .packing import packed_rows, use_packed_attention
 
 
 @dataclass
@@ -162,7 +162,7 @@ class MultiJobTrainer:
         self.jobs = jobs
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
-        self.packed = packed_rows_from_env()  # COLORA_PACKED_ROWS: see colora/packing.py
+        self.packed = packed_rows(self.device)  # COLORA_PACKED_ROWS: see colora/packing.py
         if self.packed:
             use_packed_attention(model)
         if cfg.gradient_checkpointing:
