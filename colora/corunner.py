@@ -27,12 +27,15 @@ and stays on-policy; a group keeps at least one job.
 | mps          | 1                           | yes                        |
 | overlap_mps  | overlap.groups              | yes                        |
 
-`COLORA_RELOAD_FIRST=1` (opt-in, `reload_first_from_env`): after queueing a trained group, the
-trainer waits for the engine to load that group's new adapters before it trains the next group.
-Why: on the H200 a group's adapter load took ~0.35 s alone and ~1.1 s while the trainer trained
-(reports/h200/ninth), and the group whose load was slowed so started its generation late enough to
-end it with the other group's: the two then wait for the trainer in turn while the engine has no
-work (18-21% of the time since the export became fast). Not measured on the H200 yet.
+Reload first (`COLORA_RELOAD_FIRST`, `reload_first_from_env`; on unless set to 0): after queueing a
+trained group, the trainer waits for the engine to load that group's new adapters before it trains
+the next group. Why: a load pauses the engine's decoding of the other group (on the H200, 14-30
+engine steps/s inside a load against 80-98 elsewhere) and, run during a training step, takes about
+twice as long (0.49-0.61 s median for four adapters against 0.24 s alone: reports/h200/tenth/
+reload_first.txt); the group whose load was slowed so ends its generation late, with the other
+group's, and the two then wait for the trainer in turn while the engine has no work. In the one
+run with it (cut by the benchmark's deadline after 44 s of its window) overlap_mps made 7522
+job-steps/h against 6287 without it over the same span, same process and seed.
 """
 
 from __future__ import annotations
@@ -144,9 +147,9 @@ def response_length(job: JobConfig, seed: int) -> int | None:
 
 
 def reload_first_from_env() -> bool:
-    """COLORA_RELOAD_FIRST: "1", the trainer waits for a queued group's adapter load before its next
-    step (see the module docstring); "0" or unset, it does not (the default). Else a ValueError."""
-    return env_switch("COLORA_RELOAD_FIRST", ("0", "1"), "0") == "1"
+    """COLORA_RELOAD_FIRST: "1" or unset (the default), the trainer waits for a queued group's adapter
+    load before its next step (see the module docstring); "0", it does not. Else a ValueError."""
+    return env_switch("COLORA_RELOAD_FIRST", ("0", "1"), "1") == "1"
 
 
 class CoRunner:

@@ -339,18 +339,21 @@ class SlowTrainer(VersionTrainer):
         return super().step(rollouts)
 
 
-@pytest.mark.parametrize("reload_first", ["0", "1"])
+@pytest.mark.parametrize("reload_first", ["0", "1", None])
 def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path, monkeypatch, reload_first):
-    """COLORA_RELOAD_FIRST=1: no training step starts while a group's adapters are loading (the
-    H200's loads took 3x longer during training); every job still does every step on-policy. Without
-    it the trainer goes on with the next group at once, and with these timings its steps overlap the
-    loads."""
+    """COLORA_RELOAD_FIRST=1, and unset (the default): no training step starts while a group's
+    adapters are loading (on the H200 loads took twice as long during training and paused the other
+    group's decoding); every job still does every step on-policy. With 0 the trainer goes on with the
+    next group at once, and with these timings its steps overlap the loads."""
     from colora.runlog import read_jsonl
 
-    monkeypatch.setenv("COLORA_RELOAD_FIRST", reload_first)
+    if reload_first is None:
+        monkeypatch.delenv("COLORA_RELOAD_FIRST", raising=False)
+    else:
+        monkeypatch.setenv("COLORA_RELOAD_FIRST", reload_first)
     c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=5",
                                 "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, SlowLoadEngine, SlowTrainer)
-    assert c.reload_first is (reload_first == "1")
+    assert c.reload_first is (reload_first != "0")
     c.run()
     c.metrics.close()
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("status") == "ok"]
@@ -361,7 +364,7 @@ def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path, monkey
     trains = [s for s in spans if s["phase"] == "train"]
     overlapping = [(t, r) for t in trains for r in loads if t["start"] < r["end"] and r["start"] < t["end"]]
     assert len(loads) >= 8 and len(trains) >= 8
-    if reload_first == "1":
+    if reload_first != "0":
         assert not overlapping
     else:
         assert overlapping
