@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .config import OVERLAP_ARMS, EngineConfig, env_switch
@@ -151,6 +152,17 @@ def sampler_from_env() -> str:
     """Which sampler vLLM's worker uses for seeded requests: COLORA_VLLM_SAMPLER, "vllm" (its own,
     the default) or "colora" (colora/vllm_sampler.py). Anything else is a ValueError naming it."""
     return env_switch("COLORA_VLLM_SAMPLER", ("colora", "vllm"), "vllm")
+
+
+def tuned_lora_configs() -> str | None:
+    """VLLM_TUNED_CONFIG_FOLDER, vLLM's own variable: a folder of tuned configurations for its LoRA
+    kernels (`colora bench vllm-lora` writes one), which the engine's processes inherit; None when
+    unset. A folder that is not there is a ValueError (vLLM would only log a warning and run the
+    defaults)."""
+    folder = os.environ.get("VLLM_TUNED_CONFIG_FOLDER") or None
+    if folder is not None and not Path(folder).is_dir():
+        raise ValueError(f"VLLM_TUNED_CONFIG_FOLDER={folder!r} is not a directory (colora bench vllm-lora writes one)")
+    return folder
 
 
 def engine_process_from_env(arm: str) -> bool:

@@ -143,10 +143,11 @@ class Setup:
 def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], None] = print) -> Setup:
     """Every input check that needs no engine. Creates nothing on failure."""
     from .corunner import reload_first_from_env
-    from .engine import engine_process_from_env, sampler_from_env
+    from .engine import engine_process_from_env, sampler_from_env, tuned_lora_configs
     from .packing import packed_rows_from_env
 
     try:
+        tuned_lora_configs()
         sampler_from_env()
         engine_process_from_env(cfg.experiment.arm)
         reload_first_from_env()
@@ -313,7 +314,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
          process_mps=None, resume_state: dict | None = None) -> dict:
     from .checkpoint import Checkpointer
     from .corunner import CoRunner, EngineFailure, JobState, throughput
-    from .engine import RolloutEngine, engine_process_from_env
+    from .engine import RolloutEngine, engine_process_from_env, tuned_lora_configs
     from .evaluate import evaluate
     from .gpumon import GpuSampler
     from .models import load_tokenizer
@@ -348,7 +349,8 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         # A cached engine is shared only by runs of one MPS state: a process's MPS membership is
         # fixed when its CUDA context is made (process_mps: the whole process is an MPS client).
         if engine_cache is not None and (exp.arm not in MPS_ARMS or process_mps is not None):
-            key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, dtype, device, remote)
+            key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, dtype, device, remote,
+                   tuned_lora_configs())
             engine = engine_cache.get(key, start_engine)
             stack.callback(engine.drop_all)  # the next run starts with no adapters of this one
         else:
@@ -432,6 +434,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "engine_process": engine.own_process,
         "reload_first": corunner.reload_first,
         "packed_rows": trainer.packed,
+        "vllm_lora_configs": tuned_lora_configs(),
         "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show
         "trainer_sm_count": torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else None,
