@@ -338,7 +338,6 @@ def test_packed_rows_on_the_gpu_take_the_padded_step(tiny_model_dir, monkeypatch
     version's signature), in fp32 one SDPA call per sequence (FlashAttention has no fp32; the first
     run of this test on the H200 failed there, reports/h200/tenth/packed_ab/tests.log): the same step
     as the padded trainer, within fp32's or bf16's rounding of the flash and cuBLAS kernels."""
-    tol = {"float32": (2e-3, 1e-4), "bfloat16": (5e-2, 5e-3)}[dtype]  # (loss/grad norm rel, update abs)
     results = []
     for packed in ("0", "1"):
         monkeypatch.setenv("COLORA_PACKED_ROWS", packed)
@@ -349,9 +348,18 @@ def test_packed_rows_on_the_gpu_take_the_padded_step(tiny_model_dir, monkeypatch
         results.append((st, {j: params_of(bank, j) for j in ("a", "b")}))
     (s0, p0), (s1, p1) = results
     for j in ("a", "b"):
-        assert s1[j].loss == pytest.approx(s0[j].loss, rel=tol[0], abs=1e-5)
-        assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=tol[0])
-        assert max((p1[j][k][1].float() - p0[j][k][1].float()).abs().max().item() for k in p0[j]) <= tol[1]
+        # B starts at zero: after two steps it is the update (entries ~1e-3 at these learning rates)
+        d0 = torch.cat([p0[j][k][1].float().flatten() for k in p0[j]])
+        d1 = torch.cat([p1[j][k][1].float().flatten() for k in p0[j]])
+        if dtype == "float32":
+            assert s1[j].loss == pytest.approx(s0[j].loss, rel=2e-3, abs=1e-5)
+            assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=2e-3)
+            assert (d1 - d0).abs().max().item() <= 1e-4
+        else:  # bf16 activations: other kernels and shapes round differently; the update must agree
+            assert s1[j].loss == pytest.approx(s0[j].loss, rel=5e-2, abs=5e-3)
+            assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=5e-2)
+            assert torch.nn.functional.cosine_similarity(d0, d1, dim=0).item() >= 0.98
+            assert (d1.norm() / d0.norm()).item() == pytest.approx(1.0, abs=0.05)
 
 
 @pytest.mark.gpu
