@@ -61,7 +61,7 @@ def _adapters(cfg, model_dir: Path, dtype: str, scratch: Path) -> dict[str, Path
         with torch.no_grad():
             for b in job.B.values():
                 b.copy_(torch.randn(b.shape, generator=g) * 0.01)
-        paths[j.name] = bank.export_peft(j.name, scratch / j.name, str(model_dir), torch_dtype(dtype))
+        paths[j.name] = bank.export_peft(j.name, scratch / j.name, str(model_dir), torch_dtype(dtype), fold_scale=True)
     return paths
 
 

@@ -380,8 +380,8 @@ class CoRunner:
         return d
 
     def export_adapters(self, exports: list[tuple[JobState, int]], group: int, groups: list[int]) -> None:
-        """Write the engine's copy of each new adapter version (in the engine's dtype, see
-        AdapterBank.export_peft); the engine thread loads it before the job's next rollouts."""
+        """Write the engine's copy of each new adapter version (in the engine's dtype, its scale folded
+        into B: see AdapterBank.export_peft); the engine thread loads it before the job's next rollouts."""
         if not exports:  # every job of the step stopped
             return
         dtype = getattr(torch, self.engine.dtype)
@@ -389,7 +389,7 @@ class CoRunner:
                                                  jobs=tuple(js.name for js, _ in exports)):
             for js, version in exports:
                 js.pending = (version, self.bank.export_peft(js.name, self.adapter_root / js.name / f"v{version}",
-                                                             self.base_model, dtype))
+                                                             self.base_model, dtype, fold_scale=True))
 
     def stop(self, js: JobState, reason: str) -> None:
         """Stop one job: recorded with its reason, its adapter taken out of the shared engine (a

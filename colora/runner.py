@@ -384,7 +384,8 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
                             str(setup.model_dir), log, on_step=ckpt.maybe_save)
         for name in jobs:
             v = bank.jobs[name].version
-            engine.set_adapter(name, v, str(bank.export_peft(name, scratch / name / f"v{v}", str(setup.model_dir), tdtype)))
+            engine.set_adapter(name, v, str(bank.export_peft(name, scratch / name / f"v{v}", str(setup.model_dir), tdtype,
+                                                             fold_scale=True)))
 
         if not engine.warmed:  # once per engine: its compiled kernels stay for every later run
             with timeline.span("engine_warmup"):

@@ -44,8 +44,9 @@ class FakeBank:
         self.ref = runner_ref
         self.exports = []
 
-    def export_peft(self, name, out_dir, base_model, dtype):
+    def export_peft(self, name, out_dir, base_model, dtype, fold_scale=False):
         assert self.ref[0]._ship_lock.locked(), "an adapter was exported outside `shipping`"
+        assert fold_scale, "the engine's copies carry the LoRA scale in B (vLLM's loads skip a multiply per module)"
         self.exports.append((name, dtype))
         return Path(out_dir)
 

@@ -59,7 +59,8 @@ def _trainer_logprobs(bank, model, name, prompt, completion):
 
 def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, bank_model, tmp_path):
     """After a new version is loaded, the same long prompt's log-probs are those of the new
-    weights (computed independently by the trainer), not KV cached under the old ones."""
+    weights (computed independently by the trainer), not KV cached under the old ones; the same
+    whether the file carries the LoRA scale in lora_alpha or folded into B."""
     from colora.engine import GenRequest
 
     bank, model = bank_model
@@ -69,7 +70,8 @@ def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, bank_model, tmp
     for seed in (1, 2):
         _randomize(bank, "a", seed)
         v = bank.jobs["a"].version
-        engine.set_adapter("a", v, str(bank.export_peft("a", tmp_path / f"a{v}", "tiny")))
+        # version 2 with its scale folded into B, as the runs write the engine's copies: same log-probs
+        engine.set_adapter("a", v, str(bank.export_peft("a", tmp_path / f"a{v}", "tiny", fold_scale=seed == 2)))
         res = engine.generate([req])[0]
         assert (res.request.job, res.version) == ("a", v)
         want = _trainer_logprobs(bank, model, "a", prompt, res.completion_ids)

@@ -25,15 +25,26 @@ def _bank_with_jobs(model_dir, seed=3, device="cpu"):
     return model, bank
 
 
-def test_peft_loads_export_with_the_trainers_logits(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("fold_scale", [False, True])
+def test_peft_loads_export_with_the_trainers_logits(tiny_model_dir, tmp_path, fold_scale):
+    """Both forms of the file are the job's adapter: lora_alpha as configured, or (the engine's
+    copies) the scale folded into B and lora_alpha = r."""
     from peft import PeftModel
+    from safetensors.torch import load_file
 
     model, bank = _bank_with_jobs(tiny_model_dir)
     ids = torch.tensor([[5, 9, 17, 33, 2, 41, 7, 100, 250, 3]])
     for name in ("a", "b"):
-        out = bank.export_peft(name, tmp_path / name, str(tiny_model_dir))
+        job = bank.jobs[name]
+        out = bank.export_peft(name, tmp_path / name, str(tiny_model_dir), fold_scale=fold_scale)
         meta = json.loads((out / "adapter_config.json").read_text())
-        assert meta["r"] == bank.jobs[name].rank and meta["peft_type"] == "LORA"
+        assert meta["r"] == job.rank and meta["peft_type"] == "LORA"
+        assert meta["lora_alpha"] == (job.rank if fold_scale else job.alpha) and job.scale == 2.0
+        got = load_file(out / "adapter_model.safetensors")
+        for path in job.A:
+            assert torch.equal(got[f"base_model.model.{path}.lora_A.weight"], job.A[path].detach())
+            want_b = job.B[path].detach() * (job.scale if fold_scale else 1.0)
+            assert torch.equal(got[f"base_model.model.{path}.lora_B.weight"], want_b)
         with torch.no_grad(), bank.activate((name,), [ids.numel()]):
             ours = model(input_ids=ids).logits
         base = load_base_model(tiny_model_dir, torch.float32, "cpu")
@@ -148,5 +159,10 @@ def test_export_from_the_gpu_writes_the_current_weights(tiny_model_dir, tmp_path
             for path in job.A:
                 assert torch.equal(got[f"base_model.model.{path}.lora_A.weight"], job.A[path].detach().to(dtype).cpu())
                 assert torch.equal(got[f"base_model.model.{path}.lora_B.weight"], job.B[path].detach().to(dtype).cpu())
+    out = bank.export_peft("b", tmp_path / "b-folded", str(tiny_model_dir), torch.bfloat16, fold_scale=True)
+    got = load_file(out / "adapter_model.safetensors")
+    for path in job.A:  # the scale multiplies the fp32 B on the device, before the cast
+        want = (job.B[path].detach() * job.scale).to(torch.bfloat16).cpu()
+        assert torch.equal(got[f"base_model.model.{path}.lora_B.weight"], want)
     assert {k[1] for k in bank._host if k[0] == "b"} == {torch.bfloat16, torch.float32}
     assert all(buf.is_pinned() for buf in bank._host.values())
