@@ -14,6 +14,8 @@
 #   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
 #   bash scripts/h200.sh cli ARGS...        colora ARGS... (run, sweep, ...; the log is $OUT/cli.log;
 #                                           COLORA_TIMEOUT=S stops it after S seconds)
+#                                           e.g. cli bench vllm-lora CONFIG --out $OUT/vllm_lora (tuned
+#                                           configs for VLLM_TUNED_CONFIG_FOLDER in $OUT/vllm_lora.configs)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out}
