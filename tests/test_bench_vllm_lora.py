@@ -135,3 +135,38 @@ def test_report_sums_a_shared_shape_once_per_module():
     # 7 shapes, the o/down expand twice: 8 calls a layer x 28 layers x 10 us = 2.24 ms (tuned 1.12)
     assert "| 64 | 2.24 | 1.12 |" in md
     assert md.count("| shrink |") == 4 and md.count("| expand |") == 3
+
+
+def test_tune_keeps_the_fastest_correct_configuration(monkeypatch):
+    """The search on a fake GPU: a configuration that computes another result is never chosen however
+    fast, one the compiler refuses is counted and skipped, the default wins where nothing beats it,
+    and past the deadline only the default is timed."""
+    shapes = bv.lora_shapes(QWEN3_06B, 16, ("o_proj",))  # one shrink, one expand
+
+    class FakeCase:
+        def __init__(self, shape, batch, max_loras, active, dtype, seed):
+            self.shape = shape
+
+        def result(self, c):
+            if c.get("num_stages") == 3 and c["block_m"] == 16:
+                raise RuntimeError("out of shared memory")
+            wrong = c["block_m"] == 64 and c != bv.default_config(self.shape.op, 64, self.shape.slices)
+            return torch.full((2,), 9.0 if wrong else 1.0)
+
+        def time_us(self, c):
+            if c["block_m"] == 64 and c != bv.default_config(self.shape.op, 64, self.shape.slices):
+                return 1.0  # fastest, but wrong
+            wide = c["block_n"] if self.shape.op == "expand" else c["block_k"]
+            return 10.0 - c["num_warps"] / 8 - wide / 1000 - c["num_stages"] / 100
+
+    monkeypatch.setattr(bv, "_Case", FakeCase)
+    logs = []
+    rows = bv.tune(shapes, [64], 16, 8, torch.bfloat16, deadline=float("inf"), log=logs.append)
+    for row in rows:
+        c, op = row["config"], row["shape"]["op"]
+        assert row["tuned_us"] < row["default_us"] and row["tuned_us"] > 1.0  # never a wrong one
+        assert row["wrong"] > 0 and row["failed"] > 0 and row["tried"] + row["wrong"] + row["failed"] == row["space"]
+        assert (c["block_n"] if op == "expand" else c["block_k"]) == 256 and c["num_stages"] == 3
+    assert any("out of shared memory" in m for m in logs)
+    late = bv.tune(shapes, [64], 16, 8, torch.bfloat16, deadline=0.0, log=logs.append)
+    assert all(r["tried"] == 1 and r["config"] == bv.candidates(bv.LoRAShape(**r["shape"]), 64)[0] for r in late)
