@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import load_config
     from .engine import RolloutEngine, plain_token_ids
     from .runner import resolve_device, resolve_model, start_mps
+    from .runlog import write_report
 
     cfg = load_config(args.config, args.set)
     if args.prompt + args.tokens > cfg.engine.max_model_len:
@@ -210,10 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                      for a in (False, True) for s in (True, False)],
             "profile": profile,
         }
-    Path(args.out + ".json").write_text(json.dumps(result, indent=1))
-    md = to_markdown(result)
-    Path(args.out + ".md").write_text(md)
-    print(md)
+    write_report(args.out, result, to_markdown(result))
     return 0
 
 

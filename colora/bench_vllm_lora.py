@@ -308,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import load_config
     from .runner import resolve_device, resolve_model
+    from .runlog import write_report
 
     cfg = load_config(args.config, args.set)
     model_dir = resolve_model(cfg.experiment.model)
@@ -327,10 +328,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "triton": triton.__version__, "dtype": dtype, "max_loras": max_loras,
               "active": active, "rank": max(ranks), "layers": mc.num_hidden_layers, "targets": targets,
               "seconds": round(time.monotonic() - t0, 1), "files": [str(f) for f in files], "rows": rows}
-    Path(args.out + ".json").write_text(json.dumps(result, indent=1))
-    md = to_markdown(result)
-    Path(args.out + ".md").write_text(md)
-    print(md)
+    write_report(args.out, result, to_markdown(result))
     return 0
 
 

@@ -141,3 +141,11 @@ def busy_fraction(spans: list[dict], start: float, end: float, phases=("generate
     if cur_e is not None:
         covered += cur_e - cur_s
     return covered / (end - start)
+
+
+def write_report(out: str, result: dict, markdown: str) -> None:
+    """A benchmark's record: OUT.json (every figure) and OUT.md (its tables), then the tables on
+    stdout."""
+    Path(out + ".json").write_text(json.dumps(result, indent=1))
+    Path(out + ".md").write_text(markdown)
+    print(markdown)
