@@ -39,6 +39,8 @@ def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
         choices = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
         raise ValueError(f"{name} must be {choices}, got {value!r}")
     return value
+
+
 LOSSES = ("grpo_seq", "grpo_token", "dr_grpo")
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
