@@ -180,19 +180,40 @@ class EngineCache:
     def __init__(self):
         self._engines: dict[tuple, object] = {}
 
-    def get(self, key: tuple, factory: Callable[[], object]):
+    def get(self, key: tuple, factory: Callable[[], object], *, exclusive: bool = False):
+        """The engine for `key`, started by `factory` if there is none. exclusive: before starting
+        one, close every other engine and free this process's cached GPU memory. On a GPU each engine
+        reserves its `gpu_memory_utilization` of the whole device and vLLM refuses to start when that
+        much is not free: on the H200 an overlap run's engine (its client in a process of its own, so
+        another key) failed to start beside the cached engine of the run before it and the previous
+        trainer's cached blocks (13 of 140 GiB free; reports/h200/eleventh)."""
         eng = self._engines.get(key)
-        if eng is None:
-            eng = self._engines[key] = factory()
-            eng.reused = False
-        else:
+        if eng is not None:
             eng.reused = True
+            return eng
+        if exclusive:
+            self.close()
+            release_cuda_cache()
+        eng = self._engines[key] = factory()
+        eng.reused = False
         return eng
 
     def close(self) -> None:
         for eng in self._engines.values():
             eng.close()
         self._engines.clear()
+
+
+def release_cuda_cache() -> None:
+    """Give the GPU memory this process's allocator caches (a finished run's trainer: tens of GiB)
+    back to the device, so an engine started next finds it free. A no-op where CUDA is not in use."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, log: Callable[[str], None] = print,
@@ -351,9 +372,11 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         if engine_cache is not None and (exp.arm not in MPS_ARMS or process_mps is not None):
             key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, dtype, device, remote,
                    tuned_lora_configs())
-            engine = engine_cache.get(key, start_engine)
+            engine = engine_cache.get(key, start_engine, exclusive=device != "cpu")
             stack.callback(engine.drop_all)  # the next run starts with no adapters of this one
         else:
+            if device != "cpu":
+                release_cuda_cache()
             engine = start_engine()
             engine.reused = False
             stack.callback(engine.close)

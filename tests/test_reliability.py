@@ -295,3 +295,31 @@ def test_attached_daemon_sets_shares_and_leaves_stopping_to_its_owner(monkeypatc
     assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
     assert d.stop() == "left to its owner"
     assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "pipe")
+
+
+def test_an_exclusive_engine_cache_closes_the_others_and_frees_cuda_memory_before_starting(monkeypatch):
+    """On the H200 an engine with a new key failed to start beside the cached one (13 of 140 GiB free):
+    an exclusive get must close every other engine and release the allocator's cache first, and
+    still reuse an engine whose key matches without closing anything."""
+    from colora import runner
+
+    events = []
+    monkeypatch.setattr(runner, "release_cuda_cache", lambda: events.append("release"))
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+            events.append(f"start {name}")
+
+        def close(self):
+            events.append(f"close {self.name}")
+
+    cache = runner.EngineCache()
+    a = cache.get(("a",), lambda: Fake("a"), exclusive=True)
+    assert cache.get(("a",), lambda: Fake("a2"), exclusive=True) is a and a.reused
+    b = cache.get(("b",), lambda: Fake("b"), exclusive=True)
+    assert not b.reused
+    assert events == ["release", "start a", "close a", "release", "start b"]
+    c = cache.get(("c",), lambda: Fake("c"))  # not exclusive (the CPU): engines stay side by side
+    cache.close()
+    assert events[-3:] == ["start c", "close b", "close c"] and c.name == "c"
