@@ -134,7 +134,8 @@ def batches(config: str, overrides: list[str], runs: list[dict]) -> list[tuple[s
     """The child processes, in order: one for the runs without MPS, then one per distinct pair of MPS
     thread percentages (engine, trainer). CUDA reads a process's percentage once, when it makes its
     context, so runs that vary it (`--vary overlap.mps_trainer_percentage=...`) cannot share a
-    process (nor, for the engine's, an engine)."""
+    process (nor, for the engine's, an engine). In each process the runs whose engine client is
+    in-process come first (`_client_apart`)."""
     out: list[tuple[str, list[dict]]] = [("plain", [r for r in runs if r["arm"] in NON_MPS])]
     by_share: dict[tuple[int, int], list[dict]] = {}
     for r in runs:
@@ -142,7 +143,19 @@ def batches(config: str, overrides: list[str], runs: list[dict]) -> list[tuple[s
             ov = load_config(config, [*overrides, *r["set"]]).overlap
             by_share.setdefault((ov.mps_engine_percentage, ov.mps_trainer_percentage), []).append(r)
     out += [("mps", rs) for rs in by_share.values()]
-    return [(kind, rs) for kind, rs in out if rs]
+    return [(kind, sorted(rs, key=_client_apart)) for kind, rs in out if rs]
+
+
+def _client_apart(r: dict) -> bool:
+    """Whether a run's engine client runs in a process of its own (its engine's cache key). A
+    process keeps one engine on a GPU (runner.EngineCache), so a batch runs the in-process runs
+    first and then the others, each kind's runs in plan order, and starts at most two engines
+    however many seeds it holds. (A sweep run that brings the client in, `--vary
+    env:COLORA_ENGINE_PROCESS=0`, so runs before the headline arm's main runs.)"""
+    from .engine import engine_process_from_env
+
+    with run_env(r.get("env", {})):
+        return engine_process_from_env(r["arm"])
 
 
 def child_env(kind: str, batch: list[dict], config: str, overrides: list[str]) -> dict[str, str]:

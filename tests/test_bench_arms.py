@@ -364,3 +364,21 @@ def test_the_deadline_covers_the_shutdown_of_a_batch_that_will_not_stop(monkeypa
     quick = subprocess.Popen(["bash", "-c", "exit 3"], start_new_session=True)
     assert bench_arms.wait_or_stop(quick, time.monotonic() + 10.0) == 3
     assert bench_arms.wait_or_stop(subprocess.Popen(["true"], start_new_session=True), None) == 0
+
+
+def test_a_batch_runs_its_in_process_engine_runs_before_the_others(monkeypatch):
+    """A process keeps one engine on the GPU, so seeds must not alternate between the in-process
+    client (dedicated, shared_sync, mps) and the client apart (overlap arms): each kind's runs
+    together, in plan order, and a run's own COLORA_ENGINE_PROCESS decides its kind."""
+    monkeypatch.delenv("COLORA_ENGINE_PROCESS", raising=False)
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1, 2], arms=["dedicated", "overlap", "shared_sync", "mps", "overlap_mps"],
+                                      vary=["env:COLORA_ENGINE_PROCESS=0"]))
+    got = [(kind, [(r["arm"], r["seed"], r["label"]) for r in rs])
+           for kind, rs in bench_arms.batches(str(SMOKE), [], runs)]
+    assert got == [
+        ("plain", [("dedicated", 1, "main"), ("shared_sync", 1, "main"), ("dedicated", 2, "main"),
+                   ("shared_sync", 2, "main"), ("overlap", 1, "main"), ("overlap", 2, "main")]),
+        ("mps", [("mps", 1, "main"), ("mps", 2, "main"), ("overlap_mps", 1, "vary:env:COLORA_ENGINE_PROCESS=0"),
+                 ("overlap_mps", 1, "main"), ("overlap_mps", 2, "main")]),
+    ]
