@@ -175,8 +175,31 @@ def run_dir(root: Path, r: dict) -> Path:
     return root / r["arm"] / f"seed{r['seed']}-{tag}"
 
 
-def run_batch(config: str, overrides: list[str], runs: list[dict], root: Path, mps_process: bool) -> None:
-    """Run `runs` in this process with one shared engine (and, for the MPS batch, one daemon)."""
+def run_seconds(r: dict, root: Path, starts_engine: bool) -> float | None:
+    """About how long run `r` will take, from the finished runs under `root` (their summaries'
+    wall time): the median of the same arm's runs at the same job count, else of every run at that
+    job count, plus the longest engine start seen if `r` starts an engine; None before any run of
+    its job count has finished."""
+    walls, same, starts = [], [], []
+    for f in root.glob("*/*/summary.json"):
+        s = json.loads(f.read_text())
+        start = 0.0 if s.get("engine_reused") else s.get("engine_start_s", 0.0)
+        starts.append(start)
+        if len(s.get("jobs", ())) == r["jobs"]:
+            walls.append(s["wall_s"] - start)
+            if s.get("arm") == r["arm"]:
+                same.append(s["wall_s"] - start)
+    if not walls:
+        return None
+    return statistics.median(same or walls) + (max(starts) if starts_engine else 0.0)
+
+
+def run_batch(config: str, overrides: list[str], runs: list[dict], root: Path, mps_process: bool,
+              stop_by: float | None = None) -> None:
+    """Run `runs` in this process with one shared engine (and, for the MPS batch, one daemon).
+    stop_by: the time (time.time()) by which the benchmark's deadline stops this process; a run
+    that would not end by then (`run_seconds`) is not started, so a deadline cuts no run half way
+    and the device is handed back sooner: the next call with the same --runs runs it."""
     from .mps import MpsDaemon, MpsUnavailable
     from .runner import EngineCache, RunError, run
 
@@ -193,11 +216,20 @@ def run_batch(config: str, overrides: list[str], runs: list[dict], root: Path, m
                                    "overlap.mps_required=false to run them without MPS, labelled so") from None
                 print(f"warning: MPS unavailable ({e}); the MPS arms run without it, labelled so", flush=True)
                 daemon = None
+        engines: set[bool] = set()  # the client kinds whose engine this process has started
         for i, r in enumerate(runs):
             out = run_dir(root, r)
             if (out / "summary.json").exists():
                 print(f"[{i + 1}/{len(runs)}] {out} done already", flush=True)
                 continue
+            apart = _client_apart(r)
+            need = run_seconds(r, root, apart not in engines)
+            if stop_by is not None and need is not None and time.time() + need > stop_by:
+                print(f"[{i + 1}/{len(runs)}] {r['arm']} seed {r['seed']} jobs {r['jobs']} {r['label']}: not "
+                      f"started, it needs about {need:.0f} s and the deadline comes in "
+                      f"{stop_by - time.time():.0f} s", flush=True)
+                continue
+            engines.add(apart)
             if out.exists():  # an unfinished run (deadline, crash): keep it aside, run it again
                 n = 0
                 while out.with_name(f"{out.name}.incomplete-{n}").exists():
@@ -581,16 +613,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps per job of the dedicated baseline (default: the config's); the report says so")
     p.add_argument("--out", default="reports/arms", help="report path without suffix")
     p.add_argument("--runs", default="runs/bench", help="where the run directories go")
-    p.add_argument("--deadline", type=float, default=0, help="seconds for the whole benchmark, its shutdown and report included; 0: none")
+    p.add_argument("--deadline", type=float, default=0, help="seconds for the whole benchmark, its shutdown and report included (a run that the "
+                        "finished runs' times say would not end in time is not started); 0: none")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the report from the run directories already under --runs")
     p.add_argument("--child", choices=["mps", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--only", help=argparse.SUPPRESS)  # JSON list of runs for a child process
+    p.add_argument("--stop-by", type=float, help=argparse.SUPPRESS)  # a child's time.time() limit
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.set)
     root = Path(args.runs)
     if args.child:
-        run_batch(args.config, args.set, json.loads(args.only), root, args.child == "mps")
+        run_batch(args.config, args.set, json.loads(args.only), root, args.child == "mps", args.stop_by)
         return 0
     try:
         runs = plan(cfg, args)
@@ -615,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         # Each batch in its own process: one engine per process, and a clean MPS state.
         cmd = [*python_m("colora.bench_arms"), args.config, "--child", kind, "--runs", str(root),
                "--only", json.dumps(batch)] + [f"--set={s}" for s in args.set]
+        if deadline is not None:  # the child's runs must end when wait_or_stop would stop it
+            cmd.append(f"--stop-by={time.time() + deadline - time.monotonic() - STOP_TERM_S - STOP_REPORT_S}")
         print(f"== {kind} batch: {len(batch)} runs", flush=True)
         child = subprocess.Popen(cmd, env=child_env(kind, batch, args.config, args.set), start_new_session=True)
         rc = wait_or_stop(child, deadline)

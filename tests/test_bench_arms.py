@@ -382,3 +382,54 @@ def test_a_batch_runs_its_in_process_engine_runs_before_the_others(monkeypatch):
         ("mps", [("mps", 1, "main"), ("mps", 2, "main"), ("overlap_mps", 1, "vary:env:COLORA_ENGINE_PROCESS=0"),
                  ("overlap_mps", 1, "main"), ("overlap_mps", 2, "main")]),
     ]
+
+
+def _summary(d, arm, jobs, wall, start, reused):
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"arm": arm, "jobs": [f"j{k}" for k in range(jobs)], "wall_s": wall,
+                                                "engine_start_s": start, "engine_reused": reused}))
+
+
+def test_run_seconds_come_from_the_finished_runs(tmp_path):
+    _summary(tmp_path / "dedicated" / "seed1-main", "dedicated", 8, 240.0, 150.0, False)  # 90 s + its start
+    _summary(tmp_path / "shared_sync" / "seed1-main", "shared_sync", 8, 100.0, 150.0, True)
+    _summary(tmp_path / "overlap_mps" / "seed1-jobs2", "overlap_mps", 2, 40.0, 80.0, True)
+    r = {"arm": "overlap_mps", "seed": 1, "jobs": 8, "label": "main"}
+    assert bench_arms.run_seconds(r, tmp_path, starts_engine=False) == pytest.approx(95.0)  # median at 8 jobs
+    assert bench_arms.run_seconds(r, tmp_path, starts_engine=True) == pytest.approx(245.0)  # + longest start
+    assert bench_arms.run_seconds({**r, "jobs": 2}, tmp_path, False) == pytest.approx(40.0)  # its own arm
+    assert bench_arms.run_seconds({**r, "jobs": 16}, tmp_path, True) is None  # nothing to go by: run it
+
+
+def test_a_batch_does_not_start_a_run_the_deadline_would_cut(tmp_path, monkeypatch):
+    """A run cut by the deadline is thrown away with the device time it took: the batch starts only
+    what its estimate says will end in time, and later, shorter runs still go."""
+    import time
+
+    from colora import runner
+
+    monkeypatch.delenv("COLORA_ENGINE_PROCESS", raising=False)
+    root = tmp_path / "runs"
+    _summary(root / "dedicated" / "seed1-main", "dedicated", 2, 100.0, 50.0, False)  # 50 s + a 50 s start
+    started = []
+
+    class Cache:
+        def close(self):
+            pass
+
+    def fake_run(cfg, out, **kw):
+        started.append(cfg.experiment.arm)
+        _summary(Path(out), cfg.experiment.arm, len(cfg.jobs), 10.0, 0.0, True)
+        return {"steps_per_hour": 1.0}
+
+    monkeypatch.setattr(runner, "EngineCache", Cache)
+    monkeypatch.setattr(runner, "run", fake_run)
+    runs = [{"arm": a, "seed": 1, "jobs": 2, "set": [], "label": "main"} for a in ("dedicated", "shared_sync", "overlap")]
+    runs.append({"arm": "overlap", "seed": 1, "jobs": 3, "set": [], "label": "jobs3"})
+    # 70 s left: shared_sync and overlap need 50 s each plus an engine start (50 s) in this new
+    # process, so neither starts; the 3-job run has nothing to go by and goes
+    bench_arms.run_batch(str(SMOKE), [], runs, root, mps_process=False, stop_by=time.time() + 70.0)
+    assert started == ["overlap"]
+    started.clear()
+    bench_arms.run_batch(str(SMOKE), [], runs, root, mps_process=False, stop_by=time.time() + 1000.0)
+    assert started == ["shared_sync", "overlap"]  # the next call runs them; finished runs are skipped
