@@ -63,7 +63,9 @@ class _GroupedLoRA(torch.autograd.Function):
         dBs = []
         for s, (Bt, dy) in enumerate(zip(Bts, dys)):
             need_dB = need[5 + s]
-            dB = Bt.new_zeros(Bt.shape[::-1]) if need_dB else None  # [d_out_s, R]; kernels write dB^T
+            # [d_out_s, R]; the kernels write every element of dB^T (each job's rows, zeros where it
+            # has no tokens), so it needs no zero fill, one launch less a slice; zeros without a dy
+            dB = (Bt.new_empty if dy is not None else Bt.new_zeros)(Bt.shape[::-1]) if need_dB else None
             if dy is not None:
                 if need_dh and need_dB and ctx.fuse_dy:
                     lora_shrink_sgrad(dy, Bt, h, meta, dh, dB.t(), h_slice=s)  # one read of dy

@@ -10,6 +10,7 @@ tile size: no host-device synchronisation inside the layers (the role of vLLM's
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -177,11 +178,13 @@ class LoRABatchMeta:
     def total_rank(self) -> int:
         return self.rank_start[-1]
 
-    @property
+    # Cached: the launchers ask for these tens of times per grouped-LoRA call, host time that a
+    # layer stack pays per micro-batch (reports/cpu/lora_host.txt). The fields they read are frozen.
+    @functools.cached_property
     def max_rank(self) -> int:
         return max((b - a for a, b in zip(self.rank_start[:-1], self.rank_start[1:])), default=0)
 
-    @property
+    @functools.cached_property
     def max_tokens(self) -> int:
         return max((b - a for a, b in zip(self.seg_start[:-1], self.seg_start[1:])), default=0)
 

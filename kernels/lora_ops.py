@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
 from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
 from .lora_meta import LoRABatchMeta
@@ -29,8 +28,22 @@ def _precision(dtype: torch.dtype, device: torch.device) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of 2 that is at least n (1 for n <= 1), as triton.next_power_of_2.
+
+    Host code uses these plain versions: Triton's own are constexpr functions (Triton 3.9 on the CPU
+    machines), and a call from Python to one goes through Triton's wrapper, several microseconds a call
+    and tens of calls per LoRA op; with them a transformer layer's four grouped-LoRA calls cost about a
+    third more host time (reports/cpu/lora_host.txt)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def _block_r(rank: int) -> int:
-    return max(16, triton.next_power_of_2(max(rank, 1)))  # tl.dot needs every dim >= 16
+    return max(16, pow2(rank))  # tl.dot needs every dim >= 16
 
 
 def h_width(meta: LoRABatchMeta, slices: int) -> int:
@@ -117,7 +130,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m):
         block_k, warps = (32 if fp32 else 64), 8
     else:
         block_k, warps = (64 if (fp32 or block_r >= 128) else 128), (8 if block_r >= 128 else 4)
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    block_k = min(block_k, max(16, pow2(K)))
     fused = part is not None
     lora_shrink_kernel[(tiles.n,)](
         x, w, out, p if fused else x, part if fused else x,
@@ -159,8 +172,8 @@ def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torc
         block_n, warps = (64 if block_r <= 64 else 32), 8
     else:
         block_n, warps = (64 if block_r >= 128 else 128), (8 if block_r >= 128 else 4)
-    block_n = min(block_n, max(16, triton.next_power_of_2(N)))
-    lora_expand_kernel[(tiles.n, triton.cdiv(N, block_n))](
+    block_n = min(block_n, max(16, pow2(N)))
+    lora_expand_kernel[(tiles.n, cdiv(N, block_n))](
         h, w, out,
         tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
         N, h_slice,
@@ -176,7 +189,7 @@ def sgrad_chunk(meta: LoRABatchMeta, n_tiles_n: int, block_r: int) -> int:
     """Rows per program of the segment reduction: enough programs to fill the GPU (about 4 per SM),
     but chunks of at least 8 * BLOCK_R rows so the fp32 partials stay small beside the inputs."""
     want = max(1, 4 * _num_sms(meta.device) // max(n_tiles_n, 1))
-    chunk = triton.next_power_of_2(max(1, triton.cdiv(meta.num_tokens, want)))
+    chunk = pow2(max(1, cdiv(meta.num_tokens, want)))
     return int(min(max(chunk, 256, 8 * block_r), 8192))
 
 
@@ -201,8 +214,8 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
         raise ValueError(f"dtypes differ: p {p.dtype}, q {q.dtype}")
     if meta.total_rank == 0:
         return out
-    block_n = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))
-    n_tiles_n = triton.cdiv(N, block_n)
+    block_n = min(128 if block_r <= 32 else 64, max(16, pow2(N)))
+    n_tiles_n = cdiv(N, block_n)
     chunk = chunk or sgrad_chunk(meta, n_tiles_n, block_r)
     chunks = meta.tiles(chunk)
     part = torch.empty((max(chunks.n, 1), block_r, N), dtype=torch.float32, device=q.device)
@@ -232,10 +245,10 @@ def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int, partials: int) -
     partials: the partials in all (all jobs). Below 8 a job, the previous launch (widest tiles, one
     partial a step): measured faster there on the H200 (reports/h200/ninth/kernels.md: 7.8 against
     14.1 us at 2 partials a job; 64 partials a job: 2.9-4.9x faster the new way)."""
-    block_n = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))
+    block_n = min(128 if block_r <= 32 else 64, max(16, pow2(N)))
     if partials < 8 * num_jobs:
         return block_n, 1
-    while block_n > 32 and num_jobs * triton.cdiv(N, block_n) < 2 * sms:
+    while block_n > 32 and num_jobs * cdiv(N, block_n) < 2 * sms:
         block_n //= 2
     return block_n, max(2, min(8, 128 // block_r))
 
@@ -245,7 +258,7 @@ def _launch_reduce(part, out, meta, chunks, block_r, scale, *, shape=None):
     shape: (BLOCK_N, CHUNKS) instead of `reduce_shape`'s (the benchmark's baseline; tests)."""
     N = part.shape[2]
     block_n, per_step = shape or reduce_shape(meta.num_jobs, N, block_r, _num_sms(meta.device), chunks.n)
-    lora_reduce_kernel[(meta.num_jobs, triton.cdiv(N, block_n))](
+    lora_reduce_kernel[(meta.num_jobs, cdiv(N, block_n))](
         part, out,
         chunks.job_start, meta.rank_start_t, meta.scale_t,
         N,

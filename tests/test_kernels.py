@@ -98,6 +98,12 @@ def test_launchers_write_every_element(dtype):
     lora_ops.lora_sgrad(h, x, meta, dA, chunk=16)  # small chunks: several per job, reduced in order
     assert torch.isfinite(dA).all()
     assert (dA[8:24] == 0).all()  # the job without rows: rank rows 8..23
+    # the fused dy pass writes every element of dB^T too (the backward allocates it without a fill)
+    dy = torch.randn_like(y)
+    dBt = torch.full((B.shape[1], B.shape[0]), float("nan"), dtype=dtype, device=DEV)
+    dh = torch.zeros_like(h)
+    lora_ops.lora_shrink_sgrad(dy, B.t().contiguous(), h, meta, dh, dBt)
+    assert torch.isfinite(dBt).all() and (dBt[8:24] == 0).all()
 
 
 def test_sgrad_chunking_does_not_change_the_result():
