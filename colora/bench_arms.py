@@ -613,7 +613,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps per job of the dedicated baseline (default: the config's); the report says so")
     p.add_argument("--out", default="reports/arms", help="report path without suffix")
     p.add_argument("--runs", default="runs/bench", help="where the run directories go")
-    p.add_argument("--deadline", type=float, default=0, help="seconds for the whole benchmark, its shutdown and report included (a run that the "
+    p.add_argument("--deadline", type=float, default=0,
+                   help="seconds for the whole benchmark, its shutdown and report included (a run that the "
                         "finished runs' times say would not end in time is not started); 0: none")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the report from the run directories already under --runs")
