@@ -59,6 +59,7 @@ class _Active:
 class _StepLeaves:
     jobs: tuple[str, ...]
     stacks: dict = field(default_factory=dict)  # module path -> (job names, A leaf, Bt leaf)
+    copies: dict = field(default_factory=dict)  # (module path, dtype) -> (A, Bt) in that dtype, no grad
 
     def hand_over(self, bank: "AdapterBank") -> None:
         for path, (names, A, Bt) in self.stacks.items():
@@ -168,12 +169,18 @@ class AdapterBank:
         return hit[1], hit[2]
 
     def stacked(self, path: str, dtype: torch.dtype):
-        """(A [R, d_in], B [d_out, R], meta) for the active jobs at `path`, or None if no active job
-        adapts this module. A and B are the jobs' fp32 adapters stacked (once per step inside
-        `step_scope`, else once per activation) and cast to `dtype`, differentiable, cached for the
-        current activation (shared by forward recomputation under gradient checkpointing); B is a
-        transposed view of a contiguous B^T, as the kernels read it; `meta` is the kernels' LoRABatchMeta
-        for this module's rank layout, built on the host once per layout and activation."""
+        """(A [R, d_in], B [d_out, R], meta, compute) for the active jobs at `path`, or None if no
+        active job adapts this module. A and B are the jobs' fp32 adapters stacked (once per step
+        inside `step_scope`, else once per activation), cached for the current activation (shared by
+        forward recomputation under gradient checkpointing); B is a transposed view of a contiguous
+        B^T, as the kernels read it; `meta` is the kernels' LoRABatchMeta for this module's rank
+        layout, built on the host once per layout and activation. Inside a step scope, for a `dtype`
+        other than fp32, A and B are the step's fp32 leaves themselves and `compute` their copies
+        in `dtype` (A, B^T), made once per step, for the grouped-LoRA op's `compute=`: it writes the
+        gradients in fp32 into the leaves, so no micro-batch casts the adapters forward or their
+        gradients back (the ninth session's H200 profile: a cast and its backward per A and B, 14 a
+        layer and micro-batch, about 6% of the step's host time). Otherwise A and B are cast to
+        `dtype`, differentiably, and `compute` is None."""
         act = self._active
         if act is None:
             return None
@@ -204,8 +211,16 @@ class AdapterBank:
                                         else LoRABatchMeta.build(act.seg_start, *layout, self.device))
             act.meta = act.meta or meta
         A, Bt = self._stack(path, names)
-        # B as a view of Bt: the kernels want B^T contiguous, so the forward makes no copy of it
-        out = (A.to(dtype), Bt.to(dtype).t(), meta)
+        leaves = self._leaves
+        if leaves is not None and leaves.stacks.get(path, (None, None))[1] is A and A.dtype != dtype:
+            copies = leaves.copies.get((path, dtype))
+            if copies is None:
+                with torch.no_grad():
+                    copies = leaves.copies[(path, dtype)] = (A.to(dtype), Bt.to(dtype))
+            out = (A, Bt.t(), meta, copies)
+        else:
+            # B as a view of Bt: the kernels want B^T contiguous, so the forward makes no copy of it
+            out = (A.to(dtype), Bt.to(dtype).t(), meta, None)
         # Autograd graphs are per activation; a cached cat is reused only within one.
         act.cache[path] = out
         return out
@@ -362,13 +377,13 @@ class MultiLoRALinear(nn.Module):
         st = self.bank.stacked(self.path, x.dtype)
         if st is None:
             return self.base(x)
-        A, B, meta = st
+        A, B, meta, compute = st
         from colora.kernels import grouped_lora
 
         x2 = x.reshape(-1, x.shape[-1])  # [T, d_in], rows in the activation's job order
         assert x2.shape[0] == meta.seg_start[-1], (x2.shape, meta.seg_start[-1])
         y2 = self.base(x2)  # [T, d_out], not a view: the kernel adds the LoRA delta into it in place
-        y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2)
+        y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2, compute=compute)
         return y2.view(*x.shape[:-1], y2.shape[-1])
 
     def _forward_pack(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -384,8 +399,9 @@ class MultiLoRALinear(nn.Module):
             return None
         x2 = x.reshape(-1, x.shape[-1])
         bases = [m.base(x2) for m in self.pack]  # [T, d_out_s] each, added into in place
+        compute = None if any(st[3] is None for st in sts) else ([st[3][0] for st in sts], [st[3][1] for st in sts])
         ys = grouped_lora_packed(x2, [st[0] for st in sts], [st[1] for st in sts], metas[0],
-                                 backend=self.bank.lora_backend, add_to=bases)
+                                 backend=self.bank.lora_backend, add_to=bases, compute=compute)
         outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
         for m, out in zip(self.pack[1:], outs[1:]):
             self.bank._active.cache[("packed", m.path)] = (x, out)  # holding x: its id cannot be reused

@@ -5,6 +5,11 @@ Backward of y = s * (x A^T) B^T with h = x A^T, per job j:
   dB_j = s_j dy_j^T h_j,  dh_j = s_j dy_j B_j,  dA_j = dh_j^T x_j,  dx_j = dh_j A_j.
 h (small: [T, about slices * max_rank]) is saved from the forward rather than recomputed.
 
+Masters: with `compute=`, A and B are the fp32 masters the gradients belong to and the arithmetic
+runs on the given copies in x's dtype (made once per optimizer step by the caller); the kernels
+then write dA and dB in fp32 straight into the masters' gradients, where a differentiable cast
+per micro-batch would launch a cast of every A and B forward and another of every gradient back.
+
 Packing: the slices' A are gathered so that each job's rows sit side by side (q_j | k_j | v_j), a
 rank-(slices * r_j) adapter for the shrink, the dx expand and dA; h then holds [h_q | h_k | h_v] per
 row, and each slice's expand, dh shrink and dB reduce read or write its own third.
@@ -23,22 +28,29 @@ from .lora_ref import grouped_lora_ref
 
 
 class _GroupedLoRA(torch.autograd.Function):
-    """forward(x, A_packed, meta, n_slices, fuse_dy, *Bs, *bases) -> one output per slice.
+    """forward(x, A_packed, meta, n_slices, fuse_dy, compute, *Bs, *bases) -> one output per slice.
 
     x: [T, d_in], A_packed: [slices * R, d_in] (rows per job: slice 0 | slice 1 | ...),
     Bs[s]: [d_out_s, R], bases[s]: [T, d_out_s] (optional, added to in place and returned).
+    compute: None, or (A_packed, [B_s^T]) in x's dtype to compute with, A and Bs then being the
+    masters (any float dtype) whose gradients are written in their own dtype.
     """
 
     @staticmethod
-    def forward(ctx, x, A, meta: LoRABatchMeta, n_slices: int, fuse_dy: bool, *rest):
+    def forward(ctx, x, A, meta: LoRABatchMeta, n_slices: int, fuse_dy: bool, compute, *rest):
         Bs, bases = rest[:n_slices], rest[n_slices:]
         packed = meta.packed(n_slices)
         T = x.shape[0]
+        # the gradients' dtypes: the masters' when computing on copies, else the inputs' own
+        ctx.grad_dtypes = (A.dtype, [B.dtype for B in Bs])
+        if compute is not None:
+            A, Bts = compute
+        else:
+            # B^T copies ([R, d_out], tiny): contiguous along d_out, so both the expand here and the dh
+            # shrink of the backward read them with wide loads
+            Bts = [B.t().contiguous() for B in Bs]
         h = x.new_zeros((T, h_width(meta, n_slices)))  # [T, >= slices * max_rank], see h_width
         lora_shrink(x, A, packed, h)
-        # B^T copies ([R, d_out], tiny): contiguous along d_out, so both the expand here and the dh
-        # shrink of the backward read them with wide loads
-        Bts = [B.t().contiguous() for B in Bs]
         ys = []
         for s, Bt in enumerate(Bts):
             out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
@@ -54,6 +66,7 @@ class _GroupedLoRA(torch.autograd.Function):
     def backward(ctx, *dys):
         x, A, h, *Bts = ctx.saved_tensors
         meta, S = ctx.meta, ctx.n_slices
+        a_dtype, b_dtypes = ctx.grad_dtypes
         packed = meta.packed(S)
         need = ctx.needs_input_grad
         need_dh = need[0] or need[1]
@@ -62,22 +75,23 @@ class _GroupedLoRA(torch.autograd.Function):
         dh = torch.zeros_like(h) if need_dh else None  # slices without an incoming gradient keep dh = 0
         dBs = []
         for s, (Bt, dy) in enumerate(zip(Bts, dys)):
-            need_dB = need[5 + s]
-            # [d_out_s, R]; the kernels write every element of dB^T (each job's rows, zeros where it
-            # has no tokens), so it needs no zero fill, one launch less a slice; zeros without a dy
-            dB = (Bt.new_empty if dy is not None else Bt.new_zeros)(Bt.shape[::-1]) if need_dB else None
+            dBt = None
+            if need[6 + s]:
+                # [R, d_out_s], returned as dB = dBt^T: the kernels write every element (each job's rows,
+                # zeros where it has no tokens), so it needs no zero fill; zeros without a dy
+                dBt = (torch.empty if dy is not None else torch.zeros)(Bt.shape, dtype=b_dtypes[s], device=Bt.device)
             if dy is not None:
-                if need_dh and need_dB and ctx.fuse_dy:
-                    lora_shrink_sgrad(dy, Bt, h, meta, dh, dB.t(), h_slice=s)  # one read of dy
+                if need_dh and dBt is not None and ctx.fuse_dy:
+                    lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, h_slice=s)  # one read of dy
                 else:
                     if need_dh:
                         lora_shrink(dy, Bt, meta, dh, h_slice=s, scale=True)
-                    if need_dB:
-                        lora_sgrad(h, dy, meta, dB.t(), p_slice=s, scale=True)
-            dBs.append(dB)
+                    if dBt is not None:
+                        lora_sgrad(h, dy, meta, dBt, p_slice=s, scale=True)
+            dBs.append(None if dBt is None else dBt.t())
         dx = lora_expand(dh, A.t(), packed, torch.empty_like(x)) if need[0] else None
-        dA = lora_sgrad(dh, x, packed, torch.empty_like(A)) if need[1] else None
-        return (dx, dA, None, None, None, *dBs, *(dys[:ctx.n_bases]))
+        dA = lora_sgrad(dh, x, packed, torch.empty(A.shape, dtype=a_dtype, device=A.device)) if need[1] else None
+        return (dx, dA, None, None, None, None, *dBs, *(dys[:ctx.n_bases]))
 
 
 def _meta_for(x: torch.Tensor, seg_start, rank_start, scale, meta: LoRABatchMeta | None) -> LoRABatchMeta:
@@ -89,7 +103,7 @@ def _meta_for(x: torch.Tensor, seg_start, rank_start, scale, meta: LoRABatchMeta
 
 
 def _check_inputs(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], meta: LoRABatchMeta,
-                  backend: str) -> None:
+                  backend: str, compute: tuple | None = None) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, d_in], got shape {tuple(x.shape)}")
     if x.shape[0] != meta.num_tokens:
@@ -101,14 +115,26 @@ def _check_inputs(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequence[torc
         if A.shape != (meta.total_rank, x.shape[1]) or B.dim() != 2 or B.shape[1] != meta.total_rank:
             raise ValueError(f"A {tuple(A.shape)} / B {tuple(B.shape)} must be [R, d_in] / [d_out, R] with "
                              f"R = rank_start[-1] = {meta.total_rank}, d_in = {x.shape[1]}")
-        if A.dtype != x.dtype or B.dtype != x.dtype:
+        if compute is None and (A.dtype != x.dtype or B.dtype != x.dtype):
             raise ValueError(f"x, A and B must share one dtype: {x.dtype}, {A.dtype}, {B.dtype}")
+    if compute is not None:
+        Acs, Btcs = compute
+        if len(Acs) != len(As) or len(Btcs) != len(Bs):
+            raise ValueError(f"compute holds {len(Acs)} A and {len(Btcs)} B^T copies for {len(As)} slices")
+        for A, B, Ac, Btc in zip(As, Bs, Acs, Btcs):
+            if Ac.shape != A.shape or Btc.shape != B.shape[::-1] or not Btc.is_contiguous():
+                raise ValueError(f"compute copies {tuple(Ac.shape)} / {tuple(Btc.shape)} must be A's shape "
+                                 f"{tuple(A.shape)} and B^T's {tuple(B.shape[::-1])}, contiguous")
+            if Ac.dtype != x.dtype or Btc.dtype != x.dtype or Ac.requires_grad or Btc.requires_grad:
+                raise ValueError(f"compute copies must be in x's dtype {x.dtype} ({Ac.dtype}, {Btc.dtype}) "
+                                 "and outside autograd (the gradients go to A and B)")
 
 
 def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: IntsLike | None = None,
                  rank_start: IntsLike | None = None, scale: FloatsLike | None = None, *, backend: str = "auto",
                  meta: LoRABatchMeta | None = None, add_to: torch.Tensor | None = None,
-                 fuse_dy: bool | None = None) -> torch.Tensor:
+                 fuse_dy: bool | None = None, compute: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
     """y = for each job j: scale[j] * (x_j @ A_j^T) @ B_j^T, differentiable wrt x, A and B.
 
     x: [T, d_in] rows sorted by job (job j: x[seg_start[j]:seg_start[j+1]]), A: [R, d_in] (job j owns
@@ -120,37 +146,50 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
     add_to: [T, d_out], the base projection's output: returns add_to + y, written into add_to in
     place on the triton path (saves writing and re-reading y); gradients flow to it unchanged.
     fuse_dy: compute dh and dB in one pass over dy (None: when it pays, see lora_ops.fuse_dy_pays).
+    compute: (A_c [R, d_in], Bt_c [R, d_out] contiguous) in x's dtype, outside autograd, to compute
+    with; A and B are then masters in their own dtype (the trainer's fp32 adapters) and get their
+    gradients in it (see the module docstring). The torch path casts A and B instead.
     """
     meta = _meta_for(x, seg_start, rank_start, scale, meta)
     backend = resolve_backend(backend, x.device)
-    _check_inputs(x, [A], [B], meta, backend)
+    _check_inputs(x, [A], [B], meta, backend, None if compute is None else ([compute[0]], [compute[1]]))
     if backend == "torch":
-        y = grouped_lora_ref(x, A, B, meta)
+        y = grouped_lora_ref(x, A.to(x.dtype), B.to(x.dtype), meta)
         return y if add_to is None else add_to + y
     x = x if x.stride(-1) == 1 else x.contiguous()
     bases = () if add_to is None else (add_to,)
     fuse = fuse_dy_pays(meta) if fuse_dy is None else fuse_dy
-    return _GroupedLoRA.apply(x, A, meta, 1, fuse, B, *bases)[0]
+    copies = None if compute is None else (compute[0], [compute[1]])
+    return _GroupedLoRA.apply(x, A, meta, 1, fuse, copies, B, *bases)[0]
 
 
 def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor],
                         meta: LoRABatchMeta, *, backend: str = "auto",
-                        add_to: Sequence[torch.Tensor] | None = None, fuse_dy: bool | None = None
+                        add_to: Sequence[torch.Tensor] | None = None, fuse_dy: bool | None = None,
+                        compute: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
                         ) -> list[torch.Tensor]:
     """[grouped_lora(x, As[s], Bs[s], meta=meta) for each slice s], with one read of x in the forward
     and one dx in the backward. x: [T, d_in], As[s]: [R, d_in], Bs[s]: [d_out_s, R] (same rank layout
-    for every slice); add_to: optional list of [T, d_out_s] base outputs, as in `grouped_lora`."""
+    for every slice); add_to: optional list of [T, d_out_s] base outputs, as in `grouped_lora`;
+    compute: ([A_c per slice], [Bt_c per slice]), as in `grouped_lora`."""
     if len(As) != len(Bs) or not As:
         raise ValueError(f"need as many A as B, at least one: got {len(As)} and {len(Bs)}")
     if add_to is not None and len(add_to) != len(Bs):
         raise ValueError(f"add_to has {len(add_to)} tensors, expected one per slice ({len(Bs)})")
     backend = resolve_backend(backend, x.device)
-    _check_inputs(x, As, Bs, meta, backend)
+    _check_inputs(x, As, Bs, meta, backend, compute)
     S = len(As)
     if backend == "torch":
-        ys = [grouped_lora_ref(x, A, B, meta) for A, B in zip(As, Bs)]
+        ys = [grouped_lora_ref(x, A.to(x.dtype), B.to(x.dtype), meta) for A, B in zip(As, Bs)]
         return ys if add_to is None else [b + y for b, y in zip(add_to, ys)]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    A = As[0] if S == 1 else torch.cat(list(As), 0).index_select(0, meta.pack_index(S))  # [S * R, d_in]
+
+    def pack(ts):  # [S * R, d_in]
+        return ts[0] if S == 1 else torch.cat(list(ts), 0).index_select(0, meta.pack_index(S))
+
+    copies = None
+    if compute is not None:
+        with torch.no_grad():
+            copies = (pack(compute[0]), list(compute[1]))
     fuse = fuse_dy_pays(meta) if fuse_dy is None else fuse_dy
-    return list(_GroupedLoRA.apply(x, A, meta, S, fuse, *Bs, *(add_to or ())))
+    return list(_GroupedLoRA.apply(x, pack(As), meta, S, fuse, copies, *Bs, *(add_to or ())))

@@ -174,6 +174,48 @@ def test_packed_matches_separate_projections(dtype):
         assert rel_err(a, b) <= LORA_TOL[dtype]
 
 
+@pytest.mark.parametrize("slices", [1, 3])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_compute_copies_give_the_masters_fp32_gradients(slices, backend):
+    """compute=: the arithmetic on bf16 copies, the gradients in the fp32 masters' dtype. Outputs and
+    dx equal those of the bf16 tensors themselves (the same arithmetic); dA and dB equal the bf16
+    path's gradients up to its rounding of them to bf16, against an fp64 reference."""
+    tokens, ranks, d_in, outs = [21, 0, 44], [8, 4, 16], 40, (32, 16, 16)[:slices]
+    g = torch.Generator().manual_seed(3)
+    meta = lora_case(tokens, ranks, d_in, 8, torch.float32, DEV, seed=3).meta
+    R, T = meta.total_rank, meta.num_tokens
+    A32 = [(torch.randn(R, d_in, generator=g) * 0.2).to(DEV).requires_grad_() for _ in outs]
+    B32 = [(torch.randn(R, d, generator=g) * 0.2).to(DEV).requires_grad_() for d in outs]  # B^T masters
+    x = torch.randn(T, d_in, generator=g).to(torch.bfloat16).to(DEV).requires_grad_()
+    dys = [torch.randn(T, d, generator=g).to(torch.bfloat16).to(DEV) for d in outs]
+    A16 = [a.detach().to(torch.bfloat16) for a in A32]
+    Bt16 = [b.detach().to(torch.bfloat16) for b in B32]
+
+    def call(As, Bs, **kw):
+        if slices == 1:
+            return [K.grouped_lora(x, As[0], Bs[0], meta=meta, backend=backend,
+                                   compute=None if "compute" not in kw else (kw["compute"][0][0], kw["compute"][1][0]))]
+        return K.grouped_lora_packed(x, As, Bs, meta, backend=backend, **kw)
+
+    ys = call(A32, [b.t() for b in B32], compute=(A16, Bt16))
+    got = torch.autograd.grad(ys, [x, *A32, *B32], dys)
+    assert all(t.dtype == torch.float32 for t in got[1:])  # the masters' own dtype
+    leaves16 = [t.clone().requires_grad_() for t in A16 + Bt16]
+    ys16 = call(leaves16[:slices], [b.t() for b in leaves16[slices:]])
+    want = torch.autograd.grad(ys16, [x, *leaves16], dys)
+    for y, y16 in zip(ys, ys16):
+        assert torch.equal(y, y16)
+    assert rel_err(got[0], want[0]) <= LORA_TOL[torch.bfloat16]
+    # fp64 on the same bf16 values: the fp32 gradients are at least as close as the bf16 ones
+    leaves64 = [t.double().requires_grad_() for t in A16 + Bt16]
+    ys64 = [K.grouped_lora(x.double(), a, b.t(), meta=meta, backend="torch")
+            for a, b in zip(leaves64[:slices], leaves64[slices:])]
+    ref = torch.autograd.grad(ys64, leaves64, [d.double() for d in dys])
+    for g32, g16, g64 in zip(got[1:], want[1:], ref):
+        assert rel_err(g32, g16.float()) <= LORA_TOL[torch.bfloat16]
+        assert rel_err(g32, g64) <= rel_err(g16, g64) + 1e-6
+
+
 def test_add_to_accumulates_in_place_and_passes_gradient():
     case = lora_case([30, 12], [8, 16], 24, 40, torch.float32, DEV, seed=5)
     x = case.x.detach().requires_grad_()

@@ -161,6 +161,51 @@ def test_triton_kernels_give_the_reference_step(tiny_model_dir):
             assert max((got[k][1] - want[k][1]).abs().max().item() for k in want) <= 1e-5
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_step_computes_on_copies_and_accumulates_fp32_gradients(tiny_model_dir, packed):
+    """In bf16 the trainer's LoRA calls compute on bf16 copies made once per step and write the
+    gradients in fp32 straight into the step's fp32 leaves. Against casting the fp32 adapters to bf16
+    in every micro-batch (the autograd cast, whose gradients come back rounded to bf16): the same
+    forward to the bit (same bf16 values), so the same loss, and the same update up to that rounding."""
+    import os
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter or a GPU")
+    full = dataclasses.replace(JOB_B, name="c", lora_rank=4)  # adapts every projection: packs apply
+    results, copies_seen = [], []
+    for copies in (True, False):
+        trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_B, full], micro_batch_tokens=96, device=device,
+                                        dtype="bfloat16")
+        trainer.cfg = dataclasses.replace(trainer.cfg, logprob_backend="triton")
+        bank.lora_backend, bank.pack_projections = "triton", packed
+        orig = bank.stacked
+
+        def stacked(path, dtype, orig=orig, copies=copies):
+            st = orig(path, dtype)
+            if st is not None:
+                copies_seen.append(st[3] is not None)
+                if not copies and st[3] is not None:  # the per-micro-batch autograd cast instead
+                    return st[0].to(dtype), st[1].to(dtype), st[2], None
+            return st
+
+        bank.stacked = stacked
+        ro = {j.name: fixed_rollouts(j, 0, 500) for j in (JOB_B, full)}
+        assert len(trainer._micro_batches(trainer._sequences(ro), ("b", "c"))) > 1
+        before = {j: params_of(bank, j) for j in ("b", "c")}
+        st = trainer.step(ro)
+        after = {j: params_of(bank, j) for j in ("b", "c")}
+        upd = torch.cat([(after[j][k][i] - before[j][k][i]).flatten() for j in after for k in after[j] for i in (0, 1)])
+        results.append((st, upd))
+        assert all(p.dtype == torch.float32 for j in ("b", "c") for p in bank.jobs[j].parameters())
+    assert copies_seen and all(copies_seen)
+    (s0, u0), (s1, u1) = results
+    for j in ("b", "c"):
+        assert s0[j].loss == s1[j].loss
+        assert s0[j].grad_norm == pytest.approx(s1[j].grad_norm, rel=2e-2)
+    assert torch.nn.functional.cosine_similarity(u0, u1, dim=0) >= 0.98
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_packed_projections_take_the_same_step(tiny_model_dir, backend, monkeypatch):
     """q/k/v and gate/up in one grouped call each give the unpacked step; a job that adapts only
