@@ -182,11 +182,12 @@ def test_bf16_step_computes_on_copies_and_accumulates_fp32_gradients(tiny_model_
         orig = bank.stacked
 
         def stacked(path, dtype, orig=orig, copies=copies):
+            if not copies:  # the fp32 leaves, no copies: the per-micro-batch autograd cast instead
+                st = orig(path, torch.float32)
+                return None if st is None else (st[0].to(dtype), st[1].to(dtype), st[2], None)
             st = orig(path, dtype)
             if st is not None:
                 copies_seen.append(st[3] is not None)
-                if not copies and st[3] is not None:  # the per-micro-batch autograd cast instead
-                    return st[0].to(dtype), st[1].to(dtype), st[2], None
             return st
 
         bank.stacked = stacked
