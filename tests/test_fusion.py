@@ -72,3 +72,37 @@ def test_restore_gives_the_module_its_own_rotary_back(tiny_model_dir):
 def test_auto_fuses_on_cuda_only():
     assert should_fuse("auto", "cuda") and not should_fuse("auto", "cpu")
     assert should_fuse("on", "cpu") and not should_fuse("off", "cuda")
+
+
+def test_norm_kernel_computes_the_same_logits_and_gradients(tiny_model_dir, monkeypatch):
+    """COLORA_NORM_KERNEL's path: the frozen model's RMSNorms through kernels/rmsnorm.py (Triton's
+    interpreter here) give the model's own logits and input gradients; a trainable norm keeps the
+    compiled function (the kernel computes no weight gradient)."""
+    import colora.kernels.rmsnorm as rk
+    from colora.fusion import norm_kernel_from_env
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("COLORA_NORM_KERNEL", raising=False)
+    ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(2))
+    want = _logits_and_grads(_load(tiny_model_dir).requires_grad_(False), ids)
+    calls = []
+    real = rk._RMSNorm.apply
+    monkeypatch.setattr(rk._RMSNorm, "apply", lambda *a: calls.append(1) or real(*a))
+    model = _load(tiny_model_dir).requires_grad_(False)
+    fuse_elementwise(model, norm_kernel=True)
+    try:
+        got = _logits_and_grads(model, ids)
+        n = len(calls)
+        trainable = _load(tiny_model_dir)  # parameters require grad: the norms stay compiled
+        fuse_elementwise(trainable, norm_kernel=True)
+        _logits_and_grads(trainable, ids)
+    finally:
+        restore_rotary()
+    n_layers = model.config.num_hidden_layers
+    assert n == n_layers * 4 + 1 and len(calls) == n  # input, post-attention, q and k norms; the final one
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert norm_kernel_from_env() is False
+    monkeypatch.setenv("COLORA_NORM_KERNEL", "yes")
+    with pytest.raises(ValueError, match="COLORA_NORM_KERNEL must be '0' or '1', got 'yes'"):
+        norm_kernel_from_env()

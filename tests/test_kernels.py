@@ -390,3 +390,42 @@ def test_bench_kernels_reduce_writes_its_table(tmp_path):
     assert all(r["before_us"] > 0 and r["now_us"] > 0 and r["shape_before"][1] == 1 for r in rows)
     md = (tmp_path / "k.md").read_text()
     assert "## Segment reduction" in md and "| dB tiny | 48 | 16 | 4 x 40 |" in md
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 48), (2, 3, 5, 100), (0, 32), (1, 3)], ids=str)
+def test_rms_norm_kernel_matches_the_model_code(dtype, shape):
+    """kernels/rmsnorm.py against Hugging Face's RMSNorm arithmetic (rms_norm_ref), forward and the
+    input's gradient: fp32 to rounding; bf16/fp16 within one rounding of the output (fp32 rsqrt
+    against 1/sqrt can move a value across a rounding boundary), odd widths, 4-D (q/k norms per
+    head), empty."""
+    from colora.kernels.rmsnorm import rms_norm, rms_norm_ref
+
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(DEV).requires_grad_()
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype).to(DEV)
+    dy = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    y = rms_norm(x, w, 1e-6)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = rms_norm_ref(x_ref, w, 1e-6)
+    assert y.shape == y_ref.shape and y.dtype == dtype
+    if x.numel() == 0:
+        return
+    (dx,), (dx_ref,) = torch.autograd.grad(y, x, dy), torch.autograd.grad(y_ref, x_ref, dy)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # fp32: rounding; else one step of a 8/11-bit mantissa
+    assert rel_err(y, y_ref) <= tol and rel_err(dx, dx_ref) <= tol
+    # a transposed input (not unit stride along the normalised dim) takes the same result
+    xt = x.detach().transpose(-1, -2).contiguous().transpose(-1, -2) if x.dim() > 1 and shape[-1] > 1 else x.detach()
+    assert torch.equal(rms_norm(xt, w, 1e-6), y.detach())
+
+
+def test_rms_norm_kernel_refuses_what_it_cannot_compute():
+    from colora.kernels.rmsnorm import rms_norm
+
+    x = torch.randn(4, 16, device=DEV)
+    with pytest.raises(ValueError, match="must be frozen"):
+        rms_norm(x, torch.ones(16, device=DEV, requires_grad=True), 1e-6)
+    with pytest.raises(ValueError, match=r"must be \[16\]"):
+        rms_norm(x, torch.ones(8, device=DEV), 1e-6)
+    with pytest.raises(ValueError, match="in x's dtype"):
+        rms_norm(x, torch.ones(16, device=DEV, dtype=torch.bfloat16), 1e-6)

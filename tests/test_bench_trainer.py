@@ -1,0 +1,34 @@
+"""`colora bench trainer` as a program: its implementations' flags are checked, and a CPU smoke run
+(tiny model, Triton's interpreter) measures every implementation it is given without failing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from colora import bench_trainer
+
+
+def test_an_unknown_implementation_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_trainer.main(["--device", "cpu", "--impls", "triton+nrom"])
+    assert e.value.code == 2 and "--impls triton+nrom" in capsys.readouterr().err
+
+
+def test_cpu_smoke_run_of_the_fused_trainer_with_the_norm_kernel(tiny_model_dir, tmp_path, monkeypatch):
+    import colora.kernels.rmsnorm as rk
+
+    calls = []
+    real = rk._RMSNorm.apply
+    monkeypatch.setattr(rk._RMSNorm, "apply", lambda *a: calls.append(1) or real(*a))
+    out = tmp_path / "trainer_step"
+    argv = ["--device", "cpu", "--model", str(tiny_model_dir), "--jobs", "2", "--seqs", "2", "--prompt", "5",
+            "--completion", "6", "--repeats", "1", "--micro-batch-tokens", "24", "--out", str(out),
+            "--impls", "triton+packed+fused+norm", "torch"]
+    assert bench_trainer.main(argv) == 0
+    results = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [r["impl"] for r in results] == [
+        "colora (triton, packed q/k/v and gate/up, fused elementwise, RMSNorm kernel)", "colora (torch)"]
+    assert all(r.get("seconds", 0) > 0 for r in results), results
+    assert "RMSNorm kernel" in out.with_suffix(".md").read_text() and calls  # the kernel did run
