@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .lora_ops import pow2
+from .lora_ops import cdiv, pow2
 from .rmsnorm_kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 
 
@@ -28,29 +28,37 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(x.dtype)
 
 
+def _blocks(N: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N columns, warps) of a program: about 2,048 values each (16 rows of the q
+    and k norms' 128), one row of up to 16,384 where rows are long."""
+    block_n = pow2(N)
+    return max(1, 2048 // block_n), block_n, 4 if block_n <= 2048 else 8
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, eps):  # x2: [rows, N] with unit stride along N, weight: [N]
-        rows, N = x2.shape
+        M, N = x2.shape
         y = torch.empty_like(x2)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x2.device)
-        block = pow2(N)
-        if rows:
-            rms_norm_fwd_kernel[(rows,)](x2, weight, y, rstd, N, x2.stride(0), y.stride(0), eps,
-                                          BLOCK_N=block, num_warps=4 if block <= 1024 else 8)
+        rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
+        block_m, block_n, warps = _blocks(N)
+        if M:
+            rms_norm_fwd_kernel[(cdiv(M, block_m),)](x2, weight, y, rstd, M, N, x2.stride(0), y.stride(0), eps,
+                                                            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.block = block
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
-        rows, N = x2.shape
+        M, N = x2.shape
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         dx = torch.empty_like(x2)
-        if rows:
-            rms_norm_bwd_kernel[(rows,)](dy, x2, weight, rstd, dx, N, dy.stride(0), x2.stride(0), dx.stride(0),
-                                          BLOCK_N=ctx.block, num_warps=4 if ctx.block <= 1024 else 8)
+        block_m, block_n, warps = _blocks(N)
+        if M:
+            rms_norm_bwd_kernel[(cdiv(M, block_m),)](dy, x2, weight, rstd, dx, M, N, dy.stride(0), x2.stride(0),
+                                                            dx.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                                                            num_warps=warps)
         return dx, None, None
 
 

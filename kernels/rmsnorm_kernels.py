@@ -1,35 +1,42 @@
 """Triton kernels of the frozen-weight RMSNorm (launchers and the autograd function: rmsnorm.py).
-One program per row of N <= BLOCK_N values; fp32 inside, results in the output's dtype."""
+Each program normalises BLOCK_M rows of N <= BLOCK_N values (several rows where N is small, as for
+the q and k norms' 128 values a head, so the grid is not one tiny program per row); fp32 inside,
+results in the output's dtype."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
+def rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, M, N, stride_x, stride_y, eps,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    xhat = (x * rstd).to(y_ptr.dtype.element_ty)  # hidden_states.to(input_dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * xhat.to(tl.float32)).to(y_ptr.dtype.element_ty)  # weight * hidden, rounded to x's dtype
-    tl.store(y_ptr + row.to(tl.int64) * stride_y + cols, y, mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N]
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)  # [BLOCK_M]
+    xhat = (x * rstd[:, None]).to(y_ptr.dtype.element_ty)  # hidden_states.to(input_dtype)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = (w[None, :] * xhat.to(tl.float32)).to(y_ptr.dtype.element_ty)  # weight * hidden, in x's dtype
+    tl.store(y_ptr + r64 * stride_y + cols[None, :], y, mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
-def rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, N, stride_dy, stride_x, stride_dx,
-                         BLOCK_N: tl.constexpr):
-    row = tl.program_id(0)
+def rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, M, N, stride_dy, stride_x, stride_dx,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    dy = tl.load(dy_ptr + row.to(tl.int64) * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + row)
-    g = (dy * w).to(dx_ptr.dtype.element_ty).to(tl.float32)  # the product's gradient, in x's dtype
-    xhat = x * rstd
-    dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
-    tl.store(dx_ptr + row.to(tl.int64) * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    g = (dy * w[None, :]).to(dx_ptr.dtype.element_ty).to(tl.float32)  # the product's gradient, in x's dtype
+    xhat = x * rstd[:, None]
+    dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
+    tl.store(dx_ptr + r64 * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
