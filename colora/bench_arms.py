@@ -85,7 +85,7 @@ def plan(cfg: Config, args) -> list[dict]:
 # The environment switches `--vary env:NAME=...` may set per run: read when a run starts, and part
 # of the engine cache's key where they shape the engine (COLORA_VLLM_SAMPLER is not: it is left out).
 # VLLM_TUNED_CONFIG_FOLDER is vLLM's (its LoRA kernels' tuned block sizes, `colora bench vllm-lora`).
-VARY_ENV = ("COLORA_RELOAD_FIRST", "COLORA_ENGINE_PROCESS", "COLORA_PACKED_ROWS", "COLORA_NORM_KERNEL",
+VARY_ENV = ("COLORA_RELOAD_FIRST", "COLORA_ENGINE_PROCESS", "COLORA_PACKED_ROWS", "COLORA_ELEMENTWISE_KERNELS",
             "VLLM_TUNED_CONFIG_FOLDER")
 
 
@@ -453,7 +453,7 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
                      f"{', client in its own process' if s.get('engine_process') else ''}"
                      f"{', reload first' if s.get('reload_first') else ''}"
                      f"{', packed rows' if s.get('packed_rows') else ''}"
-                     f"{', RMSNorm kernel' if s.get('norm_kernel') else ''}"
+                     f"{', elementwise kernels' if s.get('elementwise_kernels') else ''}"
                      f"{', tuned LoRA kernels' if s.get('vllm_lora_configs') else ''} | "
                      f"{s.get('steps_measured', '-')} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "

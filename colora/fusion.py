@@ -49,40 +49,49 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return _compile("rms_norm", _rms_norm)(hidden_states, self.weight, self.variance_epsilon)
 
 
+def _on_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter: the CPU tests
+
+
 def _norm_kernel_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    # the kernel computes no weight gradient (a trainable norm compiles) and runs on CUDA or under
-    # Triton's interpreter (the CPU tests)
-    on_triton = hidden_states.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if self.weight.requires_grad or not on_triton:
+    if self.weight.requires_grad or not _on_triton(hidden_states):  # the kernel has no weight gradient
         return _norm_forward(self, hidden_states)
     from colora.kernels.rmsnorm import rms_norm
 
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def norm_kernel_from_env() -> bool:
-    """COLORA_NORM_KERNEL: "1" routes the fused model's RMSNorms through colora's Triton kernel
-    (kernels/rmsnorm.py: one autograd.Function and one launch each way) instead of torch.compile's
-    function, whose every call pays Dynamo's guards and AOTAutograd's wrappers in host time; "0" or
-    unset (the default until the H200 has measured it) keeps the compiled one. Anything else is a
-    ValueError (checked before a run starts: runner.prepare)."""
+def elementwise_kernels_from_env() -> bool:
+    """COLORA_ELEMENTWISE_KERNELS: "1" routes the fused model's RMSNorms and SiLU-gated products
+    through colora's Triton kernels (kernels/rmsnorm.py, kernels/swiglu.py: one autograd.Function and
+    one launch each way) instead of torch.compile's functions, whose every call pays Dynamo's guards
+    and AOTAutograd's wrappers in host time; "0" or unset (the default until the H200 has measured
+    it) keeps the compiled ones. Anything else is a ValueError (checked before a run: runner.prepare)."""
     from .config import env_switch
 
-    return env_switch("COLORA_NORM_KERNEL", ("0", "1"), "0") == "1"
+    return env_switch("COLORA_ELEMENTWISE_KERNELS", ("0", "1"), "0") == "1"
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_compile("silu_mul", _silu_mul)(self.gate_proj(x), self.up_proj(x)))
 
 
+def _mlp_kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if not _on_triton(x):
+        return _mlp_forward(self, x)
+    from colora.kernels.swiglu import swiglu
+
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
 def _is_silu(act) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
-def fuse_elementwise(model: torch.nn.Module, norm_kernel: bool = False) -> dict[str, int]:
+def fuse_elementwise(model: torch.nn.Module, kernels: bool = False) -> dict[str, int]:
     """Route the model's RMSNorms, SiLU-gated MLPs and rotary embedding through compiled functions
-    (the RMSNorms through colora's Triton kernel instead with `norm_kernel`, where their weight is
-    frozen). Only modules that match the Llama/Qwen3 pattern exactly are touched (an RMSNorm with
+    (with `kernels`, the RMSNorms whose weight is frozen and the MLPs' SiLU-gated products through
+    colora's Triton kernels instead). Only modules that match the Llama/Qwen3 pattern exactly are touched (an RMSNorm with
     `weight` and `variance_epsilon`, an MLP with gate/up/down projections and a SiLU); anything else
     keeps its own forward. Returns how many of each were fused."""
     counts = {"rms_norm": 0, "mlp": 0, "rotary": 0}
@@ -90,10 +99,10 @@ def fuse_elementwise(model: torch.nn.Module, norm_kernel: bool = False) -> dict[
         name = type(mod).__name__
         if name.endswith("RMSNorm") and isinstance(getattr(mod, "weight", None), torch.Tensor) \
                 and isinstance(getattr(mod, "variance_epsilon", None), float):
-            mod.forward = types.MethodType(_norm_kernel_forward if norm_kernel else _norm_forward, mod)
+            mod.forward = types.MethodType(_norm_kernel_forward if kernels else _norm_forward, mod)
             counts["rms_norm"] += 1
         elif all(hasattr(mod, a) for a in ("gate_proj", "up_proj", "down_proj")) and _is_silu(getattr(mod, "act_fn", None)):
-            mod.forward = types.MethodType(_mlp_forward, mod)
+            mod.forward = types.MethodType(_mlp_kernel_forward if kernels else _mlp_forward, mod)
             counts["mlp"] += 1
     # The attention layers call their modeling module's apply_rotary_pos_emb by global name; the
     # compiled function computes the same thing (it is compiled from that very function).

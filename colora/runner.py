@@ -144,7 +144,7 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     """Every input check that needs no engine. Creates nothing on failure."""
     from .corunner import reload_first_from_env
     from .engine import engine_process_from_env, sampler_from_env, tuned_lora_configs
-    from .fusion import norm_kernel_from_env
+    from .fusion import elementwise_kernels_from_env
     from .packing import packed_rows_from_env
 
     try:
@@ -153,7 +153,7 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
         engine_process_from_env(cfg.experiment.arm)
         reload_first_from_env()
         packed_rows_from_env()
-        norm_kernel_from_env()
+        elementwise_kernels_from_env()
     except ValueError as e:
         raise RunError(str(e)) from None
     tasks = load_tasks(cfg.jobs)
@@ -317,14 +317,14 @@ def torch_dtype(name: str):
 def build_trainer(cfg: Config, model_dir: Path, device: str, dtype, pad_id: int):
     """The frozen base model with every job's adapter injected, and the trainer over it:
     (bank, trainer). Used by a run and by `colora replay-step`."""
-    from .fusion import fuse_elementwise, norm_kernel_from_env, should_fuse
+    from .fusion import elementwise_kernels_from_env, fuse_elementwise, should_fuse
     from .lora import AdapterBank, inject_lora
     from .models import load_base_model
     from .trainer import MultiJobTrainer
 
     model = load_base_model(model_dir, dtype, device)
     if should_fuse(cfg.trainer.fuse_elementwise, device):
-        fuse_elementwise(model, norm_kernel=norm_kernel_from_env())
+        fuse_elementwise(model, kernels=elementwise_kernels_from_env())
     bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections)
     inject_lora(model, bank)
     for j in cfg.jobs:
@@ -339,7 +339,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
     from .corunner import CoRunner, EngineFailure, JobState, throughput
     from .engine import RolloutEngine, engine_process_from_env, tuned_lora_configs
     from .evaluate import evaluate
-    from .fusion import norm_kernel_from_env, should_fuse
+    from .fusion import elementwise_kernels_from_env, should_fuse
     from .gpumon import GpuSampler
     from .models import load_tokenizer
 
@@ -461,7 +461,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "engine_process": engine.own_process,
         "reload_first": corunner.reload_first,
         "packed_rows": trainer.packed,
-        "norm_kernel": should_fuse(cfg.trainer.fuse_elementwise, device) and norm_kernel_from_env(),
+        "elementwise_kernels": should_fuse(cfg.trainer.fuse_elementwise, device) and elementwise_kernels_from_env(),
         "vllm_lora_configs": tuned_lora_configs(),
         "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show

@@ -74,35 +74,41 @@ def test_auto_fuses_on_cuda_only():
     assert should_fuse("on", "cpu") and not should_fuse("off", "cuda")
 
 
-def test_norm_kernel_computes_the_same_logits_and_gradients(tiny_model_dir, monkeypatch):
-    """COLORA_NORM_KERNEL's path: the frozen model's RMSNorms through kernels/rmsnorm.py (Triton's
-    interpreter here) give the model's own logits and input gradients; a trainable norm keeps the
-    compiled function (the kernel computes no weight gradient)."""
+def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_dir, monkeypatch):
+    """COLORA_ELEMENTWISE_KERNELS's path: the frozen model's RMSNorms and SiLU-gated products through
+    kernels/rmsnorm.py and kernels/swiglu.py (Triton's interpreter here) give the model's own logits
+    and input gradients; a trainable norm keeps the compiled function (the kernel computes no weight
+    gradient)."""
     import colora.kernels.rmsnorm as rk
-    from colora.fusion import norm_kernel_from_env
+    import colora.kernels.swiglu as sk
+    from colora.fusion import elementwise_kernels_from_env
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("COLORA_NORM_KERNEL", raising=False)
+    monkeypatch.delenv("COLORA_ELEMENTWISE_KERNELS", raising=False)
     ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(2))
     want = _logits_and_grads(_load(tiny_model_dir).requires_grad_(False), ids)
-    calls = []
-    real = rk._RMSNorm.apply
-    monkeypatch.setattr(rk._RMSNorm, "apply", lambda *a: calls.append(1) or real(*a))
+    calls = {"norm": 0, "swiglu": 0}
+    for mod, fn, key in ((rk, "_RMSNorm", "norm"), (sk, "_SwiGLU", "swiglu")):
+        real = getattr(mod, fn).apply
+        monkeypatch.setattr(getattr(mod, fn), "apply", lambda *a, real=real, key=key: calls.__setitem__(
+            key, calls[key] + 1) or real(*a))
     model = _load(tiny_model_dir).requires_grad_(False)
-    fuse_elementwise(model, norm_kernel=True)
+    fuse_elementwise(model, kernels=True)
     try:
         got = _logits_and_grads(model, ids)
-        n = len(calls)
+        seen = dict(calls)
         trainable = _load(tiny_model_dir)  # parameters require grad: the norms stay compiled
-        fuse_elementwise(trainable, norm_kernel=True)
+        fuse_elementwise(trainable, kernels=True)
         _logits_and_grads(trainable, ids)
     finally:
         restore_rotary()
     n_layers = model.config.num_hidden_layers
-    assert n == n_layers * 4 + 1 and len(calls) == n  # input, post-attention, q and k norms; the final one
+    # input, post-attention, q and k norms a layer and the final one; one MLP a layer
+    assert seen == {"norm": n_layers * 4 + 1, "swiglu": n_layers}
+    assert calls["norm"] == seen["norm"] and calls["swiglu"] == 2 * n_layers
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
-    assert norm_kernel_from_env() is False
-    monkeypatch.setenv("COLORA_NORM_KERNEL", "yes")
-    with pytest.raises(ValueError, match="COLORA_NORM_KERNEL must be '0' or '1', got 'yes'"):
-        norm_kernel_from_env()
+    assert elementwise_kernels_from_env() is False
+    monkeypatch.setenv("COLORA_ELEMENTWISE_KERNELS", "yes")
+    with pytest.raises(ValueError, match="COLORA_ELEMENTWISE_KERNELS must be '0' or '1', got 'yes'"):
+        elementwise_kernels_from_env()

@@ -429,3 +429,27 @@ def test_rms_norm_kernel_refuses_what_it_cannot_compute():
         rms_norm(x, torch.ones(8, device=DEV), 1e-6)
     with pytest.raises(ValueError, match="in x's dtype"):
         rms_norm(x, torch.ones(16, device=DEV, dtype=torch.bfloat16), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 1500), (0, 16)], ids=str)
+def test_swiglu_kernel_matches_the_model_code(dtype, shape):
+    """kernels/swiglu.py against F.silu(gate) * up, forward and both gradients: fp32 to rounding,
+    bf16/fp16 within one rounding (the sigmoid's last bit), across block edges, empty."""
+    from colora.kernels.swiglu import swiglu, swiglu_ref
+
+    gen = torch.Generator().manual_seed(sum(shape) + 2)
+    gate, up, dy = ((torch.randn(*shape, generator=gen) * 3).to(dtype).to(DEV) for _ in range(3))
+    got_in = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    ref_in = [gate.clone().requires_grad_(), up.clone().requires_grad_()]
+    y, y_ref = swiglu(*got_in), swiglu_ref(*ref_in)
+    assert y.shape == y_ref.shape and y.dtype == dtype
+    if y.numel() == 0:
+        return
+    got = [y, *torch.autograd.grad(y, got_in, dy)]
+    want = [y_ref, *torch.autograd.grad(y_ref, ref_in, dy)]
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= tol
+    with pytest.raises(ValueError, match="must match"):
+        swiglu(gate, up[..., :-1])
