@@ -33,9 +33,10 @@ the next group. Why: a load pauses the engine's decoding of the other group (on 
 engine steps/s inside a load against 80-98 elsewhere) and, run during a training step, takes about
 twice as long (0.49-0.61 s median for four adapters against 0.24 s alone: reports/h200/tenth/
 reload_first.txt); the group whose load was slowed so ends its generation late, with the other
-group's, and the two then wait for the trainer in turn while the engine has no work. In the one
-run with it (cut by the benchmark's deadline after 44 s of its window) overlap_mps made 7522
-job-steps/h against 6287 without it over the same span, same process and seed.
+group's, and the two then wait for the trainer in turn while the engine has no work. Measured only
+over partial spans, each time against a run that the benchmark's deadline cut: overlap_mps made
+7522 job-steps/h against 6287 without it (44 s, reports/h200/tenth/reload_first.txt) and 7008
+against 6290 (64 s, reports/h200/eleventh/reload_first.txt), same process and seed each time.
 """
 
 from __future__ import annotations
