@@ -92,6 +92,9 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     if args.profile:
         ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, args.repeats + 1)
         out["profile"] = profile_step(lambda: trainer.step(ro), args.device, f"{args.out}.profile.txt", impl)
+    if args.profile_sources:
+        ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, bank.jobs[names[0]].version)
+        profile_sources(lambda: trainer.step(ro), args.device, f"{args.out}.sources.txt", impl)
     del trainer, bank, model
     if fused:
         from .fusion import restore_rotary
@@ -126,6 +129,29 @@ def profile_step(step, device: str, path: str, title: str) -> dict:
         f.write(avg.table(sort_by="self_cpu_time_total", row_limit=25) + "\n")
         f.write(avg.table(sort_by=dev_key, row_limit=25) + "\n\n")
     return summary
+
+
+def profile_sources(step, device: str, path: str, title: str) -> None:
+    """Where the device time comes from: one more step under torch.profiler with input shapes and
+    Python stacks, the ops by device time grouped by their 8 innermost Python frames and by their
+    input shapes (appended to `path`). Slower on the host than `profile_step` (recording stacks), so
+    its wall time is not reported; the tables say which line of code launched which kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    dev_key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    _sync(device)
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # attaches the stacks to the ops
+    with profile(activities=acts, record_shapes=True, with_stack=True, experimental_config=verbose) as prof:
+        step()
+        _sync(device)
+    with open(path, "a") as f:
+        f.write(f"## {title}\n\n### by Python stack (8 frames)\n")
+        f.write(prof.key_averages(group_by_stack_n=8).table(sort_by=dev_key, row_limit=60, max_name_column_width=50,
+                                                            max_src_column_width=110) + "\n")
+        f.write("### by input shapes\n")
+        f.write(prof.key_averages(group_by_input_shape=True).table(sort_by=dev_key, row_limit=40,
+                                                                   max_name_column_width=60) + "\n\n")
 
 
 def bench_peft(model_dir: str, args) -> dict:
@@ -182,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peft-micro-seqs", type=int, default=32, help="peft's micro-batch (sequences)")
     p.add_argument("--impls", nargs="+", default=["triton", "triton+packed", "triton+fused", "triton+packed+fused", "torch", "peft"])
     p.add_argument("--profile", action="store_true", help="also profile one step per colora impl (OUT.profile.txt)")
+    p.add_argument("--profile-sources", action="store_true",
+                   help="also profile one step per colora impl with shapes and Python stacks (OUT.sources.txt)")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the program)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -32,3 +32,16 @@ def test_cpu_smoke_run_of_the_fused_trainer_with_the_elementwise_kernels(tiny_mo
         "colora (triton, packed q/k/v and gate/up, fused elementwise, elementwise kernels)", "colora (torch)"]
     assert all(r.get("seconds", 0) > 0 for r in results), results
     assert "elementwise kernels" in out.with_suffix(".md").read_text() and calls  # the kernels did run
+
+
+def test_cpu_profiles_name_the_ops_and_the_code_that_ran_them(tiny_model_dir, tmp_path):
+    out = tmp_path / "trainer_step"
+    argv = ["--device", "cpu", "--model", str(tiny_model_dir), "--jobs", "2", "--seqs", "2", "--prompt", "5",
+            "--completion", "6", "--repeats", "1", "--micro-batch-tokens", "24", "--out", str(out),
+            "--impls", "torch", "--profile", "--profile-sources"]
+    assert bench_trainer.main(argv) == 0
+    result = json.loads(out.with_suffix(".json").read_text())["results"][0]
+    assert result["profile"]["host_ops"] > 0
+    sources = (tmp_path / "trainer_step.sources.txt").read_text()
+    assert "by Python stack" in sources and "by input shapes" in sources
+    assert "trainer.py" in sources and "aten::mm" in sources  # a stack into colora's trainer, an op under it
