@@ -76,24 +76,26 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                      max_length_q: int | None = None, sliding_window=None, **kwargs):
     """Causal attention within each sequence of one packed row, in transformers' attention interface:
     query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). `cu_seq_lens_q`: int32
-    [S+1], the sequences' starts and T; `max_length_q`: the longest sequence."""
+    [S+1], the sequences' starts and T; `max_length_q`: the longest sequence.
+
+    The inputs are transposed views of the projections' [1, T, H, D] outputs (the fused rotary keeps
+    that layout: colora/fusion.py), so FlashAttention gets them without a copy. `squeeze(0)`, not
+    `[0]`: the backward of indexing builds a zero tensor and copies the gradient into it (a strided
+    copy of q's, k's and v's gradients per layer on the H200: reports/h200/twelfth)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(f"attention {ATTN!r} needs cu_seq_lens_q and max_length_q (colora's packed rows)")
     if sliding_window is not None or dropout:
         raise ValueError(f"attention {ATTN!r}: no sliding window or dropout (got {sliding_window}, {dropout})")
     if query.shape[0] != 1:
         raise ValueError(f"attention {ATTN!r} takes one packed row, got a batch of {query.shape[0]}")
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)  # FlashAttention has no fp32
     varlen = _torch_varlen() if flash else None
     if varlen is not None:
         fn, causal, gqa = varlen
-        if not gqa and k.shape[1] != q.shape[1]:
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        extra = {"enable_gqa": True} if gqa else {}
         cu = cu_seq_lens_q.to(torch.int32)
-        out = fn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, int(max_length_q), int(max_length_q),
-                 scale=scaling, **causal, **extra)
+        n = int(max_length_q)
+        out = _flash_varlen(fn, q.contiguous(), k.contiguous(), v.contiguous(), cu, n, scaling, causal, gqa)
         return out.unsqueeze(0), None
     # the reference: one causal SDPA call per sequence
     bounds = cu_seq_lens_q.tolist()
@@ -103,6 +105,27 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         outs.append(torch.nn.functional.scaled_dot_product_attention(
             qa, ka, va, is_causal=True, scale=scaling, enable_gqa=ka.shape[0] != qa.shape[0]).transpose(0, 1))
     return torch.cat(outs, 0).unsqueeze(0), None
+
+
+_repeat_kv: list[bool] = []  # [True] once torch's varlen attention refused K/V with fewer heads than Q
+
+
+def _flash_varlen(fn, q, k, v, cu, max_len, scaling, causal, gqa):
+    """FlashAttention's varlen call with grouped-query K/V as they are: its kernels take fewer K/V
+    heads than Q heads (torch 2.11 passes them through without an `enable_gqa` parameter: same
+    output and K/V gradients as with K/V repeated, reports/h200/twelfth/gqa_probe.txt). Repeating
+    them costs a copy of K and V forward and a reduction of their gradients backward per layer
+    (~100 ms of a 2 s trainer step on the H200). A torch that refuses them gets them repeated."""
+    extra = {"enable_gqa": True} if gqa else {}
+    if k.shape[1] != q.shape[1] and not gqa and _repeat_kv:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    try:
+        return fn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **causal, **extra)
+    except RuntimeError:
+        if k.shape[1] == q.shape[1] or gqa:
+            raise
+        _repeat_kv.append(True)
+        return _flash_varlen(fn, q, k, v, cu, max_len, scaling, causal, gqa)
 
 
 def cumulative_starts(lengths: np.ndarray) -> np.ndarray:

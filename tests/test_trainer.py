@@ -424,3 +424,34 @@ def test_varlen_attention_on_the_gpu_equals_one_sdpa_call_per_sequence(dtype):
                                cu_seq_lens_q=cu.cpu(), max_length_q=max(lens))
     assert got.shape == (1, T, 16, 128)
     assert (got.float().cpu() - want).abs().max().item() <= 2e-2
+
+
+@pytest.mark.gpu
+def test_varlen_attention_on_the_gpu_takes_grouped_kv_as_they_are(monkeypatch):
+    """K/V with fewer heads than Q go to FlashAttention as they are (no repeat: colora/packing.py);
+    output and gradients equal those of the same call with K/V repeated (the fallback for a torch
+    that refused them), and the inputs' gradients come back in their [1, T, H, D] layout."""
+    import colora.packing as packing
+
+    g = torch.Generator().manual_seed(1)
+    lens = [7, 33, 1, 90]
+    T = sum(lens)
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32, device="cuda")
+    base = [torch.randn(1, T, h, 128, generator=g).to("cuda", torch.bfloat16) for h in (16, 8, 8)]
+    grad_out = torch.randn(1, T, 16, 128, generator=g).to("cuda", torch.bfloat16)
+
+    def run(repeat):
+        monkeypatch.setattr(packing, "_repeat_kv", [True] if repeat else [])
+        leaves = [t.clone().requires_grad_() for t in base]
+        q, k, v = (t.transpose(1, 2) for t in leaves)  # as the attention layers pass them
+        out, _ = packing.varlen_attention(None, q, k, v, None, scaling=0.088, cu_seq_lens_q=cu,
+                                          max_length_q=max(lens))
+        out.backward(grad_out)
+        return out, [t.grad for t in leaves]
+
+    out, grads = run(repeat=False)
+    ref, ref_grads = run(repeat=True)
+    assert (out.float() - ref.float()).abs().max().item() <= 1e-2
+    for gr, rg in zip(grads, ref_grads):
+        assert gr.shape == rg.shape and gr.is_contiguous()
+        assert (gr.float() - rg.float()).abs().max().item() <= 2e-2 * max(1.0, rg.float().abs().max().item())
