@@ -31,6 +31,22 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(dtype)
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary_thd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Llama's / Qwen3's apply_rotary_pos_emb (unsqueeze_dim=1), computed in the [B, T, H, D] layout
+    of the projections: q, k are [B, H, T, D] transposed views of it, and so are the results. Compiled
+    from the model's own function, the results came out [B, H, T, D]-contiguous on the H200, and the
+    layout changes cost strided copies both ways: FlashAttention's inputs made contiguous, and
+    AOTAutograd coercing the gradients to the traced layout (reports/h200/twelfth)."""
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)  # [B, T, H, D]
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
+    return ((qt * c) + (_rotate_half(qt) * s)).transpose(1, 2), ((kt * c) + (_rotate_half(kt) * s)).transpose(1, 2)
+
+
 def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -105,12 +121,18 @@ def fuse_elementwise(model: torch.nn.Module, kernels: bool = False) -> dict[str,
             mod.forward = types.MethodType(_mlp_kernel_forward if kernels else _mlp_forward, mod)
             counts["mlp"] += 1
     # The attention layers call their modeling module's apply_rotary_pos_emb by global name; the
-    # compiled function computes the same thing (it is compiled from that very function).
+    # compiled `_rotary_thd` computes the same thing (tests/test_fusion.py holds it to the original)
+    # in the projections' layout; other calls (another unsqueeze_dim) go to the original.
     modeling = sys.modules.get(type(model).__module__)
     orig = getattr(modeling, "apply_rotary_pos_emb", None)
     if orig is not None and not getattr(orig, "_colora_fused", False):
-        fused = _compile(f"rotary:{modeling.__name__}", orig)
-        wrapper = lambda *a, **k: fused(*a, **k)  # noqa: E731  (a plain function, so it can carry the mark)
+        fused = _compile("rotary_thd", _rotary_thd)
+
+        def wrapper(q, k, cos, sin, unsqueeze_dim=1):
+            if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
+                return orig(q, k, cos, sin, unsqueeze_dim)
+            return fused(q, k, cos, sin)
+
         wrapper._colora_fused = True
         _rotary_originals[modeling.__name__] = orig
         modeling.apply_rotary_pos_emb = wrapper

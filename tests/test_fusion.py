@@ -69,6 +69,42 @@ def test_restore_gives_the_module_its_own_rotary_back(tiny_model_dir):
     assert modeling.apply_rotary_pos_emb is orig
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fused_rotary_keeps_the_projections_layout(tiny_model_dir, tmp_path, arch):
+    """The attention layers hand the rotary q and k as [B, H, T, D] transposed views of the
+    projections' [B, T, H, D] outputs; the fused rotary returns its results in that same layout (so
+    FlashAttention takes them without a copy), with the model's own values and gradients."""
+    import sys
+
+    model = _load(tiny_model_dir if arch == "qwen3" else _tiny_llama(tmp_path))
+    modeling = sys.modules[type(model).__module__]
+    orig = modeling.apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(3)
+    B, T, Hq, Hk, D = 2, 7, 4, 2, 8
+    q0, k0 = torch.randn(B, T, Hq, D, generator=g), torch.randn(B, T, Hk, D, generator=g)
+    cos, sin = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
+    dq, dk = torch.randn(B, T, Hq, D, generator=g), torch.randn(B, T, Hk, D, generator=g)
+
+    def run(fn):
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        qe, ke = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        torch.autograd.backward((qe, ke), (dq.transpose(1, 2), dk.transpose(1, 2)))
+        return qe, ke, q.grad, k.grad
+
+    want = run(orig)
+    fuse_elementwise(model)
+    try:
+        got = run(modeling.apply_rotary_pos_emb)
+        other = modeling.apply_rotary_pos_emb(q0, k0, cos, sin, unsqueeze_dim=2)  # [B, T, H, D]: the original
+    finally:
+        restore_rotary()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    for t in got[:2]:
+        assert t.transpose(1, 2).is_contiguous(), t.stride()  # [B, H, T, D] views of [B, T, H, D]
+    torch.testing.assert_close(other[0], orig(q0, k0, cos, sin, unsqueeze_dim=2)[0])
+
+
 def test_auto_fuses_on_cuda_only():
     assert should_fuse("auto", "cuda") and not should_fuse("auto", "cpu")
     assert should_fuse("on", "cpu") and not should_fuse("off", "cuda")
