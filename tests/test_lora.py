@@ -70,19 +70,31 @@ def test_init_depends_only_on_seed_and_job_name(tiny_model_dir):
     assert not all(torch.equal(b1.jobs["a"].A[k], b3.jobs["a"].A[k]) for k in b3.jobs["a"].A)
 
 
-def test_job_state_round_trip(tiny_model_dir):
-    _, bank = _bank_with_jobs(tiny_model_dir)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_job_state_round_trip(tiny_model_dir, device):
+    """Through a checkpoint (CPU tensors) and back, on the CPU and on CUDA (torch's fused AdamW there,
+    whose step count lives on the GPU): the same weights, version and optimizer state, and the next
+    update is the same in both banks."""
+    _, bank = _bank_with_jobs(tiny_model_dir, device=device)
     job = bank.jobs["a"]
     for p in job.parameters():
         p.grad = torch.ones_like(p)
     job.optimizer.step()
     job.version = 5
     state = bank.job_state("a")
-    _, other = _bank_with_jobs(tiny_model_dir, seed=9)
+    assert all(t.device.type == "cpu" for t in state["A"].values())
+    assert all(t.device.type == "cpu" for st in state["optimizer"]["state"].values() for t in st.values()
+               if isinstance(t, torch.Tensor))
+    _, other = _bank_with_jobs(tiny_model_dir, seed=9, device=device)
     other.load_job_state("a", state)
     assert other.jobs["a"].version == 5
     assert all(torch.equal(other.jobs["a"].A[k], job.A[k]) and torch.equal(other.jobs["a"].B[k], job.B[k]) for k in job.A)
     assert float(other.jobs["a"].optimizer.state_dict()["state"][0]["step"]) == 1.0
+    for b in (bank, other):
+        for p in b.jobs["a"].parameters():
+            p.grad = torch.full_like(p, 0.5)
+        b.jobs["a"].optimizer.step()
+    assert all(torch.equal(other.jobs["a"].A[k], job.A[k]) and torch.equal(other.jobs["a"].B[k], job.B[k]) for k in job.A)
 
 
 def test_export_in_the_engines_dtype_is_the_cast_of_the_fp32_export(tiny_model_dir, tmp_path):
