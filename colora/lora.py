@@ -129,7 +129,10 @@ class AdapterBank:
             bound = 1.0 / math.sqrt(lin.in_features)  # kaiming_uniform_(a=sqrt(5)) on [r, d_in]
             a.uniform_(-bound, bound, generator=gen)
             job.A[path] = nn.Parameter(a.to(self.device))
-            job.B[path] = nn.Parameter(torch.zeros(lin.out_features, rank, device=self.device))
+            # B [d_out, r] stored column-major (a transposed view of [r, d_out]): the layout of the
+            # gradients the grouped-LoRA kernels write (B^T's rows, one block per job) and of the
+            # optimizer's state, which torch's fused AdamW requires to match the parameter's
+            job.B[path] = nn.Parameter(torch.zeros(rank, lin.out_features, device=self.device).t())
         if not job.A:
             raise ValueError(f"job {name!r}: none of target_modules {list(target_modules)} exists in the base model")
         job.optimizer = torch.optim.AdamW(job.parameters(), lr=lr, betas=tuple(betas), eps=eps,

@@ -455,3 +455,20 @@ def test_varlen_attention_on_the_gpu_takes_grouped_kv_as_they_are(monkeypatch):
     for gr, rg in zip(grads, ref_grads):
         assert gr.shape == rg.shape and gr.is_contiguous()
         assert (gr.float() - rg.float()).abs().max().item() <= 2e-2 * max(1.0, rg.float().abs().max().item())
+
+
+def test_gradients_reach_the_optimizer_in_the_parameters_layout(tiny_model_dir):
+    """torch's fused AdamW (CUDA) requires each gradient and its state to have the parameter's
+    strides: the step's gradients, handed over as views of the stacked leaves, must match the jobs'
+    parameters (B is stored column-major for this), on every path that hands them over."""
+    trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=100)
+    seen = []
+    for name in ("a", "b"):
+        opt = bank.jobs[name].optimizer
+        real = opt.step
+        opt.step = lambda real=real, name=name: seen.extend(
+            (name, p.stride() == p.grad.stride()) for p in bank.jobs[name].parameters()) or real()
+    trainer.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B)})
+    assert seen and all(ok for _, ok in seen), [s for s in seen if not s[1]][:3]
+    assert {n for n, _ in seen} == {"a", "b"}
+    assert all(not b.is_contiguous() and b.t().is_contiguous() for b in bank.jobs["b"].B.values())
