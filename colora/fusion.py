@@ -78,9 +78,9 @@ def _norm_kernel_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def elementwise_kernels_from_env() -> bool:
-    """COLORA_ELEMENTWISE_KERNELS: "1" routes the fused model's RMSNorms and SiLU-gated products
-    through colora's Triton kernels (kernels/rmsnorm.py, kernels/swiglu.py: one autograd.Function and
-    one launch each way) instead of torch.compile's functions, whose every call pays Dynamo's guards
+    """COLORA_ELEMENTWISE_KERNELS: "1" routes the fused model's RMSNorms, SiLU-gated products and
+    rotary embedding through colora's Triton kernels (kernels/rmsnorm.py, kernels/swiglu.py,
+    kernels/rotary.py: one autograd.Function and one launch a tensor each way) instead of torch.compile's functions, whose every call pays Dynamo's guards
     and AOTAutograd's wrappers in host time; "0" or unset (the default until the H200 has measured
     it) keeps the compiled ones. Anything else is a ValueError (checked before a run: runner.prepare)."""
     from .config import env_switch
@@ -106,8 +106,8 @@ def _is_silu(act) -> bool:
 
 def fuse_elementwise(model: torch.nn.Module, kernels: bool = False) -> dict[str, int]:
     """Route the model's RMSNorms, SiLU-gated MLPs and rotary embedding through compiled functions
-    (with `kernels`, the RMSNorms whose weight is frozen and the MLPs' SiLU-gated products through
-    colora's Triton kernels instead). Only modules that match the Llama/Qwen3 pattern exactly are touched (an RMSNorm with
+    (with `kernels`, the RMSNorms whose weight is frozen, the MLPs' SiLU-gated products and the
+    rotary embedding through colora's Triton kernels instead). Only modules that match the Llama/Qwen3 pattern exactly are touched (an RMSNorm with
     `weight` and `variance_epsilon`, an MLP with gate/up/down projections and a SiLU); anything else
     keeps its own forward. Returns how many of each were fused."""
     counts = {"rms_norm": 0, "mlp": 0, "rotary": 0}
@@ -131,12 +131,19 @@ def fuse_elementwise(model: torch.nn.Module, kernels: bool = False) -> dict[str,
         def wrapper(q, k, cos, sin, unsqueeze_dim=1):
             if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
                 return orig(q, k, cos, sin, unsqueeze_dim)
+            if wrapper._colora_kernels and _on_triton(q):
+                from colora.kernels.rotary import rotary, supported
+
+                if supported(q, k, cos, sin):
+                    return rotary(q, k, cos, sin)
             return fused(q, k, cos, sin)
 
         wrapper._colora_fused = True
         _rotary_originals[modeling.__name__] = orig
         modeling.apply_rotary_pos_emb = wrapper
     if orig is not None:
+        # the modeling module's function is shared by its models: the last call's `kernels` decides
+        modeling.apply_rotary_pos_emb._colora_kernels = kernels
         counts["rotary"] = 1
     return counts
 

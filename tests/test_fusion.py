@@ -116,6 +116,7 @@ def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_di
     and input gradients; a trainable norm keeps the compiled function (the kernel computes no weight
     gradient)."""
     import colora.kernels.rmsnorm as rk
+    import colora.kernels.rotary as ro
     import colora.kernels.swiglu as sk
     from colora.fusion import elementwise_kernels_from_env
 
@@ -123,8 +124,8 @@ def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_di
     monkeypatch.delenv("COLORA_ELEMENTWISE_KERNELS", raising=False)
     ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(2))
     want = _logits_and_grads(_load(tiny_model_dir).requires_grad_(False), ids)
-    calls = {"norm": 0, "swiglu": 0}
-    for mod, fn, key in ((rk, "_RMSNorm", "norm"), (sk, "_SwiGLU", "swiglu")):
+    calls = {"norm": 0, "swiglu": 0, "rotary": 0}
+    for mod, fn, key in ((rk, "_RMSNorm", "norm"), (sk, "_SwiGLU", "swiglu"), (ro, "_Rotary", "rotary")):
         real = getattr(mod, fn).apply
         monkeypatch.setattr(getattr(mod, fn), "apply", lambda *a, real=real, key=key: calls.__setitem__(
             key, calls[key] + 1) or real(*a))
@@ -139,9 +140,10 @@ def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_di
     finally:
         restore_rotary()
     n_layers = model.config.num_hidden_layers
-    # input, post-attention, q and k norms a layer and the final one; one MLP a layer
-    assert seen == {"norm": n_layers * 4 + 1, "swiglu": n_layers}
-    assert calls["norm"] == seen["norm"] and calls["swiglu"] == 2 * n_layers
+    # input, post-attention, q and k norms a layer and the final one; one MLP and one rotary a layer
+    assert seen == {"norm": n_layers * 4 + 1, "swiglu": n_layers, "rotary": n_layers}
+    # the trainable model: norms compiled, its MLPs' products and rotary through the kernels
+    assert calls["norm"] == seen["norm"] and calls["swiglu"] == 2 * n_layers and calls["rotary"] == 2 * n_layers
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     assert elementwise_kernels_from_env() is False

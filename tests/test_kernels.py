@@ -419,6 +419,58 @@ def test_rms_norm_kernel_matches_the_model_code(dtype, shape):
     assert torch.equal(rms_norm(xt, w, 1e-6), y.detach())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [(1, 16, 8, 37, 128, 1), (2, 3, 1, 5, 16, 2), (2, 4, 2, 9, 24, 1), (1, 2, 2, 0, 8, 1)],
+                         ids=["qwen3_heads", "batch2_odd_heads", "batch2_shared_cos_d24", "empty"])
+def test_rotary_kernel_matches_the_model_code(dtype, case):
+    """kernels/rotary.py against the model's apply_rotary_pos_emb (rotary_ref), forward and both
+    inputs' gradients, from q and k laid out as the attention layers pass them ([B, H, T, D] views
+    of [B, T, H, D]): fp32 to rounding, bf16/fp16 within one rounding (the kernel rounds where eager
+    rounds; an FMA can move a product's last bit); the outputs and gradients in that same layout."""
+    from colora.kernels.rotary import rotary, rotary_ref
+
+    B, Hq, Hk, T, D, Bc = case
+    g = torch.Generator().manual_seed(B * 100 + Hq * 10 + T)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+    q0, k0 = draw(B, T, Hq, D), draw(B, T, Hk, D)
+    cos, sin = draw(Bc, T, D), draw(Bc, T, D)
+    dq, dk = draw(B, T, Hq, D).transpose(1, 2), draw(B, T, Hk, D).transpose(1, 2)
+
+    def run(fn):
+        q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+        qe, ke = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        if T:
+            torch.autograd.backward((qe, ke), (dq, dk))
+        return qe, ke, q.grad, k.grad
+
+    got, want = run(rotary), run(rotary_ref)
+    assert got[0].shape == (B, Hq, T, D) and got[1].shape == (B, Hk, T, D) and got[0].dtype == dtype
+    assert got[0].transpose(1, 2).is_contiguous() and got[1].transpose(1, 2).is_contiguous()
+    if T == 0:
+        return
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= tol
+    # inputs in another layout ([B, H, T, D]-contiguous) take the same result
+    qc, kc = q0.transpose(1, 2).contiguous(), k0.transpose(1, 2).contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(rotary(qc, kc, cos, sin), got[:2]))
+
+
+def test_rotary_kernel_refuses_what_it_cannot_compute():
+    from colora.kernels.rotary import rotary
+
+    q, k, c = torch.randn(1, 2, 3, 8, device=DEV), torch.randn(1, 1, 3, 8, device=DEV), torch.randn(1, 3, 8, device=DEV)
+    with pytest.raises(ValueError, match="rotary takes"):
+        rotary(q, k, c.requires_grad_(), c.detach())
+    with pytest.raises(ValueError, match="rotary takes"):
+        rotary(q, k, c.detach().double(), c.detach().double())
+    with pytest.raises(ValueError, match="rotary takes"):
+        rotary(q[..., :7], k[..., :7], c.detach()[..., :7], c.detach()[..., :7])
+
+
 def test_rms_norm_kernel_refuses_what_it_cannot_compute():
     from colora.kernels.rmsnorm import rms_norm
 
