@@ -146,6 +146,8 @@ def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_di
     assert calls["norm"] == seen["norm"] and calls["swiglu"] == 2 * n_layers and calls["rotary"] == 2 * n_layers
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    assert elementwise_kernels_from_env() is True  # the default
+    monkeypatch.setenv("COLORA_ELEMENTWISE_KERNELS", "0")
     assert elementwise_kernels_from_env() is False
     monkeypatch.setenv("COLORA_ELEMENTWISE_KERNELS", "yes")
     with pytest.raises(ValueError, match="COLORA_ELEMENTWISE_KERNELS must be '0' or '1', got 'yes'"):
