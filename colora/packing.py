@@ -121,8 +121,8 @@ def _flash_varlen(fn, q, k, v, cu, max_len, scaling, causal, gqa):
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     try:
         return fn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **causal, **extra)
-    except RuntimeError:
-        if k.shape[1] == q.shape[1] or gqa:
+    except RuntimeError as e:
+        if k.shape[1] == q.shape[1] or gqa or isinstance(e, torch.OutOfMemoryError):
             raise
         _repeat_kv.append(True)
         return _flash_varlen(fn, q, k, v, cu, max_len, scaling, causal, gqa)

@@ -472,3 +472,38 @@ def test_gradients_reach_the_optimizer_in_the_parameters_layout(tiny_model_dir):
     assert seen and all(ok for _, ok in seen), [s for s in seen if not s[1]][:3]
     assert {n for n, _ in seen} == {"a", "b"}
     assert all(not b.is_contiguous() and b.t().is_contiguous() for b in bank.jobs["b"].B.values())
+
+
+def test_flash_varlen_repeats_grouped_kv_only_for_a_torch_that_refuses_them(monkeypatch):
+    """colora/packing.py's call of torch's varlen attention, with a stand-in for it: grouped K/V go
+    as they are; a torch that refuses them (a RuntimeError on the heads) gets them repeated from
+    then on; running out of memory is not taken for a refusal."""
+    import colora.packing as packing
+
+    monkeypatch.setattr(packing, "_repeat_kv", [])
+    q, k = torch.zeros(5, 4, 8), torch.zeros(5, 2, 8)
+    seen = []
+
+    def accepts(q, k, v, *a, **kw):
+        seen.append(k.shape[1])
+        return q
+
+    def refuses(q, k, v, *a, **kw):
+        seen.append(k.shape[1])
+        if k.shape[1] != q.shape[1]:
+            raise RuntimeError("number of heads in key/value must divide number of heads in query")
+        return q
+
+    def oom(q, k, v, *a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    packing._flash_varlen(accepts, q, k, k, cu, 5, None, {}, False)
+    assert seen == [2] and packing._repeat_kv == []
+    with pytest.raises(torch.OutOfMemoryError):
+        packing._flash_varlen(oom, q, k, k, cu, 5, None, {}, False)
+    assert packing._repeat_kv == []
+    seen.clear()
+    packing._flash_varlen(refuses, q, k, k, cu, 5, None, {}, False)
+    packing._flash_varlen(refuses, q, k, k, cu, 5, None, {}, False)
+    assert seen == [2, 4, 4] and packing._repeat_kv == [True]
