@@ -108,9 +108,10 @@ def _is_silu(act) -> bool:
 def fuse_elementwise(model: torch.nn.Module, kernels: bool = False) -> dict[str, int]:
     """Route the model's RMSNorms, SiLU-gated MLPs and rotary embedding through compiled functions
     (with `kernels`, the RMSNorms whose weight is frozen, the MLPs' SiLU-gated products and the
-    rotary embedding through colora's Triton kernels instead). Only modules that match the Llama/Qwen3 pattern exactly are touched (an RMSNorm with
-    `weight` and `variance_epsilon`, an MLP with gate/up/down projections and a SiLU); anything else
-    keeps its own forward. Returns how many of each were fused."""
+    rotary embedding through colora's Triton kernels instead). Only modules that match the
+    Llama/Qwen3 pattern exactly are touched (an RMSNorm with `weight` and `variance_epsilon`, an MLP
+    with gate/up/down projections and a SiLU); anything else keeps its own forward. Returns how many
+    of each were fused."""
     counts = {"rms_norm": 0, "mlp": 0, "rotary": 0}
     for mod in model.modules():
         name = type(mod).__name__
