@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--completion", type=int, default=256)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--micro-batch-tokens", type=int, default=32768)
+    p.add_argument("--micro-batch-tokens", type=int, default=49152,
+                   help="the experiments' (reference8_throughput.toml): 4 micro-batches for the default step")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peft-micro-seqs", type=int, default=32, help="peft's micro-batch (sequences)")
     p.add_argument("--impls", nargs="+", default=["triton", "triton+packed", "triton+fused", "triton+packed+fused", "torch", "peft"])
