@@ -28,16 +28,19 @@ from .lora_ref import grouped_lora_ref
 
 
 class _GroupedLoRA(torch.autograd.Function):
-    """forward(x, A_packed, meta, n_slices, fuse_dy, compute, *Bs, *bases) -> one output per slice.
+    """forward(x, A_packed, meta, n_slices, fuse_dy, compute, weights, *Bs, *bases) -> one output per slice.
 
     x: [T, d_in], A_packed: [slices * R, d_in] (rows per job: slice 0 | slice 1 | ...),
     Bs[s]: [d_out_s, R], bases[s]: [T, d_out_s] (optional, added to in place and returned).
     compute: None, or (A_packed, [B_s^T]) in x's dtype to compute with, A and Bs then being the
     masters (any float dtype) whose gradients are written in their own dtype.
+    weights: None, or the frozen base projections [W_s: [d_out_s, d_in]] (no bases then): each
+    output is x W_s^T plus the LoRA delta, and dx takes dy_s W_s in cuBLAS's epilogue (beta = 1)
+    rather than in a separate sum of two gradients by autograd.
     """
 
     @staticmethod
-    def forward(ctx, x, A, meta: LoRABatchMeta, n_slices: int, fuse_dy: bool, compute, *rest):
+    def forward(ctx, x, A, meta: LoRABatchMeta, n_slices: int, fuse_dy: bool, compute, weights, *rest):
         Bs, bases = rest[:n_slices], rest[n_slices:]
         packed = meta.packed(n_slices)
         T = x.shape[0]
@@ -53,12 +56,17 @@ class _GroupedLoRA(torch.autograd.Function):
         lora_shrink(x, A, packed, h)
         ys = []
         for s, Bt in enumerate(Bts):
-            out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
-            ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=bool(bases)))
+            if weights is not None:
+                out = torch.mm(x, weights[s].t())  # the base projection, to add the delta into
+            else:
+                out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
+            ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True,
+                                  accumulate=bool(bases) or weights is not None))
         if bases:
             ctx.mark_dirty(*bases)
         ctx.save_for_backward(x, A, h, *Bts)
         ctx.meta, ctx.n_slices, ctx.n_bases, ctx.fuse_dy = meta, n_slices, len(bases), fuse_dy
+        ctx.weights = weights
         ctx.set_materialize_grads(False)
         return tuple(ys)
 
@@ -76,7 +84,7 @@ class _GroupedLoRA(torch.autograd.Function):
         dBs = []
         for s, (Bt, dy) in enumerate(zip(Bts, dys)):
             dBt = None
-            if need[6 + s]:
+            if need[7 + s]:  # x, A, meta, n_slices, fuse_dy, compute, weights, then the Bs
                 # [R, d_out_s], returned as dB = dBt^T: the kernels write every element (each job's rows,
                 # zeros where it has no tokens), so it needs no zero fill; zeros without a dy
                 dBt = (torch.empty if dy is not None else torch.zeros)(Bt.shape, dtype=b_dtypes[s], device=Bt.device)
@@ -90,8 +98,12 @@ class _GroupedLoRA(torch.autograd.Function):
                         lora_sgrad(h, dy, meta, dBt, p_slice=s, scale=True)
             dBs.append(None if dBt is None else dBt.t())
         dx = lora_expand(dh, A.t(), packed, torch.empty_like(x)) if need[0] else None
+        if dx is not None and ctx.weights is not None:
+            for W, dy in zip(ctx.weights, dys):
+                if dy is not None:
+                    dx.addmm_(dy, W)  # dx += dy_s W_s, the base projection's part
         dA = lora_sgrad(dh, x, packed, torch.empty(A.shape, dtype=a_dtype, device=A.device)) if need[1] else None
-        return (dx, dA, None, None, None, None, *dBs, *(dys[:ctx.n_bases]))
+        return (dx, dA, None, None, None, None, None, *dBs, *(dys[:ctx.n_bases]))
 
 
 def _meta_for(x: torch.Tensor, seg_start, rank_start, scale, meta: LoRABatchMeta | None) -> LoRABatchMeta:
@@ -130,11 +142,28 @@ def _check_inputs(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequence[torc
                                  "and outside autograd (the gradients go to A and B)")
 
 
+def _check_base(x: torch.Tensor, base, Bs, add_to) -> tuple[torch.Tensor, ...] | None:
+    """The base weights as a tuple (None without), checked: frozen, [d_out_s, d_in] in x's dtype and device."""
+    if base is None:
+        return None
+    if add_to is not None:
+        raise ValueError("pass add_to (the base's output) or base (its weight), not both")
+    if len(base) != len(Bs):
+        raise ValueError(f"base has {len(base)} weights, expected one per slice ({len(Bs)})")
+    for W, B in zip(base, Bs):
+        if W.shape != (B.shape[0], x.shape[1]) or W.dtype != x.dtype or W.device != x.device:
+            raise ValueError(f"base weight {tuple(W.shape)} {W.dtype} on {W.device} must be [{B.shape[0]}, "
+                             f"{x.shape[1]}] in x's dtype {x.dtype} on {x.device}")
+        if W.requires_grad:
+            raise ValueError("base weights must be frozen (requires_grad=False): the op computes no gradient for them")
+    return tuple(base)
+
+
 def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: IntsLike | None = None,
                  rank_start: IntsLike | None = None, scale: FloatsLike | None = None, *, backend: str = "auto",
                  meta: LoRABatchMeta | None = None, add_to: torch.Tensor | None = None,
-                 fuse_dy: bool | None = None, compute: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> torch.Tensor:
+                 fuse_dy: bool | None = None, compute: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 base: torch.Tensor | None = None) -> torch.Tensor:
     """y = for each job j: scale[j] * (x_j @ A_j^T) @ B_j^T, differentiable wrt x, A and B.
 
     x: [T, d_in] rows sorted by job (job j: x[seg_start[j]:seg_start[j+1]]), A: [R, d_in] (job j owns
@@ -149,38 +178,48 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
     compute: (A_c [R, d_in], Bt_c [R, d_out] contiguous) in x's dtype, outside autograd, to compute
     with; A and B are then masters in their own dtype (the trainer's fp32 adapters) and get their
     gradients in it (see the module docstring). The torch path casts A and B instead.
+    base: the frozen base projection's weight W [d_out, d_in] in x's dtype (instead of add_to):
+    returns x W^T + y, the base product computed inside the op, whose backward adds dy W to dx in
+    the same matmul (see _GroupedLoRA).
     """
     meta = _meta_for(x, seg_start, rank_start, scale, meta)
     backend = resolve_backend(backend, x.device)
     _check_inputs(x, [A], [B], meta, backend, None if compute is None else ([compute[0]], [compute[1]]))
+    weights = _check_base(x, None if base is None else [base], [B], add_to)
     if backend == "torch":
         y = grouped_lora_ref(x, A.to(x.dtype), B.to(x.dtype), meta)
+        if base is not None:
+            return x @ base.t() + y
         return y if add_to is None else add_to + y
     x = x if x.stride(-1) == 1 else x.contiguous()
     bases = () if add_to is None else (add_to,)
     fuse = fuse_dy_pays(meta) if fuse_dy is None else fuse_dy
     copies = None if compute is None else (compute[0], [compute[1]])
-    return _GroupedLoRA.apply(x, A, meta, 1, fuse, copies, B, *bases)[0]
+    return _GroupedLoRA.apply(x, A, meta, 1, fuse, copies, weights, B, *bases)[0]
 
 
 def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor],
                         meta: LoRABatchMeta, *, backend: str = "auto",
                         add_to: Sequence[torch.Tensor] | None = None, fuse_dy: bool | None = None,
-                        compute: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None
-                        ) -> list[torch.Tensor]:
+                        compute: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
+                        base: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """[grouped_lora(x, As[s], Bs[s], meta=meta) for each slice s], with one read of x in the forward
     and one dx in the backward. x: [T, d_in], As[s]: [R, d_in], Bs[s]: [d_out_s, R] (same rank layout
     for every slice); add_to: optional list of [T, d_out_s] base outputs, as in `grouped_lora`;
-    compute: ([A_c per slice], [Bt_c per slice]), as in `grouped_lora`."""
+    compute: ([A_c per slice], [Bt_c per slice]), as in `grouped_lora`; base: the slices' frozen base
+    weights [d_out_s, d_in], as in `grouped_lora` (one dx for the base products and the LoRA's)."""
     if len(As) != len(Bs) or not As:
         raise ValueError(f"need as many A as B, at least one: got {len(As)} and {len(Bs)}")
     if add_to is not None and len(add_to) != len(Bs):
         raise ValueError(f"add_to has {len(add_to)} tensors, expected one per slice ({len(Bs)})")
     backend = resolve_backend(backend, x.device)
     _check_inputs(x, As, Bs, meta, backend, compute)
+    weights = _check_base(x, base, Bs, add_to)
     S = len(As)
     if backend == "torch":
         ys = [grouped_lora_ref(x, A.to(x.dtype), B.to(x.dtype), meta) for A, B in zip(As, Bs)]
+        if base is not None:
+            return [x @ W.t() + y for W, y in zip(base, ys)]
         return ys if add_to is None else [b + y for b, y in zip(add_to, ys)]
     x = x if x.stride(-1) == 1 else x.contiguous()
 
@@ -192,4 +231,4 @@ def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequenc
         with torch.no_grad():
             copies = (pack(compute[0]), list(compute[1]))
     fuse = fuse_dy_pays(meta) if fuse_dy is None else fuse_dy
-    return list(_GroupedLoRA.apply(x, pack(As), meta, S, fuse, copies, *Bs, *(add_to or ())))
+    return list(_GroupedLoRA.apply(x, pack(As), meta, S, fuse, copies, weights, *Bs, *(add_to or ())))

@@ -231,6 +231,46 @@ def test_add_to_accumulates_in_place_and_passes_gradient():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("slices", [1, 3])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x_grad", "x_frozen"])
+def test_base_weight_inside_the_op_equals_adding_the_base_output(dtype, slices, backend, x_grad):
+    """base=W: the op computes x W^T itself and adds dy W to dx in the same matmul; outputs and
+    every gradient equal those of add_to=x W^T (autograd summing the base's dx), packed or not, and
+    with an input that needs no gradient (the first layer's). Frozen weights only."""
+    tokens, ranks, d_in, outs = [21, 0, 44], [8, 4, 16], 40, (32, 16, 16)[:slices]
+    g = torch.Generator().manual_seed(7 + slices)
+    meta = lora_case(tokens, ranks, d_in, 8, dtype, DEV, seed=7).meta
+    R, T = meta.total_rank, meta.num_tokens
+    As = [(torch.randn(R, d_in, generator=g) * 0.2).to(dtype).to(DEV).requires_grad_() for _ in outs]
+    Bs = [(torch.randn(d, R, generator=g) * 0.2).to(dtype).to(DEV).requires_grad_() for d in outs]
+    Ws = [(torch.randn(d, d_in, generator=g) * 0.2).to(dtype).to(DEV) for d in outs]
+    x = torch.randn(T, d_in, generator=g).to(dtype).to(DEV).requires_grad_(x_grad)
+    dys = [torch.randn(T, d, generator=g).to(dtype).to(DEV) for d in outs]
+
+    def call(**kw):
+        if slices == 1:
+            return [K.grouped_lora(x, As[0], Bs[0], meta=meta, backend=backend,
+                                   **{k: v[0] for k, v in kw.items()})]
+        return K.grouped_lora_packed(x, As, Bs, meta, backend=backend, **kw)
+
+    def run(ys):
+        leaves = ([x] if x_grad else []) + As + Bs
+        return [t.detach() for t in ys] + [t.detach() for t in torch.autograd.grad(ys, leaves, dys)]
+
+    got = run(call(base=Ws))
+    want = run(call(add_to=[x @ W.t() for W in Ws]))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= LORA_TOL[dtype]
+    with pytest.raises(ValueError, match="must be frozen"):
+        call(base=[W.clone().requires_grad_() for W in Ws])
+    with pytest.raises(ValueError, match="not both"):
+        call(base=Ws, add_to=[x @ W.t() for W in Ws])
+    with pytest.raises(ValueError, match="base weight"):
+        call(base=[W[:, :-1] for W in Ws])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [[33, 0, 70, 5], [1200, 0, 900, 7]], ids=["64-row tiles", "256-row tiles"])
 def test_fused_dy_pass_matches_separate_kernels(tokens, dtype):
     """dh and dB from one pass over dy (fuse_dy) equal the separate shrink + sgrad. Past 2 x 256 x
