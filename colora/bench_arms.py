@@ -86,7 +86,7 @@ def plan(cfg: Config, args) -> list[dict]:
 # of the engine cache's key where they shape the engine (COLORA_VLLM_SAMPLER is not: it is left out).
 # VLLM_TUNED_CONFIG_FOLDER is vLLM's (its LoRA kernels' tuned block sizes, `colora bench vllm-lora`).
 VARY_ENV = ("COLORA_RELOAD_FIRST", "COLORA_ENGINE_PROCESS", "COLORA_PACKED_ROWS", "COLORA_ELEMENTWISE_KERNELS",
-            "VLLM_TUNED_CONFIG_FOLDER")
+            "COLORA_BASE_IN_LORA", "VLLM_TUNED_CONFIG_FOLDER")
 
 
 def vary_runs(spec: str) -> list[tuple[list[str], dict[str, str], str]]:
@@ -454,6 +454,7 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
                      f"{', reload first' if s.get('reload_first') else ''}"
                      f"{', packed rows' if s.get('packed_rows') else ''}"
                      f"{', elementwise kernels' if s.get('elementwise_kernels') else ''}"
+                     f"{', base in the LoRA op' if s.get('base_in_lora') else ''}"
                      f"{', tuned LoRA kernels' if s.get('vllm_lora_configs') else ''} | "
                      f"{s.get('steps_measured', '-')} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "

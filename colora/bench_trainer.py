@@ -59,12 +59,12 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     _reset(args.device)
     model = load_base_model(model_dir, args.dtype, args.device)
     backend, *flags = backend.split("+")
-    packed, fused, kernels = "packed" in flags, "fused" in flags, "kernels" in flags
+    packed, fused, kernels, base = "packed" in flags, "fused" in flags, "kernels" in flags, "base" in flags
     if fused:
         from .fusion import fuse_elementwise
 
         fuse_elementwise(model, kernels=kernels)
-    bank = AdapterBank(args.device, backend, pack_projections=packed)
+    bank = AdapterBank(args.device, backend, pack_projections=packed, base_in_lora=base)
     inject_lora(model, bank)
     names = [f"job{i}" for i in range(args.jobs)]
     jobs = {}
@@ -87,7 +87,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
             times.append(time.perf_counter() - t0)
     peak = _peak(args.device)
     impl = (f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''}{', fused elementwise' if fused else ''}"
-            f"{', elementwise kernels' if fused and kernels else ''})")
+            f"{', elementwise kernels' if fused and kernels else ''}{', base in the LoRA op' if base else ''})")
     out = {"impl": impl, "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
     if args.profile:
         ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, args.repeats + 1)
@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for impl in args.impls:
         backend, *flags = impl.split("+")
-        if impl != "peft" and (backend not in ("triton", "torch") or not set(flags) <= {"packed", "fused", "kernels"}):
-            p.error(f"--impls {impl}: expected peft, or triton/torch with any of +packed, +fused, +kernels")
+        if impl != "peft" and (backend not in ("triton", "torch") or not set(flags) <= {"packed", "fused", "kernels", "base"}):
+            p.error(f"--impls {impl}: expected peft, or triton/torch with any of +packed, +fused, +kernels, +base")
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     from .runner import resolve_model
 

@@ -94,6 +94,19 @@ def _adamw_impl(device: torch.device) -> dict:
     return {"fused": True} if device.type == "cuda" else {}
 
 
+def base_in_lora_from_env() -> bool:
+    """COLORA_BASE_IN_LORA: "1" computes each adapted projection's frozen base product inside the
+    grouped-LoRA op (Triton path, projections without bias), whose backward adds the base's part of
+    dx in the same cuBLAS call (beta = 1) as one matmul of dy and W; otherwise the base linear runs on
+    its own and autograd sums its dx with the LoRA's: one read-read-write pass over a [tokens, d_in]
+    gradient per projection input, about 93 ms of the H200's 8-job trainer step (reports/h200/
+    twelfth/new_profile). "0" or unset (the default until the H200 has measured it) keeps the base
+    linear. Anything else is a ValueError (checked before a run: runner.prepare)."""
+    from .config import env_switch
+
+    return env_switch("COLORA_BASE_IN_LORA", ("0", "1"), "0") == "1"
+
+
 def _add_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
     if g is None:
         return
@@ -101,10 +114,12 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
 
 
 class AdapterBank:
-    def __init__(self, device: torch.device | str, lora_backend: str = "auto", pack_projections: bool = False):
+    def __init__(self, device: torch.device | str, lora_backend: str = "auto", pack_projections: bool = False,
+                 base_in_lora: bool = False):
         self.device = torch.device(device)
         self.lora_backend = lora_backend
         self.pack_projections = pack_projections
+        self.base_in_lora = base_in_lora  # see base_in_lora_from_env
         self.jobs: dict[str, JobAdapter] = {}
         self.modules: dict[str, nn.Linear] = {}  # module path -> base linear (shapes)
         self._active: _Active | None = None
@@ -406,9 +421,22 @@ class MultiLoRALinear(nn.Module):
 
         x2 = x.reshape(-1, x.shape[-1])  # [T, d_in], rows in the activation's job order
         assert x2.shape[0] == meta.seg_start[-1], (x2.shape, meta.seg_start[-1])
-        y2 = self.base(x2)  # [T, d_out], not a view: the kernel adds the LoRA delta into it in place
-        y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2, compute=compute)
+        if self._base_inside(x2, (self,)):
+            y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, base=self.base.weight,
+                              compute=compute)
+        else:
+            y2 = self.base(x2)  # [T, d_out], not a view: the kernel adds the LoRA delta into it in place
+            y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2, compute=compute)
         return y2.view(*x.shape[:-1], y2.shape[-1])
+
+    def _base_inside(self, x2: torch.Tensor, mods) -> bool:
+        """Whether the grouped-LoRA op computes these modules' base products (bank.base_in_lora):
+        on the Triton path, for frozen bias-free linears in x's dtype."""
+        from colora.kernels import resolve_backend
+
+        return (self.bank.base_in_lora and resolve_backend(self.bank.lora_backend, x2.device) == "triton"
+                and all(m.base.bias is None and not m.base.weight.requires_grad and m.base.weight.dtype == x2.dtype
+                        for m in mods))
 
     def _forward_pack(self, x: torch.Tensor) -> torch.Tensor | None:
         """The whole pack in one grouped call, or None when the siblings' adapter layouts differ
@@ -422,10 +450,13 @@ class MultiLoRALinear(nn.Module):
         if any(m.rank_start != metas[0].rank_start or m.scale != metas[0].scale for m in metas[1:]):
             return None
         x2 = x.reshape(-1, x.shape[-1])
-        bases = [m.base(x2) for m in self.pack]  # [T, d_out_s] each, added into in place
         compute = None if any(st[3] is None for st in sts) else ([st[3][0] for st in sts], [st[3][1] for st in sts])
+        if self._base_inside(x2, self.pack):
+            base = {"base": [m.base.weight for m in self.pack]}
+        else:
+            base = {"add_to": [m.base(x2) for m in self.pack]}  # [T, d_out_s] each, added into in place
         ys = grouped_lora_packed(x2, [st[0] for st in sts], [st[1] for st in sts], metas[0],
-                                 backend=self.bank.lora_backend, add_to=bases, compute=compute)
+                                 backend=self.bank.lora_backend, compute=compute, **base)
         outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
         for m, out in zip(self.pack[1:], outs[1:]):
             self.bank._active.cache[("packed", m.path)] = (x, out)  # holding x: its id cannot be reused

@@ -145,6 +145,7 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     from .corunner import reload_first_from_env
     from .engine import engine_process_from_env, sampler_from_env, tuned_lora_configs
     from .fusion import elementwise_kernels_from_env
+    from .lora import base_in_lora_from_env
     from .packing import packed_rows_from_env
 
     try:
@@ -154,6 +155,7 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
         reload_first_from_env()
         packed_rows_from_env()
         elementwise_kernels_from_env()
+        base_in_lora_from_env()
     except ValueError as e:
         raise RunError(str(e)) from None
     tasks = load_tasks(cfg.jobs)
@@ -318,14 +320,14 @@ def build_trainer(cfg: Config, model_dir: Path, device: str, dtype, pad_id: int)
     """The frozen base model with every job's adapter injected, and the trainer over it:
     (bank, trainer). Used by a run and by `colora replay-step`."""
     from .fusion import elementwise_kernels_from_env, fuse_elementwise, should_fuse
-    from .lora import AdapterBank, inject_lora
+    from .lora import AdapterBank, base_in_lora_from_env, inject_lora
     from .models import load_base_model
     from .trainer import MultiJobTrainer
 
     model = load_base_model(model_dir, dtype, device)
     if should_fuse(cfg.trainer.fuse_elementwise, device):
         fuse_elementwise(model, kernels=elementwise_kernels_from_env())
-    bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections)
+    bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections, base_in_lora_from_env())
     inject_lora(model, bank)
     for j in cfg.jobs:
         bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, cfg.experiment.seed, j.learning_rate,
@@ -462,6 +464,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "reload_first": corunner.reload_first,
         "packed_rows": trainer.packed,
         "elementwise_kernels": should_fuse(cfg.trainer.fuse_elementwise, device) and elementwise_kernels_from_env(),
+        "base_in_lora": trainer.bank.base_in_lora,
         "vllm_lora_configs": tuned_lora_configs(),
         "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show

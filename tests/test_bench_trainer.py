@@ -25,11 +25,12 @@ def test_cpu_smoke_run_of_the_fused_trainer_with_the_elementwise_kernels(tiny_mo
     out = tmp_path / "trainer_step"
     argv = ["--device", "cpu", "--model", str(tiny_model_dir), "--jobs", "2", "--seqs", "2", "--prompt", "5",
             "--completion", "6", "--repeats", "1", "--micro-batch-tokens", "24", "--out", str(out),
-            "--impls", "triton+packed+fused+kernels", "torch"]
+            "--impls", "triton+packed+fused+kernels+base", "torch"]
     assert bench_trainer.main(argv) == 0
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     assert [r["impl"] for r in results] == [
-        "colora (triton, packed q/k/v and gate/up, fused elementwise, elementwise kernels)", "colora (torch)"]
+        "colora (triton, packed q/k/v and gate/up, fused elementwise, elementwise kernels, base in the LoRA op)",
+        "colora (torch)"]
     assert all(r.get("seconds", 0) > 0 for r in results), results
     assert "elementwise kernels" in out.with_suffix(".md").read_text() and calls  # the kernels did run
 

@@ -239,6 +239,45 @@ def test_packed_projections_take_the_same_step(tiny_model_dir, backend, monkeypa
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
 
 
+def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch):
+    """COLORA_BASE_IN_LORA's path: every adapted projection's base product inside the grouped-LoRA op
+    (packed and not: JOB_A's q/v fall back to separate calls) gives the step of the base linears
+    beside it; a projection no active job adapts keeps its linear."""
+    import os
+
+    import colora.kernels as ck
+    from colora.lora import base_in_lora_from_env
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter or a GPU")
+    full = dataclasses.replace(JOB_B, name="c", lora_rank=4)
+    based = []
+    for name in ("grouped_lora", "grouped_lora_packed"):
+        real = getattr(ck, name)
+        monkeypatch.setattr(ck, name, lambda *a, real=real, **k: based.append("base" in k) or real(*a, **k))
+    results = []
+    for inside in (False, True):
+        trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B, full], micro_batch_tokens=128, device=device)
+        bank.lora_backend, bank.pack_projections, bank.base_in_lora = "triton", True, inside
+        based.clear()
+        st = trainer.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B, full)})
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}, list(based)))
+    (s0, p0, b0), (s1, p1, b1) = results
+    assert b0 and not any(b0) and all(b1) and len(b1) == len(b0)
+    for j in ("a", "b", "c"):
+        assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
+        assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
+        assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
+    monkeypatch.delenv("COLORA_BASE_IN_LORA", raising=False)
+    assert base_in_lora_from_env() is False
+    monkeypatch.setenv("COLORA_BASE_IN_LORA", "1")
+    assert base_in_lora_from_env() is True
+    monkeypatch.setenv("COLORA_BASE_IN_LORA", "on")
+    with pytest.raises(ValueError, match="COLORA_BASE_IN_LORA must be '0' or '1', got 'on'"):
+        base_in_lora_from_env()
+
+
 def test_step_scoped_stacks_take_the_per_activation_step(tiny_model_dir):
     """The step scope (each module's adapters stacked once per step, gradients handed over at its
     end) gives the same step as stacking per micro-batch, over several micro-batches; an exception
