@@ -111,10 +111,10 @@ def test_auto_fuses_on_cuda_only():
 
 
 def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_dir, monkeypatch):
-    """COLORA_ELEMENTWISE_KERNELS's path: the frozen model's RMSNorms and SiLU-gated products through
-    kernels/rmsnorm.py and kernels/swiglu.py (Triton's interpreter here) give the model's own logits
-    and input gradients; a trainable norm keeps the compiled function (the kernel computes no weight
-    gradient)."""
+    """COLORA_ELEMENTWISE_KERNELS's path: the frozen model's RMSNorms, SiLU-gated products and rotary
+    embedding through kernels/rmsnorm.py, kernels/swiglu.py and kernels/rotary.py (Triton's
+    interpreter here) give the model's own logits and input gradients; a trainable norm keeps the
+    compiled function (the kernel computes no weight gradient)."""
     import colora.kernels.rmsnorm as rk
     import colora.kernels.rotary as ro
     import colora.kernels.swiglu as sk
@@ -152,3 +152,26 @@ def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_di
     monkeypatch.setenv("COLORA_ELEMENTWISE_KERNELS", "yes")
     with pytest.raises(ValueError, match="COLORA_ELEMENTWISE_KERNELS must be '0' or '1', got 'yes'"):
         elementwise_kernels_from_env()
+
+
+def test_elementwise_kernels_on_llama(tmp_path, monkeypatch):
+    """The same for Llama (SmolLM2's architecture: no q/k norms, its own modeling module's rotary)."""
+    import colora.kernels.rotary as ro
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path = _tiny_llama(tmp_path)
+    ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(4))
+    want = _logits_and_grads(_load(path).requires_grad_(False), ids)
+    calls = []
+    real = ro._Rotary.apply
+    monkeypatch.setattr(ro._Rotary, "apply", lambda *a: calls.append(1) or real(*a))
+    model = _load(path).requires_grad_(False)
+    assert fuse_elementwise(model, kernels=True) == {"rms_norm": 2 * model.config.num_hidden_layers + 1,
+                                                     "mlp": model.config.num_hidden_layers, "rotary": 1}
+    try:
+        got = _logits_and_grads(model, ids)
+    finally:
+        restore_rotary()
+    assert len(calls) == model.config.num_hidden_layers
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
