@@ -117,7 +117,10 @@ def profile_step(step, device: str, path: str, title: str) -> dict:
         _sync(device)
         wall = time.perf_counter() - t0
     events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # the device's kernels and copies, not the GPU-side ranges of record_function annotations (the
+    # optimizer's step, each compiled function's call), which span kernels already counted
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
     gpu_s = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels) / 1e6
     ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU)
     avg = prof.key_averages()
