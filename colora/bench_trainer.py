@@ -103,13 +103,22 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     return out
 
 
+def _profiled(device: str) -> tuple[list, str]:
+    """The profiler's activities on `device` and the key its tables sort the device's time by."""
+    from torch.profiler import ProfilerActivity
+
+    if device == "cuda":
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA], "self_cuda_time_total"
+    return [ProfilerActivity.CPU], "self_cpu_time_total"
+
+
 def profile_step(step, device: str, path: str, title: str) -> dict:
     """One step under torch.profiler: wall time, the time the GPU spent in kernels, how many ops
     the host dispatched and kernels it launched, and the top ops by host and by device time
     (appended to `path`). Tells a host-bound step (GPU busy share well under 1) from a GPU-bound one."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    acts, dev_key = _profiled(device)
     _sync(device)
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
@@ -124,7 +133,6 @@ def profile_step(step, device: str, path: str, title: str) -> dict:
     gpu_s = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels) / 1e6
     ops = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CPU)
     avg = prof.key_averages()
-    dev_key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     summary = {"wall_s": wall, "gpu_kernel_s": gpu_s, "gpu_busy_share": gpu_s / wall, "host_ops": ops,
                "kernels": len(kernels)}
     with open(path, "a") as f:
@@ -139,10 +147,9 @@ def profile_sources(step, device: str, path: str, title: str) -> None:
     Python stacks, the ops by device time grouped by their 8 innermost Python frames and by their
     input shapes (appended to `path`). Slower on the host than `profile_step` (recording stacks), so
     its wall time is not reported; the tables say which line of code launched which kernels."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    dev_key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    acts, dev_key = _profiled(device)
     _sync(device)
     verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # attaches the stacks to the ops
     with profile(activities=acts, record_shapes=True, with_stack=True, experimental_config=verbose) as prof:

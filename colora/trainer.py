@@ -295,6 +295,7 @@ class MultiJobTrainer:
         one by one, and each wait also stopped the host queueing the next job's work."""
         adapters = [self.bank.jobs[j] for j in order]
         params = [ad.parameters() for ad in adapters]
+        rows = sums.tolist()  # per job: loss, kl, clipped, gap, entropy, tokens
         for ps in params:
             for p in ps:
                 if p.grad is None:
@@ -305,7 +306,7 @@ class MultiJobTrainer:
             jc, norm = self.jobs[j], norms[i]
             max_norm = jc.grad_clip if jc.grad_clip > 0 else math.inf
             clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
-            loss = float(sums[i][0])
+            loss = rows[i][0]
             failure = ""
             if not math.isfinite(loss):
                 failure = f"loss is not finite ({loss}) at adapter version {ad.version}"
@@ -334,7 +335,7 @@ class MultiJobTrainer:
                 else:
                     ad.version += 1
             ad.optimizer.zero_grad(set_to_none=True)
-            loss, kl, clipped, gap, ent, ntok = (float(x) for x in sums[i])
+            loss, kl, clipped, gap, ent, ntok = rows[i]
             n = max(ntok, 1.0)
             stats[j] = JobStepStats(loss=loss, grad_norm=norms[i], clip_coef=clips[i], kl=kl / n, clip_frac=clipped / n,
                                     logprob_gap=gap / n, entropy=ent / n, tokens=int(ntok),

@@ -159,6 +159,13 @@ def _check_base(x: torch.Tensor, base, Bs, add_to) -> tuple[torch.Tensor, ...] |
     return tuple(base)
 
 
+def _plus_base(x: torch.Tensor, y: torch.Tensor, W: torch.Tensor | None, add_to: torch.Tensor | None) -> torch.Tensor:
+    """The torch path's output: y plus the base projection's (x W^T, or the given add_to), if any."""
+    if W is not None:
+        return x @ W.t() + y
+    return y if add_to is None else add_to + y
+
+
 def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: IntsLike | None = None,
                  rank_start: IntsLike | None = None, scale: FloatsLike | None = None, *, backend: str = "auto",
                  meta: LoRABatchMeta | None = None, add_to: torch.Tensor | None = None,
@@ -188,9 +195,7 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
     weights = _check_base(x, None if base is None else [base], [B], add_to)
     if backend == "torch":
         y = grouped_lora_ref(x, A.to(x.dtype), B.to(x.dtype), meta)
-        if base is not None:
-            return x @ base.t() + y
-        return y if add_to is None else add_to + y
+        return _plus_base(x, y, base, add_to)
     x = x if x.stride(-1) == 1 else x.contiguous()
     bases = () if add_to is None else (add_to,)
     fuse = fuse_dy_pays(meta) if fuse_dy is None else fuse_dy
@@ -218,9 +223,8 @@ def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequenc
     S = len(As)
     if backend == "torch":
         ys = [grouped_lora_ref(x, A.to(x.dtype), B.to(x.dtype), meta) for A, B in zip(As, Bs)]
-        if base is not None:
-            return [x @ W.t() + y for W, y in zip(base, ys)]
-        return ys if add_to is None else [b + y for b, y in zip(add_to, ys)]
+        return [_plus_base(x, y, None if base is None else base[s], None if add_to is None else add_to[s])
+                for s, y in enumerate(ys)]
     x = x if x.stride(-1) == 1 else x.contiguous()
 
     def pack(ts):  # [S * R, d_in]
