@@ -144,7 +144,7 @@ def profile_step(step, device: str, path: str, title: str) -> dict:
 
 def profile_sources(step, device: str, path: str, title: str) -> None:
     """Where the device time comes from: one more step under torch.profiler with input shapes and
-    Python stacks, the ops by device time grouped by their 8 innermost Python frames and by their
+    Python stacks, the ops by device time grouped by their caller (`ops_by_caller`) and by their
     input shapes (appended to `path`). Slower on the host than `profile_step` (recording stacks), so
     its wall time is not reported; the tables say which line of code launched which kernels."""
     from torch.profiler import profile
@@ -156,12 +156,53 @@ def profile_sources(step, device: str, path: str, title: str) -> None:
         step()
         _sync(device)
     with open(path, "a") as f:
-        f.write(f"## {title}\n\n### by Python stack (8 frames)\n")
-        f.write(prof.key_averages(group_by_stack_n=8).table(sort_by=dev_key, row_limit=60, max_name_column_width=50,
-                                                            max_src_column_width=110) + "\n")
+        f.write(f"## {title}\n\n### by caller: the op, its shapes, the ops around it and 8 Python frames\n")
+        f.write(ops_by_caller(prof.events(), device) + "\n")
         f.write("### by input shapes\n")
         f.write(prof.key_averages(group_by_input_shape=True).table(sort_by=dev_key, row_limit=40,
                                                                    max_name_column_width=60) + "\n\n")
+
+
+def ops_by_caller(events, device: str, rows: int = 50) -> str:
+    """The profiled ops that launched device time themselves (host time on the CPU), summed by op,
+    input shapes, the enclosing ops (an autograd node's name says which backward ran it) and the 8
+    innermost Python frames, with each module instance's number dropped: torch's own grouping by
+    stack keeps `nn.Module: Linear_3` and `Linear_7` apart, which splits a per-layer op into one
+    small row per layer (how the eleventh and twelfth sessions' profiles lost two concatenations a
+    layer)."""
+    import re
+
+    def self_time(e) -> float:
+        if device == "cpu":
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    def instance_free(name: str) -> str:  # "nn.Module: Qwen3MLP_7" -> "nn.Module: Qwen3MLP"
+        return re.sub(r"^(nn\.Module: \w+?)_\d+$", r"\1", name)
+
+    def python_frame(name: str) -> bool:  # with_stack's events of Python calls, not ops
+        return name.startswith("<built-in") or re.search(r"\.py\(\d+\)", name) is not None
+
+    totals: dict[tuple, list] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU or python_frame(e.name) or (us := self_time(e)) <= 0:
+            continue
+        parents, p = [], e.cpu_parent
+        while p is not None and len(parents) < 3:
+            if not python_frame(p.name):
+                parents.append(instance_free(p.name))
+            p = p.cpu_parent
+        stack = tuple(instance_free(s) for s in (e.stack or [])[:8])
+        key = (e.name, str(e.input_shapes)[:120], " < ".join(parents), stack)
+        row = totals.setdefault(key, [0.0, 0])
+        row[0] += us
+        row[1] += 1
+    total = sum(t for t, _ in totals.values()) or 1.0
+    lines = [f"{'ms':>9} {'share':>6} {'calls':>6}  op [input shapes] < enclosing ops, then Python frames (innermost first)"]
+    for (name, shapes, parents, stack), (us, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"{us / 1e3:9.2f} {us / total:6.1%} {n:6d}  {name} {shapes}" + (f" < {parents}" if parents else ""))
+        lines += [f"{'':24}  {frame}" for frame in stack]
+    return "\n".join(lines) + "\n"
 
 
 def bench_peft(model_dir: str, args) -> dict:
@@ -188,7 +229,7 @@ def bench_peft(model_dir: str, args) -> dict:
         t0 = time.perf_counter()
         for s in range(0, n, mb):
             x = ids[s:s + mb]
-            logits = model(input_ids=x).logits[:, args.prompt - 1:-1].float()  # [b, completion, V]
+            logits = model(input_ids=x, use_cache=False).logits[:, args.prompt - 1:-1].float()  # [b, completion, V]
             logp = torch.log_softmax(logits, -1).gather(-1, x[:, args.prompt:, None]).squeeze(-1)
             loss = -(adv[s:s + mb, None] * logp).mean() * x.shape[0] / n
             loss.backward()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -44,5 +45,9 @@ def test_cpu_profiles_name_the_ops_and_the_code_that_ran_them(tiny_model_dir, tm
     result = json.loads(out.with_suffix(".json").read_text())["results"][0]
     assert result["profile"]["host_ops"] > 0
     sources = (tmp_path / "trainer_step.sources.txt").read_text()
-    assert "by Python stack" in sources and "by input shapes" in sources
-    assert "trainer.py" in sources and "aten::mm" in sources  # a stack into colora's trainer, an op under it
+    assert "by caller" in sources and "by input shapes" in sources
+    by_caller = sources.split("by caller")[1].split("by input shapes")[0]
+    assert "trainer.py" in by_caller and "aten::mm" in by_caller  # a stack into colora's trainer, an op under it
+    # the two decoder layers' ops share rows: module instances are not told apart
+    assert "nn.Module: Qwen3DecoderLayer" in by_caller
+    assert re.search(r"nn\.Module: \w+_\d+", by_caller) is None
