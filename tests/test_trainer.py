@@ -113,6 +113,27 @@ def test_base_weights_never_change(tiny_model_dir):
     assert not any(p.requires_grad for p in model.parameters())
 
 
+@pytest.mark.parametrize("packed", ["0", "1"], ids=["padded", "packed"])
+def test_the_step_builds_no_kv_cache(tiny_model_dir, monkeypatch, packed):
+    """The trainer's forwards (the policy's and the KL reference's) ask transformers for no KV cache:
+    its default builds one in training too, concatenating every layer's K and V into it (and leaving
+    them strided for the attention, a copy each: ~100 ms of the H200's 8-job step)."""
+    from transformers import cache_utils
+
+    monkeypatch.setenv("COLORA_PACKED_ROWS", packed)
+    updates = []
+    for cls in (cache_utils.DynamicLayer, cache_utils.DynamicCache):
+        real = cls.update
+        monkeypatch.setattr(cls, "update", lambda self, *a, real=real, **k: updates.append(1) or real(self, *a, **k))
+    trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=128)
+    assert trainer.packed == (packed == "1")
+    st = trainer.step({"a": fixed_rollouts(JOB_A, 0, 500), "b": fixed_rollouts(JOB_B, 0, 500)})  # b has a KL term
+    assert st["a"].failure == st["b"].failure == "" and updates == []
+    packed_kw = {"cu_seq_lens_q": torch.tensor([0, 3]), "max_length_q": 3} if packed == "1" else {}
+    trainer.body(input_ids=torch.tensor([[5, 6, 7]]), **packed_kw)  # the model's default: a cache (the probe sees it)
+    assert updates
+
+
 def test_nonfinite_job_is_not_stepped_and_others_are(tiny_model_dir):
     trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=128)
     solo, bank_b, _ = make_trainer(tiny_model_dir, [JOB_B], micro_batch_tokens=128)
