@@ -291,9 +291,9 @@ def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
     monkeypatch.delenv("COLORA_BASE_IN_LORA", raising=False)
+    assert base_in_lora_from_env() is True  # the default
+    monkeypatch.setenv("COLORA_BASE_IN_LORA", "0")
     assert base_in_lora_from_env() is False
-    monkeypatch.setenv("COLORA_BASE_IN_LORA", "1")
-    assert base_in_lora_from_env() is True
     monkeypatch.setenv("COLORA_BASE_IN_LORA", "on")
     with pytest.raises(ValueError, match="COLORA_BASE_IN_LORA must be '0' or '1', got 'on'"):
         base_in_lora_from_env()
