@@ -19,6 +19,12 @@ from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_ker
 from .lora_meta import LoRABatchMeta
 
 SHRINK_BLOCK_M = 64  # rows per tile of shrink and expand (one tile table serves both)
+# The fused dy pass takes 256-row tiles from one tile per SM on (T >= 256 x SMs), 64-row ones below:
+# its fp32 partials cost 4 BLOCK_R / tile of a dy read each way, as much as the read it saves at 64
+# rows and rank 16. On the H200's 8-job trainer step (49,152-token micro-batches: 1.45 tiles of 256
+# per SM) the step took 1.442 s against 1.524-1.579 s with 64-row tiles there and 1.499 s unfused,
+# in one call (reports/h200/thirteenth/tiles_ab); the threshold was 2 tiles per SM before.
+FUSED_TILE_WAVES = 1
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -98,7 +104,7 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
                          f"{h_slice * meta.max_rank + block_r} columns (h_width) and dy's dtype {dy.dtype}")
     if dBt.shape != Bt.shape:
         raise ValueError(f"dBt has shape {tuple(dBt.shape)}, expected {tuple(Bt.shape)}")
-    block_m = 256 if meta.num_tokens >= 2 * 256 * _num_sms(meta.device) else SHRINK_BLOCK_M
+    block_m = 256 if meta.num_tokens >= FUSED_TILE_WAVES * 256 * _num_sms(meta.device) else SHRINK_BLOCK_M
     tiles = meta.tiles(block_m)
     part = torch.empty((max(tiles.n, 1), block_r, dy.shape[1]), dtype=torch.float32, device=dy.device)
     _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m)

@@ -272,11 +272,16 @@ def test_base_weight_inside_the_op_equals_adding_the_base_output(dtype, slices, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [[33, 0, 70, 5], [1200, 0, 900, 7]], ids=["64-row tiles", "256-row tiles"])
-def test_fused_dy_pass_matches_separate_kernels(tokens, dtype):
-    """dh and dB from one pass over dy (fuse_dy) equal the separate shrink + sgrad. Past 2 x 256 x
-    SMs rows (SMs = 4 on the interpreter) the fused pass uses 256-row tiles."""
+def test_fused_dy_pass_matches_separate_kernels(tokens, dtype, monkeypatch):
+    """dh and dB from one pass over dy (fuse_dy) equal the separate shrink + sgrad. From 256 x SMs
+    rows on (SMs = 4 on the interpreter: 1,024) the fused pass uses 256-row tiles."""
+    from colora.kernels import lora_ops
+
     case = lora_case(tokens, [16, 8, 0, 4], 40, 24, dtype, DEV, seed=len(tokens) + sum(tokens))
+    tiles, real = [], lora_ops._launch_shrink
+    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a: tiles.append(a[-1]) or real(*a))
     fused = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True)
+    assert tiles[-1] == (256 if sum(tokens) >= 256 * lora_ops._num_sms(torch.device(DEV)) else 64)
     separate = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=False)
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     for key in ("dx", "dA", "dB"):

@@ -68,7 +68,7 @@ def test_grouped_lora_gpu_sweep(J, d_in, d_out, dtype):
 
 @pytest.mark.parametrize("fuse_dy", [True, False])
 def test_fused_dy_large_tiles_gpu(fuse_dy):
-    """80k rows: past 2 x 256 x SMs, the fused dy pass runs 256-row tiles; both paths match fp64."""
+    """80k rows: past 256 x SMs, the fused dy pass runs 256-row tiles; both paths match fp64."""
     dtype = torch.bfloat16
     case = lora_case([40_000, 0, 35_000, 5_000], [16, 8, 0, 4], 1024, 3072, dtype, DEV, seed=13)
     got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy)
