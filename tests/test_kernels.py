@@ -550,3 +550,30 @@ def test_swiglu_kernel_matches_the_model_code(dtype, shape):
         assert rel_err(a, b) <= tol
     with pytest.raises(ValueError, match="must match"):
         swiglu(gate, up[..., :-1])
+
+
+def test_bench_kernels_lora_table_on_the_cpu(tmp_path):
+    """`colora bench kernels --quick --only lora` on the CPU: every row timed, no CUDA-graph timing
+    there ('-' in the table)."""
+    import json
+
+    from colora.kernels.bench import main
+
+    assert main(["--quick", "--only", "lora", "--out", str(tmp_path / "k")]) == 0
+    rows = json.loads((tmp_path / "k.json").read_text())["lora"]
+    assert rows and all(r["triton_ms"] > 0 and r["loop_ms"] > 0 and r["graph_ms"] is None for r in rows)
+    md = (tmp_path / "k.md").read_text()
+    assert "| x bound (graph) |" in md and md.count(" | - | - | - |") == len(rows)
+
+
+def test_bench_kernels_targets_read_the_graph_timing_where_every_row_has_one():
+    from colora.kernels.bench import _targets
+
+    rows = [{"shape": "q", "rank": 16, "jobs": 8, "tokens_per_job": 24576, "x_bound": 1.65, "x_bound_graph": 1.21},
+            {"shape": "o", "rank": 16, "jobs": 8, "tokens_per_job": 24576, "x_bound": 1.25, "x_bound_graph": 1.12},
+            {"shape": "q", "rank": 16, "jobs": 8, "tokens_per_job": 2048, "speedup": 3.7}]
+    text = "\n".join(_targets(rows))
+    assert "24576 tokens/job (x_bound_graph): q r16: 1.21x bound, o r16: 1.12x bound" in text
+    assert "2048 tokens/job (speedup): q r16: 3.7x faster" in text
+    rows[1]["x_bound_graph"] = None  # one row without a graph: the event timing for all
+    assert "24576 tokens/job (x_bound): q r16: 1.65x bound, o r16: 1.25x bound" in "\n".join(_targets(rows))
