@@ -52,6 +52,7 @@ def _peak(device: str) -> float:
 
 def bench_colora(model_dir: str, args, backend: str) -> dict:
     from .config import JobConfig, TrainerConfig
+    from .heap import frozen_heap
     from .lora import AdapterBank, inject_lora
     from .models import load_base_model
     from .trainer import MultiJobTrainer
@@ -77,14 +78,15 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     trainer = MultiJobTrainer(model, bank, cfg, jobs, pad_id=0)
     vocab = model.config.vocab_size
     times = []
-    for step in range(args.repeats + 1):
-        ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, step)
-        _sync(args.device)
-        t0 = time.perf_counter()
-        trainer.step(ro)
-        _sync(args.device)
-        if step > 0:  # the first step compiles and autotunes
-            times.append(time.perf_counter() - t0)
+    with frozen_heap():  # as a run's steps (colora/heap.py)
+        for step in range(args.repeats + 1):
+            ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, step)
+            _sync(args.device)
+            t0 = time.perf_counter()
+            trainer.step(ro)
+            _sync(args.device)
+            if step > 0:  # the first step compiles and autotunes
+                times.append(time.perf_counter() - t0)
     peak = _peak(args.device)
     impl = (f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''}{', fused elementwise' if fused else ''}"
             f"{', elementwise kernels' if fused and kernels else ''}{', base in the LoRA op' if base else ''})")

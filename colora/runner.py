@@ -393,6 +393,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         import torch
 
         from . import compilewatch
+        from .heap import frozen_heap
 
         # Counts the trainer's Triton compiles from here on (a hook that increments a counter), so
         # the timeline's train spans can name what compiled in a slow step; Dynamo's are always counted.
@@ -430,7 +431,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         if steps is not None:
             steps.take()
         try:
-            with GpuSampler(timeline) as gpu:
+            with frozen_heap(), GpuSampler(timeline) as gpu:  # no full GC passes over the set-up's objects
                 window = corunner.run()
             if steps is not None:
                 for b in steps.take():

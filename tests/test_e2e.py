@@ -33,8 +33,18 @@ def _run(tmp_path, tiny_model_dir, cache, *extra):
     return cfg, out, summary
 
 
-def test_shared_sync_two_jobs_two_steps(tmp_path, tiny_model_dir, cache):
+def test_shared_sync_two_jobs_two_steps(tmp_path, tiny_model_dir, cache, monkeypatch):
+    import gc
+
+    from colora.trainer import MultiJobTrainer
+
+    frozen, real_step = [], MultiJobTrainer.step
+    monkeypatch.setattr(MultiJobTrainer, "step", lambda self, *a, **k: frozen.append(gc.get_freeze_count())
+                        or real_step(self, *a, **k))
     cfg, out, summary = _run(tmp_path, tiny_model_dir, cache)
+    # every step ran with the set-up's objects out of the collector's full passes (colora/heap.py), and
+    # the run let them go when it ended
+    assert len(frozen) == 2 and min(frozen) > 10_000 and gc.get_freeze_count() == 0
     for f in ("config.json", "status.json", "metrics.jsonl", "timeline.jsonl", "eval.json", "summary.json"):
         assert (out / f).is_file(), f
     assert json.loads((out / "status.json").read_text())["state"] == "complete"
