@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -172,7 +173,6 @@ def ops_by_caller(events, device: str, rows: int = 50) -> str:
     stack keeps `nn.Module: Linear_3` and `Linear_7` apart, which splits a per-layer op into one
     small row per layer (how the eleventh and twelfth sessions' profiles lost two concatenations a
     layer)."""
-    import re
 
     def self_time(e) -> float:
         if device == "cpu":

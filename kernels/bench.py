@@ -9,9 +9,10 @@ plus written) and the bf16 matmul rate (8192^3 through cuBLAS). Then:
   jobs, ranks 8/16/64, 2k or 24k tokens per job (at most 200k in all), against the per-job loop of
   the torch reference run eagerly; time, TFLOP/s and the share of the measured matmul rate, and the
   bytes bound: the compulsory traffic (x read twice, dy once, y and dx written once) over the copy
-  bandwidth, with time / bound ("x bound");
-- the LoRA path accumulating into the base projection's output (add_to) against a separate add,
-  beside the base projection alone;
+  bandwidth, with time / bound ("x bound"), also for the step replayed as a CUDA graph (the kernels
+  without the host's launch gaps);
+- the LoRA path accumulating into the base projection's output (add_to), and the base product
+  inside the LoRA op (base=W), against a separate add, beside the base projection alone;
 - the selective log-softmax (V = 151936, d = 1024) forward+backward against the chunked torch
   reference and the naive full-logits path, with peak memory.
 Writes OUT.json (every figure) and OUT.md (tables, opening with the command). Times are medians of
@@ -150,7 +151,9 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
 
 
 def bench_add_to(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
-    """Base projection + LoRA, forward+backward: separate add vs accumulating into the base output."""
+    """Base projection + LoRA, forward+backward: separate add, accumulating into the base output
+    (add_to), and the base product inside the LoRA op (base=W: its dx in the same cuBLAS call as an
+    addmm, the trainer's default since the thirteenth session)."""
     rows = []
     shapes = {"tiny": (64, 48)} if quick else {k: QWEN3_SHAPES[k] for k in ("q", "gate/up", "down")}
     J, tpj, rank = (4, 48, 16) if quick else (8, 24576, 16)
@@ -170,13 +173,16 @@ def bench_add_to(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
             y = K.grouped_lora(x, A, B, meta=meta, backend="triton", add_to=x @ W.t())
             torch.autograd.grad(y, (x, A, B), dy)
 
+        def base_in_op():
+            y = K.grouped_lora(x, A, B, meta=meta, backend="triton", base=W)
+            torch.autograd.grad(y, (x, A, B), dy)
+
         t = {k: _timer(f, device, quick) * 1e3 for k, f in (("base_ms", base), ("separate_ms", separate),
-                                                            ("add_to_ms", add_to))}
+                                                            ("add_to_ms", add_to), ("base_in_op_ms", base_in_op))}
         rows.append({"shape": name, "d_in": d_in, "d_out": d_out, "rank": rank, "jobs": J, "tokens": J * tpj, **t,
-                     "lora_overhead_separate": t["separate_ms"] / t["base_ms"] - 1,
-                     "lora_overhead_add_to": t["add_to_ms"] / t["base_ms"] - 1})
+                     **{f"lora_overhead_{k}": t[f"{k}_ms"] / t["base_ms"] - 1 for k in ("separate", "add_to", "base_in_op")}})
         print(f"base+lora {name:8s}: base {t['base_ms']:.3f} ms, separate {t['separate_ms']:.3f} ms, "
-              f"add_to {t['add_to_ms']:.3f} ms", flush=True)
+              f"add_to {t['add_to_ms']:.3f} ms, base in op {t['base_in_op_ms']:.3f} ms", flush=True)
         del x, A, B, dy, W
     return rows
 
@@ -313,15 +319,18 @@ def to_markdown(result: dict) -> str:
                    f"{_fmt(r.get('graph_ms'), 3)} | {_fmt(r.get('graph_GBps'), 0)} | {_fmt(r.get('x_bound_graph'))} |")
     out += _targets(result["lora"])
     out += ["", "## Base projection + LoRA, forward + backward (bf16, rank 16)", "",
-            "separate: y = x W^T + grouped_lora(x); add_to: the LoRA expand accumulates into x W^T in place.", "",
-            "| shape | jobs x tokens | base ms | separate ms | add_to ms | LoRA overhead separate "
-            "| LoRA overhead add_to |",
-            "|---|---|---|---|---|---|---|"]
+            "separate: y = x W^T + grouped_lora(x); add_to: the LoRA expand accumulates into x W^T in place; "
+            "base in op: grouped_lora(x, base=W) computes x W^T itself and adds dy W into the LoRA's dx in "
+            "one addmm (the trainer's default). Overhead: over the base projection alone.", "",
+            "| shape | jobs x tokens | base ms | separate ms | add_to ms | base in op ms | overhead separate "
+            "| overhead add_to | overhead base in op |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in result["add_to"]:
         out.append(f"| {r['shape']} | {r['jobs']} x {r['tokens'] // r['jobs']} | {_fmt(r['base_ms'], 3)} | "
-                   f"{_fmt(r['separate_ms'], 3)} | {_fmt(r['add_to_ms'], 3)} | "
-                   f"{_fmt(100 * r['lora_overhead_separate'], 0)}% | "
-                   f"{_fmt(100 * r['lora_overhead_add_to'], 0)}% |")
+                   f"{_fmt(r['separate_ms'], 3)} | {_fmt(r['add_to_ms'], 3)} | {_fmt(r.get('base_in_op_ms'), 3)} | "
+                   + " | ".join("-" if r.get(k) is None else f"{100 * r[k]:.0f}%"
+                                for k in ("lora_overhead_separate", "lora_overhead_add_to", "lora_overhead_base_in_op"))
+                   + " |")
     out += ["", "## Selective log-softmax, forward + backward (bf16)", "",
             "TFLOP/s counts the two matmuls (logits, d hidden) an exact method needs: 4 T V d.", "",
             "| T | V | triton ms | torch chunked ms | naive ms | triton peak GB | chunked peak GB | naive peak GB "

@@ -577,3 +577,18 @@ def test_bench_kernels_targets_read_the_graph_timing_where_every_row_has_one():
     assert "2048 tokens/job (speedup): q r16: 3.7x faster" in text
     rows[1]["x_bound_graph"] = None  # one row without a graph: the event timing for all
     assert "24576 tokens/job (x_bound): q r16: 1.65x bound, o r16: 1.25x bound" in "\n".join(_targets(rows))
+
+
+def test_bench_kernels_base_plus_lora_table_on_the_cpu(tmp_path):
+    """`colora bench kernels --quick --only add_to`: the base projection alone and the three ways of
+    adding the LoRA to it (separate, add_to, the base inside the op), each timed, in the table."""
+    import json
+
+    from colora.kernels.bench import main
+
+    assert main(["--quick", "--only", "add_to", "--out", str(tmp_path / "k")]) == 0
+    (row,) = json.loads((tmp_path / "k.json").read_text())["add_to"]
+    assert all(row[k] > 0 for k in ("base_ms", "separate_ms", "add_to_ms", "base_in_op_ms"))
+    assert row["lora_overhead_base_in_op"] == pytest.approx(row["base_in_op_ms"] / row["base_ms"] - 1)
+    md = (tmp_path / "k.md").read_text()
+    assert "| base in op ms |" in md and "| tiny | 4 x 48 |" in md
