@@ -67,6 +67,34 @@ def _graph_timer(fn, device: torch.device, quick: bool) -> float | None:
         return None
 
 
+def kernel_times(events, calls: int) -> dict[str, float]:
+    """Microseconds per call of each kernel (and memset/memcpy) the profiled `calls` launched, by
+    name, largest first: the GPU's own durations, without the host's gaps or the bubbles between
+    kernels. `events`: torch.profiler's events (annotation ranges are left out)."""
+    out: dict[str, float] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            continue
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        out[e.name] = out.get(e.name, 0.0) + us / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _kernel_breakdown(fn, device: torch.device, calls: int = 5) -> dict[str, float] | None:
+    """`kernel_times` of `calls` calls of `fn` after one warm-up call; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return kernel_times(prof.events(), calls)
+
+
 def _peak_bytes(fn, device: torch.device) -> int | None:
     """Peak memory allocated during one call, above what was allocated before it."""
     if device.type != "cuda":
@@ -128,6 +156,8 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                 fused = K.lora_ops.fuse_dy_pays(meta)  # the default: dh and dB in one pass over dy
                 t_other = _timer(lambda: step("triton", not fused), device, quick)
                 t_graph = _graph_timer(lambda: step("triton"), device, quick)
+                # where the time of the target's rows goes, kernel by kernel
+                kernels = _kernel_breakdown(lambda: step("triton"), device) if (J, tpj) == (8, 24576) else None
                 flops = 6 * T * rank * (d_in + d_out)  # 2 fwd + 4 bwd GEMMs of T x r x d
                 bound = e * T * (3 * d_in + 2 * d_out)  # x twice, dx, y, dy once; weights are small
                 bound_s = bound / (cal["copy_GBps"] * 1e9)
@@ -140,6 +170,8 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                     "graph_ms": None if t_graph is None else t_graph * 1e3,
                     "graph_GBps": None if t_graph is None else bound / t_graph / 1e9,
                     "x_bound_graph": None if t_graph is None else t_graph / bound_s,
+                    "kernels_us": kernels,
+                    "x_bound_kernels": None if not kernels else sum(kernels.values()) / 1e6 / bound_s,
                 })
                 print(f"lora {name:8s} r{rank:<3d} J{J:<3d} {tpj:>6d} tok/job: triton {t_tri * 1e3:8.3f} ms "
                       f"(fuse_dy={fused}; other {t_other * 1e3:8.3f} ms), loop {t_loop * 1e3:8.3f} ms "
@@ -318,6 +350,18 @@ def to_markdown(result: dict) -> str:
                    f"{_fmt(100 * r['peak_share'], 1)} | {_fmt(r['bound_GBps'], 0)} | {_fmt(r['x_bound'])} | "
                    f"{_fmt(r.get('graph_ms'), 3)} | {_fmt(r.get('graph_GBps'), 0)} | {_fmt(r.get('x_bound_graph'))} |")
     out += _targets(result["lora"])
+    broken = [r for r in result["lora"] if r.get("kernels_us")]
+    if broken:
+        out += ["", "### Kernel by kernel at 8 jobs x 24k tokens", "",
+                "The GPU's own durations (torch.profiler, CUPTI), microseconds per step: no host gaps and no "
+                "bubbles between kernels, so their sum over the bound is the kernels' own 'x bound'.", "",
+                "| shape | rank | kernels us | x bound (kernels) | graph us | kernels, largest first (us) |",
+                "|---|---|---|---|---|---|"]
+        for r in broken:
+            ks = ", ".join(f"{name[:40]} {us:.0f}" for name, us in r["kernels_us"].items())
+            out.append(f"| {r['shape']} | {r['rank']} | {sum(r['kernels_us'].values()):.0f} | "
+                       f"{_fmt(r['x_bound_kernels'])} | {_fmt(None if r['graph_ms'] is None else r['graph_ms'] * 1e3, 0)} "
+                       f"| {ks} |")
     out += ["", "## Base projection + LoRA, forward + backward (bf16, rank 16)", "",
             "separate: y = x W^T + grouped_lora(x); add_to: the LoRA expand accumulates into x W^T in place; "
             "base in op: grouped_lora(x, base=W) computes x W^T itself and adds dy W into the LoRA's dx in "

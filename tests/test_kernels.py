@@ -592,3 +592,34 @@ def test_bench_kernels_base_plus_lora_table_on_the_cpu(tmp_path):
     assert row["lora_overhead_base_in_op"] == pytest.approx(row["base_in_op_ms"] / row["base_ms"] - 1)
     md = (tmp_path / "k.md").read_text()
     assert "| base in op ms |" in md and "| tiny | 4 x 48 |" in md
+
+
+def test_kernel_times_sum_each_kernel_per_call_largest_first():
+    from types import SimpleNamespace as E
+
+    from colora.kernels.bench import kernel_times
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [E(name="lora_shrink_kernel", device_type=cuda, device_time_total=30.0),
+              E(name="lora_expand_kernel", device_type=cuda, device_time_total=50.0),
+              E(name="lora_shrink_kernel", device_type=cuda, device_time_total=40.0),
+              E(name="aten::mm", device_type=cpu, device_time_total=999.0),  # a host op: its kernels count apart
+              E(name="Optimizer.step", device_type=cuda, device_time_total=500.0, is_user_annotation=True)]
+    assert list(kernel_times(events, calls=2).items()) == [("lora_shrink_kernel", 35.0), ("lora_expand_kernel", 25.0)]
+
+
+def test_kernel_breakdown_table_in_the_markdown():
+    from colora.kernels.bench import to_markdown
+
+    row = {"shape": "k/v", "d_in": 1024, "d_out": 1024, "rank": 16, "jobs": 8, "tokens_per_job": 24576,
+           "tokens": 196608, "triton_ms": 1.1, "fused_dy": True, "other_fuse_ms": 1.0, "loop_ms": 4.8,
+           "speedup": 4.4, "TFLOPs": 34.0, "peak_share": 0.05, "bound_GBps": 1800.0, "x_bound": 2.3,
+           "graph_ms": 0.638, "graph_GBps": 3150.0, "x_bound_graph": 1.33,
+           "kernels_us": {"lora_shrink_kernel": 300.0, "lora_expand_kernel": 250.0}, "x_bound_kernels": 1.15}
+    result = {"command": "colora bench kernels", "calibration": {"copy_GBps": 4200.0, "bf16_matmul_TFLOPs": 800.0},
+              "environment": {"device": "H200", "torch": "2.11", "triton": "3.6", "date": "today"},
+              "lora": [row], "add_to": [], "logsoftmax": []}
+    md = to_markdown(result)
+    assert "### Kernel by kernel at 8 jobs x 24k tokens" in md
+    assert "| k/v | 16 | 550 | 1.15 | 638 | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
+    assert "24576 tokens/job (x_bound_graph): k/v r16: 1.33x bound" in md
