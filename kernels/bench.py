@@ -397,6 +397,9 @@ def to_markdown(result: dict) -> str:
             out.append(f"| {r['case']} | {r['N']} | {r['rank']} | {r['jobs']} x {r['tokens_per_job']} | "
                        f"{r['partials_per_job']} | {_fmt(r['before_us'], 1)} | {_fmt(r['now_us'], 1)} | "
                        f"{_fmt(r['speedup'])} | {r['shape_now'][0]} x {r['shape_now'][1]} | {_fmt(r['now_GBps'], 0)} |")
+    from .tune import to_markdown as tune_markdown
+
+    out += tune_markdown(result.get("tune", []))
     return "\n".join(out) + "\n"
 
 
@@ -405,8 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="colora bench kernels", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="reports/kernels", help="writes OUT.json and OUT.md")
     p.add_argument("--quick", action="store_true", help="tiny shapes (also on the CPU, through the interpreter)")
-    p.add_argument("--only", choices=["lora", "add_to", "logsoftmax", "reduce"], action="append",
-                   help="run only these parts (repeatable)")
+    p.add_argument("--only", choices=["lora", "add_to", "logsoftmax", "reduce", "tune"], action="append",
+                   help="run only these parts (repeatable); 'tune' (kernels/tune.py) runs only when named")
+    p.add_argument("--tune-budget", type=float, default=480.0, metavar="S",
+                   help="seconds after which the search starts no new problem (default 480)")
     args = p.parse_args(argv)
     from .testing import interpreted_kernels
 
@@ -416,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         print("colora bench kernels: no CUDA device; only --quick runs on the CPU", file=sys.stderr)
         return 2
     import triton
+
+    from .tune import tune_lora
 
     parts = set(args.only or ["lora", "add_to", "logsoftmax", "reduce"])
     t0 = time.time()
@@ -432,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "add_to": bench_add_to(K, cal, device, args.quick) if "add_to" in parts else [],
         "logsoftmax": bench_logsoftmax(K, cal, device, args.quick) if "logsoftmax" in parts else [],
         "reduce": bench_reduce(K, cal, device, args.quick) if "reduce" in parts else [],
+        "tune": tune_lora(K, cal, device, args.quick, args.tune_budget) if "tune" in parts else [],
     }
     result["wall_s"] = time.time() - t0
     js, md = Path(args.out + ".json"), Path(args.out + ".md")

@@ -11,6 +11,7 @@ The weights are passed as strided views, so the same kernel serves forward and b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -25,6 +26,37 @@ SHRINK_BLOCK_M = 64  # rows per tile of shrink and expand (one tile table serves
 # per SM) the step took 1.442 s against 1.524-1.579 s with 64-row tiles there and 1.499 s unfused,
 # in one call (reports/h200/thirteenth/tiles_ab); the threshold was 2 tiles per SM before.
 FUSED_TILE_WAVES = 1
+
+# Launch parameters each launcher may take from `launch_overrides` instead of its own choice.
+TUNABLE = {
+    "shrink": ("block_m", "block_k", "warps", "stages"),  # x -> h (and dh when the dy pass is not fused)
+    "dy_pass": ("block_m", "block_k", "warps", "stages"),  # the fused dh + dB partials
+    "expand": ("block_m", "block_n", "warps", "stages"),  # h -> y, dh -> dx
+    "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
+}
+_overrides: dict[str, dict] = {}
+
+
+@contextlib.contextmanager
+def launch_overrides(**kernels: dict):
+    """Launch parameters that replace the launchers' own choices while the block runs, for the
+    benchmark's tuner (kernels/tune.py), e.g. `launch_overrides(expand={"block_n": 256, "warps": 8})`.
+    Keys and parameters as in TUNABLE; anything else is a ValueError. Not thread-safe: one tuner."""
+    for kernel, cfg in kernels.items():
+        if kernel not in TUNABLE or not set(cfg) <= set(TUNABLE[kernel]):
+            raise ValueError(f"launch_overrides: {kernel}={cfg} (tunable: {TUNABLE})")
+    saved = dict(_overrides)
+    _overrides.update(kernels)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def _tuned(kernel: str, **chosen) -> dict:
+    over = _overrides.get(kernel)
+    return {**chosen, **over} if over else chosen
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -84,7 +116,7 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torc
     x: [T, K], w: [R, K] (any strides: A, or B^T for dh; fastest when K has stride 1), out: [T, H]
     with H >= (h_slice+1) * max_rank. Columns of out outside each job's slice are left as they were.
     """
-    _launch_shrink(x, w, meta, out, h_slice, scale, None, None, SHRINK_BLOCK_M)
+    _launch_shrink(x, w, meta, out, h_slice, scale, None, None, _tuned("shrink", block_m=SHRINK_BLOCK_M)["block_m"])
     return out
 
 
@@ -105,6 +137,7 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
     if dBt.shape != Bt.shape:
         raise ValueError(f"dBt has shape {tuple(dBt.shape)}, expected {tuple(Bt.shape)}")
     block_m = 256 if meta.num_tokens >= FUSED_TILE_WAVES * 256 * _num_sms(meta.device) else SHRINK_BLOCK_M
+    block_m = _tuned("dy_pass", block_m=block_m)["block_m"]
     tiles = meta.tiles(block_m)
     part = torch.empty((max(tiles.n, 1), block_r, dy.shape[1]), dtype=torch.float32, device=dy.device)
     _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m)
@@ -133,12 +166,14 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m):
         return
     block_r = _block_r(meta.max_rank)
     fp32 = x.dtype == torch.float32
+    fused = part is not None
     if block_m > SHRINK_BLOCK_M:  # the fused dy pass: [256, BLOCK_K] tiles, 3 stages in shared memory
         block_k, warps = (32 if fp32 else 64), 8
     else:
         block_k, warps = (64 if (fp32 or block_r >= 128) else 128), (8 if block_r >= 128 else 4)
-    block_k = min(block_k, max(16, pow2(K)))
-    fused = part is not None
+    cfg = _tuned("dy_pass" if fused else "shrink", block_k=min(block_k, max(16, pow2(K))), warps=warps,
+                 stages=3 if (fp32 or block_r >= 64 or fused) else 4)
+    block_k = cfg["block_k"]
     lora_shrink_kernel[(tiles.n,)](
         x, w, out, p if fused else x, part if fused else x,
         tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
@@ -146,7 +181,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m):
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), p.stride(0) if fused else 0,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, HAS_SCALE=scale, FUSE_SGRAD=fused, PRECISION=_precision(x.dtype, x.device),
-        num_warps=warps, num_stages=3 if (fp32 or block_r >= 64 or fused) else 4,
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
 
 
@@ -172,22 +207,22 @@ def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torc
                          "columns (h_width), zero-filled where the shrink did not write")
     if not (h.dtype == w.dtype == out.dtype):
         raise ValueError(f"dtypes differ: h {h.dtype}, weight {w.dtype}, out {out.dtype}")
-    tiles = meta.tiles(SHRINK_BLOCK_M)
-    if tiles.n == 0:
-        return out
     if h.dtype == torch.float32:  # IEEE fp32 dots run on FMAs and hold operands in registers
         block_n, warps = (64 if block_r <= 64 else 32), 8
     else:
         block_n, warps = (64 if block_r >= 128 else 128), (8 if block_r >= 128 else 4)
-    block_n = min(block_n, max(16, pow2(N)))
-    lora_expand_kernel[(tiles.n, cdiv(N, block_n))](
+    cfg = _tuned("expand", block_m=SHRINK_BLOCK_M, block_n=min(block_n, max(16, pow2(N))), warps=warps, stages=2)
+    tiles = meta.tiles(cfg["block_m"])
+    if tiles.n == 0:
+        return out
+    lora_expand_kernel[(tiles.n, cdiv(N, cfg["block_n"]))](
         h, w, out,
         tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
         N, h_slice,
         h.stride(0), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=SHRINK_BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_R=block_r,
         HAS_SCALE=scale, ACCUMULATE=accumulate, PRECISION=_precision(h.dtype, h.device),
-        num_warps=warps, num_stages=2,
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return out
 
@@ -222,19 +257,20 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
     if meta.total_rank == 0:
         return out
     block_n = min(128 if block_r <= 32 else 64, max(16, pow2(N)))
+    cfg = _tuned("sgrad", block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=8 if block_r >= 128 else 4,
+                 stages=3, chunk=chunk or sgrad_chunk(meta, cdiv(N, block_n), block_r))
+    block_n, chunk = cfg["block_n"], cfg["chunk"]
     n_tiles_n = cdiv(N, block_n)
-    chunk = chunk or sgrad_chunk(meta, n_tiles_n, block_r)
     chunks = meta.tiles(chunk)
     part = torch.empty((max(chunks.n, 1), block_r, N), dtype=torch.float32, device=q.device)
-    warps = 8 if block_r >= 128 else 4
     if chunks.n > 0:
         lora_sgrad_kernel[(chunks.n, n_tiles_n)](
             p, q, part,
             chunks.job, chunks.row, meta.seg_start_t, meta.rank_start_t,
             N, p_slice, chunk,
             p.stride(0), q.stride(0), q.stride(1),
-            BLOCK_T=64 if block_r <= 64 else 32, BLOCK_R=block_r, BLOCK_N=block_n,
-            PRECISION=_precision(q.dtype, q.device), num_warps=warps, num_stages=3,
+            BLOCK_T=cfg["block_t"], BLOCK_R=block_r, BLOCK_N=block_n,
+            PRECISION=_precision(q.dtype, q.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
     _launch_reduce(part, out, meta, chunks, block_r, scale)
     return out

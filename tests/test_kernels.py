@@ -623,3 +623,49 @@ def test_kernel_breakdown_table_in_the_markdown():
     assert "### Kernel by kernel at 8 jobs x 24k tokens" in md
     assert "| k/v | 16 | 550 | 1.15 | 638 | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
     assert "24576 tokens/job (x_bound_graph): k/v r16: 1.33x bound" in md
+
+
+def test_launch_overrides_reach_the_launches_and_keep_the_results():
+    """The tuner's overrides (kernels/tune.py): other tile sizes, warps, stages and chunks for every
+    launcher give the same gradients within the table's tolerance; the expand's 128-row tiles and the
+    sgrad's 512-row chunks are the ones built; unknown kernels or parameters are refused."""
+    from colora.kernels import lora_ops
+
+    for fuse in (True, False):
+        case = lora_case([300, 0, 170, 9], [16, 8, 0, 4], 40, 24, torch.bfloat16, DEV, seed=31)
+        want = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse)
+        with lora_ops.launch_overrides(shrink={"block_m": 128, "block_k": 32, "warps": 8, "stages": 2},
+                                       dy_pass={"block_m": 128, "block_k": 16, "warps": 4, "stages": 2},
+                                       expand={"block_m": 128, "block_n": 16, "warps": 8, "stages": 3},
+                                       sgrad={"block_t": 32, "block_n": 16, "warps": 8, "stages": 2, "chunk": 512}):
+            got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse)
+        assert {128, 512} <= set(case.meta._tiles)
+        assert lora_ops._overrides == {}  # restored
+        for key in ("y", "dx", "dA", "dB"):
+            assert rel_err(got[key], want[key]) <= LORA_TOL[torch.bfloat16], (fuse, key)
+    with pytest.raises(ValueError, match="tunable"):
+        with lora_ops.launch_overrides(expand={"block_k": 64}):
+            pass
+    with pytest.raises(ValueError, match="tunable"):
+        with lora_ops.launch_overrides(reduce={"block_n": 64}):
+            pass
+
+
+def test_bench_kernels_tune_searches_every_launcher_on_the_cpu(tmp_path):
+    """`colora bench kernels --quick --only tune` through the interpreter: every launcher's candidates
+    tried on the tiny problem (plumbing only: the CPU's times mean nothing), the best of each and all
+    of them together recorded, and the tables written."""
+    import json
+
+    from colora.kernels.bench import main
+    from colora.kernels.lora_ops import TUNABLE
+    from colora.kernels.tune import candidates
+
+    assert main(["--quick", "--only", "tune", "--out", str(tmp_path / "k")]) == 0
+    (row,) = json.loads((tmp_path / "k.json").read_text())["tune"]
+    assert row["problem"] == "tiny r16" and row["default_us"] > 0 and row["combined_us"] > 0
+    assert [t["kernel"] for t in row["trials"]] == [k for k in TUNABLE for _ in candidates(k, quick=True)]
+    assert all(t["error"] is None and t["us"] > 0 for t in row["trials"])
+    assert set(row["best"]) <= set(TUNABLE)
+    md = (tmp_path / "k.md").read_text()
+    assert "## Launch parameters searched" in md and "| tiny r16 |" in md
