@@ -4,6 +4,7 @@ tensor-core ops, LDGSTS async copies, 128-bit LDG/STG vs 2-byte loads, local-mem
 
     python -m colora.kernels.compile_check            (all; about 1 minute)
     python -m colora.kernels.compile_check shrink     (labels containing "shrink")
+    python -m colora.kernels.compile_check --tune     (kernels/tune.py's candidates, bf16, ranks 16 and 64)
 
 The interpreter (CPU tests) enforces none of Triton's compile-time rules; this does, with the
 installed Triton's own ptxas. The specialisations mirror real launches at Qwen3 shapes (unit
@@ -113,13 +114,44 @@ def variants():
                dict(BLOCK_V=4096, HAS_GRAD=True, HAS_ENTROPY=True), (), ("V", "stride_l"), 8, 3)
 
 
+def tune_variants():
+    """The candidates of kernels/tune.py at bf16, ranks 16 and 64, as `variants` yields them: which
+    compile for sm_90a, with how much shared memory and how many registers, before device time goes
+    to them."""
+    from .lora_ops import _block_r
+    from .tune import candidates
+
+    base = {v[0]: v[1:] for v in variants()}
+    for R in (16, 64):
+        for kernel, label, fused in (("shrink", f"shrink bf16 R{_block_r(R)}", False),
+                                     ("dy_pass", f"shrink+sgrad bf16 R{R} M256", True),
+                                     ("expand", f"expand+acc bf16 R{R}", False), ("sgrad", f"sgrad bf16 R{R}", False)):
+            if label not in base:  # the fused dy pass: rank <= 32 only
+                continue
+            fn, types, consts, ones, div, _, _ = base[label]
+            for cfg in candidates(kernel, quick=False):
+                c = dict(consts)
+                for key, const in (("block_m", "BLOCK_M"), ("block_k", "BLOCK_K"), ("block_n", "BLOCK_N"),
+                                   ("block_t", "BLOCK_T")):
+                    if key in cfg:
+                        c[const] = cfg[key]
+                yield (f"tune {kernel} R{R} {'/'.join(str(v) for v in cfg.values())}", fn, types, c, ones, div,
+                       cfg["warps"], cfg["stages"])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     warnings.filterwarnings("ignore")
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
-    for label, *rest in variants():
+    tune = "--tune" in argv
+    argv = [a for a in argv if a != "--tune"]
+    for label, *rest in (tune_variants() if tune else variants()):
         if not argv or any(a in label for a in argv):
-            print(compile_one(label, *rest), flush=True)
+            try:
+                print(compile_one(label, *rest), flush=True)
+            except Exception as e:  # e.g. out of shared memory: the line says so, the others still compile
+                print(f"{label:34s} failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+                      flush=True)
     return 0
 
 

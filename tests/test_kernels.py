@@ -669,3 +669,20 @@ def test_bench_kernels_tune_searches_every_launcher_on_the_cpu(tmp_path):
     assert set(row["best"]) <= set(TUNABLE)
     md = (tmp_path / "k.md").read_text()
     assert "## Launch parameters searched" in md and "| tiny r16 |" in md
+
+
+def test_compile_check_covers_every_tuning_candidate():
+    """`python -m colora.kernels.compile_check --tune` compiles each of kernels/tune.py's candidates
+    (ranks 16 and 64; the fused dy pass at rank 16 only) with its block sizes, warps and stages."""
+    from colora.kernels.compile_check import tune_variants
+    from colora.kernels.tune import candidates
+
+    got = list(tune_variants())
+    for R in (16, 64):
+        for kernel in ("shrink", "dy_pass", "expand", "sgrad"):
+            mine = [v for v in got if v[0].startswith(f"tune {kernel} R{R} ")]
+            assert len(mine) == (0 if (kernel, R) == ("dy_pass", 64) else len(candidates(kernel, quick=False)))
+            for (label, fn, types, consts, ones, div, warps, stages), cfg in zip(mine, candidates(kernel, quick=False)):
+                assert (warps, stages) == (cfg["warps"], cfg["stages"])
+                assert all(consts[c] == cfg[k] for k, c in (("block_m", "BLOCK_M"), ("block_k", "BLOCK_K"),
+                                                            ("block_n", "BLOCK_N"), ("block_t", "BLOCK_T")) if k in cfg)
