@@ -8,7 +8,9 @@ kernels_graph) and each launcher of `lora_ops.TUNABLE`, the LoRA step runs with 
 configuration for that launcher while the others keep their own choice, timed by the sum of the
 GPU's own kernel durations (`bench.kernel_times`: no host gaps). Then the best of each launcher
 together, also replayed as one CUDA graph, against the bytes bound. A candidate that does not
-compile or run (too much shared memory, say) is recorded with its error.
+compile or run (too much shared memory, say) is recorded with its error. Past --tune-budget
+seconds no further candidate or problem is started (`python -m colora.kernels.compile_check --tune`
+compiles the candidates for sm_90a on a CPU machine first).
 
 A search, not a change: the launchers keep their heuristics until a report shows a gain and they
 are changed with it. With --quick (the CPU's interpreter) it runs tiny problems and two candidates
@@ -20,6 +22,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from .lora_ops import TUNABLE, fuse_dy_pays, launch_overrides
 
 # (block_m, block_k, warps, stages) of the plain shrink; its own choice at bf16, rank <= 64: (64, 128, 4, 4)
 _SHRINK = [(64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 4, 3), (64, 256, 8, 3),
@@ -38,8 +42,6 @@ _SGRAD = [(32, 128, 4, 3, None), (64, 64, 4, 3, None), (64, 256, 8, 3, None), (1
 
 def candidates(kernel: str, quick: bool) -> list[dict]:
     """The configurations tried for `kernel` (a key of lora_ops.TUNABLE)."""
-    from .lora_ops import TUNABLE
-
     if quick:  # small blocks the interpreter runs in seconds
         grids = {"shrink": [(64, 32, 4, 2), (128, 16, 4, 2)], "dy_pass": [(64, 16, 4, 2), (128, 32, 4, 2)],
                  "expand": [(64, 16, 4, 2), (128, 32, 8, 2)], "sgrad": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)]}
@@ -73,8 +75,6 @@ def _step_us(step, device: torch.device) -> float:
 
 
 def _trial(step, device, **overrides) -> tuple[float | None, str | None]:
-    from .lora_ops import launch_overrides
-
     try:
         with launch_overrides(**overrides):
             return _step_us(step, device), None
@@ -84,7 +84,6 @@ def _trial(step, device, **overrides) -> tuple[float | None, str | None]:
 
 def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float = 480.0) -> list[dict]:
     from .bench import _graph_timer, _lora_problem
-    from .lora_ops import TUNABLE, launch_overrides
 
     rows, t_start = [], time.time()
     for name, d_in, d_out, rank, J, tpj in problems(quick):
@@ -102,8 +101,11 @@ def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float =
         if err is not None:
             raise RuntimeError(f"tune {name}: the launchers' own configuration failed: {err}")
         trials, best = [], {}
-        for kernel in TUNABLE:
+        # the fused dy pass runs at rank <= 32 only (fuse_dy_pays); the plain shrink takes dh there otherwise
+        for kernel in (k for k in TUNABLE if k != "dy_pass" or fuse_dy_pays(meta)):
             for cfg in candidates(kernel, quick):
+                if time.time() - t_start > budget_s:
+                    break
                 us, err = _trial(step, device, **{kernel: cfg})
                 trials.append({"kernel": kernel, "config": cfg, "us": us, "error": err})
                 if us is not None and us < best.get(kernel, {}).get("us", default_us):
