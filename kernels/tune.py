@@ -60,18 +60,12 @@ def problems(quick: bool) -> list[tuple[str, int, int, int, int, int]]:
 
 def _step_us(step, device: torch.device) -> float:
     """Microseconds of one call of `step`: the sum of its kernels' GPU durations on CUDA; on the CPU
-    the median wall time of three calls after one (the interpreter: plumbing only)."""
-    from .bench import _kernel_breakdown
+    the benchmark's wall-time median (the interpreter: plumbing only)."""
+    from .bench import _kernel_breakdown, _timer
 
     if device.type == "cuda":
         return sum(_kernel_breakdown(step, device).values())
-    step()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return sorted(times)[1]
+    return _timer(step, device, quick=True) * 1e6
 
 
 def _trial(step, device, **overrides) -> tuple[float | None, str | None]:

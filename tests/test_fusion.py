@@ -110,7 +110,7 @@ def test_auto_fuses_on_cuda_only():
     assert should_fuse("on", "cpu") and not should_fuse("off", "cuda")
 
 
-def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_dir, monkeypatch):
+def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_dir, monkeypatch, check_switch):
     """COLORA_ELEMENTWISE_KERNELS's path: the frozen model's RMSNorms, SiLU-gated products and rotary
     embedding through kernels/rmsnorm.py, kernels/swiglu.py and kernels/rotary.py (Triton's
     interpreter here) give the model's own logits and input gradients; a trainable norm keeps the
@@ -146,12 +146,8 @@ def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_di
     assert calls["norm"] == seen["norm"] and calls["swiglu"] == 2 * n_layers and calls["rotary"] == 2 * n_layers
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
-    assert elementwise_kernels_from_env() is True  # the default
-    monkeypatch.setenv("COLORA_ELEMENTWISE_KERNELS", "0")
-    assert elementwise_kernels_from_env() is False
-    monkeypatch.setenv("COLORA_ELEMENTWISE_KERNELS", "yes")
-    with pytest.raises(ValueError, match="COLORA_ELEMENTWISE_KERNELS must be '0' or '1', got 'yes'"):
-        elementwise_kernels_from_env()
+    check_switch(elementwise_kernels_from_env, "COLORA_ELEMENTWISE_KERNELS", {None: True, "0": False, "1": True},
+                 bad="yes", accepted="'0' or '1'")
 
 
 def test_elementwise_kernels_on_llama(tmp_path, monkeypatch):

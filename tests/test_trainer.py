@@ -260,7 +260,7 @@ def test_packed_projections_take_the_same_step(tiny_model_dir, backend, monkeypa
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
 
 
-def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch):
+def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch, check_switch):
     """COLORA_BASE_IN_LORA's path: every adapted projection's base product inside the grouped-LoRA op
     (packed and not: JOB_A's q/v fall back to separate calls) gives the step of the base linears
     beside it; a projection no active job adapts keeps its linear."""
@@ -290,13 +290,8 @@ def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
-    monkeypatch.delenv("COLORA_BASE_IN_LORA", raising=False)
-    assert base_in_lora_from_env() is True  # the default
-    monkeypatch.setenv("COLORA_BASE_IN_LORA", "0")
-    assert base_in_lora_from_env() is False
-    monkeypatch.setenv("COLORA_BASE_IN_LORA", "on")
-    with pytest.raises(ValueError, match="COLORA_BASE_IN_LORA must be '0' or '1', got 'on'"):
-        base_in_lora_from_env()
+    check_switch(base_in_lora_from_env, "COLORA_BASE_IN_LORA", {None: True, "0": False, "1": True},
+                 bad="on", accepted="'0' or '1'")
 
 
 def test_step_scoped_stacks_take_the_per_activation_step(tiny_model_dir):
