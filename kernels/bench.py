@@ -147,8 +147,8 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                 meta, x, A, B, dy = _lora_problem(K, J, tpj, rank, d_in, d_out, device, seed=J * 7 + rank)
                 T = J * tpj
 
-                def step(backend, fuse_dy=None):
-                    y = K.grouped_lora(x, A, B, meta=meta, backend=backend, fuse_dy=fuse_dy)
+                def step(backend, fuse_dy=None, fuse_expand=None):
+                    y = K.grouped_lora(x, A, B, meta=meta, backend=backend, fuse_dy=fuse_dy, fuse_expand=fuse_expand)
                     torch.autograd.grad(y, (x, A, B), dy)
 
                 t_tri = _timer(lambda: step("triton"), device, quick)
@@ -158,6 +158,12 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                 t_graph = _graph_timer(lambda: step("triton"), device, quick)
                 # where the time of the target's rows goes, kernel by kernel
                 kernels = _kernel_breakdown(lambda: step("triton"), device) if (J, tpj) == (8, 24576) else None
+                # and the same step with the expands in their own launches (fuse_expand=False), for the A/B
+                expand_fused = K.lora_ops.fuse_expand_pays(meta, 1)
+                t_sep = None
+                if kernels is not None and expand_fused:
+                    t_sep = _graph_timer(lambda: step("triton", fuse_expand=False), device, quick)
+                    kernels_sep = _kernel_breakdown(lambda: step("triton", fuse_expand=False), device)
                 flops = 6 * T * rank * (d_in + d_out)  # 2 fwd + 4 bwd GEMMs of T x r x d
                 bound = e * T * (3 * d_in + 2 * d_out)  # x twice, dx, y, dy once; weights are small
                 bound_s = bound / (cal["copy_GBps"] * 1e9)
@@ -172,11 +178,16 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                     "x_bound_graph": None if t_graph is None else t_graph / bound_s,
                     "kernels_us": kernels,
                     "x_bound_kernels": None if not kernels else sum(kernels.values()) / 1e6 / bound_s,
+                    "fused_expand": expand_fused,
+                    "graph_ms_expand_separate": None if t_sep is None else t_sep * 1e3,
+                    "kernels_us_expand_separate": None if t_sep is None else sum(kernels_sep.values()),
                 })
                 print(f"lora {name:8s} r{rank:<3d} J{J:<3d} {tpj:>6d} tok/job: triton {t_tri * 1e3:8.3f} ms "
                       f"(fuse_dy={fused}; other {t_other * 1e3:8.3f} ms), loop {t_loop * 1e3:8.3f} ms "
                       f"({t_loop / t_tri:5.1f}x), {t_tri / bound_s:4.2f}x bound"
-                      + ("" if t_graph is None else f"; graph {t_graph * 1e3:8.3f} ms, {t_graph / bound_s:4.2f}x bound"),
+                      + ("" if t_graph is None else f"; graph {t_graph * 1e3:8.3f} ms, {t_graph / bound_s:4.2f}x bound")
+                      + ("" if t_sep is None else f"; expands separate: graph {t_sep * 1e3:8.3f} ms, "
+                                                  f"{t_sep / bound_s:4.2f}x bound"),
                       flush=True)
                 del x, A, B, dy
     return rows
@@ -236,7 +247,7 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     at the trainer step's micro-batch: 8 jobs x 4096 tokens."""
     import triton
 
-    from .lora_ops import _block_r, _launch_reduce, _num_sms, reduce_shape, sgrad_chunk
+    from .lora_ops import _block_r, _launch_reduce, _num_sms, _shrink_block_k, reduce_shape, sgrad_chunk
 
     J, tpj = (4, 40) if quick else (8, 4096)
     rows = []
@@ -244,12 +255,14 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
         meta = K.LoRABatchMeta.build([tpj * j for j in range(J + 1)], [rank * j for j in range(J + 1)],
                                      [2.0] * J, device)
         block_r = _block_r(rank)
-        if chunking == "tiles":
-            chunks = meta.tiles(16 if quick else 64)
+        if chunking == "tiles":  # the dy pass's partials: column blocks of its BLOCK_K
+            block_m = 16 if quick else 64
+            chunks = meta.tiles(block_m)
+            pb = _shrink_block_k(block_m, block_r, N, torch.bfloat16)
         else:
-            block_n_sgrad = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))
-            chunks = meta.tiles(sgrad_chunk(meta, triton.cdiv(N, block_n_sgrad), block_r))
-        part = torch.randn(max(chunks.n, 1), block_r, N, device=device)
+            pb = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))  # the sgrad's BLOCK_N
+            chunks = meta.tiles(sgrad_chunk(meta, triton.cdiv(N, pb), block_r))
+        part = torch.randn(triton.cdiv(N, pb), max(chunks.n, 1), block_r, pb, device=device)
         out = torch.empty(meta.total_rank, N, device=device, dtype=torch.bfloat16)
         before = reduce_shape(J, N, block_r, _num_sms(device), 0)  # no partials: the previous launch
         now = reduce_shape(J, N, block_r, _num_sms(device), chunks.n)
@@ -354,14 +367,20 @@ def to_markdown(result: dict) -> str:
     if broken:
         out += ["", "### Kernel by kernel at 8 jobs x 24k tokens", "",
                 "The GPU's own durations (torch.profiler, CUPTI), microseconds per step: no host gaps and no "
-                "bubbles between kernels, so their sum over the bound is the kernels' own 'x bound'.", "",
-                "| shape | rank | kernels us | x bound (kernels) | graph us | kernels, largest first (us) |",
-                "|---|---|---|---|---|---|"]
+                "bubbles between kernels, so their sum over the bound is the kernels' own 'x bound'. "
+                "Expands separate: the same step with fuse_expand=False (y and dx written by their own expand "
+                "launches, as before the fourteenth session), its kernels' sum and graph time; '-' where the "
+                "expands do not fuse (rank 64 and above: lora_ops.fuse_expand_pays).", "",
+                "| shape | rank | kernels us | x bound (kernels) | graph us | expands separate: kernels us "
+                "| graph us | kernels, largest first (us) |",
+                "|---|---|---|---|---|---|---|---|"]
+        us = lambda ms: None if ms is None else ms * 1e3  # noqa: E731
         for r in broken:
-            ks = ", ".join(f"{name[:40]} {us:.0f}" for name, us in r["kernels_us"].items())
+            ks = ", ".join(f"{name[:40]} {t:.0f}" for name, t in r["kernels_us"].items())
             out.append(f"| {r['shape']} | {r['rank']} | {sum(r['kernels_us'].values()):.0f} | "
-                       f"{_fmt(r['x_bound_kernels'])} | {_fmt(None if r['graph_ms'] is None else r['graph_ms'] * 1e3, 0)} "
-                       f"| {ks} |")
+                       f"{_fmt(r['x_bound_kernels'])} | {_fmt(us(r['graph_ms']), 0)} "
+                       f"| {_fmt(r.get('kernels_us_expand_separate'), 0)} "
+                       f"| {_fmt(us(r.get('graph_ms_expand_separate')), 0)} | {ks} |")
     out += ["", "## Base projection + LoRA, forward + backward (bf16, rank 16)", "",
             "separate: y = x W^T + grouped_lora(x); add_to: the LoRA expand accumulates into x W^T in place; "
             "base in op: grouped_lora(x, base=W) computes x W^T itself and adds dy W into the LoRA's dx in "

@@ -69,20 +69,30 @@ def variants():
         for R in (16, 64, 256):
             shrink = dict(x_ptr=p, w_ptr=p, h_ptr=p, p_ptr=p, part_ptr="*fp32", tile_job_ptr="*i32",
                           tile_row_ptr="*i32", seg_start_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32",
-                          K=i, h_slice=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i)
-            div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm")
+                          K=i, h_slice=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i,
+                          w2_ptr=p, y_ptr=p, N2=i, stride_w2n=i, stride_w2r=i, stride_ym=i, stride_yn=i)
+            div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm", "N2", "stride_w2r", "stride_ym")
             bk = 64 if (dt == "fp32" or R >= 128) else 128
             warps = 8 if R >= 128 else 4
             stages = 3 if (dt == "fp32" or R >= 64) else 4
-            base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False)
-            yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True),
-                   ("stride_xk", "stride_wk"), div, warps, stages)
+            base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False,
+                        FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False)
+            ones = ("stride_xk", "stride_wk", "stride_w2n", "stride_yn")
+            yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True), ones, div, warps, stages)
+            # with the expand fused (x -> h -> y; dy -> dh -> dx accumulating into dy W), BLOCK_N2 as launched
+            n2 = lambda bm, w: (32 if dt == "fp32" else 64) * 32 * w // bm // (2 if R >= 64 else 1)  # noqa: E731
+            if R <= 64:  # lora_ops.fuse_expand_pays
+                yield (f"shrink+expand {dt} R{R}", lora_shrink_kernel, shrink,
+                       dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2(64, warps), EXPAND_SCALE=True),
+                       ones, div, warps, stages)
             if R <= 32:
                 for bm in (64, 256):
                     fused = dict(base, BLOCK_M=bm, BLOCK_K=(32 if dt == "fp32" else 64) if bm == 256 else bk,
                                  FUSE_SGRAD=True, HAS_SCALE=True)
-                    yield (f"shrink+sgrad {dt} R{R} M{bm}", lora_shrink_kernel, shrink, fused,
-                           ("stride_xk", "stride_wk"), div, 8 if bm == 256 else 4, 3)
+                    w = 8 if bm == 256 else 4
+                    yield (f"shrink+sgrad {dt} R{R} M{bm}", lora_shrink_kernel, shrink, fused, ones, div, w, 3)
+                    yield (f"shrink+sgrad+expand {dt} R{R} M{bm}", lora_shrink_kernel, shrink,
+                           dict(fused, FUSE_EXPAND=True, BLOCK_N2=n2(bm, w), ACCUMULATE=True), ones, div, w, 3)
             expand = dict(h_ptr=p, w_ptr=p, y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32", seg_start_ptr="*i32",
                           rank_start_ptr="*i32", scale_ptr="*fp32", N=i, h_slice=i, stride_hm=i, stride_wn=i,
                           stride_wr=i, stride_ym=i, stride_yn=i)
@@ -102,11 +112,11 @@ def variants():
                    dict(BLOCK_T=64 if R <= 64 else 32, BLOCK_R=R, BLOCK_N=bn, PRECISION=prec),
                    ("stride_qn",), ("N", "p_slice", "chunk", "stride_pm", "stride_qm"), warps, 3)
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
-                          scale_ptr="*fp32", N=i, stride_or=i, stride_on=i)
+                          scale_ptr="*fp32", N=i, n_chunks=i, stride_or=i, stride_on=i)
             rbn, chunks = reduce_shape(8, 1024, R, 132, 8 * 64)  # as launched at 8 jobs x 1024 columns on the H200
             for rbn, chunks in ((rbn, chunks), (bn, 1)):  # and one partial per step, as before reduce_shape
                 yield (f"reduce {dt} R{R} N{rbn} C{chunks}", lora_reduce_kernel, reduce,
-                       dict(BLOCK_R=R, BLOCK_N=rbn, CHUNKS=chunks, HAS_SCALE=True),
+                       dict(BLOCK_R=R, BLOCK_N=rbn, PB=64, CHUNKS=chunks, HAS_SCALE=True),
                        ("stride_or",), ("N", "stride_on"), 8 if R * rbn * chunks >= 16384 else 4, 3)
         lsm = dict(logits_ptr=p, targets_ptr="*i64", temp_ptr="*fp32", logp_ptr="*fp32", ent_ptr="*fp32",
                    V=i, stride_l=i)
@@ -132,7 +142,7 @@ def tune_variants():
             for cfg in candidates(kernel, quick=False):
                 c = dict(consts)
                 for key, const in (("block_m", "BLOCK_M"), ("block_k", "BLOCK_K"), ("block_n", "BLOCK_N"),
-                                   ("block_t", "BLOCK_T")):
+                                   ("block_t", "BLOCK_T"), ("block_n2", "BLOCK_N2")):
                     if key in cfg:
                         c[const] = cfg[key]
                 yield (f"tune {kernel} R{R} {'/'.join(str(v) for v in cfg.values())}", fn, types, c, ones, div,

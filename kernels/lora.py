@@ -23,12 +23,13 @@ import torch
 
 from .backend import resolve_backend
 from .lora_meta import FloatsLike, IntsLike, LoRABatchMeta
-from .lora_ops import fuse_dy_pays, h_width, lora_expand, lora_sgrad, lora_shrink, lora_shrink_sgrad
+from .lora_ops import (fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_sgrad, lora_shrink,
+                       lora_shrink_expand, lora_shrink_sgrad)
 from .lora_ref import grouped_lora_ref
 
 
 class _GroupedLoRA(torch.autograd.Function):
-    """forward(x, A_packed, meta, n_slices, fuse_dy, compute, weights, *Bs, *bases) -> one output per slice.
+    """forward(x, A_packed, meta, n_slices, fuse, compute, weights, *Bs, *bases) -> one output per slice.
 
     x: [T, d_in], A_packed: [slices * R, d_in] (rows per job: slice 0 | slice 1 | ...),
     Bs[s]: [d_out_s, R], bases[s]: [T, d_out_s] (optional, added to in place and returned).
@@ -37,10 +38,12 @@ class _GroupedLoRA(torch.autograd.Function):
     weights: None, or the frozen base projections [W_s: [d_out_s, d_in]] (no bases then): each
     output is x W_s^T plus the LoRA delta, and dx takes dy_s W_s in cuBLAS's epilogue (beta = 1)
     rather than in a separate sum of two gradients by autograd.
+    fuse: (fuse_dy, fuse_expand): dh and dB in one pass over dy; with one slice, the expands in the
+    launches that compute h and dh (x -> h -> y, dy -> dh -> dx).
     """
 
     @staticmethod
-    def forward(ctx, x, A, meta: LoRABatchMeta, n_slices: int, fuse_dy: bool, compute, weights, *rest):
+    def forward(ctx, x, A, meta: LoRABatchMeta, n_slices: int, fuse: tuple[bool, bool], compute, weights, *rest):
         Bs, bases = rest[:n_slices], rest[n_slices:]
         packed = meta.packed(n_slices)
         T = x.shape[0]
@@ -52,20 +55,28 @@ class _GroupedLoRA(torch.autograd.Function):
             # B^T copies ([R, d_out], tiny): contiguous along d_out, so both the expand here and the dh
             # shrink of the backward read them with wide loads
             Bts = [B.t().contiguous() for B in Bs]
-        h = x.new_zeros((T, h_width(meta, n_slices)))  # [T, >= slices * max_rank], see h_width
-        lora_shrink(x, A, packed, h)
+        fuse_expand = fuse[1] and n_slices == 1
+        # [T, >= slices * max_rank], see h_width; zero-filled for the separate expand, which reads its
+        # padding lanes. With the expand fused, h's only readers (the backward's dy pass and sgrad)
+        # carry its lanes >= r_j into rows of their fp32 partials that the reduce never stores.
+        h = (x.new_empty if fuse_expand else x.new_zeros)((T, h_width(meta, n_slices)))
+        if not fuse_expand:
+            lora_shrink(x, A, packed, h)
         ys = []
         for s, Bt in enumerate(Bts):
             if weights is not None:
                 out = torch.mm(x, weights[s].t())  # the base projection, to add the delta into
             else:
                 out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
-            ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True,
-                                  accumulate=bool(bases) or weights is not None))
+            accumulate = bool(bases) or weights is not None
+            if fuse_expand:
+                ys.append(lora_shrink_expand(x, A, Bt.t(), meta, h, out, scale_out=True, accumulate=accumulate))
+            else:
+                ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=accumulate))
         if bases:
             ctx.mark_dirty(*bases)
         ctx.save_for_backward(x, A, h, *Bts)
-        ctx.meta, ctx.n_slices, ctx.n_bases, ctx.fuse_dy = meta, n_slices, len(bases), fuse_dy
+        ctx.meta, ctx.n_slices, ctx.n_bases, (ctx.fuse_dy, ctx.fuse_expand) = meta, n_slices, len(bases), (fuse[0], fuse_expand)
         ctx.weights = weights
         ctx.set_materialize_grads(False)
         return tuple(ys)
@@ -80,7 +91,16 @@ class _GroupedLoRA(torch.autograd.Function):
         need_dh = need[0] or need[1]
         dys = [None if d is None else d.to(x.dtype) for d in dys]
         dys = [None if d is None else (d if d.stride(-1) == 1 else d.contiguous()) for d in dys]
-        dh = torch.zeros_like(h) if need_dh else None  # slices without an incoming gradient keep dh = 0
+        # one slice with a dy and a dx to compute: dx is written by the dy pass (fused expand), after
+        # the base projections' dy W when there are any (the pass then adds dh A to it)
+        fused_dx = None
+        if ctx.fuse_expand and need[0] and dys[0] is not None:
+            dx = torch.mm(dys[0], ctx.weights[0]) if ctx.weights is not None else torch.empty_like(x)
+            fused_dx = (A.t(), dx, ctx.weights is not None)
+        # slices without an incoming gradient keep dh = 0; the separate dx expand reads its padding
+        # lanes (as h's in the forward). One slice with a dy and no separate expand: no fill needed.
+        no_fill = ctx.fuse_expand and dys[0] is not None and (fused_dx is not None or not need[0])
+        dh = ((torch.empty_like if no_fill else torch.zeros_like)(h)) if need_dh else None
         dBs = []
         for s, (Bt, dy) in enumerate(zip(Bts, dys)):
             dBt = None
@@ -90,18 +110,24 @@ class _GroupedLoRA(torch.autograd.Function):
                 dBt = (torch.empty if dy is not None else torch.zeros)(Bt.shape, dtype=b_dtypes[s], device=Bt.device)
             if dy is not None:
                 if need_dh and dBt is not None and ctx.fuse_dy:
-                    lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, h_slice=s)  # one read of dy
+                    lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, h_slice=s, dx=fused_dx)  # one read of dy
                 else:
-                    if need_dh:
+                    if fused_dx is not None:
+                        lora_shrink_expand(dy, Bt, fused_dx[0], meta, dh, fused_dx[1], scale_h=True,
+                                           accumulate=fused_dx[2])
+                    elif need_dh:
                         lora_shrink(dy, Bt, meta, dh, h_slice=s, scale=True)
                     if dBt is not None:
                         lora_sgrad(h, dy, meta, dBt, p_slice=s, scale=True)
             dBs.append(None if dBt is None else dBt.t())
-        dx = lora_expand(dh, A.t(), packed, torch.empty_like(x)) if need[0] else None
-        if dx is not None and ctx.weights is not None:
-            for W, dy in zip(ctx.weights, dys):
-                if dy is not None:
-                    dx.addmm_(dy, W)  # dx += dy_s W_s, the base projection's part
+        if fused_dx is not None:
+            dx = fused_dx[1]
+        else:
+            dx = lora_expand(dh, A.t(), packed, torch.empty_like(x)) if need[0] else None
+            if dx is not None and ctx.weights is not None:
+                for W, dy in zip(ctx.weights, dys):
+                    if dy is not None:
+                        dx.addmm_(dy, W)  # dx += dy_s W_s, the base projection's part
         dA = lora_sgrad(dh, x, packed, torch.empty(A.shape, dtype=a_dtype, device=A.device)) if need[1] else None
         return (dx, dA, None, None, None, None, None, *dBs, *(dys[:ctx.n_bases]))
 
@@ -170,7 +196,7 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
                  rank_start: IntsLike | None = None, scale: FloatsLike | None = None, *, backend: str = "auto",
                  meta: LoRABatchMeta | None = None, add_to: torch.Tensor | None = None,
                  fuse_dy: bool | None = None, compute: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 base: torch.Tensor | None = None) -> torch.Tensor:
+                 base: torch.Tensor | None = None, fuse_expand: bool | None = None) -> torch.Tensor:
     """y = for each job j: scale[j] * (x_j @ A_j^T) @ B_j^T, differentiable wrt x, A and B.
 
     x: [T, d_in] rows sorted by job (job j: x[seg_start[j]:seg_start[j+1]]), A: [R, d_in] (job j owns
@@ -182,6 +208,8 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
     add_to: [T, d_out], the base projection's output: returns add_to + y, written into add_to in
     place on the triton path (saves writing and re-reading y); gradients flow to it unchanged.
     fuse_dy: compute dh and dB in one pass over dy (None: when it pays, see lora_ops.fuse_dy_pays).
+    fuse_expand: write y from the launch that computes h, and dx from the one that computes dh
+    (None: when it pays, see lora_ops.fuse_expand_pays).
     compute: (A_c [R, d_in], Bt_c [R, d_out] contiguous) in x's dtype, outside autograd, to compute
     with; A and B are then masters in their own dtype (the trainer's fp32 adapters) and get their
     gradients in it (see the module docstring). The torch path casts A and B instead.
@@ -198,7 +226,8 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
         return _plus_base(x, y, base, add_to)
     x = x if x.stride(-1) == 1 else x.contiguous()
     bases = () if add_to is None else (add_to,)
-    fuse = fuse_dy_pays(meta) if fuse_dy is None else fuse_dy
+    fuse = (fuse_dy_pays(meta) if fuse_dy is None else fuse_dy,
+            fuse_expand_pays(meta, 1) if fuse_expand is None else fuse_expand)
     copies = None if compute is None else (compute[0], [compute[1]])
     return _GroupedLoRA.apply(x, A, meta, 1, fuse, copies, weights, B, *bases)[0]
 
@@ -207,12 +236,14 @@ def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequenc
                         meta: LoRABatchMeta, *, backend: str = "auto",
                         add_to: Sequence[torch.Tensor] | None = None, fuse_dy: bool | None = None,
                         compute: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
-                        base: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                        base: Sequence[torch.Tensor] | None = None,
+                        fuse_expand: bool | None = None) -> list[torch.Tensor]:
     """[grouped_lora(x, As[s], Bs[s], meta=meta) for each slice s], with one read of x in the forward
     and one dx in the backward. x: [T, d_in], As[s]: [R, d_in], Bs[s]: [d_out_s, R] (same rank layout
     for every slice); add_to: optional list of [T, d_out_s] base outputs, as in `grouped_lora`;
     compute: ([A_c per slice], [Bt_c per slice]), as in `grouped_lora`; base: the slices' frozen base
-    weights [d_out_s, d_in], as in `grouped_lora` (one dx for the base products and the LoRA's)."""
+    weights [d_out_s, d_in], as in `grouped_lora` (one dx for the base products and the LoRA's);
+    fuse_dy, fuse_expand: as in `grouped_lora` (the expands fuse with one slice only)."""
     if len(As) != len(Bs) or not As:
         raise ValueError(f"need as many A as B, at least one: got {len(As)} and {len(Bs)}")
     if add_to is not None and len(add_to) != len(Bs):
@@ -234,5 +265,6 @@ def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequenc
     if compute is not None:
         with torch.no_grad():
             copies = (pack(compute[0]), list(compute[1]))
-    fuse = fuse_dy_pays(meta) if fuse_dy is None else fuse_dy
+    fuse = (fuse_dy_pays(meta) if fuse_dy is None else fuse_dy,
+            fuse_expand_pays(meta, S) if fuse_expand is None else fuse_expand)
     return list(_GroupedLoRA.apply(x, pack(As), meta, S, fuse, copies, weights, *Bs, *(add_to or ())))

@@ -5,10 +5,15 @@ Four kernels serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T
 
   shrink   h[t, slice*r_j + k]  = (s_j *) sum_i x[t, i] W[rank_start[j] + k, i]    (x A^T; dy B)
            optionally fused with sgrad's partial over its row tile             (+ h^T dy)
+           and with the expand of the h tile it computed (one slice)          (+ h B^T; dh A)
   expand   y[t, n]             (+)= (s_j *) sum_k h[t, slice*r_j + k] W[n, rank_start[j] + k]
                                                                                   (h B^T; dh A)
   sgrad    partial[c, k, n]     = sum_{t in chunk c} p[t, slice*r_j + k] q[t, n]  (h^T dy; dh^T x)
   reduce   out[rank_start[j] + k, n] = (s_j *) sum_{chunks c of job j} partial[c, k, n]  (in chunk order)
+
+The fp32 partials are stored in column blocks of the writer's tile width PB, one block after another:
+part[n // PB, c, k, n % PB] (a [cdiv(N, PB), chunks, BLOCK_R, PB] buffer), so each tile a writer
+stores is one contiguous run and a reduce program reads its job's chunks of one block as one run.
 
 Every program handles rows of exactly one job (tiles from `LoRABatchMeta.tiles`), so each tile is a
 dense matmul against that job's slice of the stacked weights. Ranks are padded to BLOCK_R >= 16
@@ -51,18 +56,24 @@ def _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid, blo
 def lora_shrink_kernel(
     x_ptr, w_ptr, h_ptr,  # x: [T, K], w: [R, K] (strided), h: [T, H]
     p_ptr, part_ptr,  # FUSE_SGRAD only: p: [T, P] (h of the forward), part: fp32 [tiles, BLOCK_R, K]
+    w2_ptr, y_ptr,  # FUSE_EXPAND only: w2: [N2, R] (strided), y: [T, N2] (strided)
     tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
-    K, h_slice,
+    K, h_slice, N2,
     stride_xm, stride_xk, stride_wr, stride_wk, stride_hm, stride_pm,
+    stride_w2n, stride_w2r, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, FUSE_SGRAD: tl.constexpr, PRECISION: tl.constexpr,
+    FUSE_EXPAND: tl.constexpr, BLOCK_N2: tl.constexpr, EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """shrink; with FUSE_SGRAD also part[tile] = p_tile^T x_tile (the sgrad partial of this row
-    tile), so the backward reads dy once for both dh and dB."""
+    tile), so the backward reads dy once for both dh and dB; with FUSE_EXPAND also the expand of
+    the h tile just computed (rounded to h's dtype, as the separate expand reads it) into y, so
+    each row tile is read and its output written by one program (x -> h -> y, dy -> dh -> dx)."""
     pid = tl.program_id(0)
     job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid, BLOCK_M)
-    if r == 0:  # nothing of h belongs to a rank-0 job; its y rows are zeroed by expand
-        return
+    if not FUSE_EXPAND:
+        if r == 0:  # nothing of h belongs to a rank-0 job; its y rows are zeroed by expand
+            return
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     rows = rows.to(tl.int64)
@@ -75,9 +86,12 @@ def lora_shrink_kernel(
         pt = tl.load(p_ptr + rows[:, None] * stride_pm + (h_slice * r + offs_r)[None, :],
                      mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_R], lanes >= r unused
         pt = tl.trans(pt)  # [BLOCK_R, BLOCK_M]
-        part_ptrs = part_ptr + pid.to(tl.int64) * BLOCK_R * K + offs_r[:, None] * K + offs_k[None, :]
+        # blocked layout (module docstring): [cdiv(K, BLOCK_K), tiles, BLOCK_R, BLOCK_K]
+        part_step = tl.num_programs(0).to(tl.int64) * BLOCK_R * BLOCK_K
+        part_ptrs = part_ptr + pid.to(tl.int64) * BLOCK_R * BLOCK_K + offs_r[:, None] * BLOCK_K + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_end = tl.where(r > 0, K, 0)  # a rank-0 job's tile (FUSE_EXPAND only) reads nothing, writes zeros
+    for k0 in range(0, k_end, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             wt = tl.load(w_ptrs, mask=r_ok[None, :], other=0.0)
@@ -92,13 +106,32 @@ def lora_shrink_kernel(
                 tl.store(part_ptrs, pb)
             else:
                 tl.store(part_ptrs, pb, mask=k_ok[None, :])
-            part_ptrs += BLOCK_K
+            part_ptrs += part_step
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + job)
+    hb = acc.to(h_ptr.dtype.element_ty)  # lanes >= r are 0: their weights were masked to 0
     h_ptrs = h_ptr + rows[:, None] * stride_hm + (h_slice * r + offs_r)[None, :]
-    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & r_ok[None, :])
+    tl.store(h_ptrs, hb, mask=row_ok[:, None] & r_ok[None, :])
+    if FUSE_EXPAND:  # y[tile] (+)= (s_j *) hb @ w2[:, r0:r0+r]^T, BLOCK_N2 columns at a time
+        if EXPAND_SCALE:
+            s2 = tl.load(scale_ptr + job)
+        offs_n = tl.arange(0, BLOCK_N2)
+        w2_ptrs = w2_ptr + offs_n[None, :] * stride_w2n + (r0 + offs_r)[:, None] * stride_w2r  # [BLOCK_R, BLOCK_N2]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn  # [BLOCK_M, BLOCK_N2]
+        for n0 in range(0, N2, BLOCK_N2):
+            n_ok = offs_n < N2 - n0
+            w2t = tl.load(w2_ptrs, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            yacc = _dot(hb, w2t, tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32), PRECISION)
+            if EXPAND_SCALE:
+                yacc = yacc * s2
+            mask = row_ok[:, None] & n_ok[None, :]
+            if ACCUMULATE:
+                yacc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
+            w2_ptrs += BLOCK_N2 * stride_w2n
+            y_ptrs += BLOCK_N2 * stride_yn
 
 
 @triton.jit
@@ -164,17 +197,19 @@ def lora_sgrad_kernel(
         qt = tl.load(q_ptr + rows[:, None] * stride_qm + offs_n[None, :] * stride_qn,
                      mask=t_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_N]
         acc = _dot(tl.trans(pt), qt, acc, PRECISION)
-    part = part_ptr + pid_c.to(tl.int64) * BLOCK_R * N + offs_r[:, None] * N + offs_n[None, :]
+    # blocked layout (module docstring): [cdiv(N, BLOCK_N), chunks, BLOCK_R, BLOCK_N]
+    blk = (pid_n.to(tl.int64) * tl.num_programs(0) + pid_c) * BLOCK_R * BLOCK_N
+    part = part_ptr + blk + offs_r[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(part, acc, mask=n_ok[None, :])
 
 
 @triton.jit
 def lora_reduce_kernel(
-    part_ptr, out_ptr,  # part: fp32 [chunks, BLOCK_R, N], out: [R, N] (strided)
+    part_ptr, out_ptr,  # part: fp32 [cdiv(N, PB), n_chunks, BLOCK_R, PB] (blocked), out: [R, N] (strided)
     job_chunk_ptr, rank_start_ptr, scale_ptr,
-    N,
+    N, n_chunks,
     stride_or, stride_on,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PB: tl.constexpr, CHUNKS: tl.constexpr, HAS_SCALE: tl.constexpr,
 ):
     """out rows of job j = scale_j * sum of its chunks' partials, CHUNKS at a time in chunk order (a
     fixed order: deterministic); a job with rank > 0 and no rows gets zeros. With CHUNKS > 1 a program
@@ -192,10 +227,12 @@ def lora_reduce_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    tile = offs_r[None, :, None] * N + offs_n[None, None, :]  # [1, BLOCK_R, BLOCK_N]
+    n0 = pid_n * BLOCK_N  # BLOCK_N divides PB: the program's columns lie in one block
+    blk = part_ptr + (n0 // PB).to(tl.int64) * n_chunks * BLOCK_R * PB + n0 % PB
+    tile = offs_r[None, :, None] * PB + tl.arange(0, BLOCK_N)[None, None, :]  # [1, BLOCK_R, BLOCK_N]
     for c in range(c0, c1, CHUNKS):
         cs = c + offs_c
-        part = part_ptr + cs.to(tl.int64)[:, None, None] * BLOCK_R * N + tile
+        part = blk + cs.to(tl.int64)[:, None, None] * BLOCK_R * PB + tile
         acc += tl.sum(tl.load(part, mask=(cs < c1)[:, None, None] & n_ok[None, None, :], other=0.0), axis=0)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + job)

@@ -6,7 +6,8 @@ The weights are passed as strided views, so the same kernel serves forward and b
   forward   h  = shrink(x, A)             y  = expand(h, Bt^T, scale)
   backward  dh = shrink(dy, Bt, scale)    dx = expand(dh, A^T)
             dA = sgrad(dh, x)             dB^T = sgrad(h, dy, scale)
-  or, fused (shrink_sgrad): dh and dB^T in one pass over dy.
+  or, fused (shrink_sgrad): dh and dB^T in one pass over dy; and with one slice each expand in the
+  launch that computes its h or dh (shrink_expand; shrink_sgrad's dx).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ FUSED_TILE_WAVES = 1
 
 # Launch parameters each launcher may take from `launch_overrides` instead of its own choice.
 TUNABLE = {
-    "shrink": ("block_m", "block_k", "warps", "stages"),  # x -> h (and dh when the dy pass is not fused)
-    "dy_pass": ("block_m", "block_k", "warps", "stages"),  # the fused dh + dB partials
+    "shrink": ("block_m", "block_k", "warps", "stages", "block_n2"),  # x -> h (-> y), dy -> dh (-> dx) unfused dy
+    "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2"),  # the fused dh + dB partials (-> dx)
     "expand": ("block_m", "block_n", "warps", "stages"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
 }
@@ -120,15 +121,34 @@ def lora_shrink(x: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torc
     return out
 
 
+def lora_shrink_expand(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, meta: LoRABatchMeta, h: torch.Tensor,
+                       out: torch.Tensor, *, scale_h: bool = False, scale_out: bool = False,
+                       accumulate: bool = False) -> torch.Tensor:
+    """h = lora_shrink(x, w, scale=scale_h) and out (+)= lora_expand(h, w2, scale=scale_out) in one
+    launch (one slice: h_slice 0): each program reads its row tile of x and writes the same rows of
+    out, so the op's reads and writes interleave as in a copy (the separate expand is a write-only
+    pass). Forward: x, A, B -> h, y; backward: dy, B^T (scale_h), A^T -> dh, dx. w2: [N, R], out: [T, N]."""
+    _check_expand(h, w2, meta, out, 0)
+    _launch_shrink(x, w, meta, h, 0, scale_h, None, None, _tuned("shrink", block_m=SHRINK_BLOCK_M)["block_m"],
+                   (w2, out, scale_out, accumulate))
+    return out
+
+
 def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta: LoRABatchMeta, dh: torch.Tensor,
-                      dBt: torch.Tensor, *, h_slice: int = 0) -> None:
+                      dBt: torch.Tensor, *, h_slice: int = 0, dx: tuple | None = None) -> None:
     """dh = lora_shrink(dy, Bt, scale=True) and dBt = lora_sgrad(h, dy, scale=True) in one pass over dy.
 
     dy: [T, N], Bt: [R, N] (B^T), h: [T, H] as for lora_expand, dh: [T, H'] (written in its slice),
     dBt: [R, N] (any strides: pass dB.t()). Each program keeps its row tile's part of dB in fp32
     ([tiles, BLOCK_R, N]), so this pays when that is small beside dy: BLOCK_R <= 32 and tiles of
     256 rows once there are enough of them (see `fuse_dy_pays`).
+    dx: (A^T [d_in, R], dx [T, d_in], accumulate) to also write dx (+)= dh A from each tile (one
+    slice only, h_slice 0), as `lora_shrink_expand` does.
     """
+    if dx is not None:
+        if h_slice != 0:
+            raise ValueError("the dx expand fuses into the dy pass of one slice only (h_slice 0)")
+        _check_expand(dh, dx[0], meta, dx[1], 0)
     _check(meta, h, "h", meta.num_tokens)
     block_r = _block_r(meta.max_rank)
     if h.shape[1] < h_slice * meta.max_rank + block_r or h.stride(1) != 1 or h.dtype != dy.dtype:
@@ -139,8 +159,10 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
     block_m = 256 if meta.num_tokens >= FUSED_TILE_WAVES * 256 * _num_sms(meta.device) else SHRINK_BLOCK_M
     block_m = _tuned("dy_pass", block_m=block_m)["block_m"]
     tiles = meta.tiles(block_m)
-    part = torch.empty((max(tiles.n, 1), block_r, dy.shape[1]), dtype=torch.float32, device=dy.device)
-    _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m)
+    N = dy.shape[1]
+    pb = _shrink_block_k(block_m, block_r, N, dy.dtype)  # the partials' column block: the pass's BLOCK_K
+    part = torch.empty((cdiv(N, pb), max(tiles.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
+    _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m, None if dx is None else (*dx[:2], False, dx[2]))
     _launch_reduce(part, dBt, meta, tiles, block_r, scale=True)
 
 
@@ -150,7 +172,29 @@ def fuse_dy_pays(meta: LoRABatchMeta) -> bool:
     return _block_r(meta.max_rank) <= 32
 
 
-def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m):
+def _shrink_block_k(block_m: int, block_r: int, K: int, dtype: torch.dtype, fused: bool = True) -> int:
+    """The shrink's BLOCK_K: 64 / 32 (fp32) on the fused dy pass's 256-row tiles, else 128 / 64 (fp32
+    or BLOCK_R >= 128); never above K's power of 2. For the dy pass (fused=True) also its partials'
+    column block (the launch overrides' choice included)."""
+    fp32 = dtype == torch.float32
+    if block_m > SHRINK_BLOCK_M:  # [256, BLOCK_K] tiles, 3 stages in shared memory
+        block_k = 32 if fp32 else 64
+    else:
+        block_k = 64 if (fp32 or block_r >= 128) else 128
+    block_k = min(block_k, max(16, pow2(K)))
+    return _tuned("dy_pass", block_k=block_k)["block_k"] if fused else block_k
+
+
+def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int) -> bool:
+    """The expand of the y / dx rows fuses into the pass that computes their h / dh when there is
+    one slice (a packed call's dx needs every slice's dh first, and its outputs are several tensors)
+    and BLOCK_R <= 64 (at 128 the shrink's and the expand's tiles do not fit one program's shared
+    memory: kernels/compile_check.py)."""
+    return n_slices == 1 and _block_r(meta.max_rank) <= 64
+
+
+def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
+    """exp: None, or (w2, y, scale, accumulate) of a fused expand (see lora_shrink_expand)."""
     T, K = x.shape
     _check(meta, x, "x", meta.num_tokens)
     _check(meta, out, "out", T)
@@ -162,27 +206,49 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m):
     if not (x.dtype == w.dtype == out.dtype):
         raise ValueError(f"dtypes differ: x {x.dtype}, weight {w.dtype}, out {out.dtype}")
     tiles = meta.tiles(block_m)
-    if tiles.n == 0 or meta.max_rank == 0:
+    if tiles.n == 0 or (meta.max_rank == 0 and exp is None):
         return
     block_r = _block_r(meta.max_rank)
     fp32 = x.dtype == torch.float32
     fused = part is not None
-    if block_m > SHRINK_BLOCK_M:  # the fused dy pass: [256, BLOCK_K] tiles, 3 stages in shared memory
-        block_k, warps = (32 if fp32 else 64), 8
-    else:
-        block_k, warps = (64 if (fp32 or block_r >= 128) else 128), (8 if block_r >= 128 else 4)
-    cfg = _tuned("dy_pass" if fused else "shrink", block_k=min(block_k, max(16, pow2(K))), warps=warps,
-                 stages=3 if (fp32 or block_r >= 64 or fused) else 4)
+    w2, y, scale2, accumulate = exp or (x, x, False, False)
+    N2 = w2.shape[0] if exp else 0
+    warps = 8 if (block_m > SHRINK_BLOCK_M or block_r >= 128) else 4
+    # the fused expand's [BLOCK_M, BLOCK_N2] fp32 tile: at most 64 registers a thread (32 at fp32, whose
+    # IEEE dots hold their operands in registers; half that again at BLOCK_R 64: no spills, compile_check)
+    block_n2 = (32 if fp32 else 64) * 32 * warps // block_m // (2 if block_r >= 64 else 1)
+    block_n2 = max(16, min(pow2(N2), block_n2))
+    cfg = _tuned("dy_pass" if fused else "shrink", block_k=_shrink_block_k(block_m, block_r, K, x.dtype, fused),
+                 warps=warps, stages=3 if (fp32 or block_r >= 64 or fused) else 4, block_n2=block_n2)
     block_k = cfg["block_k"]
+    if fused and part.shape[3] != block_k:
+        raise ValueError(f"partials in column blocks of {part.shape[3]}, the pass's BLOCK_K is {block_k}")
     lora_shrink_kernel[(tiles.n,)](
-        x, w, out, p if fused else x, part if fused else x,
+        x, w, out, p if fused else x, part if fused else x, w2, y,
         tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
-        K, h_slice,
+        K, h_slice, N2,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), p.stride(0) if fused else 0,
+        w2.stride(0) if exp else 0, w2.stride(1) if exp else 0, y.stride(0) if exp else 0, y.stride(1) if exp else 0,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, HAS_SCALE=scale, FUSE_SGRAD=fused, PRECISION=_precision(x.dtype, x.device),
+        FUSE_EXPAND=exp is not None, BLOCK_N2=cfg["block_n2"], EXPAND_SCALE=scale2, ACCUMULATE=accumulate,
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
+
+
+def _check_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, h_slice: int) -> None:
+    N = w.shape[0]
+    _check(meta, h, "h", meta.num_tokens)
+    _check(meta, out, "out", h.shape[0])
+    if w.dim() != 2 or w.shape != (N, meta.total_rank) or out.shape[1] != N:
+        raise ValueError(f"weight {tuple(w.shape)} / out {tuple(out.shape)}: expected [N, total rank "
+                         f"{meta.total_rank}] and [T, N]")
+    block_r = _block_r(meta.max_rank)
+    if h.shape[1] < h_slice * meta.max_rank + block_r or h.stride(1) != 1:
+        raise ValueError(f"h {tuple(h.shape)} must be row-major with at least {h_slice * meta.max_rank + block_r} "
+                         "columns (h_width), zero-filled where the shrink did not write")
+    if not (h.dtype == w.dtype == out.dtype):
+        raise ValueError(f"dtypes differ: h {h.dtype}, weight {w.dtype}, out {out.dtype}")
 
 
 def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
@@ -194,19 +260,9 @@ def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torc
     out: [T, N] (any strides). Every row of out is written, rows of rank-0 jobs with 0 (or left
     unchanged when accumulating).
     """
-    T = h.shape[0]
     N = w.shape[0]
-    _check(meta, h, "h", meta.num_tokens)
-    _check(meta, out, "out", T)
-    if w.shape != (N, meta.total_rank) or out.shape[1] != N:
-        raise ValueError(f"weight {tuple(w.shape)} / out {tuple(out.shape)}: expected [N, total rank "
-                         f"{meta.total_rank}] and [T, N]")
+    _check_expand(h, w, meta, out, h_slice)
     block_r = _block_r(meta.max_rank)
-    if h.shape[1] < h_slice * meta.max_rank + block_r or h.stride(1) != 1:
-        raise ValueError(f"h {tuple(h.shape)} must be row-major with at least {h_slice * meta.max_rank + block_r} "
-                         "columns (h_width), zero-filled where the shrink did not write")
-    if not (h.dtype == w.dtype == out.dtype):
-        raise ValueError(f"dtypes differ: h {h.dtype}, weight {w.dtype}, out {out.dtype}")
     if h.dtype == torch.float32:  # IEEE fp32 dots run on FMAs and hold operands in registers
         block_n, warps = (64 if block_r <= 64 else 32), 8
     else:
@@ -262,7 +318,7 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
     block_n, chunk = cfg["block_n"], cfg["chunk"]
     n_tiles_n = cdiv(N, block_n)
     chunks = meta.tiles(chunk)
-    part = torch.empty((max(chunks.n, 1), block_r, N), dtype=torch.float32, device=q.device)
+    part = torch.empty((n_tiles_n, max(chunks.n, 1), block_r, block_n), dtype=torch.float32, device=q.device)
     if chunks.n > 0:
         lora_sgrad_kernel[(chunks.n, n_tiles_n)](
             p, q, part,
@@ -297,15 +353,20 @@ def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int, partials: int) -
 
 
 def _launch_reduce(part, out, meta, chunks, block_r, scale, *, shape=None):
-    """out[rank rows of job j] = (scale_j *) sum of job j's partials (part: fp32 [chunks, BLOCK_R, N]).
-    shape: (BLOCK_N, CHUNKS) instead of `reduce_shape`'s (the benchmark's baseline; tests)."""
-    N = part.shape[2]
+    """out[rank rows of job j] = (scale_j *) sum of job j's partials (part: fp32 [cdiv(N, PB), chunks,
+    BLOCK_R, PB], the blocked layout of lora_kernels). shape: (BLOCK_N, CHUNKS) instead of
+    `reduce_shape`'s (the benchmark's baseline; tests); BLOCK_N is capped at PB (powers of 2: it
+    divides PB, so each program's columns lie in one block)."""
+    N, pb = out.shape[1], part.shape[3]
+    if part.shape[0] != cdiv(N, pb) or part.shape[2] != block_r:
+        raise ValueError(f"partials {tuple(part.shape)}: expected [{cdiv(N, pb)}, chunks, {block_r}, {pb}]")
     block_n, per_step = shape or reduce_shape(meta.num_jobs, N, block_r, _num_sms(meta.device), chunks.n)
+    block_n = min(block_n, pb)
     lora_reduce_kernel[(meta.num_jobs, cdiv(N, block_n))](
         part, out,
         chunks.job_start, meta.rank_start_t, meta.scale_t,
-        N,
+        N, part.shape[1],
         out.stride(0), out.stride(1),
-        BLOCK_R=block_r, BLOCK_N=block_n, CHUNKS=per_step, HAS_SCALE=scale,
+        BLOCK_R=block_r, BLOCK_N=block_n, PB=pb, CHUNKS=per_step, HAS_SCALE=scale,
         num_warps=8 if block_r * block_n * per_step >= 16384 else 4,
     )

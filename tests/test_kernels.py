@@ -89,11 +89,31 @@ def test_launchers_write_every_element(dtype):
         want = x[t0:t1].double() @ A[r0:r1].double().t()
         assert rel_err(h[t0:t1, : r1 - r0], want) <= LORA_TOL[dtype]
         assert h[t0:t1, r1 - r0:].isnan().all()
+    h_nan = h.clone()  # NaN in every lane the shrink did not write (lanes >= r_j, the rank-0 job's rows)
     h = h.nan_to_num(0.0)  # the autograd op zero-fills h before the shrink: expand reads padding lanes
+    # ... but not when the expands are fused: h's other readers never store what those lanes give
+    nan_dA, zero_dA = torch.empty_like(A), torch.empty_like(A)
+    lora_ops.lora_sgrad(h_nan, x, meta, nan_dA)
+    lora_ops.lora_sgrad(h, x, meta, zero_dA)
+    assert torch.equal(nan_dA, zero_dA)
+    dBts = [torch.empty(B.shape[::-1], dtype=dtype, device=DEV) for _ in range(2)]
+    for p_, dBt in zip((h_nan, h), dBts):
+        lora_ops.lora_shrink_sgrad(torch.ones_like(x[:, :B.shape[0]]), B.t().contiguous(), p_, meta,
+                                   torch.empty_like(h), dBt)
+    assert torch.equal(dBts[0], dBts[1])
     y = torch.full((T, B.shape[0]), float("nan"), dtype=dtype, device=DEV)
     lora_ops.lora_expand(h, B, meta, y, scale=True)
     assert torch.isfinite(y).all()
     assert (y[53:] == 0).all()  # the rank-0 job's rows
+    # shrink and expand in one launch: the same h (own columns) and every element of y, rank-0 rows 0
+    h2 = torch.full_like(h, float("nan"))
+    y2 = torch.full_like(y, float("nan"))
+    lora_ops.lora_shrink_expand(x, A, B, meta, h2, y2, scale_out=True)
+    for j in range(meta.num_jobs):
+        t0, t1, r = meta.seg_start[j], meta.seg_start[j + 1], meta.rank_start[j + 1] - meta.rank_start[j]
+        assert torch.equal(h2[t0:t1, :r], h[t0:t1, :r])
+    assert torch.isfinite(y2).all() and (y2[53:] == 0).all()
+    assert rel_err(y2, y) <= LORA_TOL[dtype]
     dA = torch.full_like(A, float("nan"))
     lora_ops.lora_sgrad(h, x, meta, dA, chunk=16)  # small chunks: several per job, reduced in order
     assert torch.isfinite(dA).all()
@@ -270,19 +290,25 @@ def test_base_weight_inside_the_op_equals_adding_the_base_output(dtype, slices, 
         call(base=[W[:, :-1] for W in Ws])
 
 
+@pytest.mark.parametrize("fuse_expand", [True, False], ids=["expand fused", "expand separate"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("tokens", [[33, 0, 70, 5], [1200, 0, 900, 7]], ids=["64-row tiles", "256-row tiles"])
-def test_fused_dy_pass_matches_separate_kernels(tokens, dtype, monkeypatch):
-    """dh and dB from one pass over dy (fuse_dy) equal the separate shrink + sgrad. From 256 x SMs
-    rows on (SMs = 4 on the interpreter: 1,024) the fused pass uses 256-row tiles."""
+def test_fused_dy_pass_matches_separate_kernels(tokens, dtype, fuse_expand, monkeypatch):
+    """dh and dB from one pass over dy (fuse_dy) equal the separate shrink + sgrad, with dx written by
+    that pass (fuse_expand) or by its own expand. From 256 x SMs rows on (SMs = 4 on the
+    interpreter: 1,024) the fused pass uses 256-row tiles. A rank-0 job with rows is among them."""
     from colora.kernels import lora_ops
 
     case = lora_case(tokens, [16, 8, 0, 4], 40, 24, dtype, DEV, seed=len(tokens) + sum(tokens))
-    tiles, real = [], lora_ops._launch_shrink
-    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a: tiles.append(a[-1]) or real(*a))
-    fused = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True)
-    assert tiles[-1] == (256 if sum(tokens) >= 256 * lora_ops._num_sms(torch.device(DEV)) else 64)
-    separate = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=False)
+    launches, real = [], lora_ops._launch_shrink
+    # (dy pass with dB partials?, rows per tile, expand fused?) of every shrink launch
+    monkeypatch.setattr(lora_ops, "_launch_shrink",
+                        lambda *a: launches.append((a[7] is not None, a[8], len(a) > 9 and a[9] is not None))
+                        or real(*a))
+    fused = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True, fuse_expand=fuse_expand)
+    tile = 256 if sum(tokens) >= 256 * lora_ops._num_sms(torch.device(DEV)) else 64
+    assert launches == [(False, 64, fuse_expand), (True, tile, fuse_expand)]
+    separate = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=False, fuse_expand=not fuse_expand)
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     for key in ("dx", "dA", "dB"):
         assert rel_err(fused[key], ref[key]) <= LORA_TOL[dtype], key
@@ -561,7 +587,9 @@ def test_bench_kernels_lora_table_on_the_cpu(tmp_path):
 
     assert main(["--quick", "--only", "lora", "--out", str(tmp_path / "k")]) == 0
     rows = json.loads((tmp_path / "k.json").read_text())["lora"]
-    assert rows and all(r["triton_ms"] > 0 and r["loop_ms"] > 0 and r["graph_ms"] is None for r in rows)
+    # (run on the GPU host too, where the rows have their CUDA-graph timing)
+    graphs = torch.cuda.is_available()
+    assert rows and all(r["triton_ms"] > 0 and r["loop_ms"] > 0 and (r["graph_ms"] is not None) == graphs for r in rows)
     md = (tmp_path / "k.md").read_text()
     assert "| x bound (graph) |" in md and md.count(" | - | - | - |") == len(rows)
 
@@ -615,13 +643,16 @@ def test_kernel_breakdown_table_in_the_markdown():
            "tokens": 196608, "triton_ms": 1.1, "fused_dy": True, "other_fuse_ms": 1.0, "loop_ms": 4.8,
            "speedup": 4.4, "TFLOPs": 34.0, "peak_share": 0.05, "bound_GBps": 1800.0, "x_bound": 2.3,
            "graph_ms": 0.638, "graph_GBps": 3150.0, "x_bound_graph": 1.33,
-           "kernels_us": {"lora_shrink_kernel": 300.0, "lora_expand_kernel": 250.0}, "x_bound_kernels": 1.15}
+           "kernels_us": {"lora_shrink_kernel": 300.0, "lora_expand_kernel": 250.0}, "x_bound_kernels": 1.15,
+           "graph_ms_expand_separate": 0.7004, "kernels_us_expand_separate": 612.4}
     result = {"command": "colora bench kernels", "calibration": {"copy_GBps": 4200.0, "bf16_matmul_TFLOPs": 800.0},
               "environment": {"device": "H200", "torch": "2.11", "triton": "3.6", "date": "today"},
-              "lora": [row], "add_to": [], "logsoftmax": []}
+              "lora": [row, dict(row, rank=64, graph_ms_expand_separate=None, kernels_us_expand_separate=None)],
+              "add_to": [], "logsoftmax": []}
     md = to_markdown(result)
     assert "### Kernel by kernel at 8 jobs x 24k tokens" in md
-    assert "| k/v | 16 | 550 | 1.15 | 638 | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
+    assert "| k/v | 16 | 550 | 1.15 | 638 | 612 | 700 | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
+    assert "| k/v | 64 | 550 | 1.15 | 638 | - | - | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
     assert "24576 tokens/job (x_bound_graph): k/v r16: 1.33x bound" in md
 
 
