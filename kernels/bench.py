@@ -264,8 +264,8 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
             chunks = meta.tiles(sgrad_chunk(meta, triton.cdiv(N, pb), block_r))
         part = torch.randn(triton.cdiv(N, pb), max(chunks.n, 1), block_r, pb, device=device)
         out = torch.empty(meta.total_rank, N, device=device, dtype=torch.bfloat16)
-        before = reduce_shape(J, N, block_r, _num_sms(device), 0)  # no partials: the previous launch
-        now = reduce_shape(J, N, block_r, _num_sms(device), chunks.n)
+        before = reduce_shape(J, N, block_r, _num_sms(device), 0, pb)  # no partials: the previous launch
+        now = reduce_shape(J, N, block_r, _num_sms(device), chunks.n, pb)
         t = {}
         for key, shape in (("before", before), ("now", now)):
             t[key] = _timer(lambda: _launch_reduce(part, out, meta, chunks, block_r, True, shape=shape), device, quick)

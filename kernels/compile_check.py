@@ -113,11 +113,11 @@ def variants():
                    ("stride_qn",), ("N", "p_slice", "chunk", "stride_pm", "stride_qm"), warps, 3)
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
                           scale_ptr="*fp32", N=i, n_chunks=i, stride_or=i, stride_on=i)
-            rbn, chunks = reduce_shape(8, 1024, R, 132, 8 * 64)  # as launched at 8 jobs x 1024 columns on the H200
-            for rbn, chunks in ((rbn, chunks), (bn, 1)):  # and one partial per step, as before reduce_shape
-                yield (f"reduce {dt} R{R} N{rbn} C{chunks}", lora_reduce_kernel, reduce,
-                       dict(BLOCK_R=R, BLOCK_N=rbn, PB=64, CHUNKS=chunks, HAS_SCALE=True),
-                       ("stride_or",), ("N", "stride_on"), 8 if R * rbn * chunks >= 16384 else 4, 3)
+            # as launched at 8 jobs x 1024 columns on the H200 (64-column blocks), and with few partials
+            for rbn, chunks, rows in (reduce_shape(8, 1024, R, 132, 8 * 96, 64), reduce_shape(8, 1024, R, 132, 8, 64)):
+                yield (f"reduce {dt} R{R} N{rbn} C{chunks} rows{rows}", lora_reduce_kernel, reduce,
+                       dict(BLOCK_R=R, BLOCK_N=rbn, PB=64, CHUNKS=chunks, HAS_SCALE=True, ROWS=rows),
+                       ("stride_or",), ("N", "stride_on"), 8 if rows * rbn * chunks >= 16384 else 4, 3)
         lsm = dict(logits_ptr=p, targets_ptr="*i64", temp_ptr="*fp32", logp_ptr="*fp32", ent_ptr="*fp32",
                    V=i, stride_l=i)
         yield (f"logsoftmax {dt}", selective_logsoftmax_kernel, lsm,

@@ -210,10 +210,12 @@ def lora_reduce_kernel(
     N, n_chunks,
     stride_or, stride_on,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PB: tl.constexpr, CHUNKS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """out rows of job j = scale_j * sum of its chunks' partials, CHUNKS at a time in chunk order (a
     fixed order: deterministic); a job with rank > 0 and no rows gets zeros. With CHUNKS > 1 a program
-    has CHUNKS loads in flight per step instead of one: the sum is a chain of small dependent loads."""
+    has CHUNKS loads in flight per step instead of one: the sum is a chain of small dependent loads.
+    Each program sums ROWS of the BLOCK_R rank rows (grid axis 2: BLOCK_R // ROWS programs)."""
     job = tl.program_id(0)
     pid_n = tl.program_id(1)
     r0 = tl.load(rank_start_ptr + job)
@@ -223,13 +225,13 @@ def lora_reduce_kernel(
     c0 = tl.load(job_chunk_ptr + job)
     c1 = tl.load(job_chunk_ptr + job + 1)
     offs_c = tl.arange(0, CHUNKS)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     n0 = pid_n * BLOCK_N  # BLOCK_N divides PB: the program's columns lie in one block
     blk = part_ptr + (n0 // PB).to(tl.int64) * n_chunks * BLOCK_R * PB + n0 % PB
-    tile = offs_r[None, :, None] * PB + tl.arange(0, BLOCK_N)[None, None, :]  # [1, BLOCK_R, BLOCK_N]
+    tile = offs_r[None, :, None] * PB + tl.arange(0, BLOCK_N)[None, None, :]  # [1, ROWS, BLOCK_N]
     for c in range(c0, c1, CHUNKS):
         cs = c + offs_c
         part = blk + cs.to(tl.int64)[:, None, None] * BLOCK_R * PB + tile

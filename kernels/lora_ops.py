@@ -332,24 +332,23 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
     return out
 
 
-def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int, partials: int) -> tuple[int, int]:
-    """(columns per program, partials summed per step) of the reduce.
+def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int, partials: int, pb: int) -> tuple[int, int, int]:
+    """(columns per program, partials summed per step, rank rows per program) of the reduce over
+    partials in column blocks of pb (lora_kernels' blocked layout).
 
-    The sum over a job's partials is a chain of loads: the fused dy pass leaves one partial per
-    64-row tile, 64 per job at 8 jobs x 4096 tokens, and one program per job and 128 columns (64
-    programs for 8 jobs x 1024 columns on 132 SMs) waited for each load in turn, about 105 us a call
-    on the H200 (reports/h200/fused/trainer_profile_fused.txt). Now: narrower column tiles until
-    there are about two programs per SM (at least 32 columns: 128-byte fp32 rows), and 2-8 partials
-    loaded at once (BLOCK_R x CHUNKS <= 128 rows in flight, 32 fp32 registers a thread at 4 warps).
-    partials: the partials in all (all jobs). Below 8 a job, the previous launch (widest tiles, one
-    partial a step): measured faster there on the H200 (reports/h200/ninth/kernels.md: 7.8 against
-    14.1 us at 2 partials a job; 64 partials a job: 2.9-4.9x faster the new way)."""
-    block_n = min(128 if block_r <= 32 else 64, max(16, pow2(N)))
+    Many partials (the fused dy pass's dB: 96 a job at 8 x 24k tokens): a program reads whole block
+    rows (pb columns) of 4 rank rows, 16 partials a step (4 x 64 x 16 fp32: 32 registers a thread at
+    4 warps). Measured alone on the H200 at 8 jobs x 24k tokens, BLOCK_R 16 (reports/h200/fourteenth/
+    reduce_probe.txt): 11.9 / 27.8 / 40.5 us at N 1024 / 2048 / 3072, torch's sum over the same
+    partials 11.2 / 26.8 / 38.4 us; the launch up to ce8abe6 (rows layout, 32-64 columns, 8 a step)
+    20.6 / 42.8 / 105.6 us; half-block programs or all 16 rank rows 2-4x slower than this.
+    Few partials (below 8 a job: dA): one partial a step, all rank rows, as measured faster there
+    (reports/h200/ninth/kernels.md)."""
+    block_n = min(pb, max(16, pow2(N)))
     if partials < 8 * num_jobs:
-        return block_n, 1
-    while block_n > 32 and num_jobs * cdiv(N, block_n) < 2 * sms:
-        block_n //= 2
-    return block_n, max(2, min(8, 128 // block_r))
+        return block_n, 1, block_r
+    rows = min(4, block_r)
+    return block_n, max(2, min(16, 8192 // (rows * block_n))), rows
 
 
 def _launch_reduce(part, out, meta, chunks, block_r, scale, *, shape=None):
@@ -360,13 +359,13 @@ def _launch_reduce(part, out, meta, chunks, block_r, scale, *, shape=None):
     N, pb = out.shape[1], part.shape[3]
     if part.shape[0] != cdiv(N, pb) or part.shape[2] != block_r:
         raise ValueError(f"partials {tuple(part.shape)}: expected [{cdiv(N, pb)}, chunks, {block_r}, {pb}]")
-    block_n, per_step = shape or reduce_shape(meta.num_jobs, N, block_r, _num_sms(meta.device), chunks.n)
+    block_n, per_step, rows = shape or reduce_shape(meta.num_jobs, N, block_r, _num_sms(meta.device), chunks.n, pb)
     block_n = min(block_n, pb)
-    lora_reduce_kernel[(meta.num_jobs, cdiv(N, block_n))](
+    lora_reduce_kernel[(meta.num_jobs, cdiv(N, block_n), block_r // rows)](
         part, out,
         chunks.job_start, meta.rank_start_t, meta.scale_t,
         N, part.shape[1],
         out.stride(0), out.stride(1),
-        BLOCK_R=block_r, BLOCK_N=block_n, PB=pb, CHUNKS=per_step, HAS_SCALE=scale,
-        num_warps=8 if block_r * block_n * per_step >= 16384 else 4,
+        BLOCK_R=block_r, BLOCK_N=block_n, PB=pb, CHUNKS=per_step, HAS_SCALE=scale, ROWS=rows,
+        num_warps=8 if rows * block_n * per_step >= 16384 else 4,
     )

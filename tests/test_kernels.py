@@ -136,12 +136,14 @@ def test_sgrad_chunking_does_not_change_the_result():
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(16, 1), (16, 8), (32, 2), (64, 4)], ids=lambda s: f"n{s[0]}-c{s[1]}")
+@pytest.mark.parametrize("shape", [(16, 1, 16), (16, 8, 8), (32, 2, 4), (64, 4, 16), (64, 16, 4)],
+                         ids=lambda s: f"n{s[0]}-c{s[1]}-r{s[2]}")
 def test_reduce_sums_each_jobs_partials_at_any_tile_shape(monkeypatch, shape):
-    """The reduce's column width and partials per step (reduce_shape) change how it walks the
-    partials, not the sum: each job's rows of p^T q (10 partials for job 0, a partial last step at 8
-    per step, a rank-4 job without rows gets zeros, 24 columns under a 32- or 64-wide tile), and the
-    same bits on a second call (a fixed order, no atomics)."""
+    """The reduce's column width, partials per step and rank rows per program (reduce_shape) change
+    how it walks the partials, not the sum: each job's rows of p^T q (10 partials for job 0, a
+    partial last step at 8 per step, a rank-4 job without rows gets zeros, 24 columns under a 32- or
+    64-wide tile, rank rows split over 1-4 programs), and the same bits on a second call (a fixed
+    order, no atomics)."""
     from colora.kernels import lora_ops
 
     case = lora_case([150, 3, 0, 90], [16, 8, 4, 4], 40, 24, torch.float32, DEV, seed=5)
@@ -161,14 +163,15 @@ def test_reduce_sums_each_jobs_partials_at_any_tile_shape(monkeypatch, shape):
 
 
 def test_reduce_shape_keeps_the_wide_launch_for_few_partials():
-    """Few partials a job (dA: 2-4): the previous launch, one partial a step at the widest tile, which
-    the H200 measured faster there; many (dB: 64 a job): 2-8 a step over narrower tiles."""
+    """Few partials a job (dA: 2-4): one partial a step, whole blocks and all rank rows, which the
+    H200 measured faster there; many (dB: 96 a job): 16 a step over 4 rank rows."""
     from colora.kernels.lora_ops import reduce_shape
 
-    assert reduce_shape(8, 3072, 16, 132, 8 * 2) == (128, 1)
-    assert reduce_shape(8, 1024, 64, 132, 8 * 4) == (64, 1)
-    block_n, per_step = reduce_shape(8, 1024, 16, 132, 8 * 64)
-    assert block_n < 128 and 2 <= per_step <= 8
+    assert reduce_shape(8, 3072, 16, 132, 8 * 2, 128) == (128, 1, 16)
+    assert reduce_shape(8, 1024, 64, 132, 8 * 4, 64) == (64, 1, 64)
+    # many partials: whole 64-column blocks, 4 rank rows a program, 16 partials a step
+    assert reduce_shape(8, 1024, 16, 132, 8 * 96, 64) == (64, 16, 4)
+    assert reduce_shape(8, 3072, 16, 132, 8 * 96, 128) == (128, 16, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
