@@ -159,11 +159,11 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                 # where the time of the target's rows goes, kernel by kernel
                 kernels = _kernel_breakdown(lambda: step("triton"), device) if (J, tpj) == (8, 24576) else None
                 # and the same step with the expands in their own launches (fuse_expand=False), for the A/B
-                expand_fused = K.lora_ops.fuse_expand_pays(meta, 1)
+                expand_fused = K.lora_ops.fuse_expand_pays(meta, 1, d_in, d_out)
                 t_sep = None
-                if kernels is not None and expand_fused:
-                    t_sep = _graph_timer(lambda: step("triton", fuse_expand=False), device, quick)
-                    kernels_sep = _kernel_breakdown(lambda: step("triton", fuse_expand=False), device)
+                if kernels is not None and K.lora_ops.fuse_expand_pays(meta, 1, 1, 1):  # (fusable at this rank)
+                    t_sep = _graph_timer(lambda: step("triton", fuse_expand=not expand_fused), device, quick)
+                    kernels_sep = _kernel_breakdown(lambda: step("triton", fuse_expand=not expand_fused), device)
                 flops = 6 * T * rank * (d_in + d_out)  # 2 fwd + 4 bwd GEMMs of T x r x d
                 bound = e * T * (3 * d_in + 2 * d_out)  # x twice, dx, y, dy once; weights are small
                 bound_s = bound / (cal["copy_GBps"] * 1e9)
@@ -179,15 +179,15 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                     "kernels_us": kernels,
                     "x_bound_kernels": None if not kernels else sum(kernels.values()) / 1e6 / bound_s,
                     "fused_expand": expand_fused,
-                    "graph_ms_expand_separate": None if t_sep is None else t_sep * 1e3,
-                    "kernels_us_expand_separate": None if t_sep is None else sum(kernels_sep.values()),
+                    "graph_ms_expand_other": None if t_sep is None else t_sep * 1e3,
+                    "kernels_us_expand_other": None if t_sep is None else sum(kernels_sep.values()),
                 })
                 print(f"lora {name:8s} r{rank:<3d} J{J:<3d} {tpj:>6d} tok/job: triton {t_tri * 1e3:8.3f} ms "
                       f"(fuse_dy={fused}; other {t_other * 1e3:8.3f} ms), loop {t_loop * 1e3:8.3f} ms "
                       f"({t_loop / t_tri:5.1f}x), {t_tri / bound_s:4.2f}x bound"
                       + ("" if t_graph is None else f"; graph {t_graph * 1e3:8.3f} ms, {t_graph / bound_s:4.2f}x bound")
-                      + ("" if t_sep is None else f"; expands separate: graph {t_sep * 1e3:8.3f} ms, "
-                                                  f"{t_sep / bound_s:4.2f}x bound"),
+                      + ("" if t_sep is None else f"; expands {'separate' if expand_fused else 'fused'}: graph "
+                                                  f"{t_sep * 1e3:8.3f} ms, {t_sep / bound_s:4.2f}x bound"),
                       flush=True)
                 del x, A, B, dy
     return rows
@@ -368,19 +368,21 @@ def to_markdown(result: dict) -> str:
         out += ["", "### Kernel by kernel at 8 jobs x 24k tokens", "",
                 "The GPU's own durations (torch.profiler, CUPTI), microseconds per step: no host gaps and no "
                 "bubbles between kernels, so their sum over the bound is the kernels' own 'x bound'. "
-                "Expands separate: the same step with fuse_expand=False (y and dx written by their own expand "
-                "launches, as before the fourteenth session), its kernels' sum and graph time; '-' where the "
-                "expands do not fuse (rank 64 and above: lora_ops.fuse_expand_pays).", "",
-                "| shape | rank | kernels us | x bound (kernels) | graph us | expands separate: kernels us "
+                "Expands: fused where lora_ops.fuse_expand_pays (one slice, d_in <= d_out, BLOCK_R <= 64: y "
+                "written by the launch that computes h, dx by the dy pass), else in their own launches (as "
+                "before the fourteenth session). Other: the same step with the other choice, its kernels' sum "
+                "and graph time; '-' at rank 64 and above, where they do not fuse.", "",
+                "| shape | rank | kernels us | x bound (kernels) | graph us | expands | other: kernels us "
                 "| graph us | kernels, largest first (us) |",
-                "|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|"]
         us = lambda ms: None if ms is None else ms * 1e3  # noqa: E731
         for r in broken:
             ks = ", ".join(f"{name[:40]} {t:.0f}" for name, t in r["kernels_us"].items())
             out.append(f"| {r['shape']} | {r['rank']} | {sum(r['kernels_us'].values()):.0f} | "
                        f"{_fmt(r['x_bound_kernels'])} | {_fmt(us(r['graph_ms']), 0)} "
-                       f"| {_fmt(r.get('kernels_us_expand_separate'), 0)} "
-                       f"| {_fmt(us(r.get('graph_ms_expand_separate')), 0)} | {ks} |")
+                       f"| {'fused' if r.get('fused_expand') else 'separate'} "
+                       f"| {_fmt(r.get('kernels_us_expand_other'), 0)} "
+                       f"| {_fmt(us(r.get('graph_ms_expand_other')), 0)} | {ks} |")
     out += ["", "## Base projection + LoRA, forward + backward (bf16, rank 16)", "",
             "separate: y = x W^T + grouped_lora(x); add_to: the LoRA expand accumulates into x W^T in place; "
             "base in op: grouped_lora(x, base=W) computes x W^T itself and adds dy W into the LoRA's dx in "

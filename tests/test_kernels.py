@@ -318,6 +318,27 @@ def test_fused_dy_pass_matches_separate_kernels(tokens, dtype, fuse_expand, monk
         assert rel_err(fused[key], separate[key]) <= LORA_TOL[dtype], key
 
 
+def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
+    """fuse_expand=None follows lora_ops.fuse_expand_pays: one slice, d_in <= d_out (the H200's
+    measurements: fused was slower where the dy pass writes a dx wider than dy), BLOCK_R <= 64."""
+    from colora.kernels import lora_ops
+
+    launches, real = [], lora_ops._launch_shrink
+    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a: launches.append(len(a) > 9 and a[9] is not None)
+                        or real(*a))
+    for (d_in, d_out, ranks), want in (((24, 40, [8, 16]), True), ((40, 24, [8, 16]), False),
+                                       ((24, 40, [64, 8]), True), ((24, 40, [100, 8]), False)):
+        case = lora_case([20, 30], ranks, d_in, d_out, torch.float32, DEV, seed=d_in + ranks[0])
+        launches.clear()
+        lora_grads(K.grouped_lora, case, backend="triton")
+        assert launches and all(f == want for f in launches), (d_in, d_out, ranks, launches)
+        assert lora_ops.fuse_expand_pays(case.meta, 1, d_in, d_out) == want
+    case = lora_case([20, 30], [8, 16], 24, 40, torch.float32, DEV, seed=1)
+    launches.clear()
+    K.grouped_lora_packed(case.x, [case.A, case.A], [case.B, case.B], case.meta, backend="triton")
+    assert launches == [False] and not lora_ops.fuse_expand_pays(case.meta, 2, 24, 40)
+
+
 def test_triton_path_is_deterministic():
     case = lora_case([50, 70], [16, 8], 40, 24, torch.bfloat16, DEV, seed=9)
     a = lora_grads(K.grouped_lora, case, backend="triton")
@@ -594,7 +615,7 @@ def test_bench_kernels_lora_table_on_the_cpu(tmp_path):
     graphs = torch.cuda.is_available()
     assert rows and all(r["triton_ms"] > 0 and r["loop_ms"] > 0 and (r["graph_ms"] is not None) == graphs for r in rows)
     md = (tmp_path / "k.md").read_text()
-    assert "| x bound (graph) |" in md and md.count(" | - | - | - |") == len(rows)
+    assert "| x bound (graph) |" in md and md.count(" | - | - | - |") == (0 if graphs else len(rows))
 
 
 def test_bench_kernels_targets_read_the_graph_timing_where_every_row_has_one():
@@ -647,15 +668,16 @@ def test_kernel_breakdown_table_in_the_markdown():
            "speedup": 4.4, "TFLOPs": 34.0, "peak_share": 0.05, "bound_GBps": 1800.0, "x_bound": 2.3,
            "graph_ms": 0.638, "graph_GBps": 3150.0, "x_bound_graph": 1.33,
            "kernels_us": {"lora_shrink_kernel": 300.0, "lora_expand_kernel": 250.0}, "x_bound_kernels": 1.15,
-           "graph_ms_expand_separate": 0.7004, "kernels_us_expand_separate": 612.4}
+           "fused_expand": True, "graph_ms_expand_other": 0.7004, "kernels_us_expand_other": 612.4}
     result = {"command": "colora bench kernels", "calibration": {"copy_GBps": 4200.0, "bf16_matmul_TFLOPs": 800.0},
               "environment": {"device": "H200", "torch": "2.11", "triton": "3.6", "date": "today"},
-              "lora": [row, dict(row, rank=64, graph_ms_expand_separate=None, kernels_us_expand_separate=None)],
+              "lora": [row, dict(row, rank=64, fused_expand=False, graph_ms_expand_other=None,
+                                 kernels_us_expand_other=None)],
               "add_to": [], "logsoftmax": []}
     md = to_markdown(result)
     assert "### Kernel by kernel at 8 jobs x 24k tokens" in md
-    assert "| k/v | 16 | 550 | 1.15 | 638 | 612 | 700 | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
-    assert "| k/v | 64 | 550 | 1.15 | 638 | - | - | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
+    assert "| k/v | 16 | 550 | 1.15 | 638 | fused | 612 | 700 | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
+    assert "| k/v | 64 | 550 | 1.15 | 638 | separate | - | - | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
     assert "24576 tokens/job (x_bound_graph): k/v r16: 1.33x bound" in md
 
 
