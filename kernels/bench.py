@@ -247,7 +247,7 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     at the trainer step's micro-batch: 8 jobs x 4096 tokens."""
     import triton
 
-    from .lora_ops import _block_r, _launch_reduce, _num_sms, _shrink_block_k, reduce_shape, sgrad_chunk
+    from .lora_ops import _block_r, _launch_reduce, _shrink_block_k, reduce_shape, sgrad_chunk
 
     J, tpj = (4, 40) if quick else (8, 4096)
     rows = []
@@ -264,8 +264,8 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
             chunks = meta.tiles(sgrad_chunk(meta, triton.cdiv(N, pb), block_r))
         part = torch.randn(triton.cdiv(N, pb), max(chunks.n, 1), block_r, pb, device=device)
         out = torch.empty(meta.total_rank, N, device=device, dtype=torch.bfloat16)
-        before = reduce_shape(J, N, block_r, _num_sms(device), 0, pb)  # no partials: the previous launch
-        now = reduce_shape(J, N, block_r, _num_sms(device), chunks.n, pb)
+        before = reduce_shape(J, N, block_r, 0, pb)  # no partials: one a step, all rank rows
+        now = reduce_shape(J, N, block_r, chunks.n, pb)
         t = {}
         for key, shape in (("before", before), ("now", now)):
             t[key] = _timer(lambda: _launch_reduce(part, out, meta, chunks, block_r, True, shape=shape), device, quick)
@@ -408,16 +408,15 @@ def to_markdown(result: dict) -> str:
     if result.get("reduce"):
         out += ["", "## Segment reduction of the weight gradients (fp32 partials -> dA, dB^T in bf16)", "",
                 "One reduce alone at the trainer step's micro-batch (8 jobs x 4096 tokens; tiny with --quick). before: "
-                "the same kernel launched as it was before `reduce_shape`, 128 columns a program (64 at BLOCK_R > 32) "
-                "and one partial per step; now: `reduce_shape`'s (columns, partials per step; the previous launch below 8 "
-                "partials a job, where the H200 measured it faster). GB/s: partials read + "
-                "output written, over the time now.", "",
+                "one partial a step over whole column blocks and all rank rows (`reduce_shape`'s launch below 8 "
+                "partials a job, where the H200 measured it faster); now: `reduce_shape`'s (columns x partials per "
+                "step x rank rows a program). GB/s: partials read + output written, over the time now.", "",
                 "| reduce | N | rank | jobs x tok/job | partials/job | before us | now us | speedup | now shape | GB/s now |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["reduce"]:
             out.append(f"| {r['case']} | {r['N']} | {r['rank']} | {r['jobs']} x {r['tokens_per_job']} | "
                        f"{r['partials_per_job']} | {_fmt(r['before_us'], 1)} | {_fmt(r['now_us'], 1)} | "
-                       f"{_fmt(r['speedup'])} | {r['shape_now'][0]} x {r['shape_now'][1]} | {_fmt(r['now_GBps'], 0)} |")
+                       f"{_fmt(r['speedup'])} | {' x '.join(map(str, r['shape_now']))} | {_fmt(r['now_GBps'], 0)} |")
     from .tune import to_markdown as tune_markdown
 
     out += tune_markdown(result.get("tune", []))

@@ -114,7 +114,7 @@ def variants():
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
                           scale_ptr="*fp32", N=i, n_chunks=i, stride_or=i, stride_on=i)
             # as launched at 8 jobs x 1024 columns on the H200 (64-column blocks), and with few partials
-            for rbn, chunks, rows in (reduce_shape(8, 1024, R, 132, 8 * 96, 64), reduce_shape(8, 1024, R, 132, 8, 64)):
+            for rbn, chunks, rows in (reduce_shape(8, 1024, R, 8 * 96, 64), reduce_shape(8, 1024, R, 8, 64)):
                 yield (f"reduce {dt} R{R} N{rbn} C{chunks} rows{rows}", lora_reduce_kernel, reduce,
                        dict(BLOCK_R=R, BLOCK_N=rbn, PB=64, CHUNKS=chunks, HAS_SCALE=True, ROWS=rows),
                        ("stride_or",), ("N", "stride_on"), 8 if rows * rbn * chunks >= 16384 else 4, 3)

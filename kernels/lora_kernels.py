@@ -55,7 +55,7 @@ def _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid, blo
 @triton.jit
 def lora_shrink_kernel(
     x_ptr, w_ptr, h_ptr,  # x: [T, K], w: [R, K] (strided), h: [T, H]
-    p_ptr, part_ptr,  # FUSE_SGRAD only: p: [T, P] (h of the forward), part: fp32 [tiles, BLOCK_R, K]
+    p_ptr, part_ptr,  # FUSE_SGRAD only: p: [T, P] (h of the forward), part: fp32 [cdiv(K, BLOCK_K), tiles, BLOCK_R, BLOCK_K]
     w2_ptr, y_ptr,  # FUSE_EXPAND only: w2: [N2, R] (strided), y: [T, N2] (strided)
     tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
     K, h_slice, N2,
@@ -169,7 +169,7 @@ def lora_expand_kernel(
 
 @triton.jit
 def lora_sgrad_kernel(
-    p_ptr, q_ptr, part_ptr,  # p: [T, H], q: [T, N], part: fp32 [chunks, BLOCK_R, N]
+    p_ptr, q_ptr, part_ptr,  # p: [T, H], q: [T, N], part: fp32 [cdiv(N, BLOCK_N), chunks, BLOCK_R, BLOCK_N]
     tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr,
     N, p_slice, chunk,
     stride_pm, stride_qm, stride_qn,

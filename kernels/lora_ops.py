@@ -139,9 +139,9 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
     """dh = lora_shrink(dy, Bt, scale=True) and dBt = lora_sgrad(h, dy, scale=True) in one pass over dy.
 
     dy: [T, N], Bt: [R, N] (B^T), h: [T, H] as for lora_expand, dh: [T, H'] (written in its slice),
-    dBt: [R, N] (any strides: pass dB.t()). Each program keeps its row tile's part of dB in fp32
-    ([tiles, BLOCK_R, N]), so this pays when that is small beside dy: BLOCK_R <= 32 and tiles of
-    256 rows once there are enough of them (see `fuse_dy_pays`).
+    dBt: [R, N] (any strides: pass dB.t()). Each program writes its row tile's part of dB in fp32
+    (BLOCK_R x N, in the blocked layout of lora_kernels), so this pays when that is small beside dy:
+    BLOCK_R <= 32 and tiles of 256 rows once there are enough of them (see `fuse_dy_pays`).
     dx: (A^T [d_in, R], dx [T, d_in], accumulate) to also write dx (+)= dh A from each tile (one
     slice only, h_slice 0), as `lora_shrink_expand` does.
     """
@@ -336,7 +336,7 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
     return out
 
 
-def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int, partials: int, pb: int) -> tuple[int, int, int]:
+def reduce_shape(num_jobs: int, N: int, block_r: int, partials: int, pb: int) -> tuple[int, int, int]:
     """(columns per program, partials summed per step, rank rows per program) of the reduce over
     partials in column blocks of pb (lora_kernels' blocked layout).
 
@@ -345,7 +345,7 @@ def reduce_shape(num_jobs: int, N: int, block_r: int, sms: int, partials: int, p
     4 warps). Measured alone on the H200 at 8 jobs x 24k tokens, BLOCK_R 16 (reports/h200/fourteenth/
     reduce_probe.txt): 11.9 / 27.8 / 40.5 us at N 1024 / 2048 / 3072, torch's sum over the same
     partials 11.2 / 26.8 / 38.4 us; the launch up to ce8abe6 (rows layout, 32-64 columns, 8 a step)
-    20.6 / 42.8 / 105.6 us; half-block programs or all 16 rank rows 2-4x slower than this.
+    20.6 / 42.8 / 105.6 us; programs of half a block or of all 16 rank rows 2-6x slower than this.
     Few partials (below 8 a job: dA): one partial a step, all rank rows, as measured faster there
     (reports/h200/ninth/kernels.md)."""
     block_n = min(pb, max(16, pow2(N)))
@@ -363,7 +363,7 @@ def _launch_reduce(part, out, meta, chunks, block_r, scale, *, shape=None):
     N, pb = out.shape[1], part.shape[3]
     if part.shape[0] != cdiv(N, pb) or part.shape[2] != block_r:
         raise ValueError(f"partials {tuple(part.shape)}: expected [{cdiv(N, pb)}, chunks, {block_r}, {pb}]")
-    block_n, per_step, rows = shape or reduce_shape(meta.num_jobs, N, block_r, _num_sms(meta.device), chunks.n, pb)
+    block_n, per_step, rows = shape or reduce_shape(meta.num_jobs, N, block_r, chunks.n, pb)
     block_n = min(block_n, pb)
     lora_reduce_kernel[(meta.num_jobs, cdiv(N, block_n), block_r // rows)](
         part, out,

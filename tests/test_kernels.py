@@ -167,11 +167,11 @@ def test_reduce_shape_keeps_the_wide_launch_for_few_partials():
     H200 measured faster there; many (dB: 96 a job): 16 a step over 4 rank rows."""
     from colora.kernels.lora_ops import reduce_shape
 
-    assert reduce_shape(8, 3072, 16, 132, 8 * 2, 128) == (128, 1, 16)
-    assert reduce_shape(8, 1024, 64, 132, 8 * 4, 64) == (64, 1, 64)
+    assert reduce_shape(8, 3072, 16, 8 * 2, 128) == (128, 1, 16)
+    assert reduce_shape(8, 1024, 64, 8 * 4, 64) == (64, 1, 64)
     # many partials: whole 64-column blocks, 4 rank rows a program, 16 partials a step
-    assert reduce_shape(8, 1024, 16, 132, 8 * 96, 64) == (64, 16, 4)
-    assert reduce_shape(8, 3072, 16, 132, 8 * 96, 128) == (128, 16, 4)
+    assert reduce_shape(8, 1024, 16, 8 * 96, 64) == (64, 16, 4)
+    assert reduce_shape(8, 3072, 16, 8 * 96, 128) == (128, 16, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
