@@ -76,7 +76,8 @@ class _GroupedLoRA(torch.autograd.Function):
         if bases:
             ctx.mark_dirty(*bases)
         ctx.save_for_backward(x, A, h, *Bts)
-        ctx.meta, ctx.n_slices, ctx.n_bases, (ctx.fuse_dy, ctx.fuse_expand) = meta, n_slices, len(bases), (fuse[0], fuse_expand)
+        ctx.meta, ctx.n_slices, ctx.n_bases = meta, n_slices, len(bases)
+        ctx.fuse_dy, ctx.fuse_expand = fuse[0], fuse_expand
         ctx.weights = weights
         ctx.set_materialize_grads(False)
         return tuple(ys)

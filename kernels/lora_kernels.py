@@ -55,7 +55,7 @@ def _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid, blo
 @triton.jit
 def lora_shrink_kernel(
     x_ptr, w_ptr, h_ptr,  # x: [T, K], w: [R, K] (strided), h: [T, H]
-    p_ptr, part_ptr,  # FUSE_SGRAD only: p: [T, P] (h of the forward), part: fp32 [cdiv(K, BLOCK_K), tiles, BLOCK_R, BLOCK_K]
+    p_ptr, part_ptr,  # FUSE_SGRAD only: p: [T, P] (h of the forward), part: fp32 (blocked: see below)
     w2_ptr, y_ptr,  # FUSE_EXPAND only: w2: [N2, R] (strided), y: [T, N2] (strided)
     tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
     K, h_slice, N2,
