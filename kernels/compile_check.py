@@ -133,8 +133,9 @@ def tune_variants():
 
     base = {v[0]: v[1:] for v in variants()}
     for R in (16, 64):
-        for kernel, label, fused in (("shrink", f"shrink bf16 R{_block_r(R)}", False),
-                                     ("dy_pass", f"shrink+sgrad bf16 R{R} M256", True),
+        # the shrink as it runs at d_in <= d_out (its expand fused), the dy pass with dx fused
+        for kernel, label, fused in (("shrink", f"shrink+expand bf16 R{_block_r(R)}", False),
+                                     ("dy_pass", f"shrink+sgrad+expand bf16 R{R} M256", True),
                                      ("expand", f"expand+acc bf16 R{R}", False), ("sgrad", f"sgrad bf16 R{R}", False)):
             if label not in base:  # the fused dy pass: rank <= 32 only
                 continue

@@ -2,9 +2,9 @@
 
     colora bench kernels --only tune --out reports/lora_tune     (H200: a few minutes; --tune-budget)
 
-For each problem (8 jobs x 24k tokens at the projections whose forward+backward stayed above 1.3x
-the bytes bound on the H200: k/v, q and gate/up at rank 16, k/v at rank 64; reports/h200/thirteenth/
-kernels_graph) and each launcher of `lora_ops.TUNABLE`, the LoRA step runs with one candidate
+For each problem (8 jobs x 24k tokens at rank 64, where every projection's forward+backward stayed
+above 1.3x the bytes bound on the H200, 1.60-1.96x: reports/h200/fourteenth/final_ab; and k/v at
+rank 16, within it since then, as the control) and each launcher of `lora_ops.TUNABLE`, the LoRA step runs with one candidate
 configuration for that launcher while the others keep their own choice, timed by the sum of the
 GPU's own kernel durations (`bench.kernel_times`: no host gaps). Then the best of each launcher
 together, also replayed as one CUDA graph, against the bytes bound. A candidate that does not
@@ -25,12 +25,15 @@ import torch
 
 from .lora_ops import TUNABLE, fuse_dy_pays, launch_overrides
 
-# (block_m, block_k, warps, stages) of the plain shrink; its own choice at bf16, rank <= 64: (64, 128, 4, 4)
+# (block_m, block_k, warps, stages[, block_n2: the fused expand's columns]) of the shrink; its own
+# choice at bf16: (64, 128, 4, 4, 128) at rank 16, (64, 128, 4, 3, 64) at rank 64
 _SHRINK = [(64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 4, 3), (64, 256, 8, 3),
-           (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3)]
-# the fused dy pass; its own at 8 x 24k: (256, 64, 8, 3)
+           (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3, 32), (64, 128, 4, 3, 128),
+           (128, 64, 8, 3, 64), (128, 128, 8, 3, 128)]
+# the fused dy pass (rank <= 32); its own at 8 x 24k: (256, 64, 8, 3, 64)
 _DY_PASS = [(256, 32, 4, 3), (256, 32, 8, 4), (256, 64, 4, 3), (256, 64, 8, 2), (256, 128, 8, 2),
-            (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (512, 32, 8, 3), (512, 64, 8, 2)]
+            (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (512, 32, 8, 3), (512, 64, 8, 2),
+            (256, 64, 8, 3, 32), (256, 64, 8, 3, 128)]
 # (block_m, block_n, warps, stages) of the expand; its own at rank <= 64: (64, 128, 4, 2)
 _EXPAND = [(64, 64, 4, 2), (64, 256, 4, 2), (64, 256, 8, 2), (128, 64, 4, 2), (128, 128, 4, 2),
            (128, 128, 8, 2), (128, 256, 8, 2), (256, 128, 8, 2), (64, 128, 4, 3)]
@@ -54,8 +57,9 @@ def problems(quick: bool) -> list[tuple[str, int, int, int, int, int]]:
     """(name, d_in, d_out, rank, jobs, tokens per job)."""
     if quick:
         return [("tiny r16", 64, 48, 16, 4, 48)]
-    return [("k/v r16", 1024, 1024, 16, 8, 24576), ("q r16", 1024, 2048, 16, 8, 24576),
-            ("gate/up r16", 1024, 3072, 16, 8, 24576), ("k/v r64", 1024, 1024, 64, 8, 24576)]
+    return [("k/v r64", 1024, 1024, 64, 8, 24576), ("q r64", 1024, 2048, 64, 8, 24576),
+            ("gate/up r64", 1024, 3072, 64, 8, 24576), ("o r64", 2048, 1024, 64, 8, 24576),
+            ("down r64", 3072, 1024, 64, 8, 24576), ("k/v r16", 1024, 1024, 16, 8, 24576)]
 
 
 def _step_us(step, device: torch.device) -> float:

@@ -741,4 +741,6 @@ def test_compile_check_covers_every_tuning_candidate():
             for (label, fn, types, consts, ones, div, warps, stages), cfg in zip(mine, candidates(kernel, quick=False)):
                 assert (warps, stages) == (cfg["warps"], cfg["stages"])
                 assert all(consts[c] == cfg[k] for k, c in (("block_m", "BLOCK_M"), ("block_k", "BLOCK_K"),
-                                                            ("block_n", "BLOCK_N"), ("block_t", "BLOCK_T")) if k in cfg)
+                                                            ("block_n", "BLOCK_N"), ("block_t", "BLOCK_T"),
+                                                            ("block_n2", "BLOCK_N2")) if k in cfg)
+                assert consts.get("FUSE_EXPAND", kernel not in ("shrink", "dy_pass"))  # as launched
