@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 from .logsoftmax_kernels import selective_logsoftmax_kernel
 from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
-from .lora_ops import reduce_shape
+from .lora_ops import expand_block_n2, reduce_shape
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -80,7 +80,7 @@ def variants():
             ones = ("stride_xk", "stride_wk", "stride_w2n", "stride_yn")
             yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True), ones, div, warps, stages)
             # with the expand fused (x -> h -> y; dy -> dh -> dx accumulating into dy W), BLOCK_N2 as launched
-            n2 = lambda bm, w: (32 if dt == "fp32" else 64) * 32 * w // bm // (2 if R >= 64 else 1)  # noqa: E731
+            n2 = lambda bm, w: expand_block_n2(bm, w, R, dt == "fp32")  # noqa: E731  (as launched)
             if R <= 64:  # lora_ops.fuse_expand_pays
                 yield (f"shrink+expand {dt} R{R}", lora_shrink_kernel, shrink,
                        dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2(64, warps), EXPAND_SCALE=True),

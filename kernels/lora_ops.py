@@ -185,6 +185,13 @@ def _shrink_block_k(block_m: int, block_r: int, K: int, dtype: torch.dtype, fuse
     return _tuned("dy_pass", block_k=block_k)["block_k"] if fused else block_k
 
 
+def expand_block_n2(block_m: int, warps: int, block_r: int, fp32: bool) -> int:
+    """Columns of the fused expand's [BLOCK_M, BLOCK_N2] fp32 tile (before capping at N): at most 64
+    registers a thread (32 at fp32, whose IEEE dots hold their operands in registers; half that again
+    at BLOCK_R 64: no spills, kernels/compile_check.py)."""
+    return (32 if fp32 else 64) * 32 * warps // block_m // (2 if block_r >= 64 else 1)
+
+
 def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) -> bool:
     """The expand of the y / dx rows fuses into the pass that computes their h / dh when there is
     one slice (a packed call's dx needs every slice's dh first, and its outputs are several tensors),
@@ -218,10 +225,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
     w2, y, scale2, accumulate = exp or (x, x, False, False)
     N2 = w2.shape[0] if exp else 0
     warps = 8 if (block_m > SHRINK_BLOCK_M or block_r >= 128) else 4
-    # the fused expand's [BLOCK_M, BLOCK_N2] fp32 tile: at most 64 registers a thread (32 at fp32, whose
-    # IEEE dots hold their operands in registers; half that again at BLOCK_R 64: no spills, compile_check)
-    block_n2 = (32 if fp32 else 64) * 32 * warps // block_m // (2 if block_r >= 64 else 1)
-    block_n2 = max(16, min(pow2(N2), block_n2))
+    block_n2 = max(16, min(pow2(N2), expand_block_n2(block_m, warps, block_r, fp32)))
     cfg = _tuned("dy_pass" if fused else "shrink", block_k=_shrink_block_k(block_m, block_r, K, x.dtype, fused),
                  warps=warps, stages=3 if (fp32 or block_r >= 64 or fused) else 4, block_n2=block_n2)
     block_k = cfg["block_k"]
