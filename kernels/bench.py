@@ -368,10 +368,10 @@ def to_markdown(result: dict) -> str:
         out += ["", "### Kernel by kernel at 8 jobs x 24k tokens", "",
                 "The GPU's own durations (torch.profiler, CUPTI), microseconds per step: no host gaps and no "
                 "bubbles between kernels, so their sum over the bound is the kernels' own 'x bound'. "
-                "Expands: fused where lora_ops.fuse_expand_pays (one slice, d_in <= d_out, BLOCK_R <= 64: y "
-                "written by the launch that computes h, dx by the dy pass), else in their own launches (as "
-                "before the fourteenth session). Other: the same step with the other choice, its kernels' sum "
-                "and graph time; '-' at rank 64 and above, where they do not fuse.", "",
+                "Expands: fused where lora_ops.fuse_expand_pays (one slice, BLOCK_R <= 64, and d_in <= d_out "
+                "at BLOCK_R <= 32: y written by the launch that computes h, dx by the dy pass), else in their "
+                "own launches (as before the fourteenth session). Other: the same step with the other choice, "
+                "its kernels' sum and graph time; '-' above rank 64, where they do not fuse.", "",
                 "| shape | rank | kernels us | x bound (kernels) | graph us | expands | other: kernels us "
                 "| graph us | kernels, largest first (us) |",
                 "|---|---|---|---|---|---|---|---|---|"]

@@ -20,13 +20,14 @@ import sys
 import tempfile
 import warnings
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .logsoftmax_kernels import selective_logsoftmax_kernel
 from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
-from .lora_ops import expand_block_n2, reduce_shape
+from .lora_ops import _shrink_block_k, _shrink_stages, expand_block_n2, reduce_shape, sgrad_shape
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -72,9 +73,9 @@ def variants():
                           K=i, h_slice=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i,
                           w2_ptr=p, y_ptr=p, N2=i, stride_w2n=i, stride_w2r=i, stride_ym=i, stride_yn=i)
             div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm", "N2", "stride_w2r", "stride_ym")
-            bk = 64 if (dt == "fp32" or R >= 128) else 128
+            bk = _shrink_block_k(64, R, 1024, torch.float32 if dt == "fp32" else torch.bfloat16, fused=False)
             warps = 8 if R >= 128 else 4
-            stages = 3 if (dt == "fp32" or R >= 64) else 4
+            stages = _shrink_stages(R, dt == "fp32", False)
             base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False,
                         FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False)
             ones = ("stride_xk", "stride_wk", "stride_w2n", "stride_yn")
@@ -104,19 +105,21 @@ def variants():
                 yield (f"expand{'+acc' if acc else ''} {dt} R{R}", lora_expand_kernel, expand,
                        dict(BLOCK_M=64, BLOCK_N=ebn, BLOCK_R=R, HAS_SCALE=True, ACCUMULATE=acc, PRECISION=prec),
                        ("stride_wn", "stride_yn"), ("N", "h_slice", "stride_hm", "stride_wr", "stride_ym"), ewarps, 2)
-            bn = 128 if R <= 32 else 64
+            bn, sw = sgrad_shape(R)
             sgrad = dict(p_ptr=p, q_ptr=p, part_ptr="*fp32", tile_job_ptr="*i32", tile_row_ptr="*i32",
                          seg_start_ptr="*i32", rank_start_ptr="*i32", N=i, p_slice=i, chunk=i, stride_pm=i,
                          stride_qm=i, stride_qn=i)
             yield (f"sgrad {dt} R{R}", lora_sgrad_kernel, sgrad,
                    dict(BLOCK_T=64 if R <= 64 else 32, BLOCK_R=R, BLOCK_N=bn, PRECISION=prec),
-                   ("stride_qn",), ("N", "p_slice", "chunk", "stride_pm", "stride_qm"), warps, 3)
+                   ("stride_qn",), ("N", "p_slice", "chunk", "stride_pm", "stride_qm"), sw, 3)
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
                           scale_ptr="*fp32", N=i, n_chunks=i, stride_or=i, stride_on=i)
-            # as launched at 8 jobs x 1024 columns on the H200 (64-column blocks), and with few partials
-            for rbn, chunks, rows in (reduce_shape(8, 1024, R, 8 * 96, 64), reduce_shape(8, 1024, R, 8, 64)):
+            # as launched at 8 jobs x 1024 columns on the H200: the dy pass's 64-column blocks, and few
+            # partials in the sgrad's blocks
+            for pb, partials in ((64, 8 * 96), (bn, 8)):
+                rbn, chunks, rows = reduce_shape(8, 1024, R, partials, pb)
                 yield (f"reduce {dt} R{R} N{rbn} C{chunks} rows{rows}", lora_reduce_kernel, reduce,
-                       dict(BLOCK_R=R, BLOCK_N=rbn, PB=64, CHUNKS=chunks, HAS_SCALE=True, ROWS=rows),
+                       dict(BLOCK_R=R, BLOCK_N=rbn, PB=pb, CHUNKS=chunks, HAS_SCALE=True, ROWS=rows),
                        ("stride_or",), ("N", "stride_on"), 8 if rows * rbn * chunks >= 16384 else 4, 3)
         lsm = dict(logits_ptr=p, targets_ptr="*i64", temp_ptr="*fp32", logp_ptr="*fp32", ent_ptr="*fp32",
                    V=i, stride_l=i)

@@ -174,34 +174,46 @@ def fuse_dy_pays(meta: LoRABatchMeta) -> bool:
 
 def _shrink_block_k(block_m: int, block_r: int, K: int, dtype: torch.dtype, fused: bool = True) -> int:
     """The shrink's BLOCK_K: 64 / 32 (fp32) on the fused dy pass's 256-row tiles, else 128 / 64 (fp32
-    or BLOCK_R >= 128); never above K's power of 2. For the dy pass (fused=True) also its partials'
+    or BLOCK_R >= 64); never above K's power of 2. For the dy pass (fused=True) also its partials'
     column block (the launch overrides' choice included)."""
     fp32 = dtype == torch.float32
     if block_m > SHRINK_BLOCK_M:  # [256, BLOCK_K] tiles, 3 stages in shared memory
         block_k = 32 if fp32 else 64
-    else:
-        block_k = 64 if (fp32 or block_r >= 128) else 128
+    else:  # BLOCK_R 64: see _shrink_stages
+        block_k = 64 if (fp32 or block_r >= 64) else 128
     block_k = min(block_k, max(16, pow2(K)))
     return _tuned("dy_pass", block_k=block_k)["block_k"] if fused else block_k
+
+
+def _shrink_stages(block_r: int, fp32: bool, fused: bool) -> int:
+    """Pipeline stages of the shrink: 4 on the bf16 / fp16 plain shrink at BLOCK_R <= 64, else 3. At
+    BLOCK_R 64 that is [64, 64] x and weight tiles 4 deep rather than [64, 128] ones 3 deep: on the
+    H200 at 8 jobs x 24k tokens the LoRA step's kernels took 3-10% less at q, k/v, o and gate/up (k/v
+    837 -> 801 us, gate/up 1710 -> 1546), 0.7% at down (reports/h200/fifteenth/tune, one call)."""
+    return 3 if (fp32 or block_r > 64 or fused) else 4
 
 
 def expand_block_n2(block_m: int, warps: int, block_r: int, fp32: bool) -> int:
     """Columns of the fused expand's [BLOCK_M, BLOCK_N2] fp32 tile (before capping at N): at most 64
     registers a thread (32 at fp32, whose IEEE dots hold their operands in registers; half that again
-    at BLOCK_R 64: no spills, kernels/compile_check.py)."""
+    at BLOCK_R 64). kernels/compile_check.py: no spills at bf16; at fp32 and BLOCK_R 64 (a test dtype,
+    not the trainer's) 24 bytes of stack with Triton 3.9."""
     return (32 if fp32 else 64) * 32 * warps // block_m // (2 if block_r >= 64 else 1)
 
 
 def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) -> bool:
     """The expand of the y / dx rows fuses into the pass that computes their h / dh when there is
-    one slice (a packed call's dx needs every slice's dh first, and its outputs are several tensors),
-    BLOCK_R <= 64 (at 128 the shrink's and the expand's tiles do not fit one program's shared
-    memory: kernels/compile_check.py), and d_in <= d_out. On the H200 at 8 jobs x 24k tokens, rank 16
-    (reports/h200/fourteenth/final_ab, graph timing, one call): fused against separate expands
-    0.840 / 0.885 ms at q (1024 -> 2048), 0.611 / 0.635 at k/v (1024 -> 1024), 1.078 / 1.143 at
-    gate/up (1024 -> 3072); but 0.944 / 0.937 at o (2048 -> 1024) and 1.281 / 1.252 at down
-    (3072 -> 1024), where the dy pass's programs write the wide dx."""
-    return n_slices == 1 and _block_r(meta.max_rank) <= 64 and d_in <= d_out
+    one slice (a packed call's dx needs every slice's dh first, and its outputs are several tensors)
+    and BLOCK_R <= 64 (at 128 the shrink's and the expand's tiles do not fit one program's shared
+    memory: kernels/compile_check.py); at BLOCK_R <= 32 only where d_in <= d_out. On the H200 at 8
+    jobs x 24k tokens, graph timing, fused against separate expands in one process:
+    rank 16 (reports/h200/fourteenth/final_ab): 0.840 / 0.885 ms at q (1024 -> 2048), 0.611 / 0.635
+    at k/v (1024 -> 1024), 1.078 / 1.143 at gate/up (1024 -> 3072); but 0.944 / 0.937 at o
+    (2048 -> 1024) and 1.281 / 1.252 at down (3072 -> 1024), where the dy pass's programs write the
+    wide dx. Rank 64 (reports/h200/fifteenth/ab, before this rule): fused 1.183 / 1.322 ms at o and
+    1.545 / 1.730 at down as well: the separate expand of a [64, 64] h tile is the slower launch."""
+    block_r = _block_r(meta.max_rank)
+    return n_slices == 1 and block_r <= 64 and (block_r == 64 or d_in <= d_out)
 
 
 def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
@@ -227,7 +239,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
     warps = 8 if (block_m > SHRINK_BLOCK_M or block_r >= 128) else 4
     block_n2 = max(16, min(pow2(N2), expand_block_n2(block_m, warps, block_r, fp32)))
     cfg = _tuned("dy_pass" if fused else "shrink", block_k=_shrink_block_k(block_m, block_r, K, x.dtype, fused),
-                 warps=warps, stages=3 if (fp32 or block_r >= 64 or fused) else 4, block_n2=block_n2)
+                 warps=warps, stages=_shrink_stages(block_r, fp32, fused), block_n2=block_n2)
     block_k = cfg["block_k"]
     if fused and part.shape[3] != block_k:
         raise ValueError(f"partials in column blocks of {part.shape[3]}, the pass's BLOCK_K is {block_k}")
@@ -299,6 +311,13 @@ def sgrad_chunk(meta: LoRABatchMeta, n_tiles_n: int, block_r: int) -> int:
     return int(min(max(chunk, 256, 8 * block_r), 8192))
 
 
+def sgrad_shape(block_r: int) -> tuple[int, int]:
+    """(columns per program, warps) of the sgrad. BLOCK_R 64: [64, 256] tiles over 8 warps, 1-4% less
+    for the whole rank-64 step than [64, 64] over 4 at every shape of reports/h200/fifteenth/tune
+    (fewer, longer programs, each reading its p rows once for 256 columns of q)."""
+    return (128, 4) if block_r <= 32 else (256, 8) if block_r == 64 else (64, 8)
+
+
 def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
                p_slice: int = 0, scale: bool = False, chunk: int | None = None) -> torch.Tensor:
     """out[rank_start[j] + k, n] = (scale_j *) sum_{t in job j} p[t, p_slice*r_j + k] * q[t, n].
@@ -320,8 +339,9 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
         raise ValueError(f"dtypes differ: p {p.dtype}, q {q.dtype}")
     if meta.total_rank == 0:
         return out
-    block_n = min(128 if block_r <= 32 else 64, max(16, pow2(N)))
-    cfg = _tuned("sgrad", block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=8 if block_r >= 128 else 4,
+    block_n, warps = sgrad_shape(block_r)
+    block_n = min(block_n, max(16, pow2(N)))
+    cfg = _tuned("sgrad", block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
                  stages=3, chunk=chunk or sgrad_chunk(meta, cdiv(N, block_n), block_r))
     block_n, chunk = cfg["block_n"], cfg["chunk"]
     n_tiles_n = cdiv(N, block_n)

@@ -1,0 +1,135 @@
+"""Rank 64 at 8 jobs x 24k tokens: where the grouped LoRA's forward + backward loses to the bytes bound,
+and what the card's own matmul library reaches on the same work. Each shape, one process, one call:
+  own          the launchers' own choices (kernels/lora_ops.py)
+  shrink M128  the shrink (x -> h -> y, dy -> dh -> dx) on 128-row tiles: its [BLOCK_K, 64] weight tile
+               is read once per row tile, as many bytes as a 64-row x tile
+  shrink M256  the same on 256-row tiles
+  dy fused     dh and dB from one pass over dy (fuse_dy=True; off by default at rank 64), on 256- and
+               512-row tiles (its fp32 dB partials: 64 x N per tile, 1/2 and 1/4 of the dy tile)
+  dense        cuBLAS (torch.mm) on the same rows as ONE adapter: x A^T, h B^T, dy B, dh A, dh^T x,
+               dy^T h (no grouping, and dy read twice as in 'own')
+each timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kernel by kernel (torch.profiler).
+bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root
+on the H200 after scripts/h200.sh has made its shim:
+    PROBE=1 PYTHONPATH=/tmp/colora-shim python3 reports/h200/fifteenth/r64_probe.py [--quick]
+(PROBE=1: the first call's variants, at 0c409b1; PROBE=2: the second's, after the launchers changed.)
+(--quick: tiny shapes on the CPU's interpreter, plumbing only.)
+"""
+import json
+import os
+import sys
+
+QUICK = "--quick" in sys.argv
+if QUICK:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from colora import kernels as K  # noqa: E402
+from colora.kernels.bench import _kernel_breakdown, _lora_problem, calibrate  # noqa: E402
+from colora.kernels.lora_ops import launch_overrides  # noqa: E402
+
+dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+cal = calibrate(dev, QUICK)
+J, TPJ, R = (2, 64, 64) if QUICK else (8, 24576, 64)
+SHAPES = {"tiny": (64, 128)} if QUICK else {
+    "q": (1024, 2048), "k/v": (1024, 1024), "o": (2048, 1024), "gate/up": (1024, 3072), "down": (3072, 1024)}
+
+
+def graph_us(fn):
+    if dev.type != "cuda":
+        fn()
+        return float("nan")
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+
+
+VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1 / 2 (the two calls)
+    "1": {
+        "own": ({}, {}),
+        "shrink M128": ({}, {"shrink": {"block_m": 128, "warps": 8, "stages": 3}}),
+        "shrink M256": ({}, {"shrink": {"block_m": 256, "block_k": 64, "warps": 8, "stages": 3}}),
+        "dy fused M256": ({"fuse_dy": True}, {}),
+        "dy fused M512 w8": ({"fuse_dy": True}, {"dy_pass": {"block_m": 512, "block_k": 32, "warps": 8, "stages": 3}}),
+        "dy fused M512 w16": ({"fuse_dy": True}, {"dy_pass": {"block_m": 512, "block_k": 32, "warps": 16, "stages": 3}}),
+        "shrink M128 + dy fused M512 w8": ({"fuse_dy": True}, {"shrink": {"block_m": 128, "warps": 8, "stages": 3},
+                                                              "dy_pass": {"block_m": 512, "block_k": 32, "warps": 8,
+                                                                          "stages": 3}}),
+    },
+    "2": {  # after the launchers took the search's rank-64 choices (shrink BLOCK_K 64 x 4 stages, sgrad 256 x 8)
+        "own": ({}, {}),
+        "before (0c409b1's launch)": ({}, {"shrink": {"block_k": 128, "stages": 3},
+                                           "sgrad": {"block_n": 64, "warps": 4}}),
+        "shrink n2 128": ({}, {"shrink": {"block_n2": 128}}),
+        "shrink M128 w8 s3": ({}, {"shrink": {"block_m": 128, "warps": 8, "stages": 3}}),
+        "shrink M128 w4 s4": ({}, {"shrink": {"block_m": 128, "warps": 4, "stages": 4}}),
+        "shrink M128 w8 s4 n2 128": ({}, {"shrink": {"block_m": 128, "warps": 8, "stages": 4, "block_n2": 128}}),
+    },
+}[os.environ.get("PROBE", "2")]
+if QUICK:  # the interpreter: small tiles only
+    VARIANTS = {"own": ({}, {}), "shrink M128": ({}, {"shrink": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
+                "dy fused M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}})}
+
+rows = []
+print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; copy {cal['copy_GBps']:.0f} GB/s, "
+      f"bf16 matmul {cal['bf16_matmul_TFLOPs']:.0f} TFLOP/s; {J} jobs x {TPJ} tokens, rank {R}", flush=True)
+for name, (d_in, d_out) in SHAPES.items():
+    meta, x, A, B, dy = _lora_problem(K, J, TPJ, R, d_in, d_out, dev, seed=J * 7 + R)
+    T = J * TPJ
+    bound_us = 2 * T * (3 * d_in + 2 * d_out) / (cal["copy_GBps"] * 1e9) * 1e6
+    ref = None
+    print(f"\n{name} {d_in}->{d_out}: bound {bound_us:.0f} us", flush=True)
+    for vname, (kw, over) in VARIANTS.items():
+        def step(kw=kw):
+            y = K.grouped_lora(x, A, B, meta=meta, backend="triton", **kw)
+            return torch.autograd.grad(y, (x, A, B), dy)
+        try:
+            with launch_overrides(**over):
+                got = step()
+                if ref is None:
+                    ref = got
+                err = max(((g.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-6)).item()
+                          for g, r in zip(got, ref))
+                t = graph_us(step)
+                ks = _kernel_breakdown(step, dev) or {}
+        except Exception as e:  # a configuration that does not compile or fit: recorded
+            print(f"  {vname:32s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            rows.append({"shape": name, "variant": vname, "error": f"{type(e).__name__}: {e}"[:400]})
+            continue
+        top = ", ".join(f"{k.split('(')[0][:40]} {v:.0f}" for k, v in list(ks.items())[:5])
+        print(f"  {vname:32s} graph {t:7.0f} us  x bound {t / bound_us:5.2f}  max rel diff to own {err:.1e}  [{top}]",
+              flush=True)
+        rows.append({"shape": name, "variant": vname, "graph_us": t, "x_bound": t / bound_us, "kernels_us": ks,
+                     "rel_diff_to_own": err})
+    # cuBLAS on the same rows as one adapter (scale 1; the same products, no grouping)
+    xd, Ad, Bd = x.detach(), A.detach()[:R], B.detach()[:, :R]
+
+    def dense(fwd_only=False):
+        h = xd @ Ad.t()
+        y = h @ Bd.t()
+        if fwd_only:
+            return y
+        dh = dy @ Bd
+        return y, dh @ Ad, dh.t() @ xd, dy.t() @ h
+
+    def own_fwd():
+        with torch.no_grad():
+            return K.grouped_lora(x, A, B, meta=meta, backend="triton")
+
+    for vname, fn in (("dense cuBLAS", dense), ("dense cuBLAS fwd", lambda: dense(True)), ("own fwd", own_fwd)):
+        t = graph_us(fn)
+        ks = _kernel_breakdown(fn, dev) or {}
+        fwd_bound = 2 * T * (d_in + d_out) / (cal["copy_GBps"] * 1e9) * 1e6
+        b = fwd_bound if "fwd" in vname else bound_us
+        top = ", ".join(f"{k.split('(')[0][:40]} {v:.0f}" for k, v in list(ks.items())[:6])
+        print(f"  {vname:32s} graph {t:7.0f} us  x bound {t / b:5.2f}{' (fwd bytes)' if 'fwd' in vname else ''}  [{top}]",
+              flush=True)
+        rows.append({"shape": name, "variant": vname, "graph_us": t, "x_bound": t / b, "kernels_us": ks})
+    del x, A, B, dy, ref
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+out = os.environ.get("OUT")
+if out:
+    with open(os.path.join(out, "r64_probe.json"), "w") as f:
+        json.dump({"calibration": cal, "jobs": J, "tokens_per_job": TPJ, "rank": R, "rows": rows}, f, indent=1)
