@@ -12,7 +12,8 @@ each timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kernel by ker
 bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root
 on the H200 after scripts/h200.sh has made its shim:
     PROBE=1 PYTHONPATH=/tmp/colora-shim python3 reports/h200/fifteenth/r64_probe.py [--quick]
-(PROBE=1: the first call's variants, at 0c409b1; PROBE=2: the second's, after the launchers changed.)
+(PROBE=1: the first call's variants, at 0c409b1; PROBE=2: the second's, after the launch choices changed;
+PROBE=3: the last call's, the final tree against the cuBLAS ceiling.)
 (--quick: tiny shapes on the CPU's interpreter, plumbing only.)
 """
 import json
@@ -65,7 +66,11 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1 
         "shrink M128 w4 s4": ({}, {"shrink": {"block_m": 128, "warps": 4, "stages": 4}}),
         "shrink M128 w8 s4 n2 128": ({}, {"shrink": {"block_m": 128, "warps": 8, "stages": 4, "block_n2": 128}}),
     },
-}[os.environ.get("PROBE", "2")]
+    "3": {  # the final tree: every rank-64 choice its own, against the expands in their own launches
+        "own": ({}, {}),
+        "expands separate": ({"fuse_expand": False}, {}),
+    },
+}[os.environ.get("PROBE", "3")]
 if QUICK:  # the interpreter: small tiles only
     VARIANTS = {"own": ({}, {}), "shrink M128": ({}, {"shrink": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
                 "dy fused M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}})}
