@@ -13,7 +13,8 @@ bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run f
 on the H200 after scripts/h200.sh has made its shim:
     PROBE=1 PYTHONPATH=/tmp/colora-shim python3 reports/h200/fifteenth/r64_probe.py [--quick]
 (PROBE=1: the first call's variants, at 0c409b1; PROBE=2: the second's, after the launch choices changed;
-PROBE=3: the last call's, the final tree against the cuBLAS ceiling.)
+PROBE=3: the third's, the final tree against the cuBLAS ceiling; PROBE=4: the shrink's and the sgrad's
+shared memory a program, after the third.)
 (--quick: tiny shapes on the CPU's interpreter, plumbing only.)
 """
 import json
@@ -45,7 +46,7 @@ def graph_us(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
-VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1 / 2 (the two calls)
+VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-4 (the calls)
     "1": {
         "own": ({}, {}),
         "shrink M128": ({}, {"shrink": {"block_m": 128, "warps": 8, "stages": 3}}),
@@ -70,7 +71,20 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1 
         "own": ({}, {}),
         "expands separate": ({"fuse_expand": False}, {}),
     },
+    "4": {  # shared memory per program (occupancy): the shrink at 64 KB (3 a SM), the sgrad at 120 KB (1 a SM)
+        "own": ({}, {}),
+        "shrink k64 s3": ({}, {"shrink": {"block_k": 64, "stages": 3}}),
+        "shrink k32 s4": ({}, {"shrink": {"block_k": 32, "stages": 4}}),
+        "shrink k32 s6": ({}, {"shrink": {"block_k": 32, "stages": 6}}),
+        "sgrad t32 n256 w8 s3": ({}, {"sgrad": {"block_t": 32, "block_n": 256, "warps": 8, "stages": 3}}),
+        "sgrad t64 n256 w8 s2": ({}, {"sgrad": {"block_t": 64, "block_n": 256, "warps": 8, "stages": 2}}),
+        "sgrad t32 n256 w4 s4": ({}, {"sgrad": {"block_t": 32, "block_n": 256, "warps": 4, "stages": 4}}),
+        "sgrad t64 n128 w4 s3": ({}, {"sgrad": {"block_t": 64, "block_n": 128, "warps": 4, "stages": 3}}),
+        "shrink k32 s4 + sgrad t32 n256 w8 s3": ({}, {"shrink": {"block_k": 32, "stages": 4},
+                                                      "sgrad": {"block_t": 32, "block_n": 256, "warps": 8, "stages": 3}}),
+    },
 }[os.environ.get("PROBE", "3")]
+CEILING = os.environ.get("PROBE", "3") != "4"  # the cuBLAS and forward-only rows (not in call 4)
 if QUICK:  # the interpreter: small tiles only
     VARIANTS = {"own": ({}, {}), "shrink M128": ({}, {"shrink": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
                 "dy fused M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}})}
@@ -121,7 +135,7 @@ for name, (d_in, d_out) in SHAPES.items():
         with torch.no_grad():
             return K.grouped_lora(x, A, B, meta=meta, backend="triton")
 
-    for vname, fn in (("dense cuBLAS", dense), ("dense cuBLAS fwd", lambda: dense(True)), ("own fwd", own_fwd)):
+    for vname, fn in (("dense cuBLAS", dense), ("dense cuBLAS fwd", lambda: dense(True)), ("own fwd", own_fwd))[:3 * CEILING]:
         t = graph_us(fn)
         ks = _kernel_breakdown(fn, dev) or {}
         fwd_bound = 2 * T * (d_in + d_out) / (cal["copy_GBps"] * 1e9) * 1e6
