@@ -136,7 +136,7 @@ def tune_variants():
 
     base = {v[0]: v[1:] for v in variants()}
     for R in (16, 64):
-        # the shrink as it runs at d_in <= d_out (its expand fused), the dy pass with dx fused
+        # the shrink as it runs where its expand fuses (fuse_expand_pays), the dy pass with dx fused
         for kernel, label, fused in (("shrink", f"shrink+expand bf16 R{_block_r(R)}", False),
                                      ("dy_pass", f"shrink+sgrad+expand bf16 R{R} M256", True),
                                      ("expand", f"expand+acc bf16 R{R}", False), ("sgrad", f"sgrad bf16 R{R}", False)):

@@ -2,9 +2,9 @@
 
     colora bench kernels --only tune --out reports/lora_tune     (H200: a few minutes; --tune-budget)
 
-For each problem (8 jobs x 24k tokens at rank 64, where every projection's forward+backward stayed
-above 1.3x the bytes bound on the H200, 1.60-1.96x: reports/h200/fourteenth/final_ab; and k/v at
-rank 16, within it since then, as the control) and each launcher of `lora_ops.TUNABLE`, the LoRA step runs with one candidate
+For each problem (8 jobs x 24k tokens at rank 64, where every projection's forward+backward stays
+above 1.3x the bytes bound on the H200: 1.47-1.81x since the launchers took this search's rank-64
+choices, reports/h200/fifteenth; and k/v at rank 16, within it, as the control) and each launcher of `lora_ops.TUNABLE`, the LoRA step runs with one candidate
 configuration for that launcher while the others keep their own choice, timed by the sum of the
 GPU's own kernel durations (`bench.kernel_times`: no host gaps). Then the best of each launcher
 together, also replayed as one CUDA graph, against the bytes bound. A candidate that does not
@@ -26,7 +26,7 @@ import torch
 from .lora_ops import TUNABLE, fuse_dy_pays, launch_overrides
 
 # (block_m, block_k, warps, stages[, block_n2: the fused expand's columns]) of the shrink; its own
-# choice at bf16: (64, 128, 4, 4, 128) at rank 16, (64, 128, 4, 3, 64) at rank 64
+# choice at bf16: (64, 128, 4, 4, 128) at rank 16, (64, 64, 4, 4, 64) at rank 64
 _SHRINK = [(64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 4, 3), (64, 256, 8, 3),
            (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3, 32), (64, 128, 4, 3, 128),
            (128, 64, 8, 3, 64), (128, 128, 8, 3, 128)]
@@ -38,6 +38,7 @@ _DY_PASS = [(256, 32, 4, 3), (256, 32, 8, 4), (256, 64, 4, 3), (256, 64, 8, 2), 
 _EXPAND = [(64, 64, 4, 2), (64, 256, 4, 2), (64, 256, 8, 2), (128, 64, 4, 2), (128, 128, 4, 2),
            (128, 128, 8, 2), (128, 256, 8, 2), (256, 128, 8, 2), (64, 128, 4, 3)]
 # (block_t, block_n, warps, stages, chunk or None for its own) of the sgrad; its own: (64, 128, 4, 3, own)
+# at rank <= 32, (64, 256, 8, 3, own) at rank 64
 _SGRAD = [(32, 128, 4, 3, None), (64, 64, 4, 3, None), (64, 256, 8, 3, None), (128, 128, 8, 3, None),
           (64, 128, 8, 4, None), (128, 64, 4, 3, None), (64, 128, 4, 4, None), (64, 128, 4, 3, 2048),
           (64, 128, 4, 3, 8192)]
