@@ -134,6 +134,15 @@ def _lora_problem(K, J, tokens_per_job, rank, d_in, d_out, device, seed):
     return meta, x, A, B, dy
 
 
+def dense_lora_products(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, dy: torch.Tensor):
+    """One adapter's LoRA forward + backward on all rows of x, as six cuBLAS GEMMs (torch.mm), scale 1:
+    y = x A^T B^T and its dx, dA, dB for the incoming dy. The benchmark's ceiling for the grouped kernels:
+    the same products on the same rows and bytes (dy read twice), without grouping."""
+    h = x @ A.t()
+    dh = dy @ B
+    return h @ B.t(), dh @ A, dh.t() @ x, dy.t() @ h
+
+
 def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     rows = []
     shapes = {"tiny": (64, 48)} if quick else QWEN3_SHAPES
@@ -164,6 +173,10 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                 if kernels is not None and K.lora_ops.fuse_expand_pays(meta, 1, 1, 1):  # (fusable at this rank)
                     t_sep = _graph_timer(lambda: step("triton", fuse_expand=not expand_fused), device, quick)
                     kernels_sep = _kernel_breakdown(lambda: step("triton", fuse_expand=not expand_fused), device)
+                t_dense = None
+                if kernels is not None:  # cuBLAS on the same products as one adapter: the library's ceiling
+                    xd, Ad, Bd = x.detach(), A.detach()[:rank], B.detach()[:, :rank]
+                    t_dense = _graph_timer(lambda: dense_lora_products(xd, Ad, Bd, dy), device, quick)
                 flops = 6 * T * rank * (d_in + d_out)  # 2 fwd + 4 bwd GEMMs of T x r x d
                 bound = e * T * (3 * d_in + 2 * d_out)  # x twice, dx, y, dy once; weights are small
                 bound_s = bound / (cal["copy_GBps"] * 1e9)
@@ -181,6 +194,8 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                     "fused_expand": expand_fused,
                     "graph_ms_expand_other": None if t_sep is None else t_sep * 1e3,
                     "kernels_us_expand_other": None if t_sep is None else sum(kernels_sep.values()),
+                    "cublas_graph_ms": None if t_dense is None else t_dense * 1e3,
+                    "x_bound_cublas": None if t_dense is None else t_dense / bound_s,
                 })
                 print(f"lora {name:8s} r{rank:<3d} J{J:<3d} {tpj:>6d} tok/job: triton {t_tri * 1e3:8.3f} ms "
                       f"(fuse_dy={fused}; other {t_other * 1e3:8.3f} ms), loop {t_loop * 1e3:8.3f} ms "
@@ -371,10 +386,12 @@ def to_markdown(result: dict) -> str:
                 "Expands: fused where lora_ops.fuse_expand_pays (one slice, BLOCK_R <= 64, and d_in <= d_out "
                 "at BLOCK_R <= 32: y written by the launch that computes h, dx by the dy pass), else in their "
                 "own launches (as before the fourteenth session). Other: the same step with the other choice, "
-                "its kernels' sum and graph time; '-' above rank 64, where they do not fuse.", "",
+                "its kernels' sum and graph time; '-' above rank 64, where they do not fuse. cuBLAS: the same "
+                "six products on the same rows as one adapter (bench.dense_lora_products: no grouping, dy read "
+                "twice), graph time and its x bound: what the card's own GEMMs reach on this work.", "",
                 "| shape | rank | kernels us | x bound (kernels) | graph us | expands | other: kernels us "
-                "| graph us | kernels, largest first (us) |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| graph us | cuBLAS graph us | cuBLAS x bound | kernels, largest first (us) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         us = lambda ms: None if ms is None else ms * 1e3  # noqa: E731
         for r in broken:
             ks = ", ".join(f"{name[:40]} {t:.0f}" for name, t in r["kernels_us"].items())
@@ -382,7 +399,8 @@ def to_markdown(result: dict) -> str:
                        f"{_fmt(r['x_bound_kernels'])} | {_fmt(us(r['graph_ms']), 0)} "
                        f"| {'fused' if r.get('fused_expand') else 'separate'} "
                        f"| {_fmt(r.get('kernels_us_expand_other'), 0)} "
-                       f"| {_fmt(us(r.get('graph_ms_expand_other')), 0)} | {ks} |")
+                       f"| {_fmt(us(r.get('graph_ms_expand_other')), 0)} | {_fmt(us(r.get('cublas_graph_ms')), 0)} "
+                       f"| {_fmt(r.get('x_bound_cublas'))} | {ks} |")
     out += ["", "## Base projection + LoRA, forward + backward (bf16, rank 16)", "",
             "separate: y = x W^T + grouped_lora(x); add_to: the LoRA expand accumulates into x W^T in place; "
             "base in op: grouped_lora(x, base=W) computes x W^T itself and adds dy W into the LoRA's dx in "

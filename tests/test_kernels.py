@@ -671,17 +671,34 @@ def test_kernel_breakdown_table_in_the_markdown():
            "speedup": 4.4, "TFLOPs": 34.0, "peak_share": 0.05, "bound_GBps": 1800.0, "x_bound": 2.3,
            "graph_ms": 0.638, "graph_GBps": 3150.0, "x_bound_graph": 1.33,
            "kernels_us": {"lora_shrink_kernel": 300.0, "lora_expand_kernel": 250.0}, "x_bound_kernels": 1.15,
-           "fused_expand": True, "graph_ms_expand_other": 0.7004, "kernels_us_expand_other": 612.4}
+           "fused_expand": True, "graph_ms_expand_other": 0.7004, "kernels_us_expand_other": 612.4,
+           "cublas_graph_ms": 0.709, "x_bound_cublas": 1.49}
     result = {"command": "colora bench kernels", "calibration": {"copy_GBps": 4200.0, "bf16_matmul_TFLOPs": 800.0},
               "environment": {"device": "H200", "torch": "2.11", "triton": "3.6", "date": "today"},
               "lora": [row, dict(row, rank=64, fused_expand=False, graph_ms_expand_other=None,
-                                 kernels_us_expand_other=None)],
+                                 kernels_us_expand_other=None, cublas_graph_ms=None, x_bound_cublas=None)],
               "add_to": [], "logsoftmax": []}
     md = to_markdown(result)
     assert "### Kernel by kernel at 8 jobs x 24k tokens" in md
-    assert "| k/v | 16 | 550 | 1.15 | 638 | fused | 612 | 700 | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
-    assert "| k/v | 64 | 550 | 1.15 | 638 | separate | - | - | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
+    assert ("| k/v | 16 | 550 | 1.15 | 638 | fused | 612 | 700 | 709 | 1.49 | lora_shrink_kernel 300, "
+            "lora_expand_kernel 250 |") in md
+    assert "| k/v | 64 | 550 | 1.15 | 638 | separate | - | - | - | - | lora_shrink_kernel 300, lora_expand_kernel 250 |" in md
     assert "24576 tokens/job (x_bound_graph): k/v r16: 1.33x bound" in md
+
+
+def test_dense_lora_products_are_one_adapters_forward_and_backward():
+    """The benchmark's cuBLAS ceiling computes what it stands for: y = x A^T B^T and autograd's dx, dA,
+    dB of it for an incoming dy (float64, so the two orders of summation agree to rounding)."""
+    from colora.kernels.bench import dense_lora_products
+
+    g = torch.Generator().manual_seed(5)
+    x, A, B, dy = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((37, 24), (8, 24), (40, 8), (37, 40)))
+    leaves = [t.clone().requires_grad_() for t in (x, A, B)]
+    y_ref = leaves[0] @ leaves[1].t() @ leaves[2].t()
+    want = (y_ref.detach(), *torch.autograd.grad(y_ref, leaves, dy))
+    got = dense_lora_products(x, A, B, dy)
+    for name, a, b in zip(("y", "dx", "dA", "dB"), got, want):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
 
 
 def test_launch_overrides_reach_the_launches_and_keep_the_results():
