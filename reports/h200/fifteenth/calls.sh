@@ -27,3 +27,7 @@ OUT=/tmp/ab/new timeout 200 bash scripts/h200.sh tests
 # 4. probe4/ (at 64aa18a): the shrink's and the sgrad's shared memory a program (BLOCK_K 32 / 64 x 3-6
 #    stages; sgrad row and column tiles): none faster than the launchers' own choice
 OUT=$OUT/probe4 PROBE=4 PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/fifteenth/r64_probe.py
+
+# 5. kernels_lora/ (at 5c4381c): the LoRA table with the cuBLAS ceiling in its kernel-by-kernel rows
+#    (bench.dense_lora_products beside every 8 x 24k row, all ranks)
+COLORA_TIMEOUT=200 bash scripts/h200.sh cli bench kernels --only lora --out $OUT/kernels_lora
