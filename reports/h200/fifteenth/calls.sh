@@ -31,3 +31,6 @@ OUT=$OUT/probe4 PROBE=4 PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/fift
 # 5. kernels_lora/ (at 5c4381c): the LoRA table with the cuBLAS ceiling in its kernel-by-kernel rows
 #    (bench.dense_lora_products beside every 8 x 24k row, all ranks)
 COLORA_TIMEOUT=200 bash scripts/h200.sh cli bench kernels --only lora --out $OUT/kernels_lora
+
+# 6. tests/ (at 07f6a4d, the final code): the GPU tests (169 + 2 passed, 1 skipped: no kit on the host)
+timeout 250 bash scripts/h200.sh tests
