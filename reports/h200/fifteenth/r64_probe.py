@@ -14,7 +14,8 @@ on the H200 after scripts/h200.sh has made its shim:
     PROBE=1 PYTHONPATH=/tmp/colora-shim python3 reports/h200/fifteenth/r64_probe.py [--quick]
 (PROBE=1: the first call's variants, at 0c409b1; PROBE=2: the second's, after the launch choices changed;
 PROBE=3: the third's, the final tree against the cuBLAS ceiling; PROBE=4: the shrink's and the sgrad's
-shared memory a program, after the third.)
+shared memory a program, after the third; PROBE=5: the dy pass keeping one dB partial per chunk of row tiles.
+RANK=16 and SHAPES=k/v,gate/up pick the rank and the shapes.)
 (--quick: tiny shapes on the CPU's interpreter, plumbing only.)
 """
 import json
@@ -33,7 +34,7 @@ from colora.kernels.lora_ops import launch_overrides  # noqa: E402
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 cal = calibrate(dev, QUICK)
-J, TPJ, R = (2, 64, 64) if QUICK else (8, 24576, 64)
+J, TPJ, R = (2, 64, 64) if QUICK else (8, 24576, int(os.environ.get("RANK", "64")))
 SHAPES = {"tiny": (64, 128)} if QUICK else {
     "q": (1024, 2048), "k/v": (1024, 1024), "o": (2048, 1024), "gate/up": (1024, 3072), "down": (3072, 1024)}
 
@@ -83,8 +84,18 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "shrink k32 s4 + sgrad t32 n256 w8 s3": ({}, {"shrink": {"block_k": 32, "stages": 4},
                                                       "sgrad": {"block_t": 32, "block_n": 256, "warps": 8, "stages": 3}}),
     },
+    "5": {  # the dy pass keeping one dB partial per chunk of tiles (dy_pass "chunk"), fused dy forced on
+        "own": ({}, {}),
+        "dy fused per tile M256": ({"fuse_dy": True}, {}),
+        "dy chunk 1536 M256": ({"fuse_dy": True}, {"dy_pass": {"block_m": 256, "chunk": 1536}}),
+        "dy chunk 1536 M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 64, "warps": 8, "chunk": 1536}}),
+        "dy chunk 1536 M64": ({"fuse_dy": True}, {"dy_pass": {"block_m": 64, "block_k": 64, "warps": 4, "chunk": 1536}}),
+        "dy chunk 3072 M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 64, "warps": 8, "chunk": 3072}}),
+    },
 }[os.environ.get("PROBE", "3")]
-CEILING = os.environ.get("PROBE", "3") != "4"  # the cuBLAS and forward-only rows (not in call 4)
+CEILING = os.environ.get("PROBE", "3") not in ("4", "5")  # the cuBLAS and forward-only rows (not in calls 4-5)
+if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
+    SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
     VARIANTS = {"own": ({}, {}), "shrink M128": ({}, {"shrink": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
                 "dy fused M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}})}
