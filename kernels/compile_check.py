@@ -70,14 +70,14 @@ def variants():
         for R in (16, 64, 256):
             shrink = dict(x_ptr=p, w_ptr=p, h_ptr=p, p_ptr=p, part_ptr="*fp32", tile_job_ptr="*i32",
                           tile_row_ptr="*i32", seg_start_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32",
-                          K=i, h_slice=i, chunk_rows=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i,
+                          K=i, h_slice=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i,
                           w2_ptr=p, y_ptr=p, N2=i, stride_w2n=i, stride_w2r=i, stride_ym=i, stride_yn=i)
             div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm", "N2", "stride_w2r", "stride_ym")
             bk = _shrink_block_k(64, R, 1024, torch.float32 if dt == "fp32" else torch.bfloat16, fused=False)
             warps = 8 if R >= 128 else 4
             stages = _shrink_stages(R, dt == "fp32", False)
             base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False,
-                        FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False, CHUNKED=False)
+                        FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False)
             ones = ("stride_xk", "stride_wk", "stride_w2n", "stride_yn")
             yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True), ones, div, warps, stages)
             # with the expand fused (x -> h -> y; dy -> dh -> dx accumulating into dy W), BLOCK_N2 as launched
@@ -86,10 +86,6 @@ def variants():
                 yield (f"shrink+expand {dt} R{R}", lora_shrink_kernel, shrink,
                        dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2(64, warps), EXPAND_SCALE=True),
                        ones, div, warps, stages)
-            if R <= 64:  # the dy pass with its partial kept across a chunk's tiles (dy_pass "chunk")
-                yield (f"shrink+sgrad+expand chunked {dt} R{R} M256", lora_shrink_kernel, shrink,
-                       dict(base, BLOCK_M=256, BLOCK_K=32 if dt == "fp32" else 64, FUSE_SGRAD=True, HAS_SCALE=True,
-                            FUSE_EXPAND=True, BLOCK_N2=n2(256, 8), ACCUMULATE=True, CHUNKED=True), ones, div, 8, 3)
             if R <= 32:
                 for bm in (64, 256):
                     fused = dict(base, BLOCK_M=bm, BLOCK_K=(32 if dt == "fp32" else 64) if bm == 256 else bk,

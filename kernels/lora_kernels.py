@@ -58,55 +58,23 @@ def lora_shrink_kernel(
     p_ptr, part_ptr,  # FUSE_SGRAD only: p: [T, P] (h of the forward), part: fp32 (blocked: see below)
     w2_ptr, y_ptr,  # FUSE_EXPAND only: w2: [N2, R] (strided), y: [T, N2] (strided)
     tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
-    K, h_slice, N2, chunk_rows,
+    K, h_slice, N2,
     stride_xm, stride_xk, stride_wr, stride_wk, stride_hm, stride_pm,
     stride_w2n, stride_w2r, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, FUSE_SGRAD: tl.constexpr, PRECISION: tl.constexpr,
     FUSE_EXPAND: tl.constexpr, BLOCK_N2: tl.constexpr, EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
-    CHUNKED: tl.constexpr,
 ):
     """shrink; with FUSE_SGRAD also part[tile] = p_tile^T x_tile (the sgrad partial of this row
     tile), so the backward reads dy once for both dh and dB; with FUSE_EXPAND also the expand of
     the h tile just computed (rounded to h's dtype, as the separate expand reads it) into y, so
-    each row tile is read and its output written by one program (x -> h -> y, dy -> dh -> dx).
-    CHUNKED: each program takes chunk_rows rows of one job (the tile table's entries are chunks) in
-    BLOCK_M-row tiles one after another, and keeps ONE partial for all of them (each tile after the
-    first adds its product to the partial it stored, which is still in L2): chunk_rows / BLOCK_M
-    times fewer fp32 partials to write and reduce."""
+    each row tile is read and its output written by one program (x -> h -> y, dy -> dh -> dx)."""
     pid = tl.program_id(0)
-    if CHUNKED:
-        job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid,
-                                             chunk_rows)
-    else:
-        job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid, BLOCK_M)
+    job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid, BLOCK_M)
     if not FUSE_EXPAND:
         if r == 0:  # nothing of h belongs to a rank-0 job; its y rows are zeroed by expand
             return
-    if CHUNKED:
-        for t0 in range(row0, row_end, BLOCK_M):
-            _shrink_tile(x_ptr, w_ptr, h_ptr, p_ptr, part_ptr, w2_ptr, y_ptr, scale_ptr, pid, job, t0, row0,
-                         row_end, r0, r, K, h_slice, N2, stride_xm, stride_xk, stride_wr, stride_wk, stride_hm,
-                         stride_pm, stride_w2n, stride_w2r, stride_ym, stride_yn, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K,
-                         HAS_SCALE, FUSE_SGRAD, PRECISION, FUSE_EXPAND, BLOCK_N2, EXPAND_SCALE, ACCUMULATE, True)
-            tl.debug_barrier()  # the partial this tile stored is read back by other threads of the program
-    else:
-        _shrink_tile(x_ptr, w_ptr, h_ptr, p_ptr, part_ptr, w2_ptr, y_ptr, scale_ptr, pid, job, row0, row0,
-                     row_end, r0, r, K, h_slice, N2, stride_xm, stride_xk, stride_wr, stride_wk, stride_hm,
-                     stride_pm, stride_w2n, stride_w2r, stride_ym, stride_yn, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K,
-                     HAS_SCALE, FUSE_SGRAD, PRECISION, FUSE_EXPAND, BLOCK_N2, EXPAND_SCALE, ACCUMULATE, False)
-
-
-@triton.jit
-def _shrink_tile(x_ptr, w_ptr, h_ptr, p_ptr, part_ptr, w2_ptr, y_ptr, scale_ptr, pid, job, t0, row0, row_end, r0,
-                 r, K, h_slice, N2, stride_xm, stride_xk, stride_wr, stride_wk, stride_hm, stride_pm, stride_w2n,
-                 stride_w2r, stride_ym, stride_yn, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, FUSE_SGRAD: tl.constexpr,
-                 PRECISION: tl.constexpr, FUSE_EXPAND: tl.constexpr, BLOCK_N2: tl.constexpr,
-                 EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, CHUNKED: tl.constexpr):
-    """lora_shrink_kernel's work on rows [t0, min(t0 + BLOCK_M, row_end)) of one job; program pid's
-    partial slot; with CHUNKED, tiles after the chunk's first (t0 > row0) add to the partial."""
-    rows = t0 + tl.arange(0, BLOCK_M)
+    rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
     rows = rows.to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
@@ -118,10 +86,9 @@ def _shrink_tile(x_ptr, w_ptr, h_ptr, p_ptr, part_ptr, w2_ptr, y_ptr, scale_ptr,
         pt = tl.load(p_ptr + rows[:, None] * stride_pm + (h_slice * r + offs_r)[None, :],
                      mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_R], lanes >= r unused
         pt = tl.trans(pt)  # [BLOCK_R, BLOCK_M]
-        # blocked layout (module docstring): [cdiv(K, BLOCK_K), programs, BLOCK_R, BLOCK_K]
+        # blocked layout (module docstring): [cdiv(K, BLOCK_K), tiles, BLOCK_R, BLOCK_K]
         part_step = tl.num_programs(0).to(tl.int64) * BLOCK_R * BLOCK_K
         part_ptrs = part_ptr + pid.to(tl.int64) * BLOCK_R * BLOCK_K + offs_r[:, None] * BLOCK_K + offs_k[None, :]
-        later = (offs_k * 0 + t0) > row0  # [BLOCK_K]: not the chunk's first tile (CHUNKED: add to the partial)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     k_end = tl.where(r > 0, K, 0)  # a rank-0 job's tile (FUSE_EXPAND only) reads nothing, writes zeros
     for k0 in range(0, k_end, BLOCK_K):
@@ -136,12 +103,8 @@ def _shrink_tile(x_ptr, w_ptr, h_ptr, p_ptr, part_ptr, w2_ptr, y_ptr, scale_ptr,
         if FUSE_SGRAD:
             pb = _dot(pt, xt, tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32), PRECISION)  # [BLOCK_R, BLOCK_K]
             if EVEN_K:
-                if CHUNKED:
-                    pb += tl.load(part_ptrs, mask=later[None, :], other=0.0)
                 tl.store(part_ptrs, pb)
             else:
-                if CHUNKED:
-                    pb += tl.load(part_ptrs, mask=(k_ok & later)[None, :], other=0.0)
                 tl.store(part_ptrs, pb, mask=k_ok[None, :])
             part_ptrs += part_step
         x_ptrs += BLOCK_K * stride_xk

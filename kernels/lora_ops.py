@@ -31,7 +31,7 @@ FUSED_TILE_WAVES = 1
 # Launch parameters each launcher may take from `launch_overrides` instead of its own choice.
 TUNABLE = {
     "shrink": ("block_m", "block_k", "warps", "stages", "block_n2"),  # x -> h (-> y), dy -> dh (-> dx) unfused dy
-    "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2", "chunk"),  # fused dh + dB partials (-> dx)
+    "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2"),  # the fused dh + dB partials (-> dx)
     "expand": ("block_m", "block_n", "warps", "stages"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
 }
@@ -157,14 +157,12 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
     if dBt.shape != Bt.shape:
         raise ValueError(f"dBt has shape {tuple(dBt.shape)}, expected {tuple(Bt.shape)}")
     block_m = 256 if meta.num_tokens >= FUSED_TILE_WAVES * 256 * _num_sms(meta.device) else SHRINK_BLOCK_M
-    cfg = _tuned("dy_pass", block_m=block_m, chunk=None)
-    block_m, chunk = cfg["block_m"], cfg["chunk"]
-    tiles = meta.tiles(chunk or block_m)  # one partial per program: a tile, or a chunk of tiles
+    block_m = _tuned("dy_pass", block_m=block_m)["block_m"]
+    tiles = meta.tiles(block_m)
     N = dy.shape[1]
     pb = _shrink_block_k(block_m, block_r, N, dy.dtype)  # the partials' column block: the pass's BLOCK_K
     part = torch.empty((cdiv(N, pb), max(tiles.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
-    _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m, None if dx is None else (*dx[:2], False, dx[2]),
-                   chunk=chunk)
+    _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m, None if dx is None else (*dx[:2], False, dx[2]))
     _launch_reduce(part, dBt, meta, tiles, block_r, scale=True)
 
 
@@ -218,9 +216,8 @@ def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) 
     return n_slices == 1 and block_r <= 64 and (block_r == 64 or d_in <= d_out)
 
 
-def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, chunk=None):
-    """exp: None, or (w2, y, scale, accumulate) of a fused expand (see lora_shrink_expand). chunk: rows
-    per program, each program taking its chunk's block_m-row tiles in turn (lora_kernels: CHUNKED)."""
+def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
+    """exp: None, or (w2, y, scale, accumulate) of a fused expand (see lora_shrink_expand)."""
     T, K = x.shape
     _check(meta, x, "x", meta.num_tokens)
     _check(meta, out, "out", T)
@@ -231,9 +228,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, 
                          f"{(h_slice + 1) * meta.max_rank} columns")
     if not (x.dtype == w.dtype == out.dtype):
         raise ValueError(f"dtypes differ: x {x.dtype}, weight {w.dtype}, out {out.dtype}")
-    if chunk is not None and (chunk < block_m or chunk % block_m):
-        raise ValueError(f"chunk {chunk} must be a multiple of the {block_m}-row tile")
-    tiles = meta.tiles(chunk or block_m)
+    tiles = meta.tiles(block_m)
     if tiles.n == 0 or (meta.max_rank == 0 and exp is None):
         return
     block_r = _block_r(meta.max_rank)
@@ -251,13 +246,13 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, 
     lora_shrink_kernel[(tiles.n,)](
         x, w, out, p if fused else x, part if fused else x, w2, y,
         tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
-        K, h_slice, N2, chunk or block_m,
+        K, h_slice, N2,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), p.stride(0) if fused else 0,
         w2.stride(0) if exp else 0, w2.stride(1) if exp else 0, y.stride(0) if exp else 0, y.stride(1) if exp else 0,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, HAS_SCALE=scale, FUSE_SGRAD=fused, PRECISION=_precision(x.dtype, x.device),
         FUSE_EXPAND=exp is not None, BLOCK_N2=cfg["block_n2"], EXPAND_SCALE=scale2, ACCUMULATE=accumulate,
-        CHUNKED=chunk is not None, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
 
 

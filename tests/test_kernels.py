@@ -727,33 +727,6 @@ def test_launch_overrides_reach_the_launches_and_keep_the_results():
             pass
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ranks", [[16, 8, 0, 4], [64, 8, 0, 33]])
-def test_dy_pass_with_its_partial_kept_across_a_chunk_gives_the_reference(dtype, ranks):
-    """dy_pass "chunk": each program takes a chunk of a job's rows in 64-row tiles and adds every
-    tile's dB product to the one partial it stored for the chunk. Chunks of 1 and 3 tiles over
-    segments that end inside a tile and inside a chunk, an empty job and a rank-0 job, the dx expand
-    fused in and not: dx, dA and dB as the per-job reference's, the same bits twice, from a tile
-    table of chunks; a chunk not a multiple of the tile is refused."""
-    from colora.kernels import lora_ops
-
-    case = lora_case([300, 0, 170, 9], ranks, 40, 24, dtype, DEV, seed=41)
-    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
-    for chunk in (64, 192):
-        for fuse_expand in (True, False):
-            with lora_ops.launch_overrides(dy_pass={"block_m": 64, "block_k": 16, "warps": 4, "stages": 2,
-                                                    "chunk": chunk}):
-                got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True, fuse_expand=fuse_expand)
-                again = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True, fuse_expand=fuse_expand)
-            assert chunk in case.meta._tiles  # the launch's tile table: chunks
-            for key in ("dx", "dA", "dB"):
-                assert rel_err(got[key], ref[key]) <= LORA_TOL[dtype], (chunk, fuse_expand, key)
-                assert torch.equal(got[key], again[key]), (chunk, key)
-    with pytest.raises(ValueError, match="multiple"):
-        with lora_ops.launch_overrides(dy_pass={"block_m": 64, "chunk": 96}):
-            lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True)
-
-
 def test_bench_kernels_tune_searches_every_launcher_on_the_cpu(tmp_path):
     """`colora bench kernels --quick --only tune` through the interpreter: every launcher's candidates
     tried on the tiny problem (plumbing only: the CPU's times mean nothing), the best of each and all
