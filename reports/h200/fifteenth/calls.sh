@@ -34,3 +34,9 @@ COLORA_TIMEOUT=200 bash scripts/h200.sh cli bench kernels --only lora --out $OUT
 
 # 6. tests/ (at 07f6a4d, the final code): the GPU tests (169 + 2 passed, 1 skipped: no kit on the host)
 timeout 250 bash scripts/h200.sh tests
+
+# 7. probe5/, probe5_r16/ (at a3e44e0, the chunked dy pass, reverted in b0b794f): the dy pass keeping
+#    one dB partial per chunk of row tiles against the launchers' own choice and the per-tile fused
+#    dy pass: slower at every shape, rank 64 and rank 16
+OUT=$OUT/probe5 PROBE=5 PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/fifteenth/r64_probe.py
+OUT=$OUT/probe5_r16 RANK=16 SHAPES=k/v,gate/up PROBE=5 PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/fifteenth/r64_probe.py

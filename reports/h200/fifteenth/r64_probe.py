@@ -14,7 +14,8 @@ on the H200 after scripts/h200.sh has made its shim:
     PROBE=1 PYTHONPATH=/tmp/colora-shim python3 reports/h200/fifteenth/r64_probe.py [--quick]
 (PROBE=1: the first call's variants, at 0c409b1; PROBE=2: the second's, after the launch choices changed;
 PROBE=3: the third's, the final tree against the cuBLAS ceiling; PROBE=4: the shrink's and the sgrad's
-shared memory a program, after the third; PROBE=5: the dy pass keeping one dB partial per chunk of row tiles.
+shared memory a program, after the third; PROBE=5: the dy pass keeping one dB partial per chunk of row tiles
+(dy_pass "chunk": only at a3e44e0, reverted in b0b794f).
 RANK=16 and SHAPES=k/v,gate/up pick the rank and the shapes.)
 (--quick: tiny shapes on the CPU's interpreter, plumbing only.)
 """
