@@ -15,7 +15,7 @@ on the H200 after scripts/h200.sh has made its shim:
 (PROBE=1: the first call's variants, at 0c409b1; PROBE=2: the second's, after the launch choices changed;
 PROBE=3: the third's, the final tree against the cuBLAS ceiling; PROBE=4: the shrink's and the sgrad's
 shared memory a program, after the third; PROBE=5: the dy pass keeping one dB partial per chunk of row tiles
-(dy_pass "chunk": only at a3e44e0, reverted in b0b794f).
+(dy_pass "chunk": only at a3e44e0, reverted in b0b794f); PROBE=6: L2 evict-first on the streamed x and y.
 RANK=16 and SHAPES=k/v,gate/up pick the rank and the shapes.)
 (--quick: tiny shapes on the CPU's interpreter, plumbing only.)
 """
@@ -93,8 +93,14 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "dy chunk 1536 M64": ({"fuse_dy": True}, {"dy_pass": {"block_m": 64, "block_k": 64, "warps": 4, "chunk": 1536}}),
         "dy chunk 3072 M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 64, "warps": 8, "chunk": 3072}}),
     },
+    "6": {  # x read and y written with L2's evict-first policy in the shrink (and the dy pass), weights kept
+        "own": ({}, {}),
+        "stream": ({}, {"shrink": {"stream": "evict_first"}, "dy_pass": {"stream": "evict_first"}}),
+        "own again": ({}, {}),
+        "stream again": ({}, {"shrink": {"stream": "evict_first"}, "dy_pass": {"stream": "evict_first"}}),
+    },
 }[os.environ.get("PROBE", "3")]
-CEILING = os.environ.get("PROBE", "3") not in ("4", "5")  # the cuBLAS and forward-only rows (not in calls 4-5)
+CEILING = os.environ.get("PROBE", "3") not in ("4", "5", "6")  # the cuBLAS and forward-only rows (not in calls 4-5)
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
