@@ -64,7 +64,6 @@ def lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, FUSE_SGRAD: tl.constexpr, PRECISION: tl.constexpr,
     FUSE_EXPAND: tl.constexpr, BLOCK_N2: tl.constexpr, EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
-    STREAM: tl.constexpr,
 ):
     """shrink; with FUSE_SGRAD also part[tile] = p_tile^T x_tile (the sgrad partial of this row
     tile), so the backward reads dy once for both dh and dB; with FUSE_EXPAND also the expand of
@@ -94,11 +93,11 @@ def lora_shrink_kernel(
     k_end = tl.where(r > 0, K, 0)  # a rank-0 job's tile (FUSE_EXPAND only) reads nothing, writes zeros
     for k0 in range(0, k_end, BLOCK_K):
         if EVEN_K:
-            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy=STREAM)
+            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             wt = tl.load(w_ptrs, mask=r_ok[None, :], other=0.0)
         else:
             k_ok = offs_k < K - k0
-            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy=STREAM)
+            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wt = tl.load(w_ptrs, mask=r_ok[None, :] & k_ok[:, None], other=0.0)
         acc = _dot(xt, wt, acc, PRECISION)
         if FUSE_SGRAD:
@@ -130,7 +129,7 @@ def lora_shrink_kernel(
             mask = row_ok[:, None] & n_ok[None, :]
             if ACCUMULATE:
                 yacc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask, eviction_policy=STREAM)
+            tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
             w2_ptrs += BLOCK_N2 * stride_w2n
             y_ptrs += BLOCK_N2 * stride_yn
 

@@ -30,8 +30,8 @@ FUSED_TILE_WAVES = 1
 
 # Launch parameters each launcher may take from `launch_overrides` instead of its own choice.
 TUNABLE = {
-    "shrink": ("block_m", "block_k", "warps", "stages", "block_n2", "stream"),  # x -> h (-> y), dy -> dh (-> dx) unfused dy
-    "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2", "stream"),  # the fused dh + dB partials (-> dx)
+    "shrink": ("block_m", "block_k", "warps", "stages", "block_n2"),  # x -> h (-> y), dy -> dh (-> dx) unfused dy
+    "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2"),  # the fused dh + dB partials (-> dx)
     "expand": ("block_m", "block_n", "warps", "stages"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
 }
@@ -239,7 +239,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
     warps = 8 if (block_m > SHRINK_BLOCK_M or block_r >= 128) else 4
     block_n2 = max(16, min(pow2(N2), expand_block_n2(block_m, warps, block_r, fp32)))
     cfg = _tuned("dy_pass" if fused else "shrink", block_k=_shrink_block_k(block_m, block_r, K, x.dtype, fused),
-                 warps=warps, stages=_shrink_stages(block_r, fp32, fused), block_n2=block_n2, stream="")
+                 warps=warps, stages=_shrink_stages(block_r, fp32, fused), block_n2=block_n2)
     block_k = cfg["block_k"]
     if fused and part.shape[3] != block_k:
         raise ValueError(f"partials in column blocks of {part.shape[3]}, the pass's BLOCK_K is {block_k}")
@@ -252,7 +252,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, HAS_SCALE=scale, FUSE_SGRAD=fused, PRECISION=_precision(x.dtype, x.device),
         FUSE_EXPAND=exp is not None, BLOCK_N2=cfg["block_n2"], EXPAND_SCALE=scale2, ACCUMULATE=accumulate,
-        STREAM=cfg["stream"], num_warps=cfg["warps"], num_stages=cfg["stages"],
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
 
 
