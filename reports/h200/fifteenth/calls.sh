@@ -40,3 +40,7 @@ timeout 250 bash scripts/h200.sh tests
 #    dy pass: slower at every shape, rank 64 and rank 16
 OUT=$OUT/probe5 PROBE=5 PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/fifteenth/r64_probe.py
 OUT=$OUT/probe5_r16 RANK=16 SHAPES=k/v,gate/up PROBE=5 PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/fifteenth/r64_probe.py
+
+# 8. probe6/, probe6_r16/ (at 7bf6061, evict-first on x and y, reverted in 432c9e5): each variant twice
+OUT=$OUT/probe6 PROBE=6 PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/fifteenth/r64_probe.py
+OUT=$OUT/probe6_r16 RANK=16 SHAPES=q,k/v,gate/up PROBE=6 PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/fifteenth/r64_probe.py
