@@ -262,7 +262,7 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     at the trainer step's micro-batch: 8 jobs x 4096 tokens."""
     import triton
 
-    from .lora_ops import _block_r, _launch_reduce, _shrink_block_k, reduce_shape, sgrad_chunk
+    from .lora_ops import _block_r, _launch_reduce, _shrink_block_k, reduce_shape, sgrad_chunk, sgrad_shape
 
     J, tpj = (4, 40) if quick else (8, 4096)
     rows = []
@@ -275,7 +275,7 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
             chunks = meta.tiles(block_m)
             pb = _shrink_block_k(block_m, block_r, N, torch.bfloat16)
         else:
-            pb = min(128 if block_r <= 32 else 64, max(16, triton.next_power_of_2(N)))  # the sgrad's BLOCK_N
+            pb = min(sgrad_shape(block_r)[0], max(16, triton.next_power_of_2(N)))  # the sgrad's BLOCK_N
             chunks = meta.tiles(sgrad_chunk(meta, triton.cdiv(N, pb), block_r))
         part = torch.randn(triton.cdiv(N, pb), max(chunks.n, 1), block_r, pb, device=device)
         out = torch.empty(meta.total_rank, N, device=device, dtype=torch.bfloat16)

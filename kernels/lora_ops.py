@@ -210,7 +210,7 @@ def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) 
     rank 16 (reports/h200/fourteenth/final_ab): 0.840 / 0.885 ms at q (1024 -> 2048), 0.611 / 0.635
     at k/v (1024 -> 1024), 1.078 / 1.143 at gate/up (1024 -> 3072); but 0.944 / 0.937 at o
     (2048 -> 1024) and 1.281 / 1.252 at down (3072 -> 1024), where the dy pass's programs write the
-    wide dx. Rank 64 (reports/h200/fifteenth/ab, before this rule): fused 1.183 / 1.322 ms at o and
+    wide dx. Rank 64 (reports/h200/fifteenth/launch_ab, before this rule): fused 1.183 / 1.322 ms at o and
     1.545 / 1.730 at down as well: the separate expand of a [64, 64] h tile is the slower launch."""
     block_r = _block_r(meta.max_rank)
     return n_slices == 1 and block_r <= 64 and (block_r == 64 or d_in <= d_out)

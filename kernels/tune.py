@@ -4,13 +4,14 @@
 
 For each problem (8 jobs x 24k tokens at rank 64, where every projection's forward+backward stays
 above 1.3x the bytes bound on the H200: 1.47-1.81x since the launchers took this search's rank-64
-choices, reports/h200/fifteenth; and k/v at rank 16, within it, as the control) and each launcher of `lora_ops.TUNABLE`, the LoRA step runs with one candidate
-configuration for that launcher while the others keep their own choice, timed by the sum of the
-GPU's own kernel durations (`bench.kernel_times`: no host gaps). Then the best of each launcher
-together, also replayed as one CUDA graph, against the bytes bound. A candidate that does not
-compile or run (too much shared memory, say) is recorded with its error. Past --tune-budget
-seconds no further candidate or problem is started (`python -m colora.kernels.compile_check --tune`
-compiles the candidates for sm_90a on a CPU machine first).
+choices, reports/h200/fifteenth; and k/v at rank 16, within it, as the control) and each launcher
+of `lora_ops.TUNABLE`, the LoRA step runs with one candidate configuration for that launcher while
+the others keep their own choice, timed by the sum of the GPU's own kernel durations
+(`bench.kernel_times`: no host gaps). Then the best of each launcher together, also replayed as one
+CUDA graph, against the bytes bound. A candidate that does not compile or run (too much shared
+memory, say) is recorded with its error. Past --tune-budget seconds no further candidate or problem
+is started (`python -m colora.kernels.compile_check --tune` compiles the candidates for sm_90a on a
+CPU machine first).
 
 A search, not a change: the launchers keep their heuristics until a report shows a gain and they
 are changed with it. With --quick (the CPU's interpreter) it runs tiny problems and two candidates
