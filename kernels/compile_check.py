@@ -31,7 +31,8 @@ from .lora_ops import _shrink_block_k, _shrink_stages, expand_block_n2, reduce_s
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "STG.E.128", "STG.E.U16", "LDL", "STL")
+OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "STG.E.128", "STG.E.U16", "LDL", "STL", "REDG", "ATOMG",
+       "RED.E.ADD.F32.FTZ.RN.STRONG.GPU ", "F32x4")
 
 
 def compile_one(label: str, fn, types: dict, consts: dict, ones=(), div16=(), warps=4, stages=3) -> str:
@@ -70,14 +71,14 @@ def variants():
         for R in (16, 64, 256):
             shrink = dict(x_ptr=p, w_ptr=p, h_ptr=p, p_ptr=p, part_ptr="*fp32", tile_job_ptr="*i32",
                           tile_row_ptr="*i32", seg_start_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32",
-                          K=i, h_slice=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i,
+                          K=i, h_slice=i, n_part=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i,
                           w2_ptr=p, y_ptr=p, N2=i, stride_w2n=i, stride_w2r=i, stride_ym=i, stride_yn=i)
             div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm", "N2", "stride_w2r", "stride_ym")
             bk = _shrink_block_k(64, R, 1024, torch.float32 if dt == "fp32" else torch.bfloat16, fused=False)
             warps = 8 if R >= 128 else 4
             stages = _shrink_stages(R, dt == "fp32", False)
             base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False,
-                        FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False)
+                        FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False, PART_ATOMIC=False)
             ones = ("stride_xk", "stride_wk", "stride_w2n", "stride_yn")
             yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True), ones, div, warps, stages)
             # with the expand fused (x -> h -> y; dy -> dh -> dx accumulating into dy W), BLOCK_N2 as launched
@@ -86,14 +87,17 @@ def variants():
                 yield (f"shrink+expand {dt} R{R}", lora_shrink_kernel, shrink,
                        dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2(64, warps), EXPAND_SCALE=True),
                        ones, div, warps, stages)
-            if R <= 32:
-                for bm in (64, 256):
-                    fused = dict(base, BLOCK_M=bm, BLOCK_K=(32 if dt == "fp32" else 64) if bm == 256 else bk,
-                                 FUSE_SGRAD=True, HAS_SCALE=True)
-                    w = 8 if bm == 256 else 4
-                    yield (f"shrink+sgrad {dt} R{R} M{bm}", lora_shrink_kernel, shrink, fused, ones, div, w, 3)
-                    yield (f"shrink+sgrad+expand {dt} R{R} M{bm}", lora_shrink_kernel, shrink,
-                           dict(fused, FUSE_EXPAND=True, BLOCK_N2=n2(bm, w), ACCUMULATE=True), ones, div, w, 3)
+            # the fused dy pass (lora_ops.fuse_dy_pays): per-tile or atomic dB partials at R <= 32, atomic
+            # ones on 256-row tiles at R 64
+            for bm, atomic in ((64, False), (256, False), (64, True), (256, True)) if R <= 32 else \
+                    ((256, True),) if R == 64 else ():
+                fused = dict(base, BLOCK_M=bm, BLOCK_K=(32 if dt == "fp32" else 64) if bm == 256 else bk,
+                             FUSE_SGRAD=True, HAS_SCALE=True, PART_ATOMIC=atomic)
+                w = 8 if bm == 256 else 4
+                a = " atomic" if atomic else ""
+                yield (f"shrink+sgrad {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink, fused, ones, div, w, 3)
+                yield (f"shrink+sgrad+expand {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink,
+                       dict(fused, FUSE_EXPAND=True, BLOCK_N2=n2(bm, w), ACCUMULATE=True), ones, div, w, 3)
             expand = dict(h_ptr=p, w_ptr=p, y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32", seg_start_ptr="*i32",
                           rank_start_ptr="*i32", scale_ptr="*fp32", N=i, h_slice=i, stride_hm=i, stride_wn=i,
                           stride_wr=i, stride_ym=i, stride_yn=i)

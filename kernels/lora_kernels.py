@@ -58,12 +58,13 @@ def lora_shrink_kernel(
     p_ptr, part_ptr,  # FUSE_SGRAD only: p: [T, P] (h of the forward), part: fp32 (blocked: see below)
     w2_ptr, y_ptr,  # FUSE_EXPAND only: w2: [N2, R] (strided), y: [T, N2] (strided)
     tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
-    K, h_slice, N2,
+    K, h_slice, N2, n_part,
     stride_xm, stride_xk, stride_wr, stride_wk, stride_hm, stride_pm,
     stride_w2n, stride_w2r, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, FUSE_SGRAD: tl.constexpr, PRECISION: tl.constexpr,
     FUSE_EXPAND: tl.constexpr, BLOCK_N2: tl.constexpr, EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PART_ATOMIC: tl.constexpr = False,
 ):
     """shrink; with FUSE_SGRAD also part[tile] = p_tile^T x_tile (the sgrad partial of this row
     tile), so the backward reads dy once for both dh and dB; with FUSE_EXPAND also the expand of
@@ -86,9 +87,12 @@ def lora_shrink_kernel(
         pt = tl.load(p_ptr + rows[:, None] * stride_pm + (h_slice * r + offs_r)[None, :],
                      mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_R], lanes >= r unused
         pt = tl.trans(pt)  # [BLOCK_R, BLOCK_M]
-        # blocked layout (module docstring): [cdiv(K, BLOCK_K), tiles, BLOCK_R, BLOCK_K]
-        part_step = tl.num_programs(0).to(tl.int64) * BLOCK_R * BLOCK_K
-        part_ptrs = part_ptr + pid.to(tl.int64) * BLOCK_R * BLOCK_K + offs_r[:, None] * BLOCK_K + offs_k[None, :]
+        # blocked layout (module docstring): [cdiv(K, BLOCK_K), n_part, BLOCK_R, BLOCK_K], one partial a tile,
+        # or with PART_ATOMIC one a job, zeroed and added to atomically (a multiple of BLOCK_R x BLOCK_K
+        # apart, so the compiler knows the pointers' alignment and vectorises the stores)
+        part_step = tl.cast(n_part, tl.int64) * BLOCK_R * BLOCK_K
+        part_row = job if PART_ATOMIC else pid
+        part_ptrs = part_ptr + part_row.to(tl.int64) * BLOCK_R * BLOCK_K + offs_r[:, None] * BLOCK_K + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     k_end = tl.where(r > 0, K, 0)  # a rank-0 job's tile (FUSE_EXPAND only) reads nothing, writes zeros
     for k0 in range(0, k_end, BLOCK_K):
@@ -102,7 +106,12 @@ def lora_shrink_kernel(
         acc = _dot(xt, wt, acc, PRECISION)
         if FUSE_SGRAD:
             pb = _dot(pt, xt, tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32), PRECISION)  # [BLOCK_R, BLOCK_K]
-            if EVEN_K:
+            if PART_ATOMIC:
+                if EVEN_K:
+                    tl.atomic_add(part_ptrs, pb, sem="relaxed")
+                else:
+                    tl.atomic_add(part_ptrs, pb, mask=k_ok[None, :], sem="relaxed")
+            elif EVEN_K:
                 tl.store(part_ptrs, pb)
             else:
                 tl.store(part_ptrs, pb, mask=k_ok[None, :])

@@ -188,6 +188,17 @@ class LoRABatchMeta:
     def max_tokens(self) -> int:
         return max((b - a for a, b in zip(self.seg_start[:-1], self.seg_start[1:])), default=0)
 
+    def per_job(self) -> Tiles:
+        """One entry per job, empty jobs included (row: the job's first row; block 0: not a row tile):
+        the partial table of the dy pass's atomic dB, one partial a job (lora_ops.lora_shrink_sgrad)."""
+        hit = self._tiles.get("job")
+        if hit is None:
+            J = self.num_jobs
+            hit = Tiles(0, J, *upload_aligned([np.arange(J), np.asarray(self.seg_start[:-1]), np.arange(J + 1)],
+                                              torch.int32, self.device))
+            self._tiles["job"] = hit
+        return hit
+
     def tiles(self, block: int) -> Tiles:
         """Row tiles of `block` rows per job (cached): sum_j ceil(T_j / block) tiles."""
         hit = self._tiles.get(block)

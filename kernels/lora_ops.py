@@ -31,7 +31,7 @@ FUSED_TILE_WAVES = 1
 # Launch parameters each launcher may take from `launch_overrides` instead of its own choice.
 TUNABLE = {
     "shrink": ("block_m", "block_k", "warps", "stages", "block_n2"),  # x -> h (-> y), dy -> dh (-> dx) unfused dy
-    "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2"),  # the fused dh + dB partials (-> dx)
+    "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2", "atomic"),  # the fused dh + dB partials (-> dx)
     "expand": ("block_m", "block_n", "warps", "stages"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
 }
@@ -139,9 +139,10 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
     """dh = lora_shrink(dy, Bt, scale=True) and dBt = lora_sgrad(h, dy, scale=True) in one pass over dy.
 
     dy: [T, N], Bt: [R, N] (B^T), h: [T, H] as for lora_expand, dh: [T, H'] (written in its slice),
-    dBt: [R, N] (any strides: pass dB.t()). Each program writes its row tile's part of dB in fp32
-    (BLOCK_R x N, in the blocked layout of lora_kernels), so this pays when that is small beside dy:
-    BLOCK_R <= 32 and tiles of 256 rows once there are enough of them (see `fuse_dy_pays`).
+    dBt: [R, N] (any strides: pass dB.t()). Each program forms its row tile's part of dB in fp32
+    (BLOCK_R x N) and, where `atomic_db`, adds it atomically to one fp32 partial a job, which stays in
+    L2; else it writes it (the blocked layout of lora_kernels) for the reduce to sum in tile order.
+    Tiles of 256 rows once there are enough of them (`dy_pass_block_m`); see `fuse_dy_pays`.
     dx: (A^T [d_in, R], dx [T, d_in], accumulate) to also write dx (+)= dh A from each tile (one
     slice only, h_slice 0), as `lora_shrink_expand` does.
     """
@@ -156,20 +157,52 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
                          f"{h_slice * meta.max_rank + block_r} columns (h_width) and dy's dtype {dy.dtype}")
     if dBt.shape != Bt.shape:
         raise ValueError(f"dBt has shape {tuple(dBt.shape)}, expected {tuple(Bt.shape)}")
-    block_m = 256 if meta.num_tokens >= FUSED_TILE_WAVES * 256 * _num_sms(meta.device) else SHRINK_BLOCK_M
-    block_m = _tuned("dy_pass", block_m=block_m)["block_m"]
+    block_m = _tuned("dy_pass", block_m=dy_pass_block_m(meta))["block_m"]
     tiles = meta.tiles(block_m)
     N = dy.shape[1]
     pb = _shrink_block_k(block_m, block_r, N, dy.dtype)  # the partials' column block: the pass's BLOCK_K
-    part = torch.empty((cdiv(N, pb), max(tiles.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
-    _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m, None if dx is None else (*dx[:2], False, dx[2]))
-    _launch_reduce(part, dBt, meta, tiles, block_r, scale=True)
+    atomic = _tuned("dy_pass", atomic=atomic_db())["atomic"]
+    if atomic:  # one partial a job, every tile adding to it (fp32 atomics: the sum's order varies)
+        table = meta.per_job()
+        part = torch.zeros((cdiv(N, pb), max(table.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
+    else:  # one partial a tile, summed per job in tile order by the reduce
+        table = tiles
+        part = torch.empty((cdiv(N, pb), max(tiles.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
+    _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m, None if dx is None else (*dx[:2], False, dx[2]),
+                   atomic=atomic)
+    _launch_reduce(part, dBt, meta, table, block_r, scale=True)
 
 
-def fuse_dy_pays(meta: LoRABatchMeta) -> bool:
-    """The fused dy pass writes T / tile * BLOCK_R * N fp32 partials to save one read of dy
-    (T * N * 2 bytes): at BLOCK_R <= 32 that is at most 1/4 of what it saves."""
-    return _block_r(meta.max_rank) <= 32
+def dy_pass_block_m(meta: LoRABatchMeta) -> int:
+    """Rows per tile of the fused dy pass: 256 from one such tile per SM on, else 64."""
+    return 256 if meta.num_tokens >= FUSED_TILE_WAVES * 256 * _num_sms(meta.device) else SHRINK_BLOCK_M
+
+
+def atomic_db() -> bool:
+    """Whether the fused dy pass adds its tiles' dB partials atomically into one fp32 partial a job
+    (the order of the additions varies from run to run, so dB may differ in its last bits) rather
+    than writing one a tile for the reduce to sum in a fixed order: unless PyTorch is asked for
+    deterministic algorithms (torch.use_deterministic_algorithms), as its own scatter-adds do.
+    The per-tile partials cost 2 x 4 x BLOCK_R / tile bytes a column of dy (write and read) where the
+    atomic ones cost additions in L2. On the H200 at 8 jobs x 24k tokens (reports/h200/sixteenth/
+    probe7*, graph us, one process a shape): rank 16, 256-row tiles, per tile -> atomic: k/v 606 -> 587,
+    gate/up 1065 -> 1015; rank 64 (where per-tile partials cost as much as the dy read they save) against
+    dy read twice: q 1156 -> 1105, k/v 831 -> 818, gate/up 1525 -> 1404 (o 1157 -> 1207, down 1520 -> 1620;
+    see fuse_dy_pays)."""
+    return not torch.are_deterministic_algorithms_enabled()
+
+
+def fuse_dy_pays(meta: LoRABatchMeta, d_in: int, d_out: int) -> bool:
+    """dh and dB from one read of dy (lora_shrink_sgrad) rather than two passes. The per-tile fp32 dB
+    partials cost 2 x 4 x BLOCK_R / tile bytes a column of dy, the dy read saved 2 x 1: at BLOCK_R <= 32
+    at most 1/2 of it on 64-row tiles, 1/8 on 256-row ones, and the atomic partials (`atomic_db`) less.
+    At BLOCK_R 64 only with atomic partials on 256-row tiles, and where d_out >= d_in: at o (2048 -> 1024)
+    and down (3072 -> 1024) the dy pass on 256-row tiles writing the wide dx cost more than the narrow dy
+    read it saved (atomic_db's figures)."""
+    block_r = _block_r(meta.max_rank)
+    if block_r <= 32:
+        return True
+    return block_r == 64 and d_out >= d_in and atomic_db() and dy_pass_block_m(meta) > SHRINK_BLOCK_M
 
 
 def _shrink_block_k(block_m: int, block_r: int, K: int, dtype: torch.dtype, fused: bool = True) -> int:
@@ -216,7 +249,7 @@ def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) 
     return n_slices == 1 and block_r <= 64 and (block_r == 64 or d_in <= d_out)
 
 
-def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
+def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, atomic=False):
     """exp: None, or (w2, y, scale, accumulate) of a fused expand (see lora_shrink_expand)."""
     T, K = x.shape
     _check(meta, x, "x", meta.num_tokens)
@@ -246,13 +279,13 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None):
     lora_shrink_kernel[(tiles.n,)](
         x, w, out, p if fused else x, part if fused else x, w2, y,
         tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
-        K, h_slice, N2,
+        K, h_slice, N2, part.shape[1] if fused else 0,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), p.stride(0) if fused else 0,
         w2.stride(0) if exp else 0, w2.stride(1) if exp else 0, y.stride(0) if exp else 0, y.stride(1) if exp else 0,
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, HAS_SCALE=scale, FUSE_SGRAD=fused, PRECISION=_precision(x.dtype, x.device),
         FUSE_EXPAND=exp is not None, BLOCK_N2=cfg["block_n2"], EXPAND_SCALE=scale2, ACCUMULATE=accumulate,
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PART_ATOMIC=atomic, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
 
 

@@ -101,8 +101,8 @@ def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float =
         if err is not None:
             raise RuntimeError(f"tune {name}: the launchers' own configuration failed: {err}")
         trials, best = [], {}
-        # the fused dy pass runs at rank <= 32 only (fuse_dy_pays); the plain shrink takes dh there otherwise
-        for kernel in (k for k in TUNABLE if k != "dy_pass" or fuse_dy_pays(meta)):
+        # the fused dy pass runs where fuse_dy_pays; the plain shrink takes dh there otherwise
+        for kernel in (k for k in TUNABLE if k != "dy_pass" or fuse_dy_pays(meta, d_in, d_out)):
             for cfg in candidates(kernel, quick):
                 if time.time() - t_start > budget_s:
                     break

@@ -306,8 +306,8 @@ def test_fused_dy_pass_matches_separate_kernels(tokens, dtype, fuse_expand, monk
     launches, real = [], lora_ops._launch_shrink
     # (dy pass with dB partials?, rows per tile, expand fused?) of every shrink launch
     monkeypatch.setattr(lora_ops, "_launch_shrink",
-                        lambda *a: launches.append((a[7] is not None, a[8], len(a) > 9 and a[9] is not None))
-                        or real(*a))
+                        lambda *a, **k: launches.append((a[7] is not None, a[8], len(a) > 9 and a[9] is not None))
+                        or real(*a, **k))
     fused = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True, fuse_expand=fuse_expand)
     tile = 256 if sum(tokens) >= 256 * lora_ops._num_sms(torch.device(DEV)) else 64
     assert launches == [(False, 64, fuse_expand), (True, tile, fuse_expand)]
@@ -325,8 +325,8 @@ def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
     from colora.kernels import lora_ops
 
     launches, real = [], lora_ops._launch_shrink
-    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a: launches.append(len(a) > 9 and a[9] is not None)
-                        or real(*a))
+    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a, **k: launches.append(len(a) > 9 and a[9] is not None)
+                        or real(*a, **k))
     for (d_in, d_out, ranks), want in (((24, 40, [8, 16]), True), ((40, 24, [8, 16]), False),
                                        ((24, 40, [64, 8]), True), ((40, 24, [64, 8]), True),
                                        ((40, 24, [33, 8]), True), ((24, 40, [100, 8]), False),
@@ -342,12 +342,74 @@ def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
     assert launches == [False] and not lora_ops.fuse_expand_pays(case.meta, 2, 24, 40)
 
 
-def test_triton_path_is_deterministic():
-    case = lora_case([50, 70], [16, 8], 40, 24, torch.bfloat16, DEV, seed=9)
+@pytest.fixture
+def deterministic():
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+def test_triton_path_is_deterministic_when_torch_is_asked(deterministic, monkeypatch):
+    """Under torch.use_deterministic_algorithms the fused dy pass writes one dB partial a tile, summed
+    in tile order (no atomics), so two calls give the same bits; several 64-row tiles a job."""
+    from colora.kernels import lora_ops
+
+    atomic, real = [], lora_ops._launch_shrink
+    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a, **k: atomic.append(k.get("atomic")) or real(*a, **k))
+    case = lora_case([150, 170], [16, 8], 40, 24, torch.bfloat16, DEV, seed=9)
     a = lora_grads(K.grouped_lora, case, backend="triton")
     b = lora_grads(K.grouped_lora, case, backend="triton")
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    assert [a for a in atomic if a is not None] == [False, False]  # the two dy passes (forwards: None)
+    assert not lora_ops.atomic_db()
+
+
+@pytest.mark.parametrize("tokens", [[150, 0, 90, 5], [1200, 0, 900, 7]], ids=["64-row tiles", "256-row tiles"])
+def test_atomic_db_partials_equal_the_per_tile_ones(tokens, monkeypatch):
+    """dB summed by atomic additions into one fp32 partial a job equals the per-tile partials summed
+    in order (and the fp64 reference), with several tiles a job, a job without rows (zeros) and a
+    rank-0 job with rows; it is the default unless torch is asked for determinism."""
+    from colora.kernels import lora_ops
+
+    atomic, real = [], lora_ops._launch_shrink
+    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a, **k: atomic.append(k.get("atomic")) or real(*a, **k))
+    case = lora_case(tokens, [16, 8, 0, 4], 40, 24, torch.float32, DEV, seed=11)
+    got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True)
+    assert atomic[-1] is True and lora_ops.atomic_db()
+    with lora_ops.launch_overrides(dy_pass={"atomic": False}):
+        per_tile = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True)
+    assert atomic[-1] is False
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    for key in ("dx", "dA", "dB"):
+        assert rel_err(got[key], ref[key]) <= LORA_TOL[torch.float32], key
+        assert rel_err(got[key], per_tile[key]) <= LORA_TOL[torch.float32], key
+    r0, r1 = case.meta.rank_start[1], case.meta.rank_start[2]  # the job without rows
+    assert (got["dB"][:, r0:r1] == 0).all()
+
+
+def test_dy_pass_fuses_where_the_rule_says():
+    """fuse_dy_pays: always at BLOCK_R <= 32; at BLOCK_R 64 only with atomic partials, 256-row tiles
+    (256 x SMs rows: 1,024 on the interpreter) and d_out >= d_in; never above 64."""
+    from colora.kernels import lora_ops
+
+    def meta(tokens, rank):
+        return K.LoRABatchMeta.build([0, tokens // 2, tokens], [0, rank, 2 * rank], [1.0, 1.0], DEV)
+
+    big = 256 * lora_ops._num_sms(torch.device(DEV))
+    assert lora_ops.fuse_dy_pays(meta(64, 16), 40, 24) and lora_ops.fuse_dy_pays(meta(big, 32), 40, 24)
+    assert lora_ops.fuse_dy_pays(meta(big, 64), 24, 40) and lora_ops.fuse_dy_pays(meta(big, 48), 24, 24)
+    assert not lora_ops.fuse_dy_pays(meta(big, 64), 40, 24)  # dx wider than dy
+    assert not lora_ops.fuse_dy_pays(meta(big - 2, 64), 24, 40)  # 64-row tiles
+    assert not lora_ops.fuse_dy_pays(meta(big, 128), 24, 40)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not lora_ops.fuse_dy_pays(meta(big, 64), 24, 40)
+        assert lora_ops.fuse_dy_pays(meta(big, 16), 24, 40)  # per-tile partials at rank <= 32
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_meta_rejects_bad_layouts():
