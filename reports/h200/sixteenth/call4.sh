@@ -1,4 +1,4 @@
-# 4. probe9/, probe9_r16/ (at a1263ea): the shrink's x loads and its fused expand's y stores through TMA
+# 4. probe9/, probe9_r16/ (at COMMIT): the shrink's x loads and its fused expand's y stores through TMA
 #    (shrink "tma"), rank 64 every shape, rank 16 at q, o, gate/up
 COLORA_TIMEOUT=5 bash scripts/h200.sh cli --help > /dev/null 2>&1
 mkdir -p $OUT/probe9 $OUT/probe9_r16
