@@ -78,8 +78,7 @@ def variants():
             warps = 8 if R >= 128 else 4
             stages = _shrink_stages(R, dt == "fp32", False)
             base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False,
-                        FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False, PART_ATOMIC=False,
-                        x_desc=None, y_desc=None, TMA_X=False, TMA_Y=False)
+                        FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False, PART_ATOMIC=False)
             ones = ("stride_xk", "stride_wk", "stride_w2n", "stride_yn")
             yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True), ones, div, warps, stages)
             # with the expand fused (x -> h -> y; dy -> dh -> dx accumulating into dy W), BLOCK_N2 as launched

@@ -65,8 +65,6 @@ def lora_shrink_kernel(
     EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, FUSE_SGRAD: tl.constexpr, PRECISION: tl.constexpr,
     FUSE_EXPAND: tl.constexpr, BLOCK_N2: tl.constexpr, EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr,
     PART_ATOMIC: tl.constexpr = False,
-    x_desc=None, y_desc=None,  # TMA_X / TMA_Y only: descriptors over x [T, K] and y [T, N2], one tile a block
-    TMA_X: tl.constexpr = False, TMA_Y: tl.constexpr = False,
 ):
     """shrink; with FUSE_SGRAD also part[tile] = p_tile^T x_tile (the sgrad partial of this row
     tile), so the backward reads dy once for both dh and dB; with FUSE_EXPAND also the expand of
@@ -98,13 +96,7 @@ def lora_shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     k_end = tl.where(r > 0, K, 0)  # a rank-0 job's tile (FUSE_EXPAND only) reads nothing, writes zeros
     for k0 in range(0, k_end, BLOCK_K):
-        if TMA_X:  # rows past the tile's job are other jobs' (their h rows are not stored) or zeros
-            xt = x_desc.load([row0, k0])
-            if EVEN_K:
-                wt = tl.load(w_ptrs, mask=r_ok[None, :], other=0.0)
-            else:
-                wt = tl.load(w_ptrs, mask=r_ok[None, :] & (offs_k < K - k0)[:, None], other=0.0)
-        elif EVEN_K:
+        if EVEN_K:
             xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             wt = tl.load(w_ptrs, mask=r_ok[None, :], other=0.0)
         else:
@@ -146,13 +138,7 @@ def lora_shrink_kernel(
             mask = row_ok[:, None] & n_ok[None, :]
             if ACCUMULATE:
                 yacc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-            if TMA_Y:  # a whole tile through the tensor-memory accelerator (columns past N2 clipped by it)
-                if row_end - row0 == BLOCK_M:
-                    y_desc.store([row0, n0], yacc.to(y_ptr.dtype.element_ty))
-                else:  # the job's last, partial tile: rows past it are the next job's
-                    tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
-            else:
-                tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
             w2_ptrs += BLOCK_N2 * stride_w2n
             y_ptrs += BLOCK_N2 * stride_yn
 

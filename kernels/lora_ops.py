@@ -30,7 +30,7 @@ FUSED_TILE_WAVES = 1
 
 # Launch parameters each launcher may take from `launch_overrides` instead of its own choice.
 TUNABLE = {
-    "shrink": ("block_m", "block_k", "warps", "stages", "block_n2", "tma"),  # x -> h (-> y), dy -> dh (-> dx) unfused dy
+    "shrink": ("block_m", "block_k", "warps", "stages", "block_n2"),  # x -> h (-> y), dy -> dh (-> dx) unfused dy
     "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2", "atomic"),  # the fused dh + dB partials (-> dx)
     "expand": ("block_m", "block_n", "warps", "stages"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
@@ -276,18 +276,6 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, 
     block_k = cfg["block_k"]
     if fused and part.shape[3] != block_k:
         raise ValueError(f"partials in column blocks of {part.shape[3]}, the pass's BLOCK_K is {block_k}")
-    # TMA ("tma": "x", "y" or "xy"; the probe's): x's tiles loaded and y's whole tiles stored by the
-    # tensor-memory accelerator; not with the sgrad partials (x's rows past a tile's job would meet
-    # zeros of p: a NaN there would reach this job's dB) nor an accumulating y
-    tma = "" if fused else _overrides.get("shrink", {}).get("tma", "")
-    tma_y = "y" in tma and exp is not None and not accumulate and y.stride(1) == 1
-    x_desc = y_desc = None
-    if "x" in tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
-    if tma_y:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        y_desc = TensorDescriptor.from_tensor(y, [block_m, cfg["block_n2"]])
     lora_shrink_kernel[(tiles.n,)](
         x, w, out, p if fused else x, part if fused else x, w2, y,
         tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
@@ -297,7 +285,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, 
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, HAS_SCALE=scale, FUSE_SGRAD=fused, PRECISION=_precision(x.dtype, x.device),
         FUSE_EXPAND=exp is not None, BLOCK_N2=cfg["block_n2"], EXPAND_SCALE=scale2, ACCUMULATE=accumulate,
-        PART_ATOMIC=atomic, x_desc=x_desc, y_desc=y_desc, TMA_X=x_desc is not None, TMA_Y=tma_y, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        PART_ATOMIC=atomic, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
 
 

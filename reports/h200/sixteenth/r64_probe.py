@@ -3,10 +3,8 @@ Each shape, one process, one call: variants of the grouped LoRA's forward + back
 own choices, timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kernel by kernel (torch.profiler).
 bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root on
 the H200 after scripts/h200.sh has made its shim:
-    PROBE=9 PYTHONPATH=/tmp/colora-shim python3 reports/h200/sixteenth/r64_probe.py [--quick]
-PROBE=9 (default): the shrink (x -> h -> y, and the dy pass where dB is not fused into it) with x's
-tiles loaded and y's whole tiles stored by the tensor-memory accelerator (shrink "tma": "x", "y", "xy").
-PROBE=8: the same as 7 after the atomic partials were vectorised and became the default, against
+    PROBE=8 PYTHONPATH=/tmp/colora-shim python3 reports/h200/sixteenth/r64_probe.py [--quick]
+PROBE=8 (default): the same after the atomic partials were vectorised and became the default, against
 the dy read twice (rank 64's default before) and the per-tile partials (rank 16's default before).
 PROBE=7: the fused dy pass (dh and dB from one read of dy) with its dB partials added atomically into one
 fp32 partial a job (dy_pass "atomic") on 64- to 512-row tiles, against its per-tile partials and the own
@@ -115,23 +113,14 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "dy fused M128 atomic": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "warps": 8, "atomic": True}}),
         "own again": ({}, {}),
     },
-    "9": {  # the shrink's x tiles loaded and its fused expand's whole y tiles stored by TMA (shrink "tma")
-        "own": ({}, {}),
-        "tma y": ({}, {"shrink": {"tma": "y"}}),
-        "tma x": ({}, {"shrink": {"tma": "x"}}),
-        "tma xy": ({}, {"shrink": {"tma": "xy"}}),
-        "tma xy M128 w8 s3": ({}, {"shrink": {"tma": "xy", "block_m": 128, "warps": 8, "stages": 3}}),
-        "own again": ({}, {}),
-    },
-}[os.environ.get("PROBE", "9")]
-CEILING = os.environ.get("PROBE", "9") not in ("4", "5", "6", "7", "8", "9")  # the cuBLAS and forward-only rows (not in calls 4-5)
+}[os.environ.get("PROBE", "8")]
+CEILING = os.environ.get("PROBE", "8") not in ("4", "5", "6", "7", "8")  # the cuBLAS and forward-only rows (not in calls 4-5)
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
     VARIANTS = {"own": ({}, {}), "shrink M128": ({}, {"shrink": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
                 "dy fused M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
-                "dy fused M64 atomic": ({"fuse_dy": True}, {"dy_pass": {"block_m": 64, "block_k": 32, "atomic": True}}),
-                "tma xy": ({}, {"shrink": {"tma": "xy"}})}
+                "dy fused M64 atomic": ({"fuse_dy": True}, {"dy_pass": {"block_m": 64, "block_k": 32, "atomic": True}})}
 NCU = os.environ.get("NCU") == "1"
 
 rows = []
