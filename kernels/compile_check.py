@@ -82,7 +82,7 @@ def variants():
             ones = ("stride_xk", "stride_wk", "stride_w2n", "stride_yn")
             yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True), ones, div, warps, stages)
             # with the expand fused (x -> h -> y; dy -> dh -> dx accumulating into dy W), BLOCK_N2 as launched
-            n2 = lambda bm, w: expand_block_n2(bm, w, R, dt == "fp32")  # noqa: E731  (as launched)
+            n2 = lambda bm, w, dy=False: expand_block_n2(bm, w, R, dt == "fp32", dy)  # noqa: E731  (as launched)
             if R <= 64:  # lora_ops.fuse_expand_pays
                 yield (f"shrink+expand {dt} R{R}", lora_shrink_kernel, shrink,
                        dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2(64, warps), EXPAND_SCALE=True),
@@ -97,7 +97,7 @@ def variants():
                 a = " atomic" if atomic else ""
                 yield (f"shrink+sgrad {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink, fused, ones, div, w, 3)
                 yield (f"shrink+sgrad+expand {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink,
-                       dict(fused, FUSE_EXPAND=True, BLOCK_N2=n2(bm, w), ACCUMULATE=True), ones, div, w, 3)
+                       dict(fused, FUSE_EXPAND=True, BLOCK_N2=n2(bm, w, True), ACCUMULATE=True), ones, div, w, 3)
             expand = dict(h_ptr=p, w_ptr=p, y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32", seg_start_ptr="*i32",
                           rank_start_ptr="*i32", scale_ptr="*fp32", N=i, h_slice=i, stride_hm=i, stride_wn=i,
                           stride_wr=i, stride_ym=i, stride_yn=i)
@@ -142,10 +142,8 @@ def tune_variants():
     for R in (16, 64):
         # the shrink as it runs where its expand fuses (fuse_expand_pays), the dy pass with dx fused
         for kernel, label, fused in (("shrink", f"shrink+expand bf16 R{_block_r(R)}", False),
-                                     ("dy_pass", f"shrink+sgrad+expand bf16 R{R} M256", True),
+                                     ("dy_pass", f"shrink+sgrad+expand bf16 R{R} M256 atomic", True),
                                      ("expand", f"expand+acc bf16 R{R}", False), ("sgrad", f"sgrad bf16 R{R}", False)):
-            if label not in base:  # the fused dy pass: rank <= 32 only
-                continue
             fn, types, consts, ones, div, _, _ = base[label]
             for cfg in candidates(kernel, quick=False):
                 c = dict(consts)

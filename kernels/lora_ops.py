@@ -226,11 +226,17 @@ def _shrink_stages(block_r: int, fp32: bool, fused: bool) -> int:
     return 3 if (fp32 or block_r > 64 or fused) else 4
 
 
-def expand_block_n2(block_m: int, warps: int, block_r: int, fp32: bool) -> int:
+def expand_block_n2(block_m: int, warps: int, block_r: int, fp32: bool, dy_pass: bool = False) -> int:
     """Columns of the fused expand's [BLOCK_M, BLOCK_N2] fp32 tile (before capping at N): at most 64
     registers a thread (32 at fp32, whose IEEE dots hold their operands in registers; half that again
     at BLOCK_R 64). kernels/compile_check.py: no spills at bf16; at fp32 and BLOCK_R 64 (a test dtype,
-    not the trainer's) 24 bytes of stack with Triton 3.9."""
+    not the trainer's) 24 bytes of stack with Triton 3.9.
+    Except the dy pass with dB fused at BLOCK_R 64 on 256-row tiles (dy_pass): 128 columns (at bf16),
+    though that spills 96 bytes a thread with Triton 3.9 (255 registers): the launch search on the H200
+    put it first at each of q, k/v and gate/up, 1.5-3.0% less for the whole step than the 32 of the rule
+    above (reports/h200/sixteenth/kernels_tune)."""
+    if dy_pass and block_r == 64 and block_m == 256 and not fp32:
+        return 128
     return (32 if fp32 else 64) * 32 * warps // block_m // (2 if block_r >= 64 else 1)
 
 
@@ -270,7 +276,7 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, 
     w2, y, scale2, accumulate = exp or (x, x, False, False)
     N2 = w2.shape[0] if exp else 0
     warps = 8 if (block_m > SHRINK_BLOCK_M or block_r >= 128) else 4
-    block_n2 = max(16, min(pow2(N2), expand_block_n2(block_m, warps, block_r, fp32)))
+    block_n2 = max(16, min(pow2(N2), expand_block_n2(block_m, warps, block_r, fp32, dy_pass=fused)))
     cfg = _tuned("dy_pass" if fused else "shrink", block_k=_shrink_block_k(block_m, block_r, K, x.dtype, fused),
                  warps=warps, stages=_shrink_stages(block_r, fp32, fused), block_n2=block_n2)
     block_k = cfg["block_k"]

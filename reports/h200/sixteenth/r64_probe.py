@@ -3,8 +3,11 @@ Each shape, one process, one call: variants of the grouped LoRA's forward + back
 own choices, timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kernel by kernel (torch.profiler).
 bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root on
 the H200 after scripts/h200.sh has made its shim:
-    PROBE=8 PYTHONPATH=/tmp/colora-shim python3 reports/h200/sixteenth/r64_probe.py [--quick]
-PROBE=8 (default): the same after the atomic partials were vectorised and became the default, against
+    PROBE=10 PYTHONPATH=/tmp/colora-shim python3 reports/h200/sixteenth/r64_probe.py [--quick]
+PROBE=10 (default): the fused dy pass's dx expand on 128 columns (the launch search's choice, the default
+at rank 64 since) against 32 (before) and 64; and the forward shrink 3 stages deep against 4.
+PROBE=9 (at a1263ea, reverted): x loaded and y stored by the tensor-memory accelerator (shrink "tma").
+PROBE=8: the same as 7 after the atomic partials were vectorised and became the default, against
 the dy read twice (rank 64's default before) and the per-tile partials (rank 16's default before).
 PROBE=7: the fused dy pass (dh and dB from one read of dy) with its dB partials added atomically into one
 fp32 partial a job (dy_pass "atomic") on 64- to 512-row tiles, against its per-tile partials and the own
@@ -113,8 +116,16 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "dy fused M128 atomic": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "warps": 8, "atomic": True}}),
         "own again": ({}, {}),
     },
-}[os.environ.get("PROBE", "8")]
-CEILING = os.environ.get("PROBE", "8") not in ("4", "5", "6", "7", "8")  # the cuBLAS and forward-only rows (not in calls 4-5)
+    "10": {  # the dy pass's fused dx expand on 128 columns (the search's choice) against 32 (before) and 64;
+             # at rank 16 (RANK=16): the forward shrink 3 stages deep (the search's choice at k/v) against 4
+        "own": ({}, {}),
+        "dy pass n2 32": ({}, {"dy_pass": {"block_n2": 32}}),
+        "dy pass n2 64": ({}, {"dy_pass": {"block_n2": 64}}),
+        "shrink s3": ({}, {"shrink": {"stages": 3}}),
+        "own again": ({}, {}),
+    },
+}[os.environ.get("PROBE", "10")]
+CEILING = os.environ.get("PROBE", "10") not in ("4", "5", "6", "7", "8", "10")  # the cuBLAS and forward-only rows (not in calls 4-5)
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
