@@ -14,6 +14,8 @@ Four kernels serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T
 The fp32 partials are stored in column blocks of the writer's tile width PB, one block after another:
 part[n // PB, c, k, n % PB] (a [cdiv(N, PB), chunks, BLOCK_R, PB] buffer), so each tile a writer
 stores is one contiguous run and a reduce program reads its job's chunks of one block as one run.
+The shrink's fused sgrad (PART_ATOMIC) may instead add every tile's partial atomically into one
+partial a job (c = job), which the reduce then reads as one chunk a job.
 
 Every program handles rows of exactly one job (tiles from `LoRABatchMeta.tiles`), so each tile is a
 dense matmul against that job's slice of the stacked weights. Ranks are padded to BLOCK_R >= 16

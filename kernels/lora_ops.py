@@ -183,12 +183,13 @@ def atomic_db() -> bool:
     (the order of the additions varies from run to run, so dB may differ in its last bits) rather
     than writing one a tile for the reduce to sum in a fixed order: unless PyTorch is asked for
     deterministic algorithms (torch.use_deterministic_algorithms), as its own scatter-adds do.
-    The per-tile partials cost 2 x 4 x BLOCK_R / tile bytes a column of dy (write and read) where the
-    atomic ones cost additions in L2. On the H200 at 8 jobs x 24k tokens (reports/h200/sixteenth/
-    probe7*, graph us, one process a shape): rank 16, 256-row tiles, per tile -> atomic: k/v 606 -> 587,
-    gate/up 1065 -> 1015; rank 64 (where per-tile partials cost as much as the dy read they save) against
-    dy read twice: q 1156 -> 1105, k/v 831 -> 818, gate/up 1525 -> 1404 (o 1157 -> 1207, down 1520 -> 1620;
-    see fuse_dy_pays)."""
+    The per-tile partials cost 2 x 4 x BLOCK_R / tile bytes a column of dy (written, read back) where
+    the atomic ones are additions in L2 (8 jobs x 64 x 3072 fp32 is 6 MB), 128 bits each
+    (RED.E.ADD.F32x4). On the H200 at 8 jobs x 24k tokens, 256-row tiles, one process a shape, graph us
+    (reports/h200/sixteenth/probe8*): rank 16, per tile -> atomic: q 836 -> 801, k/v 612 -> 593, o 941 ->
+    929, gate/up 1075 -> 1017, down 1266 -> 1250; rank 64, dy read twice -> fused with atomic partials:
+    q 1172 -> 1102, k/v 838 -> 819, gate/up 1544 -> 1408, but o 1172 -> 1206 and down 1536 -> 1630 (see
+    fuse_dy_pays)."""
     return not torch.are_deterministic_algorithms_enabled()
 
 
