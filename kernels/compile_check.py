@@ -71,7 +71,8 @@ def variants():
         for R in (16, 64, 256):
             shrink = dict(x_ptr=p, w_ptr=p, h_ptr=p, p_ptr=p, part_ptr="*fp32", tile_job_ptr="*i32",
                           tile_row_ptr="*i32", seg_start_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32",
-                          K=i, h_slice=i, n_part=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i, stride_pm=i,
+                          K=i, h_slice=i, n_part=i, stride_xm=i, stride_xk=i, stride_wr=i, stride_wk=i, stride_hm=i,
+                          stride_pm=i,
                           w2_ptr=p, y_ptr=p, N2=i, stride_w2n=i, stride_w2r=i, stride_ym=i, stride_yn=i)
             div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm", "N2", "stride_w2r", "stride_ym")
             bk = _shrink_block_k(64, R, 1024, torch.float32 if dt == "fp32" else torch.bfloat16, fused=False)

@@ -183,23 +183,24 @@ def atomic_db() -> bool:
     (the order of the additions varies from run to run, so dB may differ in its last bits) rather
     than writing one a tile for the reduce to sum in a fixed order: unless PyTorch is asked for
     deterministic algorithms (torch.use_deterministic_algorithms), as its own scatter-adds do.
-    The per-tile partials cost 2 x 4 x BLOCK_R / tile bytes a column of dy (written, read back) where
-    the atomic ones are additions in L2 (8 jobs x 64 x 3072 fp32 is 6 MB), 128 bits each
-    (RED.E.ADD.F32x4). On the H200 at 8 jobs x 24k tokens, 256-row tiles, one process a shape, graph us
-    (reports/h200/sixteenth/probe8*): rank 16, per tile -> atomic: q 836 -> 801, k/v 612 -> 593, o 941 ->
-    929, gate/up 1075 -> 1017, down 1266 -> 1250; rank 64, dy read twice -> fused with atomic partials:
-    q 1172 -> 1102, k/v 838 -> 819, gate/up 1544 -> 1408, but o 1172 -> 1206 and down 1536 -> 1630 (see
-    fuse_dy_pays)."""
+    A tile's per-tile partial is written and read back, 8 BLOCK_R bytes a column against the tile's
+    2 x BLOCK_M bytes of dy, where the atomic ones are additions in L2 (a job's partial, BLOCK_R x N
+    fp32, is at most a few MB), 128 bits each (RED.E.ADD.F32x4). On the H200 at 8 jobs x 24k tokens,
+    256-row tiles, one process a shape, graph us (reports/h200/sixteenth/probe8*): rank 16, per tile ->
+    atomic: q 836 -> 801, k/v 612 -> 593, o 941 -> 929, gate/up 1075 -> 1017, down 1266 -> 1250; rank
+    64, dy read twice -> fused with atomic partials: q 1172 -> 1102, k/v 838 -> 819, gate/up 1544 ->
+    1408, but o 1172 -> 1206 and down 1536 -> 1630 (see fuse_dy_pays)."""
     return not torch.are_deterministic_algorithms_enabled()
 
 
 def fuse_dy_pays(meta: LoRABatchMeta, d_in: int, d_out: int) -> bool:
-    """dh and dB from one read of dy (lora_shrink_sgrad) rather than two passes. The per-tile fp32 dB
-    partials cost 2 x 4 x BLOCK_R / tile bytes a column of dy, the dy read saved 2 x 1: at BLOCK_R <= 32
-    at most 1/2 of it on 64-row tiles, 1/8 on 256-row ones, and the atomic partials (`atomic_db`) less.
-    At BLOCK_R 64 only with atomic partials on 256-row tiles, and where d_out >= d_in: at o (2048 -> 1024)
-    and down (3072 -> 1024) the dy pass on 256-row tiles writing the wide dx cost more than the narrow dy
-    read it saved (atomic_db's figures)."""
+    """dh and dB from one read of dy (lora_shrink_sgrad) rather than two passes. Per-tile fp32 dB
+    partials, written and read back, cost 4 BLOCK_R / BLOCK_M of the dy read the fusion saves: at
+    BLOCK_R <= 32 on 256-row tiles at most 1/2 (1/4 at rank 16), as much or more on the 64-row tiles of
+    small batches (below one 256-row tile an SM, where launches dominate), and less again with the
+    atomic partials (`atomic_db`). At BLOCK_R 64 only with atomic partials on 256-row tiles, and where
+    d_out >= d_in: at o (2048 -> 1024) and down (3072 -> 1024) the dy pass on 256-row tiles writing
+    the wide dx cost more than the narrow dy read it saved (atomic_db's figures)."""
     block_r = _block_r(meta.max_rank)
     if block_r <= 32:
         return True
