@@ -46,3 +46,12 @@ OUT=$OUT/probe10 SHAPES=q,k/v,gate/up PROBE=10 PYTHONPATH=/tmp/colora-shim timeo
 OUT=$OUT/probe10_r16 RANK=16 PROBE=10 PYTHONPATH=/tmp/colora-shim timeout 120 python3 -P reports/h200/sixteenth/r64_probe.py
 COLORA_TIMEOUT=150 bash scripts/h200.sh cli bench kernels --only lora --out $OUT/kernels_lora
 OUT=$OUT/tests timeout 170 bash scripts/h200.sh tests
+
+# 7. ncu_final/ (at 0a574b0, the final code): Nsight Compute on one step of k/v and gate/up at rank 64
+#    and of k/v at rank 16, the launchers' own choices (the dy pass with its atomic dB included)
+mkdir -p $OUT/ncu_final
+for R in 64 16; do S=$([ $R = 64 ] && echo k/v,gate/up || echo k/v)
+  RANK=$R SHAPES=$S NCU=1 PYTHONPATH=/tmp/colora-shim timeout 150 ncu --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
+    --section SchedulerStats --section LaunchStats python3 -P reports/h200/sixteenth/r64_probe.py > $OUT/ncu_final/r$R.txt 2>&1
+done
