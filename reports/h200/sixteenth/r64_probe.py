@@ -4,6 +4,7 @@ own choices, timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kerne
 bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root on
 the H200 after scripts/h200.sh has made its shim:
     PROBE=10 PYTHONPATH=/tmp/colora-shim python3 reports/h200/sixteenth/r64_probe.py [--quick]
+PROBE=11: the rank-64 dy pass with dB fused on 16 warps, and on BLOCK_K 32 x 4 stages.
 PROBE=10 (default): the fused dy pass's dx expand on 128 columns (the launch search's choice, the default
 at rank 64 since) against 32 (before) and 64; and the forward shrink 3 stages deep against 4.
 PROBE=9 (at a1263ea, reverted): x loaded and y stored by the tensor-memory accelerator (shrink "tma").
@@ -124,8 +125,15 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "shrink s3": ({}, {"shrink": {"stages": 3}}),
         "own again": ({}, {}),
     },
+    "11": {  # the rank-64 dy pass (dB fused; one program of 8 warps an SM at 48-50% of DRAM peak) on 16 warps
+        "own": ({}, {}),
+        "dy pass w16": ({}, {"dy_pass": {"warps": 16}}),
+        "dy pass w16 k32 s4": ({}, {"dy_pass": {"warps": 16, "block_k": 32, "stages": 4}}),
+        "dy pass w8 k32 s4 n2 64": ({}, {"dy_pass": {"block_k": 32, "stages": 4, "block_n2": 64}}),
+        "own again": ({}, {}),
+    },
 }[os.environ.get("PROBE", "10")]
-CEILING = os.environ.get("PROBE", "10") not in ("4", "5", "6", "7", "8", "10")  # the cuBLAS and forward-only rows (not in calls 4-5)
+CEILING = os.environ.get("PROBE", "10") not in ("4", "5", "6", "7", "8", "10", "11")  # the cuBLAS and forward-only rows (not in calls 4-5)
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
