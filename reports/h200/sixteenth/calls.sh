@@ -55,3 +55,7 @@ for R in 64 16; do S=$([ $R = 64 ] && echo k/v,gate/up || echo k/v)
     --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy \
     --section SchedulerStats --section LaunchStats python3 -P reports/h200/sixteenth/r64_probe.py > $OUT/ncu_final/r$R.txt 2>&1
 done
+
+# 8. probe11/ (at c33de06, the final kernel code): the rank-64 dy pass (dB fused) on 16 warps, and on
+#    BLOCK_K 32 x 4 stages: none faster than its own 8 warps, BLOCK_K 64 x 3
+OUT=$OUT/probe11 SHAPES=q,k/v,gate/up PROBE=11 PYTHONPATH=/tmp/colora-shim timeout 200 python3 -P reports/h200/sixteenth/r64_probe.py
