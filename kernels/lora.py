@@ -227,7 +227,7 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
         return _plus_base(x, y, base, add_to)
     x = x if x.stride(-1) == 1 else x.contiguous()
     bases = () if add_to is None else (add_to,)
-    fuse = (fuse_dy_pays(meta, x.shape[1], B.shape[0]) if fuse_dy is None else fuse_dy,
+    fuse = (fuse_dy_pays(meta, x.shape[1], B.shape[0], x.dtype) if fuse_dy is None else fuse_dy,
             fuse_expand_pays(meta, 1, x.shape[1], B.shape[0]) if fuse_expand is None else fuse_expand)
     copies = None if compute is None else (compute[0], [compute[1]])
     return _GroupedLoRA.apply(x, A, meta, 1, fuse, copies, weights, B, *bases)[0]
@@ -266,6 +266,6 @@ def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequenc
     if compute is not None:
         with torch.no_grad():
             copies = (pack(compute[0]), list(compute[1]))
-    fuse = (fuse_dy_pays(meta, x.shape[1], Bs[0].shape[0]) if fuse_dy is None else fuse_dy,
+    fuse = (fuse_dy_pays(meta, x.shape[1], Bs[0].shape[0], x.dtype) if fuse_dy is None else fuse_dy,
             fuse_expand_pays(meta, S, x.shape[1], Bs[0].shape[0]) if fuse_expand is None else fuse_expand)
     return list(_GroupedLoRA.apply(x, pack(As), meta, S, fuse, copies, weights, *Bs, *(add_to or ())))

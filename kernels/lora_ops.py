@@ -193,18 +193,21 @@ def atomic_db() -> bool:
     return not torch.are_deterministic_algorithms_enabled()
 
 
-def fuse_dy_pays(meta: LoRABatchMeta, d_in: int, d_out: int) -> bool:
+def fuse_dy_pays(meta: LoRABatchMeta, d_in: int, d_out: int, dtype: torch.dtype) -> bool:
     """dh and dB from one read of dy (lora_shrink_sgrad) rather than two passes. Per-tile fp32 dB
     partials, written and read back, cost 4 BLOCK_R / BLOCK_M of the dy read the fusion saves: at
     BLOCK_R <= 32 on 256-row tiles at most 1/2 (1/4 at rank 16), as much or more on the 64-row tiles of
     small batches (below one 256-row tile an SM, where launches dominate), and less again with the
     atomic partials (`atomic_db`). At BLOCK_R 64 only with atomic partials on 256-row tiles, and where
     d_out >= d_in: at o (2048 -> 1024) and down (3072 -> 1024) the dy pass on 256-row tiles writing
-    the wide dx cost more than the narrow dy read it saved (atomic_db's figures)."""
+    the wide dx cost more than the narrow dy read it saved (atomic_db's figures); and not at fp32, whose
+    IEEE dots hold their operands in registers: that pass spills 2.4 KB a thread (kernels/compile_check.py,
+    Triton 3.9) where the two passes of the rule before it do not."""
     block_r = _block_r(meta.max_rank)
     if block_r <= 32:
         return True
-    return block_r == 64 and d_out >= d_in and atomic_db() and dy_pass_block_m(meta) > SHRINK_BLOCK_M
+    return (block_r == 64 and d_out >= d_in and dtype != torch.float32 and atomic_db()
+            and dy_pass_block_m(meta) > SHRINK_BLOCK_M)
 
 
 def _shrink_block_k(block_m: int, block_r: int, K: int, dtype: torch.dtype, fused: bool = True) -> int:

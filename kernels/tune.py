@@ -102,7 +102,7 @@ def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float =
             raise RuntimeError(f"tune {name}: the launchers' own configuration failed: {err}")
         trials, best = [], {}
         # the fused dy pass runs where fuse_dy_pays; the plain shrink takes dh there otherwise
-        for kernel in (k for k in TUNABLE if k != "dy_pass" or fuse_dy_pays(meta, d_in, d_out)):
+        for kernel in (k for k in TUNABLE if k != "dy_pass" or fuse_dy_pays(meta, d_in, d_out, x.dtype)):
             for cfg in candidates(kernel, quick):
                 if time.time() - t_start > budget_s:
                     break

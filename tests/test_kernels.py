@@ -391,23 +391,27 @@ def test_atomic_db_partials_equal_the_per_tile_ones(tokens, monkeypatch):
 
 def test_dy_pass_fuses_where_the_rule_says():
     """fuse_dy_pays: always at BLOCK_R <= 32; at BLOCK_R 64 only with atomic partials, 256-row tiles
-    (256 x SMs rows: 1,024 on the interpreter) and d_out >= d_in; never above 64."""
+    (256 x SMs rows: 1,024 on the interpreter), d_out >= d_in and a 16-bit dtype; never above 64."""
     from colora.kernels import lora_ops
 
     def meta(tokens, rank):
         return K.LoRABatchMeta.build([0, tokens // 2, tokens], [0, rank, 2 * rank], [1.0, 1.0], DEV)
 
+    def pays(tokens, rank, d_in, d_out, dtype=torch.bfloat16):
+        return lora_ops.fuse_dy_pays(meta(tokens, rank), d_in, d_out, dtype)
+
     big = 256 * lora_ops._num_sms(torch.device(DEV))
-    assert lora_ops.fuse_dy_pays(meta(64, 16), 40, 24) and lora_ops.fuse_dy_pays(meta(big, 32), 40, 24)
-    assert lora_ops.fuse_dy_pays(meta(big, 64), 24, 40) and lora_ops.fuse_dy_pays(meta(big, 48), 24, 24)
-    assert not lora_ops.fuse_dy_pays(meta(big, 64), 40, 24)  # dx wider than dy
-    assert not lora_ops.fuse_dy_pays(meta(big - 2, 64), 24, 40)  # 64-row tiles
-    assert not lora_ops.fuse_dy_pays(meta(big, 128), 24, 40)
+    assert pays(64, 16, 40, 24) and pays(big, 32, 40, 24) and pays(64, 16, 40, 24, torch.float32)
+    assert pays(big, 64, 24, 40) and pays(big, 48, 24, 24) and pays(big, 64, 24, 40, torch.float16)
+    assert not pays(big, 64, 40, 24)  # dx wider than dy
+    assert not pays(big - 2, 64, 24, 40)  # 64-row tiles
+    assert not pays(big, 64, 24, 40, torch.float32)  # the fp32 pass would spill
+    assert not pays(big, 128, 24, 40)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert not lora_ops.fuse_dy_pays(meta(big, 64), 24, 40)
-        assert lora_ops.fuse_dy_pays(meta(big, 16), 24, 40)  # per-tile partials at rank <= 32
+        assert not pays(big, 64, 24, 40)
+        assert pays(big, 16, 24, 40)  # per-tile partials at rank <= 32
     finally:
         torch.use_deterministic_algorithms(was)
 
