@@ -59,3 +59,7 @@ done
 # 8. probe11/ (at c33de06, the final kernel code): the rank-64 dy pass (dB fused) on 16 warps, and on
 #    BLOCK_K 32 x 4 stages: none faster than its own 8 warps, BLOCK_K 64 x 3
 OUT=$OUT/probe11 SHAPES=q,k/v,gate/up PROBE=11 PYTHONPATH=/tmp/colora-shim timeout 200 python3 -P reports/h200/sixteenth/r64_probe.py
+
+# 9. tests_final/ (at f8ef679, the final code: fuse_dy_pays keeps fp32 rank 64 unfused): the GPU tests
+#    (172 + 2 passed, 1 skipped: the vLLM-LoRA tuning test, no kit on the host)
+OUT=$OUT/tests_final timeout 215 bash scripts/h200.sh tests
