@@ -364,7 +364,7 @@ def to_markdown(result: dict) -> str:
            "", "## Grouped LoRA, forward + backward (bf16)", "",
            "x bound: time over (compulsory bytes / copy bandwidth); compulsory bytes = 2 x T x (3 d_in + 2 d_out). "
            "loop: the torch reference (per-job loop) run eagerly.", "",
-           "fused dy: dh and dB from one pass over dy (the default when BLOCK_R <= 32); 'other' is the same "
+           "fused dy: dh and dB from one pass over dy (the default where lora_ops.fuse_dy_pays); 'other' is the same "
            "step with the other choice.", "",
            "graph: the same triton step replayed as one CUDA graph (triton.testing.do_bench_cudagraph), the "
            "kernels' time without the host's launch gaps; '-' on the CPU.", "",

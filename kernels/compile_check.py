@@ -32,7 +32,7 @@ from .lora_ops import _shrink_block_k, _shrink_stages, expand_block_n2, reduce_s
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "STG.E.128", "STG.E.U16", "LDL", "STL", "REDG", "ATOMG",
-       "RED.E.ADD.F32.FTZ.RN.STRONG.GPU ", "F32x4")
+       "F32x4")  # REDG: fire-and-forget atomic adds (the dy pass's dB); F32x4: 128-bit ones
 
 
 def compile_one(label: str, fn, types: dict, consts: dict, ones=(), div16=(), warps=4, stages=3) -> str:
@@ -75,7 +75,8 @@ def variants():
                           stride_pm=i,
                           w2_ptr=p, y_ptr=p, N2=i, stride_w2n=i, stride_w2r=i, stride_ym=i, stride_yn=i)
             div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm", "N2", "stride_w2r", "stride_ym")
-            bk = _shrink_block_k(64, R, 1024, torch.float32 if dt == "fp32" else torch.bfloat16, fused=False)
+            dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+            bk = _shrink_block_k(64, R, 1024, dtype, fused=False)
             warps = 8 if R >= 128 else 4
             stages = _shrink_stages(R, dt == "fp32", False)
             base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False,
@@ -92,7 +93,7 @@ def variants():
             # ones on 256-row tiles at R 64 (bf16 only: at fp32 it spills 2.4 KB a thread, so it does not run)
             for bm, atomic in ((64, False), (256, False), (64, True), (256, True)) if R <= 32 else \
                     ((256, True),) if R == 64 and dt == "bf16" else ():
-                fused = dict(base, BLOCK_M=bm, BLOCK_K=(32 if dt == "fp32" else 64) if bm == 256 else bk,
+                fused = dict(base, BLOCK_M=bm, BLOCK_K=_shrink_block_k(bm, R, 1024, dtype),
                              FUSE_SGRAD=True, HAS_SCALE=True, PART_ATOMIC=atomic)
                 w = 8 if bm == 256 else 4
                 a = " atomic" if atomic else ""

@@ -101,7 +101,7 @@ class LoRABatchMeta:
     seg_start_t: torch.Tensor  # int32 [J+1]
     rank_start_t: torch.Tensor  # int32 [J+1]
     scale_t: torch.Tensor  # fp32 [J]
-    _tiles: dict = field(default_factory=dict, repr=False)  # block -> Tiles, shared by with_ranks
+    _tiles: dict = field(default_factory=dict, repr=False)  # block (or "job") -> Tiles, shared by with_ranks
     _derived: dict = field(default_factory=dict, repr=False)  # per rank layout: packed metas, perms
 
     @staticmethod

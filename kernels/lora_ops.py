@@ -162,12 +162,10 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
     N = dy.shape[1]
     pb = _shrink_block_k(block_m, block_r, N, dy.dtype)  # the partials' column block: the pass's BLOCK_K
     atomic = _tuned("dy_pass", atomic=atomic_db())["atomic"]
-    if atomic:  # one partial a job, every tile adding to it (fp32 atomics: the sum's order varies)
-        table = meta.per_job()
-        part = torch.zeros((cdiv(N, pb), max(table.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
-    else:  # one partial a tile, summed per job in tile order by the reduce
-        table = tiles
-        part = torch.empty((cdiv(N, pb), max(tiles.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
+    # one partial a job, every tile adding to it (fp32 atomics: the sum's order varies), or one a tile,
+    # summed per job in tile order by the reduce
+    table, alloc = (meta.per_job(), torch.zeros) if atomic else (tiles, torch.empty)
+    part = alloc((cdiv(N, pb), max(table.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
     _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m, None if dx is None else (*dx[:2], False, dx[2]),
                    atomic=atomic)
     _launch_reduce(part, dBt, meta, table, block_r, scale=True)

@@ -3,8 +3,8 @@
     colora bench kernels --only tune --out reports/lora_tune     (H200: a few minutes; --tune-budget)
 
 For each problem (8 jobs x 24k tokens at rank 64, where every projection's forward+backward stays
-above 1.3x the bytes bound on the H200: 1.47-1.81x since the launchers took this search's rank-64
-choices, reports/h200/fifteenth; and k/v at rank 16, within it, as the control) and each launcher
+above 1.3x the bytes bound on the H200: 1.45-1.66x at the sixteenth session's final code,
+reports/h200/sixteenth; and k/v at rank 16, within it, as the control) and each launcher
 of `lora_ops.TUNABLE`, the LoRA step runs with one candidate configuration for that launcher while
 the others keep their own choice, timed by the sum of the GPU's own kernel durations
 (`bench.kernel_times`: no host gaps). Then the best of each launcher together, also replayed as one
@@ -31,7 +31,8 @@ from .lora_ops import TUNABLE, fuse_dy_pays, launch_overrides
 _SHRINK = [(64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 4, 3), (64, 256, 8, 3),
            (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3, 32), (64, 128, 4, 3, 128),
            (128, 64, 8, 3, 64), (128, 128, 8, 3, 128)]
-# the fused dy pass (rank <= 32); its own at 8 x 24k: (256, 64, 8, 3, 64)
+# the fused dy pass (lora_ops.fuse_dy_pays); its own at 8 x 24k: (256, 64, 8, 3, 64) at rank 16, (256, 64, 8, 3, 128)
+# at rank 64
 _DY_PASS = [(256, 32, 4, 3), (256, 32, 8, 4), (256, 64, 4, 3), (256, 64, 8, 2), (256, 128, 8, 2),
             (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (512, 32, 8, 3), (512, 64, 8, 2),
             (256, 64, 8, 3, 32), (256, 64, 8, 3, 128)]
