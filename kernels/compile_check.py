@@ -112,12 +112,19 @@ def variants():
                        dict(BLOCK_M=64, BLOCK_N=ebn, BLOCK_R=R, HAS_SCALE=True, ACCUMULATE=acc, PRECISION=prec),
                        ("stride_wn", "stride_yn"), ("N", "h_slice", "stride_hm", "stride_wr", "stride_ym"), ewarps, 2)
             bn, sw = sgrad_shape(R)
-            sgrad = dict(p_ptr=p, q_ptr=p, part_ptr="*fp32", tile_job_ptr="*i32", tile_row_ptr="*i32",
-                         seg_start_ptr="*i32", rank_start_ptr="*i32", N=i, p_slice=i, chunk=i, stride_pm=i,
-                         stride_qm=i, stride_qn=i)
-            yield (f"sgrad {dt} R{R}", lora_sgrad_kernel, sgrad,
-                   dict(BLOCK_T=64 if R <= 64 else 32, BLOCK_R=R, BLOCK_N=bn, PRECISION=prec),
-                   ("stride_qn",), ("N", "p_slice", "chunk", "stride_pm", "stride_qm"), sw, 3)
+            sgrad = dict(p_ptr=p, q_ptr=p, part_ptr="*fp32", w_ptr=p, y_ptr=p, scale_ptr="*fp32", tile_job_ptr="*i32",
+                         tile_row_ptr="*i32", seg_start_ptr="*i32", rank_start_ptr="*i32", N=i, p_slice=i, chunk=i,
+                         stride_pm=i, stride_qm=i, stride_qn=i, stride_wn=i, stride_wr=i, stride_ym=i, stride_yn=i)
+            sg = dict(BLOCK_T=64 if R <= 64 else 32, BLOCK_R=R, BLOCK_N=bn, PRECISION=prec, SGRAD=True, EXPAND=False,
+                      EXPAND_SCALE=False, ACCUMULATE=False)
+            sdiv = ("N", "p_slice", "chunk", "stride_pm", "stride_qm", "stride_wr", "stride_ym")
+            sones = ("stride_qn", "stride_wn", "stride_yn")
+            yield f"sgrad {dt} R{R}", lora_sgrad_kernel, sgrad, sg, sones, sdiv, sw, 3
+            # dA with the dx expand (accumulating into dy W), and the expand alone on long programs
+            yield (f"sgrad+expand {dt} R{R}", lora_sgrad_kernel, sgrad, dict(sg, EXPAND=True, ACCUMULATE=True),
+                   sones, sdiv, sw, 3)
+            yield (f"expand rows {dt} R{R}", lora_sgrad_kernel, sgrad,
+                   dict(sg, SGRAD=False, EXPAND=True, EXPAND_SCALE=True), sones, sdiv, sw, 3)
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
                           scale_ptr="*fp32", N=i, n_chunks=i, stride_or=i, stride_on=i)
             # as launched at 8 jobs x 1024 columns on the H200: the dy pass's 64-column blocks, and few

@@ -23,8 +23,8 @@ import torch
 
 from .backend import resolve_backend
 from .lora_meta import FloatsLike, IntsLike, LoRABatchMeta
-from .lora_ops import (fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_sgrad, lora_shrink,
-                       lora_shrink_expand, lora_shrink_sgrad)
+from .lora_ops import (expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_expand_rows,
+                       lora_sgrad, lora_shrink, lora_shrink_expand, lora_shrink_sgrad)
 from .lora_ref import grouped_lora_ref
 
 
@@ -55,7 +55,8 @@ class _GroupedLoRA(torch.autograd.Function):
             # B^T copies ([R, d_out], tiny): contiguous along d_out, so both the expand here and the dh
             # shrink of the backward read them with wide loads
             Bts = [B.t().contiguous() for B in Bs]
-        fuse_expand = fuse[1] and n_slices == 1
+        route_y, route_dx = expand_route(fuse[1], n_slices)
+        fuse_expand = route_y == "shrink"
         # [T, >= slices * max_rank], see h_width; zero-filled for the separate expand, which reads its
         # padding lanes. With the expand fused, h's only readers (the backward's dy pass and sgrad)
         # carry its lanes >= r_j into rows of their fp32 partials that the reduce never stores.
@@ -72,12 +73,13 @@ class _GroupedLoRA(torch.autograd.Function):
             if fuse_expand:
                 ys.append(lora_shrink_expand(x, A, Bt.t(), meta, h, out, scale_out=True, accumulate=accumulate))
             else:
-                ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=accumulate))
+                expand = lora_expand_rows if route_y == "rows" else lora_expand
+                ys.append(expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=accumulate))
         if bases:
             ctx.mark_dirty(*bases)
         ctx.save_for_backward(x, A, h, *Bts)
         ctx.meta, ctx.n_slices, ctx.n_bases = meta, n_slices, len(bases)
-        ctx.fuse_dy, ctx.fuse_expand = fuse[0], fuse_expand
+        ctx.fuse_dy, ctx.route_dx = fuse[0], route_dx
         ctx.weights = weights
         ctx.set_materialize_grads(False)
         return tuple(ys)
@@ -92,15 +94,25 @@ class _GroupedLoRA(torch.autograd.Function):
         need_dh = need[0] or need[1]
         dys = [None if d is None else d.to(x.dtype) for d in dys]
         dys = [None if d is None else (d if d.stride(-1) == 1 else d.contiguous()) for d in dys]
-        # one slice with a dy and a dx to compute: dx is written by the dy pass (fused expand), after
-        # the base projections' dy W when there are any (the pass then adds dh A to it)
-        fused_dx = None
-        if ctx.fuse_expand and need[0] and dys[0] is not None:
-            dx = torch.mm(dys[0], ctx.weights[0]) if ctx.weights is not None else torch.empty_like(x)
-            fused_dx = (A.t(), dx, ctx.weights is not None)
-        # slices without an incoming gradient keep dh = 0; the separate dx expand reads its padding
-        # lanes (as h's in the forward). One slice with a dy and no separate expand: no fill needed.
-        no_fill = ctx.fuse_expand and dys[0] is not None and (fused_dx is not None or not need[0])
+        # one slice with a dy and a dx to compute: dx is written by the dy pass (route "dy") or the dA pass
+        # (route "sgrad"), after the base projections' dy W when there are any (the pass then adds dh A to it)
+        route_dx = ctx.route_dx if need[0] else None
+        if route_dx == "dy" and dys[0] is None:
+            route_dx = "tiles"
+        dx = None
+        if route_dx in ("dy", "sgrad"):
+            dx = torch.empty_like(x)
+            if ctx.weights is not None:
+                live = [(W, dy) for W, dy in zip(ctx.weights, dys) if dy is not None]
+                for i, (W, dy) in enumerate(live):
+                    torch.mm(dy, W, out=dx) if i == 0 else dx.addmm_(dy, W)  # dx = sum_s dy_s W_s (the base's)
+                if not live:
+                    dx.zero_()
+        base_dx = ctx.weights is not None
+        fused_dx = (A.t(), dx, base_dx) if route_dx == "dy" else None
+        # slices without an incoming gradient keep dh = 0; the dx expands outside the dy pass read its
+        # padding lanes (as h's in the forward). One slice whose dy pass writes every lane read: no fill.
+        no_fill = (ctx.route_dx == "dy" and dys[0] is not None and route_dx in ("dy", None))
         dh = ((torch.empty_like if no_fill else torch.zeros_like)(h)) if need_dh else None
         dBs = []
         for s, (Bt, dy) in enumerate(zip(Bts, dys)):
@@ -121,15 +133,20 @@ class _GroupedLoRA(torch.autograd.Function):
                     if dBt is not None:
                         lora_sgrad(h, dy, meta, dBt, p_slice=s, scale=True)
             dBs.append(None if dBt is None else dBt.t())
-        if fused_dx is not None:
-            dx = fused_dx[1]
-        else:
-            dx = lora_expand(dh, A.t(), packed, torch.empty_like(x)) if need[0] else None
-            if dx is not None and ctx.weights is not None:
+        dA = torch.empty(A.shape, dtype=a_dtype, device=A.device) if need[1] else None
+        if route_dx == "sgrad":
+            if dA is not None:
+                lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx, base_dx))
+            else:
+                lora_expand_rows(dh, A.t(), packed, dx, accumulate=base_dx)
+        elif dA is not None:
+            lora_sgrad(dh, x, packed, dA)
+        if route_dx == "tiles":
+            dx = lora_expand(dh, A.t(), packed, torch.empty_like(x))
+            if ctx.weights is not None:
                 for W, dy in zip(ctx.weights, dys):
                     if dy is not None:
                         dx.addmm_(dy, W)  # dx += dy_s W_s, the base projection's part
-        dA = lora_sgrad(dh, x, packed, torch.empty(A.shape, dtype=a_dtype, device=A.device)) if need[1] else None
         return (dx, dA, None, None, None, None, None, *dBs, *(dys[:ctx.n_bases]))
 
 

@@ -181,37 +181,60 @@ def lora_expand_kernel(
 @triton.jit
 def lora_sgrad_kernel(
     p_ptr, q_ptr, part_ptr,  # p: [T, H], q: [T, N], part: fp32 [cdiv(N, BLOCK_N), chunks, BLOCK_R, BLOCK_N]
+    w_ptr, y_ptr, scale_ptr,  # EXPAND only: w: [N, R] (strided), y: [T, N] (strided)
     tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr,
     N, p_slice, chunk,
-    stride_pm, stride_qm, stride_qn,
+    stride_pm, stride_qm, stride_qn, stride_wn, stride_wr, stride_ym, stride_yn,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SGRAD: tl.constexpr = True, EXPAND: tl.constexpr = False,
+    EXPAND_SCALE: tl.constexpr = False, ACCUMULATE: tl.constexpr = False,
 ):
-    """One chunk of one job's rows: partial[c] = p_chunk^T q_chunk. Split over rows (not atomics)
-    keeps the weight gradients deterministic while filling the GPU when one job owns all rows."""
+    """One chunk of one job's rows, BLOCK_N columns: partial[c] = p_chunk^T q_chunk (SGRAD). Split over
+    rows (not atomics) keeps the weight gradients deterministic while filling the GPU when one job owns
+    all rows. With EXPAND also y[t, n] (+)= (s_j *) sum_k p[t, p_slice*r_j + k] w[n, rank_start[j] + k]
+    for the same rows and columns, one BLOCK_T tile after another: dA = dh^T x and dx = dh A in one pass
+    that reads each x tile and writes the dx tile of the same rows and columns (as a copy does), or,
+    without SGRAD, the expand alone on long programs that load their weight tile once."""
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
     job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid_c, chunk)
-    if r == 0:  # reduce skips rank-0 jobs, so their partials are never read
-        return
+    if not EXPAND:
+        if r == 0:  # reduce skips rank-0 jobs, so their partials are never read
+            return
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_t = tl.arange(0, BLOCK_T)
     acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    if EXPAND:  # a rank-0 job's weight tile is all zeros: its rows get y = 0 (or keep y when accumulating)
+        wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + (r0 + offs_r)[:, None] * stride_wr,
+                     mask=(offs_r < r)[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+        if EXPAND_SCALE:
+            s2 = tl.load(scale_ptr + job)
     for t0 in range(row0, row_end, BLOCK_T):
         rows = t0 + offs_t
         t_ok = rows < row_end
         rows = rows.to(tl.int64)
         pt = tl.load(p_ptr + rows[:, None] * stride_pm + (p_slice * r + offs_r)[None, :],
-                     mask=t_ok[:, None], other=0.0)  # [BLOCK_T, BLOCK_R], lanes >= r unused
-        qt = tl.load(q_ptr + rows[:, None] * stride_qm + offs_n[None, :] * stride_qn,
-                     mask=t_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_N]
-        acc = _dot(tl.trans(pt), qt, acc, PRECISION)
-    # blocked layout (module docstring): [cdiv(N, BLOCK_N), chunks, BLOCK_R, BLOCK_N]
-    blk = (pid_n.to(tl.int64) * tl.num_programs(0) + pid_c) * BLOCK_R * BLOCK_N
-    part = part_ptr + blk + offs_r[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(part, acc, mask=n_ok[None, :])
+                     mask=t_ok[:, None], other=0.0)  # [BLOCK_T, BLOCK_R], lanes >= r unused (finite: EXPAND)
+        if SGRAD:
+            qt = tl.load(q_ptr + rows[:, None] * stride_qm + offs_n[None, :] * stride_qn,
+                         mask=t_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_N]
+            acc = _dot(tl.trans(pt), qt, acc, PRECISION)
+        if EXPAND:
+            yacc = _dot(pt, wt, tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32), PRECISION)
+            if EXPAND_SCALE:
+                yacc = yacc * s2
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+            mask = t_ok[:, None] & n_ok[None, :]
+            if ACCUMULATE:
+                yacc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
+    if SGRAD:
+        # blocked layout (module docstring): [cdiv(N, BLOCK_N), chunks, BLOCK_R, BLOCK_N]
+        blk = (pid_n.to(tl.int64) * tl.num_programs(0) + pid_c) * BLOCK_R * BLOCK_N
+        part = part_ptr + blk + offs_r[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(part, acc, mask=n_ok[None, :])
 
 
 @triton.jit

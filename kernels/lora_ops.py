@@ -34,6 +34,9 @@ TUNABLE = {
     "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2", "atomic"),  # the fused dh + dB partials (-> dx)
     "expand": ("block_m", "block_n", "warps", "stages"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
+    "dx_pass": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA with the dx expand (lora_sgrad's expand)
+    "expand_rows": ("block_t", "block_n", "warps", "stages", "chunk"),  # h -> y on long programs
+    "route": ("dx", "y"),  # where dx and y are expanded: see lora._GroupedLoRA
 }
 _overrides: dict[str, dict] = {}
 
@@ -243,6 +246,17 @@ def expand_block_n2(block_m: int, warps: int, block_r: int, fp32: bool, dy_pass:
     return (32 if fp32 else 64) * 32 * warps // block_m // (2 if block_r >= 64 else 1)
 
 
+def expand_route(fuse_expand: bool, n_slices: int) -> tuple[str, str]:
+    """(y, dx): where the forward's y and the backward's dx are expanded. y: "shrink" (in the launch
+    that computes h; one slice), "tiles" (lora_expand) or "rows" (lora_expand_rows); dx: "dy" (in the dy
+    pass; one slice), "sgrad" (in dA's pass: lora_sgrad's expand) or "tiles" (lora_expand)."""
+    fuse = fuse_expand and n_slices == 1
+    route = _tuned("route", y="shrink" if fuse else "tiles", dx="dy" if fuse else "tiles")
+    if n_slices > 1 and (route["y"] == "shrink" or route["dx"] == "dy"):
+        raise ValueError(f"route {route}: the expands fuse into the shrink / dy pass with one slice only")
+    return route["y"], route["dx"]
+
+
 def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) -> bool:
     """The expand of the y / dx rows fuses into the pass that computes their h / dh when there is
     one slice (a packed call's dx needs every slice's dh first, and its outputs are several tensors)
@@ -360,13 +374,24 @@ def sgrad_shape(block_r: int) -> tuple[int, int]:
     return (128, 4) if block_r <= 32 else (256, 8) if block_r == 64 else (64, 8)
 
 
+def dx_pass_shape(block_r: int) -> tuple[int, int]:
+    """(columns per program, warps) of the sgrad with its dx expand: [64, 128] dx tiles over 8 warps at
+    BLOCK_R <= 64 (126-128 registers, 57 / 106 KB of shared memory at BLOCK_R 16 / 64 with Triton 3.9;
+    the sgrad's own [64, 256] at BLOCK_R 64 takes 252 and 172 KB: one program an SM)."""
+    return (128, 8) if block_r <= 64 else sgrad_shape(block_r)
+
+
 def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
-               p_slice: int = 0, scale: bool = False, chunk: int | None = None) -> torch.Tensor:
+               p_slice: int = 0, scale: bool = False, chunk: int | None = None,
+               expand: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
     """out[rank_start[j] + k, n] = (scale_j *) sum_{t in job j} p[t, p_slice*r_j + k] * q[t, n].
 
     p: [T, H] (h or dh; as h in lora_expand), q: [T, N] (dy or x), out: [R, N] (any strides: dA,
     or dB^T). Every row of out is written (zeros for a job without rows). Two launches: per-chunk
     fp32 partials, then a per-job sum in chunk order, so the result does not depend on scheduling.
+    expand: (w [N, R], y [T, N], accumulate) to also write y (+)= lora_expand(p, w) from the same
+    programs (dA = dh^T x with dx = dh A: each x tile read and the dx tile of the same rows written in
+    turn); p must then be finite in every column, as lora_expand's h.
     """
     T, N = q.shape
     _check(meta, p, "p", meta.num_tokens)
@@ -379,27 +404,63 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
                          "columns (h_width), finite everywhere")
     if not (p.dtype == q.dtype):
         raise ValueError(f"dtypes differ: p {p.dtype}, q {q.dtype}")
-    if meta.total_rank == 0:
+    if expand is not None:
+        _check_expand(p, expand[0], meta, expand[1], p_slice)
+        if expand[0].shape[0] != N:
+            raise ValueError(f"the expand's weight has {expand[0].shape[0]} rows, q {N} columns")
+    if meta.total_rank == 0 and expand is None:
         return out
+    kernel = "sgrad" if expand is None else "dx_pass"
+    block_n, warps = sgrad_shape(block_r) if expand is None else dx_pass_shape(block_r)
+    block_n = min(block_n, max(16, pow2(N)))
+    cfg = _tuned(kernel, block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
+                 stages=3, chunk=chunk or sgrad_chunk(meta, cdiv(N, block_n), block_r))
+    part = _launch_rows(p, meta, p_slice, cfg, q=q, expand=None if expand is None else (*expand[:2], False, expand[2]))
+    _launch_reduce(part, out, meta, meta.tiles(cfg["chunk"]), block_r, scale)
+    return out
+
+
+def lora_expand_rows(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
+                     h_slice: int = 0, scale: bool = False, accumulate: bool = False) -> torch.Tensor:
+    """lora_expand on long programs: each takes a chunk of one job's rows and BLOCK_N columns, loads its
+    weight tile once and writes the chunk's y tiles one after another (lora_sgrad_kernel without
+    its sgrad), where lora_expand's programs write one tile each. Arguments as lora_expand's."""
+    N = w.shape[0]
+    _check_expand(h, w, meta, out, h_slice)
+    block_r = _block_r(meta.max_rank)
     block_n, warps = sgrad_shape(block_r)
     block_n = min(block_n, max(16, pow2(N)))
-    cfg = _tuned("sgrad", block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
-                 stages=3, chunk=chunk or sgrad_chunk(meta, cdiv(N, block_n), block_r))
+    cfg = _tuned("expand_rows", block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
+                 stages=3, chunk=sgrad_chunk(meta, cdiv(N, block_n), block_r))
+    _launch_rows(h, meta, h_slice, cfg, expand=(w, out, scale, accumulate))
+    return out
+
+
+def _launch_rows(p, meta, p_slice, cfg, *, q=None, expand=None):
+    """lora_sgrad_kernel over chunks of cfg["chunk"] rows and cfg["block_n"] columns: the sgrad's
+    partials of p^T q (returned) where q is given, and the expand (w, y, scale, accumulate)."""
+    block_r = _block_r(meta.max_rank)
     block_n, chunk = cfg["block_n"], cfg["chunk"]
+    w, y, scale2, accumulate = expand or (p, p, False, False)
+    N = q.shape[1] if q is not None else w.shape[0]
     n_tiles_n = cdiv(N, block_n)
     chunks = meta.tiles(chunk)
-    part = torch.empty((n_tiles_n, max(chunks.n, 1), block_r, block_n), dtype=torch.float32, device=q.device)
+    part = None
+    if q is not None:
+        part = torch.empty((n_tiles_n, max(chunks.n, 1), block_r, block_n), dtype=torch.float32, device=p.device)
     if chunks.n > 0:
         lora_sgrad_kernel[(chunks.n, n_tiles_n)](
-            p, q, part,
+            p, q if q is not None else p, part if q is not None else p, w, y, meta.scale_t,
             chunks.job, chunks.row, meta.seg_start_t, meta.rank_start_t,
             N, p_slice, chunk,
-            p.stride(0), q.stride(0), q.stride(1),
-            BLOCK_T=cfg["block_t"], BLOCK_R=block_r, BLOCK_N=block_n,
-            PRECISION=_precision(q.dtype, q.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
+            p.stride(0), q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+            w.stride(0) if expand else 0, w.stride(1) if expand else 0,
+            y.stride(0) if expand else 0, y.stride(1) if expand else 0,
+            BLOCK_T=cfg["block_t"], BLOCK_R=block_r, BLOCK_N=block_n, PRECISION=_precision(p.dtype, p.device),
+            SGRAD=q is not None, EXPAND=expand is not None, EXPAND_SCALE=scale2, ACCUMULATE=accumulate,
+            num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
-    _launch_reduce(part, out, meta, chunks, block_r, scale)
-    return out
+    return part
 
 
 def reduce_shape(num_jobs: int, N: int, block_r: int, partials: int, pb: int) -> tuple[int, int, int]:

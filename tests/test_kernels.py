@@ -342,6 +342,53 @@ def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
     assert launches == [False] and not lora_ops.fuse_expand_pays(case.meta, 2, 24, 40)
 
 
+ROUTES = [(y, dx, fuse_dy) for y in ("shrink", "tiles", "rows") for dx in ("dy", "sgrad", "tiles")
+          for fuse_dy in (True, False) if (y == "shrink") == (dx == "dy") or y == "rows" or dx == "sgrad"]
+
+
+@pytest.mark.parametrize("route_y,route_dx,fuse_dy", ROUTES, ids=[f"y {y}, dx {d}, fuse_dy {f}" for y, d, f in ROUTES])
+def test_every_expand_route_matches_the_reference(route_y, route_dx, fuse_dy):
+    """y expanded in the shrink's launch, by lora_expand or by lora_expand_rows; dx in the dy pass, in
+    dA's pass (lora_sgrad's expand) or by lora_expand: every route gives the reference's y and
+    gradients, with mixed ranks, a job without rows, a rank-0 job with rows, and 2-3 chunks a job
+    (sgrad_chunk's 256 rows); with the base weight inside the op too (dx = dy W + dh A)."""
+    from colora.kernels import lora_ops
+
+    case = lora_case([600, 0, 300, 9], [16, 8, 0, 4], 40, 24, torch.bfloat16, DEV, seed=21)
+    W = (torch.randn(24, 40, generator=torch.Generator().manual_seed(3)) * 0.2).to(torch.bfloat16).to(DEV)
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    ref_w = lora_grads(K.grouped_lora, case.double(), backend="torch", base=W.double())
+    with lora_ops.launch_overrides(route={"y": route_y, "dx": route_dx}):
+        got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, fuse_expand=route_y == "shrink")
+        got_w = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, base=W,
+                           fuse_expand=route_y == "shrink")
+    for key in ("y", "dx", "dA", "dB"):
+        assert rel_err(got[key], ref[key]) <= LORA_TOL[torch.bfloat16], key
+        assert rel_err(got_w[key], ref_w[key]) <= LORA_TOL[torch.bfloat16], key
+
+
+def test_packed_routes_outside_the_shrink_match_the_reference():
+    """A packed call (two slices) with y by lora_expand_rows and dx in dA's pass; the routes that fuse
+    into one slice's shrink or dy pass are refused."""
+    from colora.kernels import lora_ops
+
+    case = lora_case([300, 40], [16, 4], 24, 40, torch.float32, DEV, seed=22)
+    dys = [torch.randn(340, 40, generator=torch.Generator().manual_seed(s)).to(DEV) for s in (1, 2)]
+    B2 = case.B.detach().flip(0).clone().requires_grad_()
+
+    def run(backend, dtype=torch.float32):
+        x, A, B, B2_ = (t.detach().to(dtype).requires_grad_() for t in (case.x, case.A, case.B, B2))
+        ys = K.grouped_lora_packed(x, [A, A], [B, B2_], case.meta, backend=backend)
+        return [y.detach() for y in ys] + list(torch.autograd.grad(ys, (x, A, B, B2_), [d.to(dtype) for d in dys]))
+
+    with lora_ops.launch_overrides(route={"y": "rows", "dx": "sgrad"}):
+        got = run("triton")
+    for a, b in zip(got, run("torch", torch.float64)):
+        assert rel_err(a, b) <= LORA_TOL[torch.float32]
+    with lora_ops.launch_overrides(route={"dx": "dy"}), pytest.raises(ValueError, match="one slice only"):
+        run("triton")
+
+
 @pytest.fixture
 def deterministic():
     was = torch.are_deterministic_algorithms_enabled()

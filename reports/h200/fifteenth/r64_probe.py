@@ -1,6 +1,6 @@
 """The fifteenth session's rank-64 probe, kept as the command its calls.sh names: the script itself is
-reports/h200/sixteenth/r64_probe.py, whose variant sets PROBE=1-6 are this session's unchanged (the
-sixteenth added 7-10 and an ncu mode). Run as before, from the repository root on the H200:
+reports/h200/seventeenth/r64_probe.py, whose variant sets PROBE=1-6 are this session's unchanged (the
+sixteenth added 7-11 and an ncu mode, the seventeenth 12 on). Run as before, from the repository root on the H200:
     PROBE=1 PYTHONPATH=/tmp/colora-shim python3 reports/h200/fifteenth/r64_probe.py [--quick]
 (without PROBE: 3, this file's default then).
 """
@@ -8,5 +8,5 @@ import os
 import runpy
 
 os.environ.setdefault("PROBE", "3")
-runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sixteenth", "r64_probe.py"),
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "seventeenth", "r64_probe.py"),
                run_name="__main__")
