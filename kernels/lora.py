@@ -94,13 +94,14 @@ class _GroupedLoRA(torch.autograd.Function):
         need_dh = need[0] or need[1]
         dys = [None if d is None else d.to(x.dtype) for d in dys]
         dys = [None if d is None else (d if d.stride(-1) == 1 else d.contiguous()) for d in dys]
-        # one slice with a dy and a dx to compute: dx is written by the dy pass (route "dy") or the dA pass
-        # (route "sgrad"), after the base projections' dy W when there are any (the pass then adds dh A to it)
+        # dx is written by the dy pass (route "dy": one slice with a dy), the dA pass (route "sgrad") or
+        # lora_expand_rows (route "rows") after the base projections' dy W when there are any (the pass then
+        # adds dh A to it), or by lora_expand (route "tiles"), the base's part added after
         route_dx = ctx.route_dx if need[0] else None
         if route_dx == "dy" and dys[0] is None:
             route_dx = "tiles"
         dx = None
-        if route_dx in ("dy", "sgrad"):
+        if route_dx in ("dy", "sgrad", "rows"):
             dx = torch.empty_like(x)
             if ctx.weights is not None:
                 live = [(W, dy) for W, dy in zip(ctx.weights, dys) if dy is not None]
@@ -134,13 +135,13 @@ class _GroupedLoRA(torch.autograd.Function):
                         lora_sgrad(h, dy, meta, dBt, p_slice=s, scale=True)
             dBs.append(None if dBt is None else dBt.t())
         dA = torch.empty(A.shape, dtype=a_dtype, device=A.device) if need[1] else None
-        if route_dx == "sgrad":
-            if dA is not None:
-                lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx, base_dx))
-            else:
+        if route_dx == "sgrad" and dA is not None:
+            lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx, base_dx))
+        else:
+            if route_dx in ("sgrad", "rows"):
                 lora_expand_rows(dh, A.t(), packed, dx, accumulate=base_dx)
-        elif dA is not None:
-            lora_sgrad(dh, x, packed, dA)
+            if dA is not None:
+                lora_sgrad(dh, x, packed, dA)
         if route_dx == "tiles":
             dx = lora_expand(dh, A.t(), packed, torch.empty_like(x))
             if ctx.weights is not None:

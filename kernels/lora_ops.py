@@ -249,7 +249,8 @@ def expand_block_n2(block_m: int, warps: int, block_r: int, fp32: bool, dy_pass:
 def expand_route(fuse_expand: bool, n_slices: int) -> tuple[str, str]:
     """(y, dx): where the forward's y and the backward's dx are expanded. y: "shrink" (in the launch
     that computes h; one slice), "tiles" (lora_expand) or "rows" (lora_expand_rows); dx: "dy" (in the dy
-    pass; one slice), "sgrad" (in dA's pass: lora_sgrad's expand) or "tiles" (lora_expand)."""
+    pass; one slice), "sgrad" (in dA's pass: lora_sgrad's expand), "rows" (lora_expand_rows) or "tiles"
+    (lora_expand)."""
     fuse = fuse_expand and n_slices == 1
     route = _tuned("route", y="shrink" if fuse else "tiles", dx="dy" if fuse else "tiles")
     if n_slices > 1 and (route["y"] == "shrink" or route["dx"] == "dy"):

@@ -342,8 +342,8 @@ def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
     assert launches == [False] and not lora_ops.fuse_expand_pays(case.meta, 2, 24, 40)
 
 
-ROUTES = [(y, dx, fuse_dy) for y in ("shrink", "tiles", "rows") for dx in ("dy", "sgrad", "tiles")
-          for fuse_dy in (True, False) if (y == "shrink") == (dx == "dy") or y == "rows" or dx == "sgrad"]
+ROUTES = [(y, dx, fuse_dy) for y in ("shrink", "tiles", "rows") for dx in ("dy", "sgrad", "rows", "tiles")
+          for fuse_dy in (True, False) if (y == "shrink") == (dx == "dy") or y == "rows" or dx in ("sgrad", "rows")]
 
 
 @pytest.mark.parametrize("route_y,route_dx,fuse_dy", ROUTES, ids=[f"y {y}, dx {d}, fuse_dy {f}" for y, d, f in ROUTES])
@@ -368,8 +368,8 @@ def test_every_expand_route_matches_the_reference(route_y, route_dx, fuse_dy):
 
 
 def test_packed_routes_outside_the_shrink_match_the_reference():
-    """A packed call (two slices) with y by lora_expand_rows and dx in dA's pass; the routes that fuse
-    into one slice's shrink or dy pass are refused."""
+    """A packed call (two slices) with y by lora_expand_rows and dx in dA's pass or by lora_expand_rows;
+    the routes that fuse into one slice's shrink or dy pass are refused."""
     from colora.kernels import lora_ops
 
     case = lora_case([300, 40], [16, 4], 24, 40, torch.float32, DEV, seed=22)
@@ -381,10 +381,12 @@ def test_packed_routes_outside_the_shrink_match_the_reference():
         ys = K.grouped_lora_packed(x, [A, A], [B, B2_], case.meta, backend=backend)
         return [y.detach() for y in ys] + list(torch.autograd.grad(ys, (x, A, B, B2_), [d.to(dtype) for d in dys]))
 
-    with lora_ops.launch_overrides(route={"y": "rows", "dx": "sgrad"}):
-        got = run("triton")
-    for a, b in zip(got, run("torch", torch.float64)):
-        assert rel_err(a, b) <= LORA_TOL[torch.float32]
+    want = run("torch", torch.float64)
+    for dx in ("sgrad", "rows"):
+        with lora_ops.launch_overrides(route={"y": "rows", "dx": dx}):
+            got = run("triton")
+        for a, b in zip(got, want):
+            assert rel_err(a, b) <= LORA_TOL[torch.float32], dx
     with lora_ops.launch_overrides(route={"dx": "dy"}), pytest.raises(ValueError, match="one slice only"):
         run("triton")
 

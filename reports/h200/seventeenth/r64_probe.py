@@ -4,6 +4,8 @@ own choices, timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kerne
 bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root on
 the H200 after scripts/h200.sh has made its shim:
     PROBE=12 PYTHONPATH=/tmp/colora-shim python3 reports/h200/seventeenth/r64_probe.py [--quick]
+PROBE=13: the expand routes at rank 16, each named in full; with PACKED=1 BASE=1 TPJ=6144 as the trainer calls
+the kernels (q|k|v and gate|up packed, the base projections inside the op, 49,152-token micro-batches).
 PROBE=12 (default): where dx and y are expanded (launch_overrides' "route"): dx in dA's pass (lora_sgrad's
 expand: each x tile read and the dx tile of the same rows written in turn) against the dy pass (rank 64's
 own choice, and rank 16's where d_in <= d_out) or its own expand; y by lora_expand_rows (long programs)
@@ -37,9 +39,19 @@ from colora.kernels.lora_ops import launch_overrides  # noqa: E402
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 cal = calibrate(dev, QUICK)
-J, TPJ, R = (2, 64, 64) if QUICK else (8, 24576, int(os.environ.get("RANK", "64")))
+J, TPJ, R = (2, 64, 64) if QUICK else (8, int(os.environ.get("TPJ", "24576")), int(os.environ.get("RANK", "64")))
 SHAPES = {"tiny": (64, 128)} if QUICK else {
     "q": (1024, 2048), "k/v": (1024, 1024), "o": (2048, 1024), "gate/up": (1024, 3072), "down": (3072, 1024)}
+# PACKED=1: the trainer's calls instead, q|k|v and gate|up packed (grouped_lora_packed) and o and down alone;
+# BASE=1: with the frozen base projections inside the op (base=W: y = x W^T + LoRA, dx = dy W + dh A), as the
+# trainer calls them. The bound stays the LoRA's own bytes (the base GEMMs' are not in it).
+PACKED = {"q|k|v": (1024, (2048, 1024, 1024)), "o": (2048, (1024,)), "gate|up": (1024, (3072, 3072)),
+          "down": (3072, (1024,))}
+if QUICK:
+    PACKED = {"tiny|tiny": (64, (64, 64))}
+if os.environ.get("PACKED") == "1":
+    SHAPES = {k: (d_in, sum(outs)) for k, (d_in, outs) in PACKED.items()}
+BASE = os.environ.get("BASE") == "1"
 
 
 def graph_us(fn):
@@ -141,6 +153,18 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
                                                            "dx_pass": {"block_n": 256, "warps": 8}}),
         "own again": ({}, {}),
     },
+    "13": {  # the expand routes at rank 16 (RANK=16), every one named, with the trainer's calls (PACKED=1 BASE=1)
+        "own": ({}, {}),
+        "y tiles, dx tiles": ({"fuse_expand": False}, {"route": {"y": "tiles", "dx": "tiles"}}),
+        "y rows, dx tiles": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "tiles"}}),
+        "y tiles, dx rows": ({"fuse_expand": False}, {"route": {"y": "tiles", "dx": "rows"}}),
+        "y rows, dx rows": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "rows"}}),
+        "y rows, dx sgrad": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "sgrad"}}),
+        "y rows, dx dy": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "dy"}}),
+        "y rows, dx rows, n256 w8": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "rows"},
+                                                              "expand_rows": {"block_n": 256, "warps": 8}}),
+        "own again": ({}, {}),
+    },
     "11": {  # the rank-64 dy pass (dB fused; one program of 8 warps an SM at 48-50% of DRAM peak) on 16 warps
         "own": ({}, {}),
         "dy pass w16": ({}, {"dy_pass": {"warps": 16}}),
@@ -149,7 +173,7 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "own again": ({}, {}),
     },
 }[os.environ.get("PROBE", "12")]
-CEILING = os.environ.get("PROBE", "12") not in ("4", "5", "6", "7", "8", "10", "11", "12")  # the cuBLAS and forward-only rows (not in calls 4-5)
+CEILING = os.environ.get("PROBE", "12") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13")  # the cuBLAS and forward-only rows (not in calls 4-5)
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
@@ -157,7 +181,8 @@ if QUICK:  # the interpreter: small tiles only
                 "dy fused M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
                 "dy fused M64 atomic": ({"fuse_dy": True}, {"dy_pass": {"block_m": 64, "block_k": 32, "atomic": True}}),
                 "dx sgrad, fuse_dy, y rows": ({"fuse_dy": True, "fuse_expand": False},
-                                              {"route": {"dx": "sgrad", "y": "rows"}})}
+                                              {"route": {"dx": "sgrad", "y": "rows"}}),
+                "y rows, dx rows": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "rows"}})}
 NCU = os.environ.get("NCU") == "1"
 
 rows = []
@@ -165,6 +190,13 @@ print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; copy {c
       f"bf16 matmul {cal['bf16_matmul_TFLOPs']:.0f} TFLOP/s; {J} jobs x {TPJ} tokens, rank {R}", flush=True)
 for name, (d_in, d_out) in SHAPES.items():
     meta, x, A, B, dy = _lora_problem(K, J, TPJ, R, d_in, d_out, dev, seed=J * 7 + R)
+    outs = PACKED[name][1] if os.environ.get("PACKED") == "1" else (d_out,)
+    g = torch.Generator(device=dev).manual_seed(5)
+    As = [A] + [(torch.randn_like(A, dtype=torch.float32) / d_in**0.5).to(A.dtype).requires_grad_() for _ in outs[1:]]
+    Bs = list(B.detach().split(outs, 0)) if len(outs) > 1 else [B]
+    Bs = [b.contiguous().requires_grad_() for b in Bs] if len(outs) > 1 else Bs
+    dys = list(dy.split(outs, 1)) if len(outs) > 1 else [dy]
+    Ws = [(torch.randn(n, d_in, device=dev, generator=g) / d_in**0.5).to(x.dtype) for n in outs] if BASE else None
     T = J * TPJ
     bound_us = 2 * T * (3 * d_in + 2 * d_out) / (cal["copy_GBps"] * 1e9) * 1e6
     ref = None
@@ -183,7 +215,10 @@ for name, (d_in, d_out) in SHAPES.items():
         continue
     for vname, (kw, over) in VARIANTS.items():
         def step(kw=kw):
-            y = K.grouped_lora(x, A, B, meta=meta, backend="triton", **kw)
+            if len(outs) > 1:
+                ys = K.grouped_lora_packed(x, As, Bs, meta, backend="triton", base=Ws, **kw)
+                return torch.autograd.grad(ys, (x, *As, *Bs), dys)
+            y = K.grouped_lora(x, A, B, meta=meta, backend="triton", base=Ws and Ws[0], **kw)
             return torch.autograd.grad(y, (x, A, B), dy)
         try:
             with launch_overrides(**over):
@@ -218,7 +253,8 @@ for name, (d_in, d_out) in SHAPES.items():
         with torch.no_grad():
             return K.grouped_lora(x, A, B, meta=meta, backend="triton")
 
-    for vname, fn in (("dense cuBLAS", dense), ("dense cuBLAS fwd", lambda: dense(True)), ("own fwd", own_fwd))[:3 * CEILING]:
+    for vname, fn in (("dense cuBLAS", dense), ("dense cuBLAS fwd", lambda: dense(True)),
+                      ("own fwd", own_fwd))[:3 * (CEILING and len(outs) == 1 and not BASE)]:
         t = graph_us(fn)
         ks = _kernel_breakdown(fn, dev) or {}
         fwd_bound = 2 * T * (d_in + d_out) / (cal["copy_GBps"] * 1e9) * 1e6
@@ -227,7 +263,7 @@ for name, (d_in, d_out) in SHAPES.items():
         print(f"  {vname:32s} graph {t:7.0f} us  x bound {t / b:5.2f}{' (fwd bytes)' if 'fwd' in vname else ''}  [{top}]",
               flush=True)
         rows.append({"shape": name, "variant": vname, "graph_us": t, "x_bound": t / b, "kernels_us": ks})
-    del x, A, B, dy, ref
+    del x, A, B, dy, ref, As, Bs, dys, Ws
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
