@@ -23,7 +23,7 @@ import torch
 
 from .backend import resolve_backend
 from .lora_meta import FloatsLike, IntsLike, LoRABatchMeta
-from .lora_ops import (expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_expand_rows,
+from .lora_ops import (base_order, expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_expand_rows,
                        lora_sgrad, lora_shrink, lora_shrink_expand, lora_shrink_sgrad)
 from .lora_ref import grouped_lora_ref
 
@@ -63,18 +63,23 @@ class _GroupedLoRA(torch.autograd.Function):
         h = (x.new_empty if fuse_expand else x.new_zeros)((T, h_width(meta, n_slices)))
         if not fuse_expand:
             lora_shrink(x, A, packed, h)
+        # the base projection after the delta (base_after), added by cuBLAS's epilogue (beta = 1): its read
+        # of y hides under the GEMM's arithmetic, where the delta accumulating into x W^T reads and writes y
+        base_after = weights is not None and base_order() == "after"
         ys = []
         for s, Bt in enumerate(Bts):
-            if weights is not None:
+            if weights is not None and not base_after:
                 out = torch.mm(x, weights[s].t())  # the base projection, to add the delta into
             else:
                 out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
-            accumulate = bool(bases) or weights is not None
+            accumulate = bool(bases) or (weights is not None and not base_after)
             if fuse_expand:
                 ys.append(lora_shrink_expand(x, A, Bt.t(), meta, h, out, scale_out=True, accumulate=accumulate))
             else:
                 expand = lora_expand_rows if route_y == "rows" else lora_expand
                 ys.append(expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=accumulate))
+            if base_after:
+                out.addmm_(x, weights[s].t())
         if bases:
             ctx.mark_dirty(*bases)
         ctx.save_for_backward(x, A, h, *Bts)

@@ -36,7 +36,7 @@ TUNABLE = {
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
     "dx_pass": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA with the dx expand (lora_sgrad's expand)
     "expand_rows": ("block_t", "block_n", "warps", "stages", "chunk"),  # h -> y on long programs
-    "route": ("dx", "y"),  # where dx and y are expanded: see lora._GroupedLoRA
+    "route": ("dx", "y", "base"),  # where dx and y are expanded, and the base's order: see lora._GroupedLoRA
 }
 _overrides: dict[str, dict] = {}
 
@@ -253,9 +253,17 @@ def expand_route(fuse_expand: bool, n_slices: int) -> tuple[str, str]:
     (lora_expand)."""
     fuse = fuse_expand and n_slices == 1
     route = _tuned("route", y="shrink" if fuse else "tiles", dx="dy" if fuse else "tiles")
+    route = {k: route[k] for k in ("y", "dx")}
     if n_slices > 1 and (route["y"] == "shrink" or route["dx"] == "dy"):
         raise ValueError(f"route {route}: the expands fuse into the shrink / dy pass with one slice only")
     return route["y"], route["dx"]
+
+
+def base_order() -> str:
+    """Where the op's base projection (grouped_lora's base=W) joins the forward's y: "after" (the LoRA
+    delta written first, x W^T added by cuBLAS's epilogue with beta = 1) or "before" (x W^T first,
+    the delta's expand reading and writing y to add into it)."""
+    return _tuned("route", base="after")["base"]
 
 
 def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) -> bool:

@@ -260,7 +260,8 @@ def test_add_to_accumulates_in_place_and_passes_gradient():
 def test_base_weight_inside_the_op_equals_adding_the_base_output(dtype, slices, backend, x_grad):
     """base=W: the op computes x W^T itself and adds dy W to dx in the same matmul; outputs and
     every gradient equal those of add_to=x W^T (autograd summing the base's dx), packed or not, and
-    with an input that needs no gradient (the first layer's). Frozen weights only."""
+    with an input that needs no gradient (the first layer's), the base product added after the delta
+    (the default) or before it. Frozen weights only."""
     tokens, ranks, d_in, outs = [21, 0, 44], [8, 4, 16], 40, (32, 16, 16)[:slices]
     g = torch.Generator().manual_seed(7 + slices)
     meta = lora_case(tokens, ranks, d_in, 8, dtype, DEV, seed=7).meta
@@ -285,6 +286,15 @@ def test_base_weight_inside_the_op_equals_adding_the_base_output(dtype, slices, 
     want = run(call(add_to=[x @ W.t() for W in Ws]))
     for a, b in zip(got, want):
         assert rel_err(a, b) <= LORA_TOL[dtype]
+    if backend == "triton":  # the base product before the delta (the delta accumulating into it) as well
+        from colora.kernels import lora_ops
+
+        assert lora_ops.base_order() == "after"
+        with lora_ops.launch_overrides(route={"base": "before"}):
+            assert lora_ops.base_order() == "before"
+            before = run(call(base=Ws))
+        for a, b in zip(before, want):
+            assert rel_err(a, b) <= LORA_TOL[dtype]
     with pytest.raises(ValueError, match="must be frozen"):
         call(base=[W.clone().requires_grad_() for W in Ws])
     with pytest.raises(ValueError, match="not both"):

@@ -4,6 +4,8 @@ own choices, timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kerne
 bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root on
 the H200 after scripts/h200.sh has made its shim:
     PROBE=12 PYTHONPATH=/tmp/colora-shim python3 reports/h200/seventeenth/r64_probe.py [--quick]
+PROBE=14: with PACKED=1 BASE=1, the op's base projection added after the LoRA delta by cuBLAS's epilogue (the
+default since) against before it (the delta's expand accumulating into x W^T).
 PROBE=13: the expand routes at rank 16, each named in full; with PACKED=1 BASE=1 TPJ=6144 as the trainer calls
 the kernels (q|k|v and gate|up packed, the base projections inside the op, 49,152-token micro-batches).
 PROBE=12 (default): where dx and y are expanded (launch_overrides' "route"): dx in dA's pass (lora_sgrad's
@@ -165,6 +167,14 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
                                                               "expand_rows": {"block_n": 256, "warps": 8}}),
         "own again": ({}, {}),
     },
+    "14": {  # the base projection's order in the forward (PACKED=1 BASE=1): after the delta (own) or before
+        "own": ({}, {}),
+        "base before": ({}, {"route": {"base": "before"}}),
+        "y rows": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "tiles"}}),
+        "y rows, base before": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "tiles", "base": "before"}}),
+        "own again": ({}, {}),
+        "base before again": ({}, {"route": {"base": "before"}}),
+    },
     "11": {  # the rank-64 dy pass (dB fused; one program of 8 warps an SM at 48-50% of DRAM peak) on 16 warps
         "own": ({}, {}),
         "dy pass w16": ({}, {"dy_pass": {"warps": 16}}),
@@ -173,7 +183,7 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "own again": ({}, {}),
     },
 }[os.environ.get("PROBE", "12")]
-CEILING = os.environ.get("PROBE", "12") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13")  # the cuBLAS and forward-only rows (not in calls 4-5)
+CEILING = os.environ.get("PROBE", "12") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14")  # the cuBLAS and forward-only rows (not in calls 4-5)
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
