@@ -99,23 +99,14 @@ class _GroupedLoRA(torch.autograd.Function):
         need_dh = need[0] or need[1]
         dys = [None if d is None else d.to(x.dtype) for d in dys]
         dys = [None if d is None else (d if d.stride(-1) == 1 else d.contiguous()) for d in dys]
-        # dx is written by the dy pass (route "dy": one slice with a dy), the dA pass (route "sgrad") or
-        # lora_expand_rows (route "rows") after the base projections' dy W when there are any (the pass then
-        # adds dh A to it), or by lora_expand (route "tiles"), the base's part added after
+        # dx is written by the dy pass (route "dy": one slice with a dy), dA's pass (route "sgrad"),
+        # lora_expand_rows ("rows") or lora_expand ("tiles"); then the base projections' dy_s W_s are added
+        # by cuBLAS's epilogue (beta = 1), which reads dx under the GEMM's arithmetic (as in the forward)
         route_dx = ctx.route_dx if need[0] else None
         if route_dx == "dy" and dys[0] is None:
             route_dx = "tiles"
-        dx = None
-        if route_dx in ("dy", "sgrad", "rows"):
-            dx = torch.empty_like(x)
-            if ctx.weights is not None:
-                live = [(W, dy) for W, dy in zip(ctx.weights, dys) if dy is not None]
-                for i, (W, dy) in enumerate(live):
-                    torch.mm(dy, W, out=dx) if i == 0 else dx.addmm_(dy, W)  # dx = sum_s dy_s W_s (the base's)
-                if not live:
-                    dx.zero_()
-        base_dx = ctx.weights is not None
-        fused_dx = (A.t(), dx, base_dx) if route_dx == "dy" else None
+        dx = torch.empty_like(x) if need[0] else None
+        fused_dx = (A.t(), dx, False) if route_dx == "dy" else None
         # slices without an incoming gradient keep dh = 0; the dx expands outside the dy pass read its
         # padding lanes (as h's in the forward). One slice whose dy pass writes every lane read: no fill.
         no_fill = (ctx.route_dx == "dy" and dys[0] is not None and route_dx in ("dy", None))
@@ -132,8 +123,7 @@ class _GroupedLoRA(torch.autograd.Function):
                     lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, h_slice=s, dx=fused_dx)  # one read of dy
                 else:
                     if fused_dx is not None:
-                        lora_shrink_expand(dy, Bt, fused_dx[0], meta, dh, fused_dx[1], scale_h=True,
-                                           accumulate=fused_dx[2])
+                        lora_shrink_expand(dy, Bt, fused_dx[0], meta, dh, fused_dx[1], scale_h=True)
                     elif need_dh:
                         lora_shrink(dy, Bt, meta, dh, h_slice=s, scale=True)
                     if dBt is not None:
@@ -141,18 +131,18 @@ class _GroupedLoRA(torch.autograd.Function):
             dBs.append(None if dBt is None else dBt.t())
         dA = torch.empty(A.shape, dtype=a_dtype, device=A.device) if need[1] else None
         if route_dx == "sgrad" and dA is not None:
-            lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx, base_dx))
+            lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx, False))
         else:
             if route_dx in ("sgrad", "rows"):
-                lora_expand_rows(dh, A.t(), packed, dx, accumulate=base_dx)
+                lora_expand_rows(dh, A.t(), packed, dx)
+            elif route_dx == "tiles":
+                lora_expand(dh, A.t(), packed, dx)
             if dA is not None:
                 lora_sgrad(dh, x, packed, dA)
-        if route_dx == "tiles":
-            dx = lora_expand(dh, A.t(), packed, torch.empty_like(x))
-            if ctx.weights is not None:
-                for W, dy in zip(ctx.weights, dys):
-                    if dy is not None:
-                        dx.addmm_(dy, W)  # dx += dy_s W_s, the base projection's part
+        if dx is not None and ctx.weights is not None:
+            for W, dy in zip(ctx.weights, dys):
+                if dy is not None:
+                    dx.addmm_(dy, W)  # dx += dy_s W_s, the base projection's part
         return (dx, dA, None, None, None, None, None, *dBs, *(dys[:ctx.n_bases]))
 
 

@@ -4,6 +4,8 @@ own choices, timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kerne
 bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root on
 the H200 after scripts/h200.sh has made its shim:
     PROBE=12 PYTHONPATH=/tmp/colora-shim python3 reports/h200/seventeenth/r64_probe.py [--quick]
+PROBE=15: after the backward's base products moved after the LoRA's dx as well: the separate expands (y, dx)
+by lora_expand_rows against lora_expand (rank 16: the trainer's calls, and o and down alone).
 PROBE=14: with PACKED=1 BASE=1, the op's base projection added after the LoRA delta by cuBLAS's epilogue (the
 default since) against before it (the delta's expand accumulating into x W^T).
 PROBE=13: the expand routes at rank 16, each named in full; with PACKED=1 BASE=1 TPJ=6144 as the trainer calls
@@ -175,6 +177,13 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "own again": ({}, {}),
         "base before again": ({}, {"route": {"base": "before"}}),
     },
+    "15": {  # after the backward's base dy W moved after the LoRA's dx too: the separate expands as lora_expand_rows
+        "own": ({}, {}),
+        "y rows, dx rows": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "rows"}}),
+        "y rows, dx tiles": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "tiles"}}),
+        "y tiles, dx rows": ({"fuse_expand": False}, {"route": {"y": "tiles", "dx": "rows"}}),
+        "own again": ({}, {}),
+    },
     "11": {  # the rank-64 dy pass (dB fused; one program of 8 warps an SM at 48-50% of DRAM peak) on 16 warps
         "own": ({}, {}),
         "dy pass w16": ({}, {"dy_pass": {"warps": 16}}),
@@ -183,7 +192,7 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "own again": ({}, {}),
     },
 }[os.environ.get("PROBE", "12")]
-CEILING = os.environ.get("PROBE", "12") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14")  # the cuBLAS and forward-only rows (not in calls 4-5)
+CEILING = os.environ.get("PROBE", "12") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14", "15")  # the cuBLAS and forward-only rows (not in calls 4-5)
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
