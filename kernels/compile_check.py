@@ -26,8 +26,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .logsoftmax_kernels import selective_logsoftmax_kernel
-from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
-from .lora_ops import _shrink_block_k, _shrink_stages, expand_block_n2, reduce_shape, sgrad_shape
+from .lora_kernels import lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
+from .lora_ops import _shrink_block_k, _shrink_stages, dx_pass_shape, expand_block_n2, reduce_shape, sgrad_shape
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -100,17 +100,6 @@ def variants():
                 yield (f"shrink+sgrad {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink, fused, ones, div, w, 3)
                 yield (f"shrink+sgrad+expand {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink,
                        dict(fused, FUSE_EXPAND=True, BLOCK_N2=n2(bm, w, True), ACCUMULATE=True), ones, div, w, 3)
-            expand = dict(h_ptr=p, w_ptr=p, y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32", seg_start_ptr="*i32",
-                          rank_start_ptr="*i32", scale_ptr="*fp32", N=i, h_slice=i, stride_hm=i, stride_wn=i,
-                          stride_wr=i, stride_ym=i, stride_yn=i)
-            if dt == "fp32":
-                ebn, ewarps = (64 if R <= 64 else 32), 8
-            else:
-                ebn, ewarps = (64 if R >= 128 else 128), warps
-            for acc in (False, True):
-                yield (f"expand{'+acc' if acc else ''} {dt} R{R}", lora_expand_kernel, expand,
-                       dict(BLOCK_M=64, BLOCK_N=ebn, BLOCK_R=R, HAS_SCALE=True, ACCUMULATE=acc, PRECISION=prec),
-                       ("stride_wn", "stride_yn"), ("N", "h_slice", "stride_hm", "stride_wr", "stride_ym"), ewarps, 2)
             bn, sw = sgrad_shape(R)
             sgrad = dict(p_ptr=p, q_ptr=p, part_ptr="*fp32", w_ptr=p, y_ptr=p, scale_ptr="*fp32", tile_job_ptr="*i32",
                          tile_row_ptr="*i32", seg_start_ptr="*i32", rank_start_ptr="*i32", N=i, p_slice=i, chunk=i,
@@ -120,11 +109,15 @@ def variants():
             sdiv = ("N", "p_slice", "chunk", "stride_pm", "stride_qm", "stride_wr", "stride_ym")
             sones = ("stride_qn", "stride_wn", "stride_yn")
             yield f"sgrad {dt} R{R}", lora_sgrad_kernel, sgrad, sg, sones, sdiv, sw, 3
-            # dA with the dx expand (accumulating into dy W), and the expand alone on long programs
-            yield (f"sgrad+expand {dt} R{R}", lora_sgrad_kernel, sgrad, dict(sg, EXPAND=True, ACCUMULATE=True),
-                   sones, sdiv, sw, 3)
-            yield (f"expand rows {dt} R{R}", lora_sgrad_kernel, sgrad,
-                   dict(sg, SGRAD=False, EXPAND=True, EXPAND_SCALE=True), sones, sdiv, sw, 3)
+            # dA with the dx expand (route "sgrad"; not a default), at its own block shape
+            xbn, xw = dx_pass_shape(R)
+            yield (f"sgrad+expand {dt} R{R}", lora_sgrad_kernel, sgrad, dict(sg, BLOCK_N=xbn, EXPAND=True),
+                   sones, sdiv, xw, 3)
+            ebn, ew = ((64 if R <= 64 else 32), 8) if dt == "fp32" else (bn, sw)  # as lora_expand launches
+            for acc in (False, True):  # lora_expand (the sgrad kernel without its sgrad)
+                yield (f"expand{'+acc' if acc else ''} {dt} R{R}", lora_sgrad_kernel, sgrad,
+                       dict(sg, BLOCK_N=ebn, SGRAD=False, EXPAND=True, EXPAND_SCALE=True, ACCUMULATE=acc),
+                       sones, sdiv, ew, 3)
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
                           scale_ptr="*fp32", N=i, n_chunks=i, stride_or=i, stride_on=i)
             # as launched at 8 jobs x 1024 columns on the H200: the dy pass's 64-column blocks, and few

@@ -23,8 +23,8 @@ import torch
 
 from .backend import resolve_backend
 from .lora_meta import FloatsLike, IntsLike, LoRABatchMeta
-from .lora_ops import (base_order, expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_expand_rows,
-                       lora_sgrad, lora_shrink, lora_shrink_expand, lora_shrink_sgrad)
+from .lora_ops import (base_order, expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_sgrad,
+                       lora_shrink, lora_shrink_expand, lora_shrink_sgrad)
 from .lora_ref import grouped_lora_ref
 
 
@@ -76,8 +76,7 @@ class _GroupedLoRA(torch.autograd.Function):
             if fuse_expand:
                 ys.append(lora_shrink_expand(x, A, Bt.t(), meta, h, out, scale_out=True, accumulate=accumulate))
             else:
-                expand = lora_expand_rows if route_y == "rows" else lora_expand
-                ys.append(expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=accumulate))
+                ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=accumulate))
             if base_after:
                 out.addmm_(x, weights[s].t())
         if bases:
@@ -99,12 +98,12 @@ class _GroupedLoRA(torch.autograd.Function):
         need_dh = need[0] or need[1]
         dys = [None if d is None else d.to(x.dtype) for d in dys]
         dys = [None if d is None else (d if d.stride(-1) == 1 else d.contiguous()) for d in dys]
-        # dx is written by the dy pass (route "dy": one slice with a dy), dA's pass (route "sgrad"),
-        # lora_expand_rows ("rows") or lora_expand ("tiles"); then the base projections' dy_s W_s are added
+        # dx is written by the dy pass (route "dy": one slice with a dy), lora_expand ("expand") or dA's pass
+        # ("sgrad"); then the base projections' dy_s W_s are added
         # by cuBLAS's epilogue (beta = 1), which reads dx under the GEMM's arithmetic (as in the forward)
         route_dx = ctx.route_dx if need[0] else None
         if route_dx == "dy" and dys[0] is None:
-            route_dx = "tiles"
+            route_dx = "expand"
         dx = torch.empty_like(x) if need[0] else None
         fused_dx = (A.t(), dx, False) if route_dx == "dy" else None
         # slices without an incoming gradient keep dh = 0; the dx expands outside the dy pass read its
@@ -133,9 +132,7 @@ class _GroupedLoRA(torch.autograd.Function):
         if route_dx == "sgrad" and dA is not None:
             lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx, False))
         else:
-            if route_dx in ("sgrad", "rows"):
-                lora_expand_rows(dh, A.t(), packed, dx)
-            elif route_dx == "tiles":
+            if route_dx in ("sgrad", "expand"):  # sgrad without dA: the expand alone
                 lora_expand(dh, A.t(), packed, dx)
             if dA is not None:
                 lora_sgrad(dh, x, packed, dA)

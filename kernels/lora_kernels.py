@@ -1,14 +1,15 @@
 """Triton kernels of grouped LoRA over rows sorted into per-job segments.
 
-Four kernels serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T (launchers in
+Three kernels serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T (launchers in
 `lora_ops.py`, which say which tensor plays which role):
 
   shrink   h[t, slice*r_j + k]  = (s_j *) sum_i x[t, i] W[rank_start[j] + k, i]    (x A^T; dy B)
            optionally fused with sgrad's partial over its row tile             (+ h^T dy)
            and with the expand of the h tile it computed (one slice)          (+ h B^T; dh A)
-  expand   y[t, n]             (+)= (s_j *) sum_k h[t, slice*r_j + k] W[n, rank_start[j] + k]
-                                                                                  (h B^T; dh A)
   sgrad    partial[c, k, n]     = sum_{t in chunk c} p[t, slice*r_j + k] q[t, n]  (h^T dy; dh^T x)
+           and/or the expand of the same chunk of rows, one [BLOCK_T, BLOCK_N] tile after another:
+           y[t, n]             (+)= (s_j *) sum_k p[t, slice*r_j + k] W[n, rank_start[j] + k]
+                                                                                  (h B^T; dh A)
   reduce   out[rank_start[j] + k, n] = (s_j *) sum_{chunks c of job j} partial[c, k, n]  (in chunk order)
 
 The fp32 partials are stored in column blocks of the writer's tile width PB, one block after another:
@@ -143,39 +144,6 @@ def lora_shrink_kernel(
             tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
             w2_ptrs += BLOCK_N2 * stride_w2n
             y_ptrs += BLOCK_N2 * stride_yn
-
-
-@triton.jit
-def lora_expand_kernel(
-    h_ptr, w_ptr, y_ptr,  # h: [T, H], w: [N, R] (strided), y: [T, N] (strided)
-    tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
-    N, h_slice,
-    stride_hm, stride_wn, stride_wr, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid_m, BLOCK_M)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    rows = rows.to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < r  # all false for a rank-0 job: its rows get y = 0 (or stay y when accumulating)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    ht = tl.load(h_ptr + rows[:, None] * stride_hm + (h_slice * r + offs_r)[None, :],
-                 mask=row_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_R], padding lanes finite
-    wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + (r0 + offs_r)[:, None] * stride_wr,
-                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-    acc = _dot(ht, wt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + job)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    mask = row_ok[:, None] & n_ok[None, :]
-    if ACCUMULATE:
-        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

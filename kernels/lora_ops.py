@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .lora_kernels import lora_expand_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
+from .lora_kernels import lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
 from .lora_meta import LoRABatchMeta
 
 SHRINK_BLOCK_M = 64  # rows per tile of shrink and expand (one tile table serves both)
@@ -32,10 +32,9 @@ FUSED_TILE_WAVES = 1
 TUNABLE = {
     "shrink": ("block_m", "block_k", "warps", "stages", "block_n2"),  # x -> h (-> y), dy -> dh (-> dx) unfused dy
     "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2", "atomic"),  # the fused dh + dB partials (-> dx)
-    "expand": ("block_m", "block_n", "warps", "stages"),  # h -> y, dh -> dx
+    "expand": ("block_t", "block_n", "warps", "stages", "chunk"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
     "dx_pass": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA with the dx expand (lora_sgrad's expand)
-    "expand_rows": ("block_t", "block_n", "warps", "stages", "chunk"),  # h -> y on long programs
     "route": ("dx", "y", "base"),  # where dx and y are expanded, and the base's order: see lora._GroupedLoRA
 }
 _overrides: dict[str, dict] = {}
@@ -248,11 +247,12 @@ def expand_block_n2(block_m: int, warps: int, block_r: int, fp32: bool, dy_pass:
 
 def expand_route(fuse_expand: bool, n_slices: int) -> tuple[str, str]:
     """(y, dx): where the forward's y and the backward's dx are expanded. y: "shrink" (in the launch
-    that computes h; one slice), "tiles" (lora_expand) or "rows" (lora_expand_rows); dx: "dy" (in the dy
-    pass; one slice), "sgrad" (in dA's pass: lora_sgrad's expand), "rows" (lora_expand_rows) or "tiles"
-    (lora_expand)."""
+    that computes h; one slice) or "expand" (lora_expand); dx: "dy" (in the dy pass; one slice),
+    "expand" (lora_expand) or "sgrad" (in dA's pass: lora_sgrad's expand, each x tile read and its dx
+    tile written in turn; not a default: on the H200 at 8 jobs x 24k tokens it was 1-13% slower than
+    the dy pass or lora_expand at every shape, ranks 16 and 64, reports/h200/seventeenth/probe12*)."""
     fuse = fuse_expand and n_slices == 1
-    route = _tuned("route", y="shrink" if fuse else "tiles", dx="dy" if fuse else "tiles")
+    route = _tuned("route", y="shrink" if fuse else "expand", dx="dy" if fuse else "expand")
     route = {k: route[k] for k in ("y", "dx")}
     if n_slices > 1 and (route["y"] == "shrink" or route["dx"] == "dy"):
         raise ValueError(f"route {route}: the expands fuse into the shrink / dy pass with one slice only")
@@ -336,38 +336,6 @@ def _check_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: to
         raise ValueError(f"dtypes differ: h {h.dtype}, weight {w.dtype}, out {out.dtype}")
 
 
-def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
-                h_slice: int = 0, scale: bool = False, accumulate: bool = False) -> torch.Tensor:
-    """out[t, n] (+)= (scale_j *) sum_k h[t, h_slice*r_j + k] * w[n, rank_start[j] + k] for t in job j.
-
-    h: [T, H >= h_slice * max_rank + BLOCK_R], finite in every column (zero-filled before the
-    shrink); w: [N, R] (any strides: B, or A^T for dx; fastest when the N dim has stride 1);
-    out: [T, N] (any strides). Every row of out is written, rows of rank-0 jobs with 0 (or left
-    unchanged when accumulating).
-    """
-    N = w.shape[0]
-    _check_expand(h, w, meta, out, h_slice)
-    block_r = _block_r(meta.max_rank)
-    if h.dtype == torch.float32:  # IEEE fp32 dots run on FMAs and hold operands in registers
-        block_n, warps = (64 if block_r <= 64 else 32), 8
-    else:
-        block_n, warps = (64 if block_r >= 128 else 128), (8 if block_r >= 128 else 4)
-    cfg = _tuned("expand", block_m=SHRINK_BLOCK_M, block_n=min(block_n, max(16, pow2(N))), warps=warps, stages=2)
-    tiles = meta.tiles(cfg["block_m"])
-    if tiles.n == 0:
-        return out
-    lora_expand_kernel[(tiles.n, cdiv(N, cfg["block_n"]))](
-        h, w, out,
-        tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
-        N, h_slice,
-        h.stride(0), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_R=block_r,
-        HAS_SCALE=scale, ACCUMULATE=accumulate, PRECISION=_precision(h.dtype, h.device),
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
-    )
-    return out
-
-
 def sgrad_chunk(meta: LoRABatchMeta, n_tiles_n: int, block_r: int) -> int:
     """Rows per program of the segment reduction: enough programs to fill the GPU (about 4 per SM),
     but chunks of at least 8 * BLOCK_R rows so the fp32 partials stay small beside the inputs."""
@@ -429,17 +397,29 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
     return out
 
 
-def lora_expand_rows(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
-                     h_slice: int = 0, scale: bool = False, accumulate: bool = False) -> torch.Tensor:
-    """lora_expand on long programs: each takes a chunk of one job's rows and BLOCK_N columns, loads its
-    weight tile once and writes the chunk's y tiles one after another (lora_sgrad_kernel without
-    its sgrad), where lora_expand's programs write one tile each. Arguments as lora_expand's."""
+def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
+                h_slice: int = 0, scale: bool = False, accumulate: bool = False) -> torch.Tensor:
+    """out[t, n] (+)= (scale_j *) sum_k h[t, h_slice*r_j + k] * w[n, rank_start[j] + k] for t in job j.
+
+    h: [T, H >= h_slice * max_rank + BLOCK_R], finite in every column (zero-filled before the
+    shrink); w: [N, R] (any strides: B, or A^T for dx; fastest when the N dim has stride 1);
+    out: [T, N] (any strides). Every row of out is written, rows of rank-0 jobs with 0 (or left
+    unchanged when accumulating).
+    Each program takes a chunk of one job's rows and BLOCK_N columns, loads its weight tile once and
+    writes the chunk's tiles one after another (lora_sgrad_kernel without its sgrad). On the H200 at
+    8 jobs x 24k tokens, rank 16, against one [64, 128] tile a program (the kernel before): o 923 ->
+    873 us and down 1253 -> 1213 for the whole forward + backward, y and dx both expanded so; within
+    1% either way on the trainer's calls (reports/h200/seventeenth/probe15*).
+    """
     N = w.shape[0]
     _check_expand(h, w, meta, out, h_slice)
     block_r = _block_r(meta.max_rank)
-    block_n, warps = sgrad_shape(block_r)
+    if h.dtype == torch.float32:  # IEEE fp32 dots hold their operands in registers: narrower tiles
+        block_n, warps = (64 if block_r <= 64 else 32), 8
+    else:
+        block_n, warps = sgrad_shape(block_r)
     block_n = min(block_n, max(16, pow2(N)))
-    cfg = _tuned("expand_rows", block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
+    cfg = _tuned("expand", block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
                  stages=3, chunk=sgrad_chunk(meta, cdiv(N, block_n), block_r))
     _launch_rows(h, meta, h_slice, cfg, expand=(w, out, scale, accumulate))
     return out

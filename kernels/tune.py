@@ -5,7 +5,7 @@
 For each problem (8 jobs x 24k tokens at rank 64, where every projection's forward+backward stays
 above 1.3x the bytes bound on the H200: 1.45-1.66x at the sixteenth session's final code,
 reports/h200/sixteenth; and k/v at rank 16, within it, as the control) and each launcher
-of `lora_ops.TUNABLE`, the LoRA step runs with one candidate configuration for that launcher while
+of `SEARCHED`, the LoRA step runs with one candidate configuration for that launcher while
 the others keep their own choice, timed by the sum of the GPU's own kernel durations
 (`bench.kernel_times`: no host gaps). Then the best of each launcher together, also replayed as one
 CUDA graph, against the bytes bound. A candidate that does not compile or run (too much shared
@@ -26,6 +26,8 @@ import torch
 
 from .lora_ops import TUNABLE, fuse_dy_pays, launch_overrides
 
+SEARCHED = ("shrink", "dy_pass", "expand", "sgrad")  # the launchers searched (TUNABLE's dx_pass and route not)
+
 # (block_m, block_k, warps, stages[, block_n2: the fused expand's columns]) of the shrink; its own
 # choice at bf16: (64, 128, 4, 4, 128) at rank 16, (64, 64, 4, 4, 64) at rank 64
 _SHRINK = [(64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 4, 3), (64, 256, 8, 3),
@@ -36,9 +38,10 @@ _SHRINK = [(64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 4, 3), (6
 _DY_PASS = [(256, 32, 4, 3), (256, 32, 8, 4), (256, 64, 4, 3), (256, 64, 8, 2), (256, 128, 8, 2),
             (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (512, 32, 8, 3), (512, 64, 8, 2),
             (256, 64, 8, 3, 32), (256, 64, 8, 3, 128)]
-# (block_m, block_n, warps, stages) of the expand; its own at rank <= 64: (64, 128, 4, 2)
-_EXPAND = [(64, 64, 4, 2), (64, 256, 4, 2), (64, 256, 8, 2), (128, 64, 4, 2), (128, 128, 4, 2),
-           (128, 128, 8, 2), (128, 256, 8, 2), (256, 128, 8, 2), (64, 128, 4, 3)]
+# (block_t, block_n, warps, stages, chunk or None for its own) of the expand; its own as the sgrad's
+_EXPAND = [(32, 128, 4, 3, None), (64, 64, 4, 3, None), (64, 256, 8, 3, None), (128, 128, 8, 3, None),
+           (64, 128, 8, 3, None), (64, 128, 4, 2, None), (64, 128, 4, 4, None), (64, 128, 4, 3, 2048),
+           (64, 128, 4, 3, 8192)]
 # (block_t, block_n, warps, stages, chunk or None for its own) of the sgrad; its own: (64, 128, 4, 3, own)
 # at rank <= 32, (64, 256, 8, 3, own) at rank 64
 _SGRAD = [(32, 128, 4, 3, None), (64, 64, 4, 3, None), (64, 256, 8, 3, None), (128, 128, 8, 3, None),
@@ -50,7 +53,7 @@ def candidates(kernel: str, quick: bool) -> list[dict]:
     """The configurations tried for `kernel` (a key of lora_ops.TUNABLE)."""
     if quick:  # small blocks the interpreter runs in seconds
         grids = {"shrink": [(64, 32, 4, 2), (128, 16, 4, 2)], "dy_pass": [(64, 16, 4, 2), (128, 32, 4, 2)],
-                 "expand": [(64, 16, 4, 2), (128, 32, 8, 2)], "sgrad": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)]}
+                 "expand": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)], "sgrad": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)]}
     else:
         grids = {"shrink": _SHRINK, "dy_pass": _DY_PASS, "expand": _EXPAND, "sgrad": _SGRAD}
     return [{k: v for k, v in zip(TUNABLE[kernel], cfg) if v is not None} for cfg in grids[kernel]]
@@ -103,7 +106,7 @@ def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float =
             raise RuntimeError(f"tune {name}: the launchers' own configuration failed: {err}")
         trials, best = [], {}
         # the fused dy pass runs where fuse_dy_pays; the plain shrink takes dh there otherwise
-        for kernel in (k for k in TUNABLE if k != "dy_pass" or fuse_dy_pays(meta, d_in, d_out, x.dtype)):
+        for kernel in (k for k in SEARCHED if k != "dy_pass" or fuse_dy_pays(meta, d_in, d_out, x.dtype)):
             for cfg in candidates(kernel, quick):
                 if time.time() - t_start > budget_s:
                     break

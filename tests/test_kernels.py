@@ -352,14 +352,13 @@ def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
     assert launches == [False] and not lora_ops.fuse_expand_pays(case.meta, 2, 24, 40)
 
 
-ROUTES = [(y, dx, fuse_dy) for y in ("shrink", "tiles", "rows") for dx in ("dy", "sgrad", "rows", "tiles")
-          for fuse_dy in (True, False) if (y == "shrink") == (dx == "dy") or y == "rows" or dx in ("sgrad", "rows")]
+ROUTES = [(y, dx, fuse_dy) for y in ("shrink", "expand") for dx in ("dy", "sgrad", "expand") for fuse_dy in (True, False)]
 
 
 @pytest.mark.parametrize("route_y,route_dx,fuse_dy", ROUTES, ids=[f"y {y}, dx {d}, fuse_dy {f}" for y, d, f in ROUTES])
 def test_every_expand_route_matches_the_reference(route_y, route_dx, fuse_dy):
-    """y expanded in the shrink's launch, by lora_expand or by lora_expand_rows; dx in the dy pass, in
-    dA's pass (lora_sgrad's expand) or by lora_expand: every route gives the reference's y and
+    """y expanded in the shrink's launch or by lora_expand; dx in the dy pass, in dA's pass (lora_sgrad's
+    expand) or by lora_expand: every route gives the reference's y and
     gradients, with mixed ranks, a job without rows, a rank-0 job with rows, and 2-3 chunks a job
     (sgrad_chunk's 256 rows); with the base weight inside the op too (dx = dy W + dh A)."""
     from colora.kernels import lora_ops
@@ -378,8 +377,8 @@ def test_every_expand_route_matches_the_reference(route_y, route_dx, fuse_dy):
 
 
 def test_packed_routes_outside_the_shrink_match_the_reference():
-    """A packed call (two slices) with y by lora_expand_rows and dx in dA's pass or by lora_expand_rows;
-    the routes that fuse into one slice's shrink or dy pass are refused."""
+    """A packed call (two slices) with dx in dA's pass or by lora_expand; the routes that fuse into one
+    slice's shrink or dy pass are refused."""
     from colora.kernels import lora_ops
 
     case = lora_case([300, 40], [16, 4], 24, 40, torch.float32, DEV, seed=22)
@@ -392,8 +391,8 @@ def test_packed_routes_outside_the_shrink_match_the_reference():
         return [y.detach() for y in ys] + list(torch.autograd.grad(ys, (x, A, B, B2_), [d.to(dtype) for d in dys]))
 
     want = run("torch", torch.float64)
-    for dx in ("sgrad", "rows"):
-        with lora_ops.launch_overrides(route={"y": "rows", "dx": dx}):
+    for dx in ("sgrad", "expand"):
+        with lora_ops.launch_overrides(route={"y": "expand", "dx": dx}):
             got = run("triton")
         for a, b in zip(got, want):
             assert rel_err(a, b) <= LORA_TOL[torch.float32], dx
@@ -828,7 +827,7 @@ def test_dense_lora_products_are_one_adapters_forward_and_backward():
 
 def test_launch_overrides_reach_the_launches_and_keep_the_results():
     """The tuner's overrides (kernels/tune.py): other tile sizes, warps, stages and chunks for every
-    launcher give the same gradients within the table's tolerance; the expand's 128-row tiles and the
+    launcher give the same gradients within the table's tolerance; the expand's 128-row chunks and the
     sgrad's 512-row chunks are the ones built; unknown kernels or parameters are refused."""
     from colora.kernels import lora_ops
 
@@ -837,7 +836,7 @@ def test_launch_overrides_reach_the_launches_and_keep_the_results():
         want = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse)
         with lora_ops.launch_overrides(shrink={"block_m": 128, "block_k": 32, "warps": 8, "stages": 2},
                                        dy_pass={"block_m": 128, "block_k": 16, "warps": 4, "stages": 2},
-                                       expand={"block_m": 128, "block_n": 16, "warps": 8, "stages": 3},
+                                       expand={"block_t": 32, "block_n": 16, "warps": 8, "stages": 3, "chunk": 128},
                                        sgrad={"block_t": 32, "block_n": 16, "warps": 8, "stages": 2, "chunk": 512}):
             got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse)
         assert {128, 512} <= set(case.meta._tiles)
@@ -860,12 +859,12 @@ def test_bench_kernels_tune_searches_every_launcher_on_the_cpu(tmp_path):
 
     from colora.kernels.bench import main
     from colora.kernels.lora_ops import TUNABLE
-    from colora.kernels.tune import candidates
+    from colora.kernels.tune import SEARCHED, candidates
 
     assert main(["--quick", "--only", "tune", "--out", str(tmp_path / "k")]) == 0
     (row,) = json.loads((tmp_path / "k.json").read_text())["tune"]
     assert row["problem"] == "tiny r16" and row["default_us"] > 0 and row["combined_us"] > 0
-    assert [t["kernel"] for t in row["trials"]] == [k for k in TUNABLE for _ in candidates(k, quick=True)]
+    assert [t["kernel"] for t in row["trials"]] == [k for k in SEARCHED for _ in candidates(k, quick=True)]
     assert all(t["error"] is None and t["us"] > 0 for t in row["trials"])
     assert set(row["best"]) <= set(TUNABLE)
     md = (tmp_path / "k.md").read_text()

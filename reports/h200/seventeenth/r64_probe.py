@@ -3,14 +3,18 @@ Each shape, one process, one call: variants of the grouped LoRA's forward + back
 own choices, timed as a CUDA graph (triton.testing.do_bench_cudagraph) and kernel by kernel (torch.profiler).
 bound: compulsory bytes 2 T (3 d_in + 2 d_out) over a measured 1 GiB copy. Run from the repository root on
 the H200 after scripts/h200.sh has made its shim:
-    PROBE=12 PYTHONPATH=/tmp/colora-shim python3 reports/h200/seventeenth/r64_probe.py [--quick]
+    PROBE=15 PYTHONPATH=/tmp/colora-shim python3 reports/h200/seventeenth/r64_probe.py [--quick]
+(without PROBE: 3, the final tree against its expands in their own launches)
+Sets 12-15 ran at the commits calls.sh names, where route's separate expands were "tiles" (one [64, 128] tile a
+program: lora_expand then) and "rows" (lora_expand_rows, an "expand_rows" override); since 15, "rows" is lora_expand
+and the route is called "expand", so those sets no longer run as written.
 PROBE=15: after the backward's base products moved after the LoRA's dx as well: the separate expands (y, dx)
 by lora_expand_rows against lora_expand (rank 16: the trainer's calls, and o and down alone).
 PROBE=14: with PACKED=1 BASE=1, the op's base projection added after the LoRA delta by cuBLAS's epilogue (the
 default since) against before it (the delta's expand accumulating into x W^T).
 PROBE=13: the expand routes at rank 16, each named in full; with PACKED=1 BASE=1 TPJ=6144 as the trainer calls
 the kernels (q|k|v and gate|up packed, the base projections inside the op, 49,152-token micro-batches).
-PROBE=12 (default): where dx and y are expanded (launch_overrides' "route"): dx in dA's pass (lora_sgrad's
+PROBE=12: where dx and y are expanded (launch_overrides' "route"): dx in dA's pass (lora_sgrad's
 expand: each x tile read and the dx tile of the same rows written in turn) against the dy pass (rank 64's
 own choice, and rank 16's where d_in <= d_out) or its own expand; y by lora_expand_rows (long programs)
 against the shrink's launch; with the dy pass fused or not.
@@ -191,17 +195,17 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "dy pass w8 k32 s4 n2 64": ({}, {"dy_pass": {"block_k": 32, "stages": 4, "block_n2": 64}}),
         "own again": ({}, {}),
     },
-}[os.environ.get("PROBE", "12")]
-CEILING = os.environ.get("PROBE", "12") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14", "15")  # the cuBLAS and forward-only rows (not in calls 4-5)
+}[os.environ.get("PROBE", "3")]
+CEILING = os.environ.get("PROBE", "3") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14", "15")  # the cuBLAS and forward-only rows (not in calls 4-5)
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
     VARIANTS = {"own": ({}, {}), "shrink M128": ({}, {"shrink": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
                 "dy fused M128": ({"fuse_dy": True}, {"dy_pass": {"block_m": 128, "block_k": 32, "warps": 4, "stages": 2}}),
                 "dy fused M64 atomic": ({"fuse_dy": True}, {"dy_pass": {"block_m": 64, "block_k": 32, "atomic": True}}),
-                "dx sgrad, fuse_dy, y rows": ({"fuse_dy": True, "fuse_expand": False},
-                                              {"route": {"dx": "sgrad", "y": "rows"}}),
-                "y rows, dx rows": ({"fuse_expand": False}, {"route": {"y": "rows", "dx": "rows"}})}
+                "dx sgrad, fuse_dy, y expand": ({"fuse_dy": True, "fuse_expand": False},
+                                                {"route": {"dx": "sgrad", "y": "expand"}}),
+                "y expand, dx expand": ({"fuse_expand": False}, {"route": {"y": "expand", "dx": "expand"}})}
 NCU = os.environ.get("NCU") == "1"
 
 rows = []
