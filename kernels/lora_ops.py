@@ -20,7 +20,7 @@ import torch
 from .lora_kernels import lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
 from .lora_meta import LoRABatchMeta
 
-SHRINK_BLOCK_M = 64  # rows per tile of shrink and expand (one tile table serves both)
+SHRINK_BLOCK_M = 64  # rows per tile of the shrink (and of the fused dy pass below one 256-row tile an SM)
 # The fused dy pass takes 256-row tiles from one tile per SM on (T >= 256 x SMs), 64-row ones below:
 # its fp32 partials cost 4 BLOCK_R / tile of a dy read each way, as much as the read it saves at 64
 # rows and rank 16. On the H200's 8-job trainer step (49,152-token micro-batches: 1.45 tiles of 256
@@ -35,7 +35,7 @@ TUNABLE = {
     "expand": ("block_t", "block_n", "warps", "stages", "chunk"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
     "dx_pass": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA with the dx expand (lora_sgrad's expand)
-    "route": ("dx", "y", "base"),  # where dx and y are expanded, and the base's order: see lora._GroupedLoRA
+    "route": ("dx", "y", "base"),  # not a launch: where dx and y are expanded (expand_route), base_order
 }
 _overrides: dict[str, dict] = {}
 
