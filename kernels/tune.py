@@ -50,10 +50,11 @@ _SGRAD = [(32, 128, 4, 3, None), (64, 64, 4, 3, None), (64, 256, 8, 3, None), (1
 
 
 def candidates(kernel: str, quick: bool) -> list[dict]:
-    """The configurations tried for `kernel` (a key of lora_ops.TUNABLE)."""
+    """The configurations tried for `kernel` (one of SEARCHED), as parameters of lora_ops.TUNABLE[kernel]."""
     if quick:  # small blocks the interpreter runs in seconds
         grids = {"shrink": [(64, 32, 4, 2), (128, 16, 4, 2)], "dy_pass": [(64, 16, 4, 2), (128, 32, 4, 2)],
-                 "expand": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)], "sgrad": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)]}
+                 "expand": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)],
+                 "sgrad": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)]}
     else:
         grids = {"shrink": _SHRINK, "dy_pass": _DY_PASS, "expand": _EXPAND, "sgrad": _SGRAD}
     return [{k: v for k, v in zip(TUNABLE[kernel], cfg) if v is not None} for cfg in grids[kernel]]

@@ -352,7 +352,8 @@ def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
     assert launches == [False] and not lora_ops.fuse_expand_pays(case.meta, 2, 24, 40)
 
 
-ROUTES = [(y, dx, fuse_dy) for y in ("shrink", "expand") for dx in ("dy", "sgrad", "expand") for fuse_dy in (True, False)]
+ROUTES = [(y, dx, fuse_dy) for y in ("shrink", "expand") for dx in ("dy", "sgrad", "expand")
+          for fuse_dy in (True, False)]
 
 
 @pytest.mark.parametrize("route_y,route_dx,fuse_dy", ROUTES, ids=[f"y {y}, dx {d}, fuse_dy {f}" for y, d, f in ROUTES])
