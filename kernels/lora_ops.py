@@ -249,8 +249,8 @@ def expand_route(fuse_expand: bool, n_slices: int) -> tuple[str, str]:
     """(y, dx): where the forward's y and the backward's dx are expanded. y: "shrink" (in the launch
     that computes h; one slice) or "expand" (lora_expand); dx: "dy" (in the dy pass; one slice),
     "expand" (lora_expand) or "sgrad" (in dA's pass: lora_sgrad's expand, each x tile read and its dx
-    tile written in turn; not a default: on the H200 at 8 jobs x 24k tokens it was 1-13% slower than
-    the dy pass or lora_expand at every shape, ranks 16 and 64, reports/h200/seventeenth/probe12*)."""
+    tile written in turn; not a default: on the H200 at 8 jobs x 24k tokens it was level to 13% slower
+    than the dy pass or lora_expand at every shape, ranks 16 and 64, reports/h200/seventeenth/probe12*)."""
     fuse = fuse_expand and n_slices == 1
     route = _tuned("route", y="shrink" if fuse else "expand", dx="dy" if fuse else "expand")
     route = {k: route[k] for k in ("y", "dx")}
