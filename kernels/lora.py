@@ -132,7 +132,7 @@ class _GroupedLoRA(torch.autograd.Function):
             dBs.append(None if dBt is None else dBt.t())
         dA = torch.empty(A.shape, dtype=a_dtype, device=A.device) if need[1] else None
         if route_dx == "sgrad" and dA is not None:
-            lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx, False))
+            lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx))
         else:
             if route_dx in ("sgrad", "expand"):  # sgrad without dA: the expand alone
                 lora_expand(dh, A.t(), packed, dx)

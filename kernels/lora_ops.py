@@ -360,13 +360,13 @@ def dx_pass_shape(block_r: int) -> tuple[int, int]:
 
 def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
                p_slice: int = 0, scale: bool = False, chunk: int | None = None,
-               expand: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+               expand: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """out[rank_start[j] + k, n] = (scale_j *) sum_{t in job j} p[t, p_slice*r_j + k] * q[t, n].
 
     p: [T, H] (h or dh; as h in lora_expand), q: [T, N] (dy or x), out: [R, N] (any strides: dA,
     or dB^T). Every row of out is written (zeros for a job without rows). Two launches: per-chunk
     fp32 partials, then a per-job sum in chunk order, so the result does not depend on scheduling.
-    expand: (w [N, R], y [T, N], accumulate) to also write y (+)= lora_expand(p, w) from the same
+    expand: (w [N, R], y [T, N]) to also write y = lora_expand(p, w) from the same
     programs (dA = dh^T x with dx = dh A: each x tile read and the dx tile of the same rows written in
     turn); p must then be finite in every column, as lora_expand's h.
     """
@@ -387,13 +387,10 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
             raise ValueError(f"the expand's weight has {expand[0].shape[0]} rows, q {N} columns")
     if meta.total_rank == 0 and expand is None:
         return out
-    kernel = "sgrad" if expand is None else "dx_pass"
-    block_n, warps = sgrad_shape(block_r) if expand is None else dx_pass_shape(block_r)
-    block_n = min(block_n, max(16, pow2(N)))
-    cfg = _tuned(kernel, block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
-                 stages=3, chunk=chunk or sgrad_chunk(meta, cdiv(N, block_n), block_r))
-    part = _launch_rows(p, meta, p_slice, cfg, q=q, expand=None if expand is None else (*expand[:2], False, expand[2]))
-    _launch_reduce(part, out, meta, meta.tiles(cfg["chunk"]), block_r, scale)
+    shape = sgrad_shape(block_r) if expand is None else dx_pass_shape(block_r)
+    cfg = _rows_config("sgrad" if expand is None else "dx_pass", meta, N, *shape, chunk)
+    part, chunks = _launch_rows(p, meta, p_slice, cfg, q=q, expand=None if expand is None else (*expand, False, False))
+    _launch_reduce(part, out, meta, chunks, block_r, scale)
     return out
 
 
@@ -414,20 +411,25 @@ def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torc
     N = w.shape[0]
     _check_expand(h, w, meta, out, h_slice)
     block_r = _block_r(meta.max_rank)
-    if h.dtype == torch.float32:  # IEEE fp32 dots hold their operands in registers: narrower tiles
-        block_n, warps = (64 if block_r <= 64 else 32), 8
-    else:
-        block_n, warps = sgrad_shape(block_r)
-    block_n = min(block_n, max(16, pow2(N)))
-    cfg = _tuned("expand", block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
-                 stages=3, chunk=sgrad_chunk(meta, cdiv(N, block_n), block_r))
-    _launch_rows(h, meta, h_slice, cfg, expand=(w, out, scale, accumulate))
+    # IEEE fp32 dots hold their operands in registers: narrower tiles
+    shape = ((64 if block_r <= 64 else 32), 8) if h.dtype == torch.float32 else sgrad_shape(block_r)
+    _launch_rows(h, meta, h_slice, _rows_config("expand", meta, N, *shape), expand=(w, out, scale, accumulate))
     return out
+
+
+def _rows_config(kernel: str, meta: LoRABatchMeta, N: int, block_n: int, warps: int, chunk: int | None = None) -> dict:
+    """The launch of lora_sgrad_kernel for `kernel` ("sgrad", "dx_pass", "expand"): BLOCK_N capped at
+    N's power of 2, rows a step, stages and the rows a program (sgrad_chunk unless given)."""
+    block_r = _block_r(meta.max_rank)
+    block_n = min(block_n, max(16, pow2(N)))
+    return _tuned(kernel, block_t=64 if block_r <= 64 else 32, block_n=block_n, warps=warps,
+                  stages=3, chunk=chunk or sgrad_chunk(meta, cdiv(N, block_n), block_r))
 
 
 def _launch_rows(p, meta, p_slice, cfg, *, q=None, expand=None):
     """lora_sgrad_kernel over chunks of cfg["chunk"] rows and cfg["block_n"] columns: the sgrad's
-    partials of p^T q (returned) where q is given, and the expand (w, y, scale, accumulate)."""
+    partials of p^T q where q is given, and the expand (w, y, scale, accumulate). Returns (the
+    partials or None, the chunks' table)."""
     block_r = _block_r(meta.max_rank)
     block_n, chunk = cfg["block_n"], cfg["chunk"]
     w, y, scale2, accumulate = expand or (p, p, False, False)
@@ -449,7 +451,7 @@ def _launch_rows(p, meta, p_slice, cfg, *, q=None, expand=None):
             SGRAD=q is not None, EXPAND=expand is not None, EXPAND_SCALE=scale2, ACCUMULATE=accumulate,
             num_warps=cfg["warps"], num_stages=cfg["stages"],
         )
-    return part
+    return part, chunks
 
 
 def reduce_shape(num_jobs: int, N: int, block_r: int, partials: int, pb: int) -> tuple[int, int, int]:
