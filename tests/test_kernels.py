@@ -401,6 +401,24 @@ def test_packed_routes_outside_the_shrink_match_the_reference():
         run("triton")
 
 
+def test_sgrad_with_expand_refuses_mismatched_operands():
+    """lora_sgrad's expand (dx in dA's pass) checks its weight and output against q and the batch, and
+    writes nothing when it refuses."""
+    from colora.kernels import lora_ops
+
+    case = lora_case([30, 12], [8, 4], 24, 40, torch.float32, DEV, seed=23)
+    R, T = case.meta.total_rank, case.meta.num_tokens
+    p = torch.zeros(T, lora_ops.h_width(case.meta, 1), device=DEV)
+    dA = torch.full((R, 24), float("nan"), device=DEV)
+    dx = torch.full((T, 24), float("nan"), device=DEV)
+    with pytest.raises(ValueError, match="the expand's weight has 40 rows, q 24 columns"):
+        lora_ops.lora_sgrad(p, case.x.detach(), case.meta, dA, expand=(torch.zeros(40, R, device=DEV),
+                                                                       torch.zeros(T, 40, device=DEV)))
+    with pytest.raises(ValueError, match="out has"):
+        lora_ops.lora_sgrad(p, case.x.detach(), case.meta, dA, expand=(case.A.detach().t(), dx[:-1]))
+    assert dA.isnan().all() and dx.isnan().all()
+
+
 @pytest.fixture
 def deterministic():
     was = torch.are_deterministic_algorithms_enabled()
