@@ -51,3 +51,8 @@ for i in 1 2; do
   OUT=/tmp/ab/base$i timeout 130 bash .ab/base/scripts/h200.sh trainer --impls triton+packed+fused+kernels+base --repeats 5
   OUT=/tmp/ab/new$i timeout 130 bash scripts/h200.sh trainer --impls triton+packed+fused+kernels+base --repeats 5
 done
+
+# 7. tests_tidy/ (at 787093e, the final code: the sgrad kernel's launchers share _rows_config, lora_sgrad's
+#    expand without its accumulate flag, a bad-input test): the GPU tests (186 + 2 passed, 1 skipped: the
+#    vLLM-LoRA tuning test, no kit on the host)
+OUT=$OUT/tests_tidy timeout 280 bash scripts/h200.sh tests
