@@ -188,6 +188,19 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "y tiles, dx rows": ({"fuse_expand": False}, {"route": {"y": "tiles", "dx": "rows"}}),
         "own again": ({}, {}),
     },
+    "16": {  # (eighteenth session) the rank-64 dy pass reading dy alone (dh, dB); dx by lora_expand (long programs)
+        "own": ({}, {}),
+        "dx expand": ({}, {"route": {"dx": "expand"}}),
+        "dx expand, fuse_dy": ({"fuse_dy": True}, {"route": {"dx": "expand"}}),
+        "dx expand, fuse_dy M128 w4": ({"fuse_dy": True}, {"route": {"dx": "expand"},
+                                                            "dy_pass": {"block_m": 128, "warps": 4}}),
+        "dx expand, fuse_dy M128 w8": ({"fuse_dy": True}, {"route": {"dx": "expand"},
+                                                            "dy_pass": {"block_m": 128, "warps": 8}}),
+        "dx expand n128 w4, fuse_dy": ({"fuse_dy": True}, {"route": {"dx": "expand"},
+                                                            "expand": {"block_n": 128, "warps": 4}}),
+        "y expand, dx expand, fuse_dy": ({"fuse_dy": True, "fuse_expand": False}, {"route": {"dx": "expand"}}),
+        "own again": ({}, {}),
+    },
     "11": {  # the rank-64 dy pass (dB fused; one program of 8 warps an SM at 48-50% of DRAM peak) on 16 warps
         "own": ({}, {}),
         "dy pass w16": ({}, {"dy_pass": {"warps": 16}}),
@@ -197,7 +210,7 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
     },
 }[os.environ.get("PROBE", "3")]
 # the cuBLAS and forward-only rows: with the sets 1-3 and 9 only
-CEILING = os.environ.get("PROBE", "3") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14", "15")
+CEILING = os.environ.get("PROBE", "3") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14", "15", "16")
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
