@@ -23,8 +23,8 @@ import torch
 
 from .backend import resolve_backend
 from .lora_meta import FloatsLike, IntsLike, LoRABatchMeta
-from .lora_ops import (base_order, expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_sgrad,
-                       lora_shrink, lora_shrink_expand, lora_shrink_sgrad)
+from .lora_ops import (base_order, expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_base_gemm, lora_expand,
+                       lora_sgrad, lora_shrink, lora_shrink_expand, lora_shrink_sgrad)
 from .lora_ref import grouped_lora_ref
 
 
@@ -60,7 +60,8 @@ class _GroupedLoRA(torch.autograd.Function):
             # shrink of the backward read them with wide loads
             Bts = [B.t().contiguous() for B in Bs]
         route_y, route_dx = expand_route(fuse[1], n_slices)
-        fuse_expand = route_y == "shrink"
+        order = base_order() if weights is not None else None
+        fuse_expand = route_y == "shrink" and order != "fused"  # "fused": the expand in the base GEMM
         # [T, >= slices * max_rank], see h_width; zero-filled for the separate expand, which reads its
         # padding lanes. With the expand fused, h's only readers (the backward's dy pass and sgrad)
         # carry its lanes >= r_j into rows of their fp32 partials that the reduce never stores.
@@ -68,9 +69,13 @@ class _GroupedLoRA(torch.autograd.Function):
         if not fuse_expand:
             lora_shrink(x, A, packed, h)
         # the base projection after the delta (see the class docstring)
-        base_after = weights is not None and base_order() == "after"
+        base_after = order == "after"
         ys = []
         for s, Bt in enumerate(Bts):
+            if order == "fused":
+                ys.append(lora_base_gemm(x, weights[s], h, Bt.t(), meta, x.new_empty((T, Bt.shape[1])), h_slice=s,
+                                         scale=True))
+                continue
             if weights is not None and not base_after:
                 out = torch.mm(x, weights[s].t())  # the base projection, to add the delta into
             else:

@@ -286,15 +286,18 @@ def test_base_weight_inside_the_op_equals_adding_the_base_output(dtype, slices, 
     want = run(call(add_to=[x @ W.t() for W in Ws]))
     for a, b in zip(got, want):
         assert rel_err(a, b) <= LORA_TOL[dtype]
-    if backend == "triton":  # the base product before the delta (the delta accumulating into it) as well
-        from colora.kernels import lora_ops
+    if backend == "triton":  # the base product before the delta (the delta accumulating into it), and the
+        from colora.kernels import lora_ops  # delta's expand in a Triton base GEMM's epilogue, as well
 
         assert lora_ops.base_order() == "after"
-        with lora_ops.launch_overrides(route={"base": "before"}):
-            assert lora_ops.base_order() == "before"
-            before = run(call(base=Ws))
-        for a, b in zip(before, want):
-            assert rel_err(a, b) <= LORA_TOL[dtype]
+        for order in ("before", "fused"):
+            with lora_ops.launch_overrides(route={"base": order}):
+                assert lora_ops.base_order() == order
+                other = run(call(base=Ws))
+            for a, b in zip(other, want):
+                assert rel_err(a, b) <= LORA_TOL[dtype], order
+        with lora_ops.launch_overrides(route={"base": "sideways"}), pytest.raises(ValueError, match="sideways"):
+            call(base=Ws)
     with pytest.raises(ValueError, match="must be frozen"):
         call(base=[W.clone().requires_grad_() for W in Ws])
     with pytest.raises(ValueError, match="not both"):
@@ -417,6 +420,47 @@ def test_sgrad_with_expand_refuses_mismatched_operands():
     with pytest.raises(ValueError, match="out has"):
         lora_ops.lora_sgrad(p, case.x.detach(), case.meta, dA, expand=(case.A.detach().t(), dx[:-1]))
     assert dA.isnan().all() and dx.isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tile", [(16, 32, 16, False), (32, 16, 32, False), (16, 16, 16, True)],
+                         ids=["16x32x16", "32x16x32", "16x16x16 persistent"])
+def test_base_gemm_adds_the_expand_to_the_base_projection(dtype, tile):
+    """lora_base_gemm = x W^T + s_j h_j B_j^T for every row, in one launch: against fp64 over mixed ranks, a rank-0
+    job with rows, a job without rows, a job whose scale is 0 (the base alone), the second slice of a packed h,
+    K not a multiple of BLOCK_K and N not one of BLOCK_N; every element of the poisoned output written."""
+    from colora.kernels import lora_ops
+    from colora.kernels.lora_meta import LoRABatchMeta
+
+    tokens, ranks, scales = [21, 0, 40, 9, 17], [8, 4, 16, 0, 8], [0.5, 2.0, 1.5, 1.0, 0.0]
+    seg, rs = [0], [0]
+    for t, r in zip(tokens, ranks):
+        seg.append(seg[-1] + t)
+        rs.append(rs[-1] + r)
+    meta = LoRABatchMeta.build(seg, rs, scales, device=DEV)
+    g = torch.Generator().manual_seed(31)
+    T, d_in, N, R = seg[-1], 40, 36, rs[-1]
+    x, W = torch.randn(T, d_in, generator=g), torch.randn(N, d_in, generator=g) * 0.3
+    B = torch.randn(N, R, generator=g) * 0.3
+    h = torch.zeros(T, lora_ops.h_width(meta, 2))
+    for j, (t0, t1) in enumerate(zip(seg, seg[1:])):  # slice 1 of a 2-way packed h: columns [r_j, 2 r_j)
+        r = rs[j + 1] - rs[j]
+        h[t0:t1, :2 * r] = torch.randn(t1 - t0, 2 * r, generator=g)
+    want = x.double() @ W.double().t()
+    for j, (t0, t1) in enumerate(zip(seg, seg[1:])):
+        r0, r1 = rs[j], rs[j + 1]
+        want[t0:t1] += scales[j] * h[t0:t1, r1 - r0:2 * (r1 - r0)].double() @ B[:, r0:r1].double().t()
+    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
+    bm, bn, bk, persistent = tile  # persistent: 4 programs (the interpreter's SMs) looping over 24 tiles
+    with lora_ops.launch_overrides(base_gemm={"block_m": bm, "block_n": bn, "block_k": bk, "warps": 4, "stages": 2,
+                                              "persistent": persistent}):
+        lora_ops.lora_base_gemm(*(t.to(dtype).to(DEV) for t in (x, W, h, B)), meta, out, h_slice=1, scale=True)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, want.to(DEV)) <= LORA_TOL[dtype]
+    with pytest.raises(ValueError, match="base weight"):
+        lora_ops.lora_base_gemm(x.to(DEV), W[:, :-1].to(DEV), h.to(DEV), B.to(DEV), meta, out.float())
+    with pytest.raises(ValueError, match="dtypes differ"):
+        lora_ops.lora_base_gemm(x.to(DEV), W.double().to(DEV), h.to(DEV), B.to(DEV), meta, out.float())
 
 
 @pytest.fixture

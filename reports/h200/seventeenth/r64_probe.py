@@ -201,6 +201,12 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "y expand, dx expand, fuse_dy": ({"fuse_dy": True, "fuse_expand": False}, {"route": {"dx": "expand"}}),
         "own again": ({}, {}),
     },
+    "17": {  # (eighteenth session) the base GEMM with the expand in its epilogue (lora_base_gemm); PACKED=1 BASE=1
+        "own": ({}, {}),
+        "base fused": ({}, {"route": {"base": "fused"}}),
+        "own again": ({}, {}),
+        "base fused again": ({}, {"route": {"base": "fused"}}),
+    },
     "11": {  # the rank-64 dy pass (dB fused; one program of 8 warps an SM at 48-50% of DRAM peak) on 16 warps
         "own": ({}, {}),
         "dy pass w16": ({}, {"dy_pass": {"warps": 16}}),
@@ -210,7 +216,7 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
     },
 }[os.environ.get("PROBE", "3")]
 # the cuBLAS and forward-only rows: with the sets 1-3 and 9 only
-CEILING = os.environ.get("PROBE", "3") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14", "15", "16")
+CEILING = os.environ.get("PROBE", "3") not in ("4", "5", "6", "7", "8", "10", "11", "12", "13", "14", "15", "16", "17")
 if os.environ.get("SHAPES"):  # e.g. SHAPES=k/v,gate/up
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 if QUICK:  # the interpreter: small tiles only
