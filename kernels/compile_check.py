@@ -131,18 +131,16 @@ def variants():
         # of reports/h200/eighteenth/base_gemm_probe.py, fp32 on its own
         gemm = dict(x_ptr=p, wb_ptr=p, h_ptr=p, w_ptr=p, y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32",
                     seg_start_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32", N=i, K=i, h_slice=i,
-                    n_tiles=i, stride_xm=i, stride_xk=i, stride_bn=i, stride_bk=i, stride_hm=i, stride_wn=i,
-                    stride_wr=i, stride_ym=i, stride_yn=i)
+                    stride_xm=i, stride_xk=i, stride_bn=i, stride_bk=i, stride_hm=i, stride_wn=i, stride_wr=i,
+                    stride_ym=i, stride_yn=i)
         gdiv = ("N", "K", "h_slice", "stride_xm", "stride_bn", "stride_hm", "stride_wr", "stride_ym")
         gones = ("stride_xk", "stride_bk", "stride_wn", "stride_yn")
         for R in (16, 64):
             for bm, bn, bk, w, st in ((64, 64, 32, 4, 3),) if dt == "fp32" else \
                     ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)):
-                for persistent in (False, True):
-                    yield (f"base_gemm {dt} R{R} {bm}x{bn}x{bk} w{w} s{st}{' persistent' if persistent else ''}",
-                           lora_base_gemm_kernel, gemm,
-                           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=R, EVEN_K=True, HAS_SCALE=True,
-                                PRECISION=prec, PERSISTENT=persistent), gones, gdiv, w, st)
+                yield (f"base_gemm {dt} R{R} {bm}x{bn}x{bk} w{w} s{st}", lora_base_gemm_kernel, gemm,
+                       dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=R, EVEN_K=True, HAS_SCALE=True,
+                            PRECISION=prec), gones, gdiv, w, st)
         lsm = dict(logits_ptr=p, targets_ptr="*i64", temp_ptr="*fp32", logp_ptr="*fp32", ent_ptr="*fp32",
                    V=i, stride_l=i)
         yield (f"logsoftmax {dt}", selective_logsoftmax_kernel, lsm,

@@ -250,42 +250,19 @@ def lora_reduce_kernel(
 def lora_base_gemm_kernel(
     x_ptr, wb_ptr, h_ptr, w_ptr, y_ptr,  # x: [T, K], wb: [N, K] (the base weight), h: [T, H], w: [N, R], y: [T, N]
     tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
-    N, K, h_slice, n_tiles,
-    stride_xm, stride_xk, stride_bn, stride_bk, stride_hm, stride_wn, stride_wr, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, PERSISTENT: tl.constexpr = False,
-):
-    """y[t, n] = sum_i x[t, i] wb[n, i] + (s_j *) sum_k h[t, h_slice*r_j + k] w[n, rank_start[j] + k]: the frozen
-    base projection with the LoRA's expand in its epilogue, so y is written once (the expand and cuBLAS's
-    beta = 1 epilogue write and read it once more). One [BLOCK_M, BLOCK_N] tile a program (n_tiles of them:
-    row tiles of one job each, by BLOCK_N columns), or with PERSISTENT one program an SM looping over tiles
-    in one flattened loop, so the next tile's loads are in flight during a tile's epilogue. The column tiles
-    of a row tile are consecutive, so they find its x rows in L2."""
-    if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=True):
-            _base_gemm_tile(x_ptr, wb_ptr, h_ptr, w_ptr, y_ptr, tile_job_ptr, tile_row_ptr, seg_start_ptr,
-                            rank_start_ptr, scale_ptr, N, K, h_slice, tile, stride_xm, stride_xk, stride_bn,
-                            stride_bk, stride_hm, stride_wn, stride_wr, stride_ym, stride_yn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, HAS_SCALE, PRECISION)
-    else:
-        _base_gemm_tile(x_ptr, wb_ptr, h_ptr, w_ptr, y_ptr, tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr,
-                        scale_ptr, N, K, h_slice, tl.program_id(0), stride_xm, stride_xk, stride_bn, stride_bk,
-                        stride_hm, stride_wn, stride_wr, stride_ym, stride_yn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, HAS_SCALE, PRECISION)
-
-
-@triton.jit
-def _base_gemm_tile(
-    x_ptr, wb_ptr, h_ptr, w_ptr, y_ptr, tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
-    N, K, h_slice, tile,
+    N, K, h_slice,
     stride_xm, stride_xk, stride_bn, stride_bk, stride_hm, stride_wn, stride_wr, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Tile `tile` of lora_base_gemm_kernel: row tile tile // cdiv(N, BLOCK_N), column tile tile % that."""
+    """y[t, n] = sum_i x[t, i] wb[n, i] + (s_j *) sum_k h[t, h_slice*r_j + k] w[n, rank_start[j] + k]: the frozen
+    base projection with the LoRA's expand in its epilogue, so y is written once (the expand and cuBLAS's
+    beta = 1 epilogue write and read it once more). One [BLOCK_M, BLOCK_N] tile a program, the row tiles one
+    job's; the column tiles of a row tile are consecutive programs, so they find its x rows in L2."""
+    pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
-    pid_m = tile // n_tiles_n
-    pid_n = tile % n_tiles_n
+    pid_m = pid // n_tiles_n
+    pid_n = pid % n_tiles_n
     job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid_m, BLOCK_M)
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < row_end
@@ -308,16 +285,18 @@ def _base_gemm_tile(
         x_ptrs += BLOCK_K * stride_xk
         b_ptrs += BLOCK_K * stride_bk
     # the LoRA's part into the same accumulator (a second [BLOCK_M, BLOCK_N] fp32 tile would double the
-    # registers), the scale on the weight tile (rounded to its dtype once, as the expand's output is): h's rank
-    # lanes are read without a mask (finite, zero-filled: module docstring), the weight's lanes >= r_j masked to 0
-    # (a rank-0 job adds nothing)
-    offs_r = tl.arange(0, BLOCK_R)
-    ht = tl.load(h_ptr + rows[:, None] * stride_hm + (h_slice * r + offs_r)[None, :], mask=row_ok[:, None],
-                 other=0.0)  # [BLOCK_M, BLOCK_R]
-    wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + (r0 + offs_r)[:, None] * stride_wr,
-                 mask=(offs_r < r)[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-    if HAS_SCALE:
-        wt = (wt.to(tl.float32) * tl.load(scale_ptr + job)).to(wt.dtype)
-    acc = _dot(ht, wt, acc, PRECISION)
+    # registers): acc = s * (acc / s + h w^T), exact to fp32 rounding. h's rank lanes are read without a mask
+    # (finite, zero-filled: module docstring), the weight's lanes >= r_j masked to 0.
+    s = tl.load(scale_ptr + job) if HAS_SCALE else 1.0
+    if (r > 0) & (s != 0.0):
+        offs_r = tl.arange(0, BLOCK_R)
+        ht = tl.load(h_ptr + rows[:, None] * stride_hm + (h_slice * r + offs_r)[None, :], mask=row_ok[:, None],
+                     other=0.0)  # [BLOCK_M, BLOCK_R]
+        wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + (r0 + offs_r)[:, None] * stride_wr,
+                     mask=(offs_r < r)[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+        if HAS_SCALE:
+            acc = _dot(ht, wt, acc / s, PRECISION) * s
+        else:
+            acc = _dot(ht, wt, acc, PRECISION)
     y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

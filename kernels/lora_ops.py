@@ -35,8 +35,7 @@ TUNABLE = {
     "expand": ("block_t", "block_n", "warps", "stages", "chunk"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
     "dx_pass": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA with the dx expand (lora_sgrad's expand)
-    # x W^T with the expand in its epilogue (lora_base_gemm); persistent: one program an SM looping over tiles
-    "base_gemm": ("block_m", "block_n", "block_k", "warps", "stages", "persistent"),
+    "base_gemm": ("block_m", "block_n", "block_k", "warps", "stages"),  # x W^T with the expand in its epilogue
     "route": ("dx", "y", "base"),  # not a launch: where dx and y are expanded (expand_route), base_order
 }
 _overrides: dict[str, dict] = {}
@@ -445,22 +444,21 @@ def lora_base_gemm(x: torch.Tensor, wb: torch.Tensor, h: torch.Tensor, w: torch.
     fp32 = x.dtype == torch.float32
     # fp32's IEEE dots hold their operands in registers: smaller tiles
     cfg = _tuned("base_gemm", block_m=64 if fp32 else 128, block_n=64 if fp32 else 256, block_k=32 if fp32 else 64,
-                 warps=8 if not fp32 else 4, stages=3, persistent=False)
+                 warps=8 if not fp32 else 4, stages=3)
     block_n = min(cfg["block_n"], max(16, pow2(N)))
     block_k = min(cfg["block_k"], max(16, pow2(K)))
     tiles = meta.tiles(cfg["block_m"])
-    n_tiles = tiles.n * cdiv(N, block_n)
-    if n_tiles == 0:
+    if tiles.n == 0:
         return out
-    lora_base_gemm_kernel[(min(n_tiles, _num_sms(x.device)) if cfg["persistent"] else n_tiles,)](
+    lora_base_gemm_kernel[(tiles.n * cdiv(N, block_n),)](
         x, wb, h, w, out,
         tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
-        N, K, h_slice, n_tiles,
+        N, K, h_slice,
         x.stride(0), x.stride(1), wb.stride(0), wb.stride(1), h.stride(0), w.stride(0), w.stride(1),
         out.stride(0), out.stride(1),
         BLOCK_M=cfg["block_m"], BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
         EVEN_K=K % block_k == 0, HAS_SCALE=scale, PRECISION=_precision(x.dtype, x.device),
-        PERSISTENT=cfg["persistent"], num_warps=cfg["warps"], num_stages=cfg["stages"],
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
     return out
 
