@@ -5,6 +5,7 @@ down) over 8 jobs x TPJ tokens (default 6,144: the 49,152-token micro-batch), ra
 the shrink in every variant (not timed: both paths need it). CUDA-graph microseconds (do_bench_cudagraph), every
 variant of a shape in one process. Run from the repository root on the H200 after scripts/h200.sh made its shim:
     PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/eighteenth/base_gemm_probe.py [--quick]
+OWN_ONLY=1: the launcher's own tiles only. Each shape first checks its first expand + cuBLAS call against fp32.
 (--quick: tiny shapes on the CPU's interpreter, plumbing only.)
 """
 import json
@@ -26,7 +27,7 @@ cal = calibrate(dev, QUICK)
 J, TPJ, R = (2, 48, 16) if QUICK else (8, int(os.environ.get("TPJ", "6144")), int(os.environ.get("RANK", "16")))
 SHAPES = {"tiny": (64, 96)} if QUICK else {
     "q": (1024, 2048), "k/v": (1024, 1024), "o": (2048, 1024), "gate/up": (1024, 3072), "down": (3072, 1024)}
-CONFIGS = {"own": {}} if QUICK else {  # BLOCK_M x N x K, warps, stages (base_gemm2's set)
+CONFIGS = {"own": {}} if QUICK or os.environ.get("OWN_ONLY") else {  # BLOCK_M x N x K, warps, stages
     "own": {},
     "128x128x64 w8 s3": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 3},
     "128x128x64 w8 s4": {"block_m": 128, "block_n": 128, "block_k": 64, "warps": 8, "stages": 4},
@@ -70,6 +71,10 @@ for name, (d_in, d_out) in SHAPES.items():
         lora_expand(h, B, meta, out, scale=True)
         out.addmm_(x, W.t())
 
+    # the first expand + cuBLAS call at this shape, before any other GEMM of it (base_gemm's call saw that one's
+    # output differ from every later call's at down)
+    expand_then_cublas()
+    first_out = out.clone()
     variants = {"cuBLAS x W^T alone": cublas, "expand, then cuBLAS (beta 1)": expand_then_cublas}
     for cname, cfg in CONFIGS.items():
         def fused(cfg=cfg):
@@ -79,6 +84,9 @@ for name, (d_in, d_out) in SHAPES.items():
     ref = x.float() @ W.float().t()  # fp32 (cuBLAS's own products), then each job's LoRA part
     for j in range(J):
         ref[seg[j]:seg[j + 1]] += 2.0 * (h[seg[j]:seg[j + 1], :R].float() @ B[:, j * R:(j + 1) * R].float().t())
+    first = ((first_out.float() - ref).abs().max() / ref.abs().max()).item()
+    print(f"  first expand + cuBLAS call: max rel diff to fp32 {first:.1e}", flush=True)
+    rows.append({"shape": name, "variant": "first expand, then cuBLAS", "rel_diff": first})
     base_us = None
     for vname, fn in variants.items():
         try:
