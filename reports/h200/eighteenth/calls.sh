@@ -38,6 +38,7 @@ OUT=$OUT/probe17_trainer RANK=16 PROBE=17 PACKED=1 BASE=1 TPJ=6144 PYTHONPATH=/t
 OUT=$OUT/tests bash scripts/h200.sh tests
 
 # 7. tests_base_gemm/ (the test fixed): the base GEMM's tests and the base-inside-the-op tests on the GPU: 25 passed
+#    (two device calls: the first, without the shim on PYTHONPATH, found no colora and ran nothing)
 PYTHONPATH=/tmp/colora-shim timeout 200 python3 -P -m pytest -q -rA tests/test_kernels_gpu.py tests/test_kernels.py \
   -k "base_gemm or base_weight_inside" -p no:cacheprovider
 
