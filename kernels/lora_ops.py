@@ -432,8 +432,7 @@ def lora_base_gemm(x: torch.Tensor, wb: torch.Tensor, h: torch.Tensor, w: torch.
     x: [T, K], wb: [N, K] (the base weight; any strides), h: [T, H] as for lora_expand (finite in every
     column), w: [N, R] (any strides: B), out: [T, N] (any strides). Each program computes one
     [BLOCK_M, BLOCK_N] tile of one job's rows (the tile table of BLOCK_M rows)."""
-    T, K = x.shape
-    N = wb.shape[0]
+    K, N = x.shape[1], wb.shape[0]
     _check_expand(h, w, meta, out, h_slice)
     _check(meta, x, "x", meta.num_tokens)
     if wb.dim() != 2 or wb.shape[1] != K or N != out.shape[1]:
@@ -444,7 +443,7 @@ def lora_base_gemm(x: torch.Tensor, wb: torch.Tensor, h: torch.Tensor, w: torch.
     fp32 = x.dtype == torch.float32
     # fp32's IEEE dots hold their operands in registers: smaller tiles
     cfg = _tuned("base_gemm", block_m=64 if fp32 else 128, block_n=64 if fp32 else 256, block_k=32 if fp32 else 64,
-                 warps=8 if not fp32 else 4, stages=3)
+                 warps=4 if fp32 else 8, stages=3)
     block_n = min(cfg["block_n"], max(16, pow2(N)))
     block_k = min(cfg["block_k"], max(16, pow2(K)))
     tiles = meta.tiles(cfg["block_m"])

@@ -131,13 +131,13 @@ def test_base_gemm_gpu(d_in, d_out):
         t0, t1, r0, r1 = meta.seg_start[j], meta.seg_start[j + 1], meta.rank_start[j], meta.rank_start[j + 1]
         want[t0:t1] += meta.scale[j] * h[t0:t1, :r1 - r0].double() @ B[:, r0:r1].double().t()
     err = rel_err(out, want)
-    dx_ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     with lora_ops.launch_overrides(route={"base": "fused"}):
         y = K.grouped_lora(case.x, case.A, case.B, meta=meta, backend="triton", base=W)
         grads = torch.autograd.grad(y, (case.x, case.A, case.B), case.dy)
-    y_want = case.x.detach().double() @ W.double().t() + dx_ref["y"]
-    op_errs = {"y": rel_err(y, y_want), "dx": rel_err(grads[0], dx_ref["dx"] + case.dy.double() @ W.double()),
-               "dA": rel_err(grads[1], dx_ref["dA"]), "dB": rel_err(grads[2], dx_ref["dB"])}
+    y_want = case.x.detach().double() @ W.double().t() + ref["y"]
+    op_errs = {"y": rel_err(y, y_want), "dx": rel_err(grads[0], ref["dx"] + case.dy.double() @ W.double()),
+               "dA": rel_err(grads[1], ref["dA"]), "dB": rel_err(grads[2], ref["dB"])}
     _record("base_gemm", d_in=d_in, d_out=d_out, error=err, op_errors=op_errs, tol=LORA_TOL[dtype])
     assert torch.isfinite(out).all() and err <= LORA_TOL[dtype], err
     assert max(op_errs.values()) <= LORA_TOL[dtype], op_errs
