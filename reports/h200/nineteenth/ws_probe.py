@@ -155,8 +155,9 @@ for name, (d_in, d_out) in SHAPES.items():
         try:
             out.fill_(float("nan"))
             fn()
+            bad = (~torch.isfinite(out)).any(dim=1).sum().item()
             err = ((out.float() - want).abs().max() / want.abs().max()).item()
-            assert err < 2e-2, f"{vname}: max rel diff {err}"
+            assert err < 2e-2, f"max rel diff {err}, {bad} of {T} rows not finite"
             t = graph_us(fn)
         except Exception as e:  # a configuration that does not compile, fit or match: recorded
             print(f"  {vname:40s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
