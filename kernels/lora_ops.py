@@ -17,7 +17,8 @@ import functools
 
 import torch
 
-from .lora_kernels import lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
+from .lora_kernels import (lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel,
+                           lora_shrink_expand_persistent_kernel, lora_shrink_kernel)
 from .lora_meta import LoRABatchMeta
 
 SHRINK_BLOCK_M = 64  # rows per tile of the shrink (and of the fused dy pass below one 256-row tile an SM)
@@ -36,6 +37,8 @@ TUNABLE = {
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
     "dx_pass": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA with the dx expand (lora_sgrad's expand)
     "base_gemm": ("block_m", "block_n", "block_k", "warps", "stages"),  # x W^T with the expand in its epilogue
+    # shrink_expand on persistent programs (per_sm an SM), x / the weights through TMA descriptors or pointers
+    "persistent": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm", "x_desc", "w_desc"),
     "route": ("dx", "y", "base"),  # not a launch: where dx and y are expanded (expand_route), base_order
 }
 _overrides: dict[str, dict] = {}
@@ -132,9 +135,71 @@ def lora_shrink_expand(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, meta:
     out, so the op's reads and writes interleave as in a copy (the separate expand is a write-only
     pass). Forward: x, A, B -> h, y; backward: dy, B^T (scale_h), A^T -> dh, dx. w2: [N, R], out: [T, N]."""
     _check_expand(h, w2, meta, out, 0)
-    _launch_shrink(x, w, meta, h, 0, scale_h, None, None, _tuned("shrink", block_m=SHRINK_BLOCK_M)["block_m"],
-                   (w2, out, scale_out, accumulate))
+    cfg = persistent_config(x, w, w2)
+    if cfg is None:
+        _launch_shrink(x, w, meta, h, 0, scale_h, None, None, _tuned("shrink", block_m=SHRINK_BLOCK_M)["block_m"],
+                       (w2, out, scale_out, accumulate))
+    else:
+        _launch_persistent(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumulate)
     return out
+
+
+def persistent_config(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> dict | None:
+    """The launch of lora_shrink_expand_persistent_kernel for lora_shrink_expand, or None for lora_shrink_kernel's
+    one program a tile: x, w and w2^T must have unit column strides; descriptors (x_desc, w_desc) need Hopper or
+    later and 16-byte aligned bases and row steps, and fall back to pointers elsewhere (the CPU's interpreter
+    takes both). Not the default yet: `launch_overrides(persistent={"on": True, ...})`."""
+    cfg = _tuned("persistent", on=False, block_m=64, block_k=64, block_n2=64, warps=4, stages=4, per_sm=3,
+                 x_desc=True, w_desc=True)
+    if not cfg["on"] or x.stride(1) != 1 or w.stride(1) != 1 or w2.stride(0) != 1:
+        return None
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        cfg = {**cfg, "x_desc": False, "w_desc": False}
+
+    def aligned(t: torch.Tensor) -> bool:
+        return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+    return {**cfg, "x_desc": cfg["x_desc"] and aligned(x), "w_desc": cfg["w_desc"] and aligned(w) and aligned(w2.t())}
+
+
+def _launch_persistent(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumulate):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    T, K = x.shape
+    _check(meta, x, "x", meta.num_tokens)
+    _check(meta, h, "h", T)
+    if w.shape != (meta.total_rank, K):
+        raise ValueError(f"weight has shape {tuple(w.shape)}, expected [total rank {meta.total_rank}, {K}]")
+    if h.shape[1] < meta.max_rank or h.stride(1) != 1:
+        raise ValueError(f"h {tuple(h.shape)} (strides {h.stride()}) must be row-major with at least "
+                         f"{meta.max_rank} columns")
+    if not (x.dtype == w.dtype == h.dtype == w2.dtype):
+        raise ValueError(f"dtypes differ: x {x.dtype}, weight {w.dtype}, h {h.dtype}, expand weight {w2.dtype}")
+    tiles = meta.tiles(cfg["block_m"])
+    if tiles.n == 0:
+        return
+    block_r = _block_r(meta.max_rank)
+    N2 = w2.shape[0]
+    block_k = min(cfg["block_k"], max(16, pow2(K)))
+    block_n2 = min(cfg["block_n2"], max(16, pow2(N2)))
+    w2t = w2.t()  # [R, N2], unit column stride
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    xd = desc(x, [cfg["block_m"], block_k]) if cfg["x_desc"] else x
+    wd, w2d = (desc(w, [block_r, block_k]), desc(w2t, [block_r, block_n2])) if cfg["w_desc"] else (w, w2t)
+    programs = max(1, min(tiles.n, cfg["per_sm"] * _num_sms(x.device)))
+    lora_shrink_expand_persistent_kernel[(programs,)](
+        xd, wd, h, w2d, out,
+        tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
+        tiles.n, programs, K, N2, 0,
+        x.stride(0), w.stride(0), h.stride(0), w2t.stride(0), out.stride(0), out.stride(1),
+        BLOCK_M=cfg["block_m"], BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N2=block_n2,
+        X_DESC=cfg["x_desc"], W_DESC=cfg["w_desc"], HAS_SCALE=scale_h, EXPAND_SCALE=scale_out,
+        ACCUMULATE=accumulate, PRECISION=_precision(x.dtype, x.device),
+        num_warps=cfg["warps"], num_stages=cfg["stages"],
+    )
 
 
 def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta: LoRABatchMeta, dh: torch.Tensor,

@@ -380,6 +380,75 @@ def test_every_expand_route_matches_the_reference(route_y, route_dx, fuse_dy):
         assert rel_err(got_w[key], ref_w[key]) <= LORA_TOL[torch.bfloat16], key
 
 
+PERSISTENT = {"pointers": {"on": True, "x_desc": False, "w_desc": False}, "descriptors": {"on": True},
+              "x descriptor": {"on": True, "w_desc": False},
+              "small tiles": {"on": True, "block_m": 16, "block_k": 16, "block_n2": 16, "per_sm": 1}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", list(PERSISTENT))
+def test_persistent_shrink_expand_equals_the_tile_launch(variant, dtype):
+    """lora_shrink_expand on persistent programs (x and the weights by TMA descriptors or pointers) writes what
+    one program a tile writes: each job's own h columns (the rest of h left as it was), y or y + the delta, the
+    scales on either side; mixed ranks, a job without rows, a rank-0 job with rows (its y rows 0 or kept). A
+    neighbouring job's non-finite weights never reach another job's rows (descriptors read past a job's rank
+    rows and zero them in registers)."""
+    from colora.kernels import lora_ops
+
+    case = lora_case([33, 0, 70, 9, 21], [8, 16, 4, 0, 16], 40, 24, dtype, DEV, seed=31)
+    meta, x, A, B = case.meta, case.x.detach(), case.A.detach().clone(), case.B.detach().clone()
+    A[8:24], B[:, 8:24] = float("inf"), float("nan")  # the job without rows: its rank rows follow job 0's
+    Bt = B.t().contiguous()
+    T = x.shape[0]
+    for scale_h, scale_out, accumulate in [(False, True, False), (True, False, True)]:
+        outs = []
+        for cfg in ({"on": False}, PERSISTENT[variant]):
+            h = torch.full((T, lora_ops.h_width(meta, 1)), float("nan"), dtype=dtype, device=DEV)
+            y = torch.randn(T, 24, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEV)
+            y0 = y.clone()
+            with lora_ops.launch_overrides(persistent=cfg):
+                lora_ops.lora_shrink_expand(x, A, Bt.t(), meta, h, y, scale_h=scale_h, scale_out=scale_out,
+                                            accumulate=accumulate)
+            outs.append((h, y))
+        (h_tile, y_tile), (h, y) = outs
+        assert torch.equal(h.isnan(), h_tile.isnan())  # the same lanes written, the others left
+        assert rel_err(h.nan_to_num(0.0), h_tile.nan_to_num(0.0)) <= LORA_TOL[dtype]
+        assert torch.isfinite(y).all()
+        assert rel_err(y, y_tile) <= LORA_TOL[dtype]
+        rank0 = slice(meta.seg_start[3], meta.seg_start[4])
+        assert torch.equal(y[rank0], y0[rank0] if accumulate else torch.zeros_like(y[rank0]))
+
+
+@pytest.mark.parametrize("fuse_dy", [True, False], ids=["dB fused", "dB apart"])
+def test_persistent_shrink_expand_in_the_op_matches_the_reference(fuse_dy):
+    """The op with the persistent launch (its forward, and the dy -> dh -> dx pass where dB is not fused)
+    against the fp64 reference, outputs and gradients."""
+    from colora.kernels import lora_ops
+
+    case = lora_case([600, 0, 300, 9], [16, 8, 0, 4], 40, 24, torch.bfloat16, DEV, seed=23)
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    with lora_ops.launch_overrides(persistent={"on": True}, route={"y": "shrink", "dx": "dy"}):
+        got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, fuse_expand=True)
+    for key in ("y", "dx", "dA", "dB"):
+        assert rel_err(got[key], ref[key]) <= LORA_TOL[torch.bfloat16], key
+
+
+def test_persistent_config_falls_back_where_it_cannot_run():
+    """Strided operands take the one-program-a-tile launch; misaligned ones lose their descriptors."""
+    from colora.kernels import lora_ops
+
+    x = torch.randn(64, 48, device=DEV)
+    w, w2 = torch.randn(16, 48, device=DEV), torch.randn(16, 40, device=DEV).t()
+    with lora_ops.launch_overrides(persistent={"on": True}):
+        assert lora_ops.persistent_config(x, w, w2)["x_desc"]
+        assert lora_ops.persistent_config(x.t().contiguous().t(), w, w2) is None
+        assert lora_ops.persistent_config(x, w, w2.contiguous()) is None
+        odd = torch.randn(64, 47, device=DEV)[:, :46]  # rows 47 floats apart: not a 16-byte step
+        cfg = lora_ops.persistent_config(odd, torch.randn(16, 46, device=DEV), w2)
+        assert cfg is not None and not cfg["x_desc"] and not cfg["w_desc"]
+    assert lora_ops.persistent_config(x, w, w2) is None  # not the default
+
+
 def test_packed_routes_outside_the_shrink_match_the_reference():
     """A packed call (two slices) with dx in dA's pass or by lora_expand; the routes that fuse into one
     slice's shrink or dy pass are refused."""

@@ -143,6 +143,26 @@ def test_base_gemm_gpu(d_in, d_out):
     assert max(op_errs.values()) <= LORA_TOL[dtype], op_errs
 
 
+@pytest.mark.parametrize("d_in,d_out", SHAPES, ids=["q", "k/v", "o", "gate/up", "down"])
+def test_persistent_shrink_expand_gpu(d_in, d_out):
+    """The op with lora_shrink_expand on persistent programs, x and the weights by TMA descriptors (Hopper), 8
+    jobs of mixed ranks up to 64, against fp64: outputs and gradients, with dB fused and apart."""
+    from colora.kernels import lora_ops
+
+    dtype = torch.bfloat16
+    tokens, ranks = _layout(8, seed=d_in + 2 * d_out)
+    case = lora_case(tokens, ranks, d_in, d_out, dtype, DEV, seed=d_in + 2 * d_out)
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    errs = {}
+    for fuse_dy in (True, False):
+        with lora_ops.launch_overrides(persistent={"on": True}, route={"y": "shrink", "dx": "dy"}):
+            got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, fuse_expand=True)
+        errs.update({f"{k} {'fused' if fuse_dy else 'apart'}": rel_err(got[k], ref[k])
+                     for k in ("y", "dx", "dA", "dB")})
+    _record("persistent_shrink_expand", d_in=d_in, d_out=d_out, errors=errs, tol=LORA_TOL[dtype])
+    assert max(errs.values()) <= LORA_TOL[dtype], errs
+
+
 def test_grouped_lora_offsets_past_int32():
     """720k tokens x 3072 outputs = 2.2e9 elements of y: the row offsets must be int64."""
     dtype, d_in, d_out = torch.bfloat16, 1024, 3072

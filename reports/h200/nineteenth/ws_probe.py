@@ -39,7 +39,8 @@ def desc_gemm_kernel(x_ptr, wb_ptr, h_ptr, w_ptr, y_ptr,
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(wb_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     y_desc = tl.make_tensor_descriptor(y_ptr, shape=[T, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-    h_desc = tl.make_tensor_descriptor(h_ptr, shape=[T, BLOCK_R], strides=[stride_hm, 1], block_shape=[BLOCK_M, BLOCK_R])
+    h_desc = tl.make_tensor_descriptor(h_ptr, shape=[T, BLOCK_R], strides=[stride_hm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_R])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, R_total], strides=[stride_wn, 1],
                                        block_shape=[BLOCK_N, BLOCK_R])
     start = tl.program_id(0)

@@ -8,6 +8,9 @@ the H200 after scripts/h200.sh has made its shim:
 Sets 12-15 ran at the commits calls.sh names, where route's separate expands were "tiles" (one [64, 128] tile a
 program: lora_expand then) and "rows" (lora_expand_rows, an "expand_rows" override); since 15, "rows" is lora_expand
 and the route is called "expand", so those sets no longer run as written.
+PROBE=18 (nineteenth session): lora_shrink_expand (the forward's x -> h -> y, and the dy -> dh -> dx of the shapes
+whose dB is not fused) on persistent programs with x and the weights loaded by TMA descriptors, against the own
+one program a tile. (Sets 16-17: the eighteenth session's, named in their entries.)
 PROBE=15: after the backward's base products moved after the LoRA's dx as well: the separate expands (y, dx)
 by lora_expand_rows against lora_expand (rank 16: the trainer's calls, and o and down alone).
 PROBE=14: with PACKED=1 BASE=1, the op's base projection added after the LoRA delta by cuBLAS's epilogue (the
@@ -206,6 +209,16 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "base fused": ({}, {"route": {"base": "fused"}}),
         "own again": ({}, {}),
         "base fused again": ({}, {"route": {"base": "fused"}}),
+    },
+    "18": {  # (nineteenth session) lora_shrink_expand on persistent programs, x and the weights by TMA descriptors
+        "own": ({}, {}),
+        "persistent desc": ({}, {"persistent": {"on": True}}),
+        "persistent x desc": ({}, {"persistent": {"on": True, "w_desc": False}}),
+        "persistent pointers": ({}, {"persistent": {"on": True, "x_desc": False, "w_desc": False}}),
+        "persistent desc n2 128": ({}, {"persistent": {"on": True, "block_n2": 128}}),
+        "persistent desc x2": ({}, {"persistent": {"on": True, "per_sm": 2}}),
+        "own again": ({}, {}),
+        "persistent desc again": ({}, {"persistent": {"on": True}}),
     },
     "11": {  # the rank-64 dy pass (dB fused; one program of 8 warps an SM at 48-50% of DRAM peak) on 16 warps
         "own": ({}, {}),
