@@ -155,7 +155,7 @@ def lora_shrink_expand_persistent_kernel(
     n_tiles, programs, K, N2, h_slice,
     stride_xm, stride_wr, stride_hm, stride_w2r, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N2: tl.constexpr,
-    X_DESC: tl.constexpr, W_DESC: tl.constexpr,
+    X_DESC: tl.constexpr, W_DESC: tl.constexpr, EVEN_R: tl.constexpr,
     HAS_SCALE: tl.constexpr, EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """lora_shrink_kernel's shrink + expand (FUSE_EXPAND, one slice) on `programs` persistent programs, each
@@ -163,7 +163,9 @@ def lora_shrink_expand_persistent_kernel(
     past the tile's job are read and never stored, columns past K are zero-filled), else a pointer with unit
     column stride. W_DESC: w and w2 are descriptors (blocks [BLOCK_R, BLOCK_K] and [BLOCK_R, BLOCK_N2]); the
     rank rows past r_j they bring (the next job's) are zeroed in registers, so another job's weights never
-    reach this job's sums, as the pointer loads' masks ensure. h: [T, H] as lora_shrink's out; y: [T, N2]."""
+    reach this job's sums, as the pointer loads' masks ensure; EVEN_R (every job's rank is BLOCK_R) says there
+    are none, and the expand's weight tile goes from shared memory to the dot untouched. h: [T, H] as
+    lora_shrink's out; y: [T, N2]."""
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N2)
@@ -199,7 +201,9 @@ def lora_shrink_expand_persistent_kernel(
         for n0 in range(0, N2, BLOCK_N2):
             n_ok = offs_n < N2 - n0
             if W_DESC:
-                w2t = tl.where(r_ok[:, None], w2.load([r0, n0]), 0.0)
+                w2t = w2.load([r0, n0])
+                if not EVEN_R:
+                    w2t = tl.where(r_ok[:, None], w2t, 0.0)
             else:
                 w2t = tl.load(w2 + (r0 + offs_r)[:, None] * stride_w2r + (n0 + offs_n)[None, :],
                               mask=r_ok[:, None] & n_ok[None, :], other=0.0)

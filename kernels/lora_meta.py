@@ -185,6 +185,10 @@ class LoRABatchMeta:
         return max((b - a for a, b in zip(self.rank_start[:-1], self.rank_start[1:])), default=0)
 
     @functools.cached_property
+    def min_rank(self) -> int:
+        return min((b - a for a, b in zip(self.rank_start[:-1], self.rank_start[1:])), default=0)
+
+    @functools.cached_property
     def max_tokens(self) -> int:
         return max((b - a for a, b in zip(self.seg_start[:-1], self.seg_start[1:])), default=0)
 

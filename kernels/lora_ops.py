@@ -196,7 +196,7 @@ def _launch_persistent(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumula
         tiles.n, programs, K, N2, 0,
         x.stride(0), w.stride(0), h.stride(0), w2t.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=cfg["block_m"], BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N2=block_n2,
-        X_DESC=cfg["x_desc"], W_DESC=cfg["w_desc"], HAS_SCALE=scale_h, EXPAND_SCALE=scale_out,
+        X_DESC=cfg["x_desc"], W_DESC=cfg["w_desc"], EVEN_R=meta.min_rank == block_r, HAS_SCALE=scale_h, EXPAND_SCALE=scale_out,
         ACCUMULATE=accumulate, PRECISION=_precision(x.dtype, x.device),
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )

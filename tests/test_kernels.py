@@ -393,16 +393,27 @@ def test_persistent_shrink_expand_equals_the_tile_launch(variant, dtype):
     scales on either side; mixed ranks, a job without rows, a rank-0 job with rows (its y rows 0 or kept). A
     neighbouring job's non-finite weights never reach another job's rows (descriptors read past a job's rank
     rows and zero them in registers)."""
-    from colora.kernels import lora_ops
-
     case = lora_case([33, 0, 70, 9, 21], [8, 16, 4, 0, 16], 40, 24, dtype, DEV, seed=31)
     meta, x, A, B = case.meta, case.x.detach(), case.A.detach().clone(), case.B.detach().clone()
     A[8:24], B[:, 8:24] = float("inf"), float("nan")  # the job without rows: its rank rows follow job 0's
+    _persistent_equals_tile_launch(meta, x, A, B, PERSISTENT[variant], dtype)
+    # every rank 16 (BLOCK_R): descriptor tiles cover exactly a job's rank rows (EVEN_R), a job without rows
+    # non-finite beside them
+    even = lora_case([33, 0, 70, 21], [16, 16, 16, 16], 40, 24, dtype, DEV, seed=32)
+    A, B = even.A.detach().clone(), even.B.detach().clone()
+    A[16:32], B[:, 16:32] = float("inf"), float("nan")
+    assert even.meta.min_rank == 16 == even.meta.max_rank
+    _persistent_equals_tile_launch(even.meta, even.x.detach(), A, B, PERSISTENT[variant], dtype)
+
+
+def _persistent_equals_tile_launch(meta, x, A, B, cfg_on, dtype):
+    from colora.kernels import lora_ops
+
     Bt = B.t().contiguous()
     T = x.shape[0]
     for scale_h, scale_out, accumulate in [(False, True, False), (True, False, True)]:
         outs = []
-        for cfg in ({"on": False}, PERSISTENT[variant]):
+        for cfg in ({"on": False}, cfg_on):
             h = torch.full((T, lora_ops.h_width(meta, 1)), float("nan"), dtype=dtype, device=DEV)
             y = torch.randn(T, 24, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEV)
             y0 = y.clone()
@@ -415,8 +426,10 @@ def test_persistent_shrink_expand_equals_the_tile_launch(variant, dtype):
         assert rel_err(h.nan_to_num(0.0), h_tile.nan_to_num(0.0)) <= LORA_TOL[dtype]
         assert torch.isfinite(y).all()
         assert rel_err(y, y_tile) <= LORA_TOL[dtype]
-        rank0 = slice(meta.seg_start[3], meta.seg_start[4])
-        assert torch.equal(y[rank0], y0[rank0] if accumulate else torch.zeros_like(y[rank0]))
+        for j in range(meta.num_jobs):
+            if meta.rank_start[j + 1] == meta.rank_start[j]:  # a rank-0 job's rows: 0, or y kept
+                rows = slice(meta.seg_start[j], meta.seg_start[j + 1])
+                assert torch.equal(y[rows], y0[rows] if accumulate else torch.zeros_like(y[rows]))
 
 
 @pytest.mark.parametrize("fuse_dy", [True, False], ids=["dB fused", "dB apart"])

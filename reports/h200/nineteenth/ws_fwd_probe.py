@@ -5,7 +5,9 @@ issue's bytes-bound rows), rank RANK (default 64), every Qwen3-0.6B shape. CUDA-
 process; GB/s counts x read and y written. Run from the repository root on the H200 after scripts/h200.sh made
 its shim:
     PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/nineteenth/ws_fwd_probe.py [--quick]
-(--quick: tiny shapes on the CPU's interpreter, plumbing only.)
+(--quick: tiny shapes on the CPU's interpreter, plumbing only.)  CONFIGS=0,2 limits the descriptor kernel's
+configurations. The own launch's baseline passes B^T's transpose view as the op does (call 5's passed B row-major,
+the expand's weight read across its rows: a baseline the op never runs; it stays as "B row-major").
 """
 import json
 import os
@@ -22,7 +24,7 @@ import triton.language as tl  # noqa: E402
 from colora.kernels.bench import calibrate  # noqa: E402
 from colora.kernels.lora_kernels import _dot, _tile_of  # noqa: E402
 from colora.kernels.lora_meta import LoRABatchMeta  # noqa: E402
-from colora.kernels.lora_ops import h_width, lora_shrink_expand  # noqa: E402
+from colora.kernels.lora_ops import h_width, launch_overrides, lora_shrink_expand  # noqa: E402
 
 
 @triton.jit
@@ -74,6 +76,8 @@ CONFIGS = {  # BLOCK_M, BLOCK_K, BLOCK_N, warps, stages, programs an SM, warp sp
     "64x64 n64 w4 s4 x3": (64, 64, 64, 4, 4, 3, False), "128x64 n64 w4 s3 x1": (128, 64, 64, 4, 3, 1, False),
     "128x64 n128 w8 s3 x1": (128, 64, 128, 8, 3, 1, False), "ws 128x64 n64 w4 s3": (128, 64, 64, 4, 3, 1, True),
     "ws 128x64 n128 w4 s3": (128, 64, 128, 4, 3, 1, True), "ws 64x64 n64 w4 s4": (64, 64, 64, 4, 4, 1, True)}
+if os.environ.get("CONFIGS"):
+    CONFIGS = {k: v for i, (k, v) in enumerate(CONFIGS.items()) if str(i) in os.environ["CONFIGS"].split(",")}
 if QUICK:
     CONFIGS = {"tiny": (16, 32, 32, 4, 2, 1, False), "ws tiny": (16, 32, 32, 4, 2, 1, True)}
 
@@ -107,7 +111,14 @@ for name, (d_in, d_out) in SHAPES.items():
     for j in range(J):
         hj = (x[seg[j]:seg[j + 1]].float() @ A[j * R:(j + 1) * R].float().t()).to(dtype).float()
         ref[seg[j]:seg[j + 1]] = 2.0 * hj @ B[:, j * R:(j + 1) * R].float().t()
-    variants = {"own (lora_shrink_expand)": lambda: lora_shrink_expand(x, A, B, meta, h, y, scale_out=True)}
+    Bt = B.t().contiguous()  # the op's layout: B^T made contiguous once a forward, B passed as its transpose view
+    variants = {"own (lora_shrink_expand)": lambda: lora_shrink_expand(x, A, Bt.t(), meta, h, y, scale_out=True),
+                "own, B row-major (call 5's)": lambda: lora_shrink_expand(x, A, B, meta, h, y, scale_out=True)}
+    for oname, over in [("op persistent desc", {"on": True}), ("op persistent x desc", {"on": True, "w_desc": False})]:
+        def op(over=over):
+            with launch_overrides(persistent=over):
+                lora_shrink_expand(x, A, Bt.t(), meta, h, y, scale_out=True)
+        variants[oname] = op
     for cname, (bm, bk, bn, warps, stages, per_sm, ws) in CONFIGS.items():
         tiles = meta.tiles(bm)
 

@@ -10,7 +10,8 @@ program: lora_expand then) and "rows" (lora_expand_rows, an "expand_rows" overri
 and the route is called "expand", so those sets no longer run as written.
 PROBE=18 (nineteenth session): lora_shrink_expand (the forward's x -> h -> y, and the dy -> dh -> dx of the shapes
 whose dB is not fused) on persistent programs with x and the weights loaded by TMA descriptors, against the own
-one program a tile. (Sets 16-17: the eighteenth session's, named in their entries.)
+one program a tile. PROBE=19: the same after the expand's weight tile skips its zeroing where every rank is BLOCK_R
+(EVEN_R: every rank here). (Sets 16-17: the eighteenth session's, named in their entries.)
 PROBE=15: after the backward's base products moved after the LoRA's dx as well: the separate expands (y, dx)
 by lora_expand_rows against lora_expand (rank 16: the trainer's calls, and o and down alone).
 PROBE=14: with PACKED=1 BASE=1, the op's base projection added after the LoRA delta by cuBLAS's epilogue (the
@@ -217,6 +218,12 @@ VARIANTS = {  # name: (grouped_lora kwargs, launch_overrides); set with PROBE=1-
         "persistent pointers": ({}, {"persistent": {"on": True, "x_desc": False, "w_desc": False}}),
         "persistent desc n2 128": ({}, {"persistent": {"on": True, "block_n2": 128}}),
         "persistent desc x2": ({}, {"persistent": {"on": True, "per_sm": 2}}),
+        "own again": ({}, {}),
+        "persistent desc again": ({}, {"persistent": {"on": True}}),
+    },
+    "19": {  # (nineteenth session) set 18's persistent launch with every rank at BLOCK_R: no zeroing of weight tiles
+        "own": ({}, {}),
+        "persistent desc": ({}, {"persistent": {"on": True}}),
         "own again": ({}, {}),
         "persistent desc again": ({}, {"persistent": {"on": True}}),
     },
