@@ -26,13 +26,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .logsoftmax_kernels import selective_logsoftmax_kernel
-from .lora_kernels import lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel
+from .lora_kernels import (lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel,
+                           lora_shrink_expand_persistent_kernel, lora_shrink_kernel)
 from .lora_ops import _shrink_block_k, _shrink_stages, dx_pass_shape, expand_block_n2, reduce_shape, sgrad_shape
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-OPS = ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDG.E.U16", "STG.E.128", "STG.E.U16", "LDL", "STL", "REDG", "ATOMG",
-       "F32x4")  # REDG: fire-and-forget atomic adds (the dy pass's dB); F32x4: 128-bit ones
+OPS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDG.E.U16", "STG.E.128", "STG.E.U16", "LDL", "STL",
+       "REDG", "ATOMG", "F32x4")  # REDG: fire-and-forget atomic adds (the dy pass's dB); F32x4: 128-bit ones; UTMALDG: TMA loads
 
 
 def compile_one(label: str, fn, types: dict, consts: dict, ones=(), div16=(), warps=4, stages=3) -> str:
@@ -89,6 +90,23 @@ def variants():
                 yield (f"shrink+expand {dt} R{R}", lora_shrink_kernel, shrink,
                        dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2(64, warps), EXPAND_SCALE=True),
                        ones, div, warps, stages)
+            # lora_shrink_expand on persistent programs (not a default: lora_ops.persistent_config), x and the
+            # weights as TMA descriptors, x alone, or neither
+            if R <= 64:
+                for xd, wd in ((True, True), (True, False), (False, False)):
+                    def arg(desc, block):
+                        return f"tensordesc<{dt}[{block[0]}, {block[1]}]>" if desc else p
+                    pers = dict(x=arg(xd, (64, 64)), w=arg(wd, (R, 64)), h_ptr=p, w2=arg(wd, (R, 64)), y_ptr=p,
+                                tile_job_ptr="*i32", tile_row_ptr="*i32", seg_start_ptr="*i32",
+                                rank_start_ptr="*i32", scale_ptr="*fp32", n_tiles=i, programs=i, K=i, N2=i,
+                                h_slice=i, stride_xm=i, stride_wr=i, stride_hm=i, stride_w2r=i, stride_ym=i,
+                                stride_yn=i)
+                    yield (f"persistent {dt} R{R} x{'D' if xd else 'P'} w{'D' if wd else 'P'}",
+                           lora_shrink_expand_persistent_kernel, pers,
+                           dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=64, BLOCK_N2=64, X_DESC=xd, W_DESC=wd, EVEN_R=False,
+                                HAS_SCALE=False, EXPAND_SCALE=True, ACCUMULATE=False, PRECISION=prec),
+                           ("stride_yn",), ("K", "N2", "stride_xm", "stride_wr", "stride_hm", "stride_w2r",
+                                            "stride_ym"), 4, 4)
             # the fused dy pass (lora_ops.fuse_dy_pays): per-tile or atomic dB partials at R <= 32, atomic
             # ones on 256-row tiles at R 64 (bf16 only: at fp32 it spills 2.4 KB a thread, so it does not run)
             for bm, atomic in ((64, False), (256, False), (64, True), (256, True)) if R <= 32 else \

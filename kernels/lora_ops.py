@@ -147,13 +147,18 @@ def lora_shrink_expand(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, meta:
 def persistent_config(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> dict | None:
     """The launch of lora_shrink_expand_persistent_kernel for lora_shrink_expand, or None for lora_shrink_kernel's
     one program a tile: x, w and w2^T must have unit column strides; descriptors (x_desc, w_desc) need Hopper or
-    later and 16-byte aligned bases and row steps, and fall back to pointers elsewhere (the CPU's interpreter
-    takes both). Not the default yet: `launch_overrides(persistent={"on": True, ...})`."""
+    later, 16-bit dtypes and 16-byte aligned bases and row steps, and fall back to pointers elsewhere (the CPU's
+    interpreter takes both). Not the default (`launch_overrides(persistent={"on": True, ...})`): on the H200 at
+    8 jobs x 24k tokens, graph timing of the op's forward + backward in one process, level with the own launch
+    at rank 64 (k/v 791 against 796 us, o 1164 / 1174, down 1531 / 1538, q and gate/up +0.1-0.5%) and slower at
+    rank 16 (q 832 / 801, gate/up 1060 / 1018; the others level): reports/h200/nineteenth/p19."""
     cfg = _tuned("persistent", on=False, block_m=64, block_k=64, block_n2=64, warps=4, stages=4, per_sm=3,
                  x_desc=True, w_desc=True)
     if not cfg["on"] or x.stride(1) != 1 or w.stride(1) != 1 or w2.stride(0) != 1:
         return None
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+    if x.dtype == torch.float32 or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9):
+        # fp32's IEEE dots hold their operands in registers: with descriptors the kernel spills 120 bytes a thread
+        # at BLOCK_R 16 and 5.4 KB at 64 (kernels/compile_check.py, Triton 3.9), with pointers 0 and 24
         cfg = {**cfg, "x_desc": False, "w_desc": False}
 
     def aligned(t: torch.Tensor) -> bool:
@@ -196,7 +201,8 @@ def _launch_persistent(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumula
         tiles.n, programs, K, N2, 0,
         x.stride(0), w.stride(0), h.stride(0), w2t.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=cfg["block_m"], BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N2=block_n2,
-        X_DESC=cfg["x_desc"], W_DESC=cfg["w_desc"], EVEN_R=meta.min_rank == block_r, HAS_SCALE=scale_h, EXPAND_SCALE=scale_out,
+        X_DESC=cfg["x_desc"], W_DESC=cfg["w_desc"], EVEN_R=meta.min_rank == block_r, HAS_SCALE=scale_h,
+        EXPAND_SCALE=scale_out,
         ACCUMULATE=accumulate, PRECISION=_precision(x.dtype, x.device),
         num_warps=cfg["warps"], num_stages=cfg["stages"],
     )

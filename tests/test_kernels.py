@@ -447,17 +447,21 @@ def test_persistent_shrink_expand_in_the_op_matches_the_reference(fuse_dy):
 
 
 def test_persistent_config_falls_back_where_it_cannot_run():
-    """Strided operands take the one-program-a-tile launch; misaligned ones lose their descriptors."""
+    """Strided operands take the one-program-a-tile launch; misaligned and fp32 ones lose their descriptors."""
     from colora.kernels import lora_ops
 
-    x = torch.randn(64, 48, device=DEV)
-    w, w2 = torch.randn(16, 48, device=DEV), torch.randn(16, 40, device=DEV).t()
+    bf16 = dict(device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(64, 48, **bf16)
+    w, w2 = torch.randn(16, 48, **bf16), torch.randn(16, 40, **bf16).t()
     with lora_ops.launch_overrides(persistent={"on": True}):
-        assert lora_ops.persistent_config(x, w, w2)["x_desc"]
+        cfg = lora_ops.persistent_config(x, w, w2)
+        assert cfg["x_desc"] and cfg["w_desc"] or (DEV.type == "cuda" and torch.cuda.get_device_capability()[0] < 9)
         assert lora_ops.persistent_config(x.t().contiguous().t(), w, w2) is None
         assert lora_ops.persistent_config(x, w, w2.contiguous()) is None
-        odd = torch.randn(64, 47, device=DEV)[:, :46]  # rows 47 floats apart: not a 16-byte step
-        cfg = lora_ops.persistent_config(odd, torch.randn(16, 46, device=DEV), w2)
+        odd = torch.randn(64, 47, **bf16)[:, :46]  # rows 47 elements apart: not a 16-byte step
+        cfg = lora_ops.persistent_config(odd, torch.randn(16, 46, **bf16), w2)
+        assert cfg is not None and not cfg["x_desc"] and not cfg["w_desc"]
+        cfg = lora_ops.persistent_config(x.float(), w.float(), w2.float())  # fp32 spills with descriptors
         assert cfg is not None and not cfg["x_desc"] and not cfg["w_desc"]
     assert lora_ops.persistent_config(x, w, w2) is None  # not the default
 
