@@ -1,6 +1,6 @@
 """Triton kernels of grouped LoRA over rows sorted into per-job segments.
 
-Four kernels serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T (launchers in
+The kernels below serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T (launchers in
 `lora_ops.py`, which say which tensor plays which role):
 
   shrink   h[t, slice*r_j + k]  = (s_j *) sum_i x[t, i] W[rank_start[j] + k, i]    (x A^T; dy B)
@@ -13,6 +13,8 @@ Four kernels serve the forward and the backward of y_j = s_j * (x_j A_j^T) B_j^T
   reduce   out[rank_start[j] + k, n] = (s_j *) sum_{chunks c of job j} partial[c, k, n]  (in chunk order)
   base_gemm y[t, n] = sum_i x[t, i] Wb[n, i] + s_j sum_k h[t, slice*r_j + k] W[n, rank_start[j] + k]
            (the frozen base projection with the expand in its epilogue; not a default: lora_ops.base_order)
+  shrink_expand_persistent  the shrink with its expand on persistent programs, x and the weights through TMA
+           descriptors or pointers (not a default: lora_ops.persistent_config)
 
 The fp32 partials are stored in column blocks of the writer's tile width PB, one block after another:
 part[n // PB, c, k, n % PB] (a [cdiv(N, PB), chunks, BLOCK_R, PB] buffer), so each tile a writer
