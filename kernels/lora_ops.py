@@ -172,16 +172,8 @@ def persistent_config(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> dic
 def _launch_persistent(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumulate):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    T, K = x.shape
-    _check(meta, x, "x", meta.num_tokens)
-    _check(meta, h, "h", T)
-    if w.shape != (meta.total_rank, K):
-        raise ValueError(f"weight has shape {tuple(w.shape)}, expected [total rank {meta.total_rank}, {K}]")
-    if h.shape[1] < meta.max_rank or h.stride(1) != 1:
-        raise ValueError(f"h {tuple(h.shape)} (strides {h.stride()}) must be row-major with at least "
-                         f"{meta.max_rank} columns")
-    if not (x.dtype == w.dtype == h.dtype == w2.dtype):
-        raise ValueError(f"dtypes differ: x {x.dtype}, weight {w.dtype}, h {h.dtype}, expand weight {w2.dtype}")
+    _check_shrink(x, w, meta, h, 0)  # and lora_shrink_expand's _check_expand: h, w2, out
+    K = x.shape[1]
     tiles = meta.tiles(cfg["block_m"])
     if tiles.n == 0:
         return
@@ -362,16 +354,8 @@ def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) 
 
 def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, atomic=False):
     """exp: None, or (w2, y, scale, accumulate) of a fused expand (see lora_shrink_expand)."""
-    T, K = x.shape
-    _check(meta, x, "x", meta.num_tokens)
-    _check(meta, out, "out", T)
-    if w.shape != (meta.total_rank, K):
-        raise ValueError(f"weight has shape {tuple(w.shape)}, expected [total rank {meta.total_rank}, {K}]")
-    if out.shape[1] < (h_slice + 1) * meta.max_rank or out.stride(1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} (strides {out.stride()}) must be row-major with at least "
-                         f"{(h_slice + 1) * meta.max_rank} columns")
-    if not (x.dtype == w.dtype == out.dtype):
-        raise ValueError(f"dtypes differ: x {x.dtype}, weight {w.dtype}, out {out.dtype}")
+    _check_shrink(x, w, meta, out, h_slice)
+    K = x.shape[1]
     tiles = meta.tiles(block_m)
     if tiles.n == 0 or (meta.max_rank == 0 and exp is None):
         return
@@ -398,6 +382,19 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, 
         FUSE_EXPAND=exp is not None, BLOCK_N2=cfg["block_n2"], EXPAND_SCALE=scale2, ACCUMULATE=accumulate,
         PART_ATOMIC=atomic, num_warps=cfg["warps"], num_stages=cfg["stages"],
     )
+
+
+def _check_shrink(x: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, h_slice: int) -> None:
+    T, K = x.shape
+    _check(meta, x, "x", meta.num_tokens)
+    _check(meta, out, "out", T)
+    if w.shape != (meta.total_rank, K):
+        raise ValueError(f"weight has shape {tuple(w.shape)}, expected [total rank {meta.total_rank}, {K}]")
+    if out.shape[1] < (h_slice + 1) * meta.max_rank or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} (strides {out.stride()}) must be row-major with at least "
+                         f"{(h_slice + 1) * meta.max_rank} columns")
+    if not (x.dtype == w.dtype == out.dtype):
+        raise ValueError(f"dtypes differ: x {x.dtype}, weight {w.dtype}, out {out.dtype}")
 
 
 def _check_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, h_slice: int) -> None:
