@@ -220,6 +220,71 @@ def lora_shrink_expand_persistent_kernel(
 
 
 @triton.jit
+def lora_stream_kernel(
+    x, w, h_ptr, p_ptr, part_ptr, w2, y_ptr,  # x: [T, K], w: [R, K], w2: [N2, R] (W2_NR) or [R, N2] descriptors
+    tile_job_ptr, tile_row_ptr, rank_start_ptr, scale_ptr,
+    n_tiles, programs, K, N2, n_part,
+    stride_hm, stride_pm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N2: tl.constexpr,
+    W2_NR: tl.constexpr, EVEN_N2: tl.constexpr, FUSE_SGRAD: tl.constexpr,
+    HAS_SCALE: tl.constexpr, EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """lora_shrink_kernel's shrink with its expand (x -> h -> y; dy -> dh -> dx) and, with FUSE_SGRAD, the
+    atomic dB partial of the dy pass (PART_ATOMIC: one fp32 partial a job), on `programs` persistent programs
+    over FULL row tiles (BLOCK_M rows of one job each) of a batch whose every rank is BLOCK_R: nothing is
+    masked but y's columns past N2 (not EVEN_N2), so h, dh and y are stored as whole tiles. x, w and w2 are
+    TMA tensor descriptors (blocks [BLOCK_M, BLOCK_K], [BLOCK_R, BLOCK_K], and [BLOCK_N2, BLOCK_R] with W2_NR
+    (the forward's B) or [BLOCK_R, BLOCK_N2] (the backward's A)); columns past K or N2 are zero-filled. The
+    launcher gives the tiles of fewer rows (a job's last) to lora_shrink_kernel. p: [T, P] (h of the forward),
+    part as lora_shrink_kernel's with PART_ATOMIC."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N2)
+    for tile in tl.range(tl.program_id(0), n_tiles, programs):
+        job = tl.load(tile_job_ptr + tile)
+        row0 = tl.load(tile_row_ptr + tile)
+        r0 = tl.load(rank_start_ptr + job)
+        rows = (row0 + offs_m).to(tl.int64)
+        if FUSE_SGRAD:
+            pt = tl.trans(tl.load(p_ptr + rows[:, None] * stride_pm + offs_r[None, :]))  # [BLOCK_R, BLOCK_M]
+            part_ptrs = part_ptr + job.to(tl.int64) * BLOCK_R * BLOCK_K + offs_r[:, None] * BLOCK_K + offs_k[None, :]
+            part_step = tl.cast(n_part, tl.int64) * BLOCK_R * BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xt = x.load([row0, k0])
+            acc = _dot(xt, tl.trans(w.load([r0, k0])), acc, PRECISION)
+            if FUSE_SGRAD:  # columns past K are zeros: their partial lanes add nothing
+                pb = _dot(pt, xt, tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32), PRECISION)
+                tl.atomic_add(part_ptrs, pb, sem="relaxed")
+                part_ptrs += part_step
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + job)
+        hb = acc.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows[:, None] * stride_hm + offs_r[None, :], hb)
+        if EXPAND_SCALE:
+            s2 = tl.load(scale_ptr + job)
+        for n0 in range(0, N2, BLOCK_N2):
+            if W2_NR:
+                w2t = tl.trans(w2.load([n0, r0]))
+            else:
+                w2t = w2.load([r0, n0])
+            yacc = _dot(hb, w2t, tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32), PRECISION)
+            if EXPAND_SCALE:
+                yacc = yacc * s2
+            y_ptrs = y_ptr + rows[:, None] * stride_ym + (n0 + offs_n)[None, :]
+            if EVEN_N2:
+                if ACCUMULATE:
+                    yacc += tl.load(y_ptrs).to(tl.float32)
+                tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty))
+            else:
+                n_ok = (offs_n < N2 - n0)[None, :]
+                if ACCUMULATE:
+                    yacc += tl.load(y_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+                tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def lora_sgrad_kernel(
     p_ptr, q_ptr, part_ptr,  # p: [T, H], q: [T, N], part: fp32 [cdiv(N, BLOCK_N), chunks, BLOCK_R, BLOCK_N]
     w_ptr, y_ptr, scale_ptr,  # EXPAND only: w: [N, R] (strided), y: [T, N] (strided)

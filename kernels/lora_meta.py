@@ -203,6 +203,26 @@ class LoRABatchMeta:
             self._tiles["job"] = hit
         return hit
 
+    def full_tiles(self, block: int) -> tuple[Tiles, Tiles]:
+        """(the tiles of exactly `block` rows, the others: each job's last when block does not divide its
+        rows), as `tiles(block)` splits them (cached; job_start counts each part's tiles)."""
+        key = ("full", block)
+        hit = self._tiles.get(key)
+        if hit is None:
+            seg = np.asarray(self.seg_start, dtype=np.int64)
+            n_rows = seg[1:] - seg[:-1]
+            parts = []
+            for per_job, first in ((n_rows // block, seg[:-1]), ((n_rows % block > 0).astype(np.int64), None)):
+                job_start = np.concatenate([[0], np.cumsum(per_job)])
+                n = int(job_start[-1])
+                job = np.repeat(np.arange(self.num_jobs), per_job)
+                # the full tiles from each job's first row on; the short one after them
+                row = seg[job] + (np.arange(n) - job_start[job]) * block if first is not None \
+                    else seg[job] + n_rows[job] // block * block
+                parts.append(Tiles(block, n, *upload_aligned([job, row, job_start], torch.int32, self.device)))
+            hit = self._tiles[key] = tuple(parts)
+        return hit
+
     def tiles(self, block: int) -> Tiles:
         """Row tiles of `block` rows per job (cached): sum_j ceil(T_j / block) tiles."""
         hit = self._tiles.get(block)

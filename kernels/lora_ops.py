@@ -18,7 +18,7 @@ import functools
 import torch
 
 from .lora_kernels import (lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel,
-                           lora_shrink_expand_persistent_kernel, lora_shrink_kernel)
+                           lora_shrink_expand_persistent_kernel, lora_shrink_kernel, lora_stream_kernel)
 from .lora_meta import LoRABatchMeta
 
 SHRINK_BLOCK_M = 64  # rows per tile of the shrink (and of the fused dy pass below one 256-row tile an SM)
@@ -39,6 +39,9 @@ TUNABLE = {
     "base_gemm": ("block_m", "block_n", "block_k", "warps", "stages"),  # x W^T with the expand in its epilogue
     # shrink_expand on persistent programs (per_sm an SM), x / the weights through TMA descriptors or pointers
     "persistent": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm", "x_desc", "w_desc"),
+    # lora_stream_kernel: shrink_expand (stream) and the fused dy pass (stream_dy) over full tiles, descriptors
+    "stream": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm"),
+    "stream_dy": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm"),
     "route": ("dx", "y", "base"),  # not a launch: where dx and y are expanded (expand_route), base_order
 }
 _overrides: dict[str, dict] = {}
@@ -135,6 +138,10 @@ def lora_shrink_expand(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, meta:
     out, so the op's reads and writes interleave as in a copy (the separate expand is a write-only
     pass). Forward: x, A, B -> h, y; backward: dy, B^T (scale_h), A^T -> dh, dx. w2: [N, R], out: [T, N]."""
     _check_expand(h, w2, meta, out, 0)
+    stream = stream_config("stream", x, w, w2, meta)
+    if stream is not None:
+        _launch_stream(x, w, w2, meta, h, out, stream, scale_h, scale_out, accumulate)
+        return out
     cfg = persistent_config(x, w, w2)
     if cfg is None:
         _launch_shrink(x, w, meta, h, 0, scale_h, None, None, _tuned("shrink", block_m=SHRINK_BLOCK_M)["block_m"],
@@ -142,6 +149,77 @@ def lora_shrink_expand(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, meta:
     else:
         _launch_persistent(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumulate)
     return out
+
+
+def stream_config(kernel: str, x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, meta: LoRABatchMeta) -> dict | None:
+    """The launch of lora_stream_kernel for lora_shrink_expand (kernel "stream": x -> h -> y, dy -> dh -> dx) or
+    lora_shrink_sgrad's pass with its dx (kernel "stream_dy"), or None for lora_shrink_kernel's one program a tile.
+    It needs a batch whose every rank is BLOCK_R, 16-bit dtypes, Hopper or later (or the CPU's interpreter), x and
+    w with unit column strides, w2 with a unit stride along either dim, 16-byte aligned bases and row steps (TMA
+    descriptors); the dy pass also 256-row tiles (dy_pass_block_m: one such tile an SM or more).
+
+    The default at BLOCK_R 64: on the H200 at 8 jobs x 24k tokens, rank 64, one process, graph timing
+    (reports/h200/twentieth/s1), the forward on [128, 64] tiles two programs an SM took 0.87-0.93x the own launch's
+    time at every Qwen3-0.6B shape (k/v 246 against 283 us: 77% of the copy against 67%), the dy pass on [256, 64]
+    tiles one program an SM 0.89-0.95x (k/v 333 against 374 us); on [128, 64] or [64, 64] tiles, whose dB partials
+    add as many bytes into L2 as half or all the dy they read, 1.0-2.0x. At rank 16 (BLOCK_R 16) the forward took
+    1.0-1.09x the own launch's, which already moves 84-88% of the copy: off there."""
+    block_r = _block_r(meta.max_rank)
+    fwd = kernel == "stream"
+    if not _overrides.get(kernel, {}).get("on", block_r == 64):
+        return None
+    cfg = _tuned(kernel, on=True, block_m=128 if fwd else 256, block_k=64, block_n2=64, warps=4 if fwd else 8,
+                 stages=3, per_sm=2 if fwd else 1)
+    if meta.min_rank != block_r or x.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not fwd and cfg["block_m"] > dy_pass_block_m(meta):  # under one 256-row tile an SM
+        return None
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return None
+    w2_nr = w2.stride(1) == 1  # w2 [N2, R] row-major (B itself), else its transpose is ([R, N2]: B^T, A)
+
+    def aligned(t: torch.Tensor) -> bool:
+        return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+    if not (aligned(x) and aligned(w) and aligned(w2 if w2_nr else w2.t())):
+        return None
+    return {**cfg, "w2_nr": w2_nr}
+
+
+def _launch_stream(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumulate, p=None, part=None):
+    """lora_stream_kernel over the full tiles of cfg's block_m rows, lora_shrink_kernel over the rest (a job's
+    last tile, when block_m does not divide its rows). p, part: the dy pass's h and atomic dB partials."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _check_shrink(x, w, meta, h, 0)
+    K, N2 = x.shape[1], w2.shape[0]
+    block_m, block_r = cfg["block_m"], _block_r(meta.max_rank)
+    block_k = min(cfg["block_k"], max(16, pow2(K)))
+    block_n2 = min(cfg["block_n2"], max(16, pow2(N2)))
+    fused = part is not None
+    if fused and part.shape[3] != block_k:
+        raise ValueError(f"partials in column blocks of {part.shape[3]}, the pass's BLOCK_K is {block_k}")
+    full, short = meta.full_tiles(block_m)
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    if full.n > 0:
+        w2d = desc(w2, [block_n2, block_r]) if cfg["w2_nr"] else desc(w2.t(), [block_r, block_n2])
+        programs = max(1, min(full.n, cfg["per_sm"] * _num_sms(x.device)))
+        lora_stream_kernel[(programs,)](
+            desc(x, [block_m, block_k]), desc(w, [block_r, block_k]), h, p if fused else h, part if fused else h,
+            w2d, out, full.job, full.row, meta.rank_start_t, meta.scale_t,
+            full.n, programs, K, N2, part.shape[1] if fused else 0,
+            h.stride(0), p.stride(0) if fused else 0, out.stride(0),
+            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N2=block_n2,
+            W2_NR=cfg["w2_nr"], EVEN_N2=N2 % block_n2 == 0, FUSE_SGRAD=fused,
+            HAS_SCALE=scale_h, EXPAND_SCALE=scale_out, ACCUMULATE=accumulate,
+            PRECISION=_precision(x.dtype, x.device), num_warps=cfg["warps"], num_stages=cfg["stages"],
+        )
+    if short.n > 0:
+        _launch_shrink(x, w, meta, h, 0, scale_h, p, part, block_m, (w2, out, scale_out, accumulate),
+                       atomic=fused, tiles=short, block_k=block_k)
 
 
 def persistent_config(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> dict | None:
@@ -224,17 +302,24 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
                          f"{h_slice * meta.max_rank + block_r} columns (h_width) and dy's dtype {dy.dtype}")
     if dBt.shape != Bt.shape:
         raise ValueError(f"dBt has shape {tuple(dBt.shape)}, expected {tuple(Bt.shape)}")
-    block_m = _tuned("dy_pass", block_m=dy_pass_block_m(meta))["block_m"]
-    tiles = meta.tiles(block_m)
     N = dy.shape[1]
-    pb = _shrink_block_k(block_m, block_r, N, dy.dtype)  # the partials' column block: the pass's BLOCK_K
     atomic = _tuned("dy_pass", atomic=atomic_db())["atomic"]
+    stream = stream_config("stream_dy", dy, Bt, dx[0], meta) if (dx is not None and atomic) else None
+    if stream is not None:
+        block_m, pb = stream["block_m"], min(stream["block_k"], max(16, pow2(N)))
+    else:
+        block_m = _tuned("dy_pass", block_m=dy_pass_block_m(meta))["block_m"]
+        pb = _shrink_block_k(block_m, block_r, N, dy.dtype)  # the partials' column block: the pass's BLOCK_K
+    tiles = meta.tiles(block_m)
     # one partial a job, every tile adding to it (fp32 atomics: the sum's order varies), or one a tile,
     # summed per job in tile order by the reduce
     table, alloc = (meta.per_job(), torch.zeros) if atomic else (tiles, torch.empty)
     part = alloc((cdiv(N, pb), max(table.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
-    _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m, None if dx is None else (*dx[:2], False, dx[2]),
-                   atomic=atomic)
+    if stream is not None:
+        _launch_stream(dy, Bt, dx[0], meta, dh, dx[1], stream, True, False, dx[2], p=h, part=part)
+    else:
+        _launch_shrink(dy, Bt, meta, dh, h_slice, True, h, part, block_m,
+                       None if dx is None else (*dx[:2], False, dx[2]), atomic=atomic)
     _launch_reduce(part, dBt, meta, table, block_r, scale=True)
 
 
@@ -263,15 +348,17 @@ def fuse_dy_pays(meta: LoRABatchMeta, d_in: int, d_out: int, dtype: torch.dtype)
     partials, written and read back, cost 4 BLOCK_R / BLOCK_M of the dy read the fusion saves: at
     BLOCK_R <= 32 on 256-row tiles at most 1/2 (1/4 at rank 16), as much or more on the 64-row tiles of
     small batches (below one 256-row tile an SM, where launches dominate), and less again with the
-    atomic partials (`atomic_db`). At BLOCK_R 64 only with atomic partials on 256-row tiles, and where
-    d_out >= d_in: at o (2048 -> 1024) and down (3072 -> 1024) the dy pass on 256-row tiles writing
-    the wide dx cost more than the narrow dy read it saved (atomic_db's figures); and not at fp32, whose
-    IEEE dots hold their operands in registers: that pass spills 2.4 KB a thread (kernels/compile_check.py,
-    Triton 3.9) where the two passes of the rule before it do not."""
+    atomic partials (`atomic_db`). At BLOCK_R 64 only with atomic partials on 256-row tiles; not at fp32,
+    whose IEEE dots hold their operands in registers: that pass spills 2.4 KB a thread
+    (kernels/compile_check.py, Triton 3.9) where the two passes of the rule before it do not. Until the
+    twentieth session also only where d_out >= d_in (atomic_db's figures at o and down); on the H200 at
+    8 jobs x 24k tokens, rank 64 (reports/h200/twentieth/s1) the fused pass now pays there too: o 1181 ->
+    1128 us, down 1545 -> 1480 with lora_shrink_kernel, 1104 -> 1085 and 1469 -> 1444 with lora_stream_kernel
+    on 128-row tiles."""
     block_r = _block_r(meta.max_rank)
     if block_r <= 32:
         return True
-    return (block_r == 64 and d_out >= d_in and dtype != torch.float32 and atomic_db()
+    return (block_r == 64 and dtype != torch.float32 and atomic_db()
             and dy_pass_block_m(meta) > SHRINK_BLOCK_M)
 
 
@@ -352,11 +439,13 @@ def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) 
     return n_slices == 1 and block_r <= 64 and (block_r == 64 or d_in <= d_out)
 
 
-def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, atomic=False):
-    """exp: None, or (w2, y, scale, accumulate) of a fused expand (see lora_shrink_expand)."""
+def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, atomic=False, tiles=None,
+                   block_k=None):
+    """exp: None, or (w2, y, scale, accumulate) of a fused expand (see lora_shrink_expand). tiles: a table of
+    tiles of at most block_m rows instead of meta.tiles(block_m); block_k: the pass's BLOCK_K (the partials')."""
     _check_shrink(x, w, meta, out, h_slice)
     K = x.shape[1]
-    tiles = meta.tiles(block_m)
+    tiles = tiles or meta.tiles(block_m)
     if tiles.n == 0 or (meta.max_rank == 0 and exp is None):
         return
     block_r = _block_r(meta.max_rank)
@@ -366,7 +455,8 @@ def _launch_shrink(x, w, meta, out, h_slice, scale, p, part, block_m, exp=None, 
     N2 = w2.shape[0] if exp else 0
     warps = 8 if (block_m > SHRINK_BLOCK_M or block_r >= 128) else 4
     block_n2 = max(16, min(pow2(N2), expand_block_n2(block_m, warps, block_r, fp32, dy_pass=fused)))
-    cfg = _tuned("dy_pass" if fused else "shrink", block_k=_shrink_block_k(block_m, block_r, K, x.dtype, fused),
+    block_k = block_k or _shrink_block_k(block_m, block_r, K, x.dtype, fused)
+    cfg = _tuned("dy_pass" if fused else "shrink", block_k=block_k,
                  warps=warps, stages=_shrink_stages(block_r, fp32, fused), block_n2=block_n2)
     block_k = cfg["block_k"]
     if fused and part.shape[3] != block_k:

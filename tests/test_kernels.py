@@ -466,6 +466,130 @@ def test_persistent_config_falls_back_where_it_cannot_run():
     assert lora_ops.persistent_config(x, w, w2) is None  # not the default
 
 
+STREAM_SMALL = {"on": True, "block_m": 16, "block_k": 16, "block_n2": 16, "per_sm": 1}
+
+
+def _stream_case(dtype=torch.bfloat16, d_in=40, d_out=24, R=16, seed=33):
+    """Every rank BLOCK_R (lora_stream_kernel's batches); jobs of 2 full 16-row tiles + 1, none, 4 + 6, and 1 + 5
+    rows: full tiles, short ones, a job without rows."""
+    return lora_case([33, 0, 70, 21], [R] * 4, d_in, d_out, dtype, DEV, seed=seed)
+
+
+@pytest.mark.parametrize("layout", ["B^T", "B"])
+def test_stream_shrink_expand_equals_the_tile_launch(layout):
+    """lora_shrink_expand by lora_stream_kernel (full tiles, TMA descriptors, nothing masked) and lora_shrink_kernel
+    (the short tiles) writes what one program a tile writes: h, y or y + the delta, the scales on either side; with
+    the expand's weight B^T's transpose view (as the op passes it) or B itself. A job without rows has non-finite
+    weights: a full tile's descriptor blocks cover exactly its own job's rank rows, so nothing else reaches y."""
+    from colora.kernels import lora_ops
+
+    case = _stream_case()
+    meta, x, A, B = case.meta, case.x.detach(), case.A.detach().clone(), case.B.detach().clone()
+    A[16:32], B[:, 16:32] = float("inf"), float("nan")
+    w2 = B.t().contiguous().t() if layout == "B^T" else B.contiguous()
+    T = x.shape[0]
+    for scale_h, scale_out, accumulate in [(False, True, False), (True, False, True)]:
+        outs = []
+        for cfg in ({"on": False}, STREAM_SMALL):
+            h = torch.full((T, lora_ops.h_width(meta, 1)), float("nan"), dtype=x.dtype, device=DEV)
+            y = torch.randn(T, 24, generator=torch.Generator().manual_seed(5)).to(x.dtype).to(DEV)
+            with lora_ops.launch_overrides(stream=cfg):
+                assert (lora_ops.stream_config("stream", x, A, w2, meta) is not None) == cfg["on"]
+                lora_ops.lora_shrink_expand(x, A, w2, meta, h, y, scale_h=scale_h, scale_out=scale_out,
+                                            accumulate=accumulate)
+            outs.append((h, y))
+        (h_tile, y_tile), (h, y) = outs
+        assert torch.equal(h.isnan(), h_tile.isnan())  # the same lanes written
+        assert rel_err(h.nan_to_num(0.0), h_tile.nan_to_num(0.0)) <= LORA_TOL[x.dtype]
+        assert torch.isfinite(y).all() and rel_err(y, y_tile) <= LORA_TOL[x.dtype]
+
+
+def test_stream_dy_pass_equals_the_tile_launch():
+    """lora_shrink_sgrad with its dx by lora_stream_kernel (dh, dx, and dB's atomic partials from the full tiles; the
+    short tiles by lora_shrink_kernel into the same partials) against one program a tile. One job's dy is not
+    finite: the other jobs' dh, dx and dB stay finite and equal (a full tile reads its own job's rows only)."""
+    from colora.kernels import lora_ops
+
+    case = _stream_case(d_in=24, d_out=40)
+    meta, x, A, B, dy = case.meta, case.x.detach(), case.A.detach(), case.B.detach(), case.dy.clone()
+    dy[meta.seg_start[2]:meta.seg_start[3]] = float("inf")
+    Bt = B.t().contiguous()
+    T = x.shape[0]
+    h = x.new_zeros((T, lora_ops.h_width(meta, 1)))
+    lora_ops.lora_shrink(x, A, meta, h)
+    outs = []
+    for cfg in ({"on": False}, STREAM_SMALL):
+        dh = x.new_zeros((T, lora_ops.h_width(meta, 1)))
+        dx, dBt = torch.empty_like(x), torch.empty_like(Bt)
+        with lora_ops.launch_overrides(stream_dy=cfg, dy_pass={"block_m": 16, "block_k": 16}):
+            lora_ops.lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, dx=(A.t(), dx, False))
+        outs.append((dh, dx, dBt))
+    rows = torch.ones(T, dtype=torch.bool, device=DEV)
+    rows[meta.seg_start[2]:meta.seg_start[3]] = False
+    for ref, got in zip(*outs):
+        if got.shape[0] == T:
+            ref, got = ref[rows], got[rows]
+        else:  # dB^T: job 2's rank rows carry its non-finite dy
+            ref, got = torch.cat([ref[:32], ref[48:]]), torch.cat([got[:32], got[48:]])
+        assert torch.isfinite(got).all() and rel_err(got, ref) <= LORA_TOL[x.dtype]
+
+
+def test_stream_in_the_op_matches_the_reference():
+    """The op at rank 64 with lora_stream_kernel by default (the forward, and the dy pass: 256-row tiles from one
+    such tile an SM on, 1,024 rows on the interpreter) against the fp64 reference, outputs and gradients."""
+    from colora.kernels import lora_ops
+
+    case = lora_case([300, 0, 812, 9], [64] * 4, 24, 16, torch.bfloat16, DEV, seed=27)
+    meta, dy = case.meta, case.dy
+    assert lora_ops.stream_config("stream", case.x, case.A, case.B, meta) is not None
+    assert lora_ops.stream_config("stream_dy", dy, case.B.t().contiguous(), case.A.t(), meta) is not None
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    got = lora_grads(K.grouped_lora, case, backend="triton")
+    for key in ("y", "dx", "dA", "dB"):
+        assert rel_err(got[key], ref[key]) <= LORA_TOL[torch.bfloat16], key
+
+
+def test_stream_config_falls_back_where_it_cannot_run():
+    """lora_stream_kernel only for batches whose every rank is BLOCK_R, 16-bit dtypes, unit column strides and
+    16-byte row steps; by default at BLOCK_R 64 only, and the dy pass from one 256-row tile an SM on."""
+    from colora.kernels import lora_ops
+
+    bf16 = dict(device=DEV, dtype=torch.bfloat16)
+    big = 256 * lora_ops._num_sms(torch.device(DEV))
+
+    def meta(ranks, tokens=64):
+        return K.LoRABatchMeta.build([0, tokens // 2, tokens], [0, ranks[0], sum(ranks)], [1.0, 1.0], DEV)
+
+    x, w, w2 = torch.randn(64, 48, **bf16), torch.randn(128, 48, **bf16), torch.randn(128, 40, **bf16).t()
+    assert lora_ops.stream_config("stream", x, w, w2, meta([64, 64])) is not None  # the default at BLOCK_R 64
+    assert lora_ops.stream_config("stream", x, w, w2, meta([64, 64]))["w2_nr"] is False
+    assert lora_ops.stream_config("stream", x, w, w2.contiguous(), meta([64, 64]))["w2_nr"] is True
+    assert lora_ops.stream_config("stream", x, w, w2, meta([64, 32])) is None  # a rank below BLOCK_R
+    assert lora_ops.stream_config("stream", x.float(), w.float(), w2.float(), meta([64, 64])) is None
+    assert lora_ops.stream_config("stream", x.t().contiguous().t(), w, w2, meta([64, 64])) is None
+    odd = torch.randn(64, 47, **bf16)[:, :46]  # rows 47 elements apart: not a 16-byte step
+    assert lora_ops.stream_config("stream", odd, torch.randn(128, 46, **bf16), w2, meta([64, 64])) is None
+    assert lora_ops.stream_config("stream", x, w[:32], w2[:, :32], meta([16, 16])) is None  # off at BLOCK_R 16
+    with lora_ops.launch_overrides(stream={"on": True}):
+        assert lora_ops.stream_config("stream", x, w[:32], w2[:, :32], meta([16, 16])) is not None
+    with lora_ops.launch_overrides(stream={"on": False}):
+        assert lora_ops.stream_config("stream", x, w, w2, meta([64, 64])) is None
+    xb = torch.randn(big, 48, **bf16)
+    assert lora_ops.stream_config("stream_dy", xb, w, w2, meta([64, 64], big)) is not None
+    assert lora_ops.stream_config("stream_dy", xb[:big - 2], w, w2, meta([64, 64], big - 2)) is None  # 64-row tiles
+
+
+def test_full_tiles_split_every_job_rows():
+    """LoRABatchMeta.full_tiles: the tiles of exactly `block` rows, then each job's short last one, covering every
+    row once."""
+    meta = K.LoRABatchMeta.build([0, 33, 33, 103, 112, 128], [0, 1, 2, 3, 4, 5], [1.0] * 5, DEV)
+    full, short = meta.full_tiles(16)
+    assert full.job.tolist() == [0, 0, 2, 2, 2, 2, 4] and full.row.tolist() == [0, 16, 33, 49, 65, 81, 112]
+    assert short.job.tolist() == [0, 2, 3] and short.row.tolist() == [32, 97, 103]
+    assert full.job_start.tolist() == [0, 2, 2, 6, 6, 7] and short.job_start.tolist() == [0, 1, 1, 2, 3, 3]
+    assert meta.full_tiles(16) is meta.full_tiles(16)
+
+
 def test_packed_routes_outside_the_shrink_match_the_reference():
     """A packed call (two slices) with dx in dA's pass or by lora_expand; the routes that fuse into one
     slice's shrink or dy pass are refused."""
@@ -596,7 +720,8 @@ def test_atomic_db_partials_equal_the_per_tile_ones(tokens, monkeypatch):
 
 def test_dy_pass_fuses_where_the_rule_says():
     """fuse_dy_pays: always at BLOCK_R <= 32; at BLOCK_R 64 only with atomic partials, 256-row tiles
-    (256 x SMs rows: 1,024 on the interpreter), d_out >= d_in and a 16-bit dtype; never above 64."""
+    (256 x SMs rows: 1,024 on the interpreter) and a 16-bit dtype, whichever of dx and dy is wider; never
+    above 64."""
     from colora.kernels import lora_ops
 
     def meta(tokens, rank):
@@ -608,7 +733,7 @@ def test_dy_pass_fuses_where_the_rule_says():
     big = 256 * lora_ops._num_sms(torch.device(DEV))
     assert pays(64, 16, 40, 24) and pays(big, 32, 40, 24) and pays(64, 16, 40, 24, torch.float32)
     assert pays(big, 64, 24, 40) and pays(big, 48, 24, 24) and pays(big, 64, 24, 40, torch.float16)
-    assert not pays(big, 64, 40, 24)  # dx wider than dy
+    assert pays(big, 64, 40, 24)  # dx wider than dy: it pays since the twentieth session's measurements
     assert not pays(big - 2, 64, 24, 40)  # 64-row tiles
     assert not pays(big, 64, 24, 40, torch.float32)  # the fp32 pass would spill
     assert not pays(big, 128, 24, 40)

@@ -144,6 +144,29 @@ def test_base_gemm_gpu(d_in, d_out):
 
 
 @pytest.mark.parametrize("d_in,d_out", SHAPES, ids=["q", "k/v", "o", "gate/up", "down"])
+def test_stream_gpu(d_in, d_out):
+    """The op at rank 64 as it runs by default at 8 jobs x ~4.5k tokens: lora_stream_kernel's forward and dy pass
+    (TMA descriptors, full tiles; each job's short last tile by lora_shrink_kernel), against fp64; and the same
+    with the stream launches off."""
+    from colora.kernels import lora_ops
+
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(d_in + d_out)
+    tokens = (4200 + torch.randint(0, 600, (8,), generator=g)).tolist()
+    tokens[3] = 0
+    case = lora_case(tokens, [64] * 8, d_in, d_out, dtype, DEV, seed=d_in + 3 * d_out)
+    assert lora_ops.stream_config("stream_dy", case.dy, case.B.t().contiguous(), case.A.t(), case.meta) is not None
+    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
+    errs = {}
+    for on in (True, False):
+        with lora_ops.launch_overrides(stream={"on": on}, stream_dy={"on": on}):
+            got = lora_grads(K.grouped_lora, case, backend="triton")
+        errs.update({f"{k} {'stream' if on else 'tiles'}": rel_err(got[k], ref[k]) for k in ("y", "dx", "dA", "dB")})
+    _record("stream", d_in=d_in, d_out=d_out, errors=errs, tol=LORA_TOL[dtype])
+    assert max(errs.values()) <= LORA_TOL[dtype], errs
+
+
+@pytest.mark.parametrize("d_in,d_out", SHAPES, ids=["q", "k/v", "o", "gate/up", "down"])
 def test_persistent_shrink_expand_gpu(d_in, d_out):
     """The op with lora_shrink_expand on persistent programs, x and the weights by TMA descriptors (Hopper), 8
     jobs of mixed ranks up to 64, against fp64: outputs and gradients, with dB fused and apart."""
