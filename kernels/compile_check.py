@@ -27,8 +27,7 @@ from triton.compiler import ASTSource
 
 from .logsoftmax_kernels import selective_logsoftmax_kernel
 from .lora_kernels import (lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel,
-                           lora_shrink_expand_persistent_kernel, lora_shrink_kernel,
-                           lora_stream_kernel)
+                           lora_shrink_kernel, lora_stream_kernel)
 from .lora_ops import _shrink_block_k, _shrink_stages, dx_pass_shape, expand_block_n2, reduce_shape, sgrad_shape
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -91,30 +90,13 @@ def variants():
                 yield (f"shrink+expand {dt} R{R}", lora_shrink_kernel, shrink,
                        dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2(64, warps), EXPAND_SCALE=True),
                        ones, div, warps, stages)
-            # lora_shrink_expand on persistent programs (not a default: lora_ops.persistent_config), x and the
-            # weights as TMA descriptors, x alone, or neither
-            if R <= 64:
-                for xd, wd in ((True, True), (True, False), (False, False)):
-                    def arg(desc, block):
-                        return f"tensordesc<{dt}[{block[0]}, {block[1]}]>" if desc else p
-                    pers = dict(x=arg(xd, (64, 64)), w=arg(wd, (R, 64)), h_ptr=p, w2=arg(wd, (R, 64)), y_ptr=p,
-                                tile_job_ptr="*i32", tile_row_ptr="*i32", seg_start_ptr="*i32",
-                                rank_start_ptr="*i32", scale_ptr="*fp32", n_tiles=i, programs=i, K=i, N2=i,
-                                h_slice=i, stride_xm=i, stride_wr=i, stride_hm=i, stride_w2r=i, stride_ym=i,
-                                stride_yn=i)
-                    yield (f"persistent {dt} R{R} x{'D' if xd else 'P'} w{'D' if wd else 'P'}",
-                           lora_shrink_expand_persistent_kernel, pers,
-                           dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=64, BLOCK_N2=64, X_DESC=xd, W_DESC=wd, EVEN_R=False,
-                                HAS_SCALE=False, EXPAND_SCALE=True, ACCUMULATE=False, PRECISION=prec),
-                           ("stride_yn",), ("K", "N2", "stride_xm", "stride_wr", "stride_hm", "stride_w2r",
-                                            "stride_ym"), 4, 4)
-            # lora_stream_kernel (not a default: lora_ops.stream_config; bf16 only): the forward's shrink_expand
-            # on [64, 64] tiles (B^T's [R, N2] layout, or B's [N2, R]) and the dy pass on [128, 64] ones
+            # lora_stream_kernel (lora_ops.stream_config: the default at BLOCK_R 64; 16-bit only): the shrink_expand
+            # on [128, 64] tiles (B^T's [R, N2] layout, or B's [N2, R]) and the dy pass on [256, 64] ones
             if R <= 64 and dt == "bf16":
                 def td(block):
                     return f"tensordesc<{dt}[{block[0]}, {block[1]}]>"
-                for label, bm, fused, nr, st, x in (("fwd", 64, False, False, 4, 3), ("fwd B", 64, False, True, 4, 3),
-                                                    ("dy", 128, True, False, 3, 2), ("dy", 64, True, False, 4, 3)):
+                for label, bm, fused, nr, wp in (("fwd", 128, False, False, 4), ("fwd B", 128, False, True, 4),
+                                                 ("dy", 256, True, False, 8)):  # as stream_config launches them
                     stream = dict(x=td((bm, 64)), w=td((R, 64)), h_ptr=p, p_ptr=p, part_ptr="*fp32",
                                   w2=td((64, R) if nr else (R, 64)), y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32",
                                   rank_start_ptr="*i32", scale_ptr="*fp32", n_tiles=i, programs=i, K=i, N2=i,
@@ -123,7 +105,7 @@ def variants():
                            dict(BLOCK_M=bm, BLOCK_R=R, BLOCK_K=64, BLOCK_N2=64, W2_NR=nr, EVEN_N2=True,
                                 FUSE_SGRAD=fused, HAS_SCALE=fused, EXPAND_SCALE=not fused, ACCUMULATE=fused,
                                 PRECISION=prec),
-                           (), ("K", "N2", "n_part", "stride_hm", "stride_pm", "stride_ym"), 4, st)
+                           (), ("K", "N2", "n_part", "stride_hm", "stride_pm", "stride_ym"), wp, 3)
             # the fused dy pass (lora_ops.fuse_dy_pays): per-tile or atomic dB partials at R <= 32, atomic
             # ones on 256-row tiles at R 64 (bf16 only: at fp32 it spills 2.4 KB a thread, so it does not run)
             for bm, atomic in ((64, False), (256, False), (64, True), (256, True)) if R <= 32 else \

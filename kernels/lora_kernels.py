@@ -13,8 +13,9 @@ The kernels below serve the forward and the backward of y_j = s_j * (x_j A_j^T) 
   reduce   out[rank_start[j] + k, n] = (s_j *) sum_{chunks c of job j} partial[c, k, n]  (in chunk order)
   base_gemm y[t, n] = sum_i x[t, i] Wb[n, i] + s_j sum_k h[t, slice*r_j + k] W[n, rank_start[j] + k]
            (the frozen base projection with the expand in its epilogue; not a default: lora_ops.base_order)
-  shrink_expand_persistent  the shrink with its expand on persistent programs, x and the weights through TMA
-           descriptors or pointers (not a default: lora_ops.persistent_config)
+  stream   the shrink with its expand (and the dy pass's dB partial) on persistent programs over full row tiles,
+           x / dy and the weights through TMA descriptors, nothing masked (batches whose every rank is BLOCK_R;
+           the default at BLOCK_R 64: lora_ops.stream_config)
 
 The fp32 partials are stored in column blocks of the writer's tile width PB, one block after another:
 part[n // PB, c, k, n % PB] (a [cdiv(N, PB), chunks, BLOCK_R, PB] buffer), so each tile a writer
@@ -148,75 +149,6 @@ def lora_shrink_kernel(
             tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
             w2_ptrs += BLOCK_N2 * stride_w2n
             y_ptrs += BLOCK_N2 * stride_yn
-
-
-@triton.jit
-def lora_shrink_expand_persistent_kernel(
-    x, w, h_ptr, w2, y_ptr,  # x: [T, K], w: [R, K], w2: [R, N2] (B^T or A: the expand's weight, rank rows)
-    tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
-    n_tiles, programs, K, N2, h_slice,
-    stride_xm, stride_wr, stride_hm, stride_w2r, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N2: tl.constexpr,
-    X_DESC: tl.constexpr, W_DESC: tl.constexpr, EVEN_R: tl.constexpr,
-    HAS_SCALE: tl.constexpr, EXPAND_SCALE: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """lora_shrink_kernel's shrink + expand (FUSE_EXPAND, one slice) on `programs` persistent programs, each
-    taking every programs-th row tile. X_DESC: x is a TMA tensor descriptor (block [BLOCK_M, BLOCK_K]; rows
-    past the tile's job are read and never stored, columns past K are zero-filled), else a pointer with unit
-    column stride. W_DESC: w and w2 are descriptors (blocks [BLOCK_R, BLOCK_K] and [BLOCK_R, BLOCK_N2]); the
-    rank rows past r_j they bring (the next job's) are zeroed in registers, so another job's weights never
-    reach this job's sums, as the pointer loads' masks ensure; EVEN_R (every job's rank is BLOCK_R) says there
-    are none, and the expand's weight tile goes from shared memory to the dot untouched. h: [T, H] as
-    lora_shrink's out; y: [T, N2]."""
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_n = tl.arange(0, BLOCK_N2)
-    for tile in tl.range(tl.program_id(0), n_tiles, programs):
-        job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, tile,
-                                             BLOCK_M)
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        rows = rows.to(tl.int64)
-        r_ok = offs_r < r
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        k_end = tl.where(r > 0, K, 0)  # a rank-0 job's tile reads nothing and writes zeros (or leaves y)
-        for k0 in range(0, k_end, BLOCK_K):
-            if X_DESC:
-                xt = x.load([row0, k0])
-            else:
-                xt = tl.load(x + rows[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                             mask=row_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-            if W_DESC:
-                wt = w.load([r0, k0])
-            else:
-                wt = tl.load(w + (r0 + offs_r)[:, None] * stride_wr + (k0 + offs_k)[None, :],
-                             mask=r_ok[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-            acc = _dot(xt, tl.trans(wt), acc, PRECISION)
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + job)
-        acc = tl.where(r_ok[None, :], acc, 0.0)  # W_DESC: the lanes of the next job's rank rows
-        hb = acc.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + rows[:, None] * stride_hm + (h_slice * r + offs_r)[None, :], hb,
-                 mask=row_ok[:, None] & r_ok[None, :])
-        if EXPAND_SCALE:
-            s2 = tl.load(scale_ptr + job)
-        for n0 in range(0, N2, BLOCK_N2):
-            n_ok = offs_n < N2 - n0
-            if W_DESC:
-                w2t = w2.load([r0, n0])
-                if not EVEN_R:
-                    w2t = tl.where(r_ok[:, None], w2t, 0.0)
-            else:
-                w2t = tl.load(w2 + (r0 + offs_r)[:, None] * stride_w2r + (n0 + offs_n)[None, :],
-                              mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            yacc = _dot(hb, w2t, tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32), PRECISION)
-            if EXPAND_SCALE:
-                yacc = yacc * s2
-            y_ptrs = y_ptr + rows[:, None] * stride_ym + (n0 + offs_n)[None, :] * stride_yn
-            mask = row_ok[:, None] & n_ok[None, :]
-            if ACCUMULATE:
-                yacc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, yacc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from .lora_kernels import (lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel,
-                           lora_shrink_expand_persistent_kernel, lora_shrink_kernel, lora_stream_kernel)
+                           lora_shrink_kernel, lora_stream_kernel)
 from .lora_meta import LoRABatchMeta
 
 SHRINK_BLOCK_M = 64  # rows per tile of the shrink (and of the fused dy pass below one 256-row tile an SM)
@@ -37,8 +37,6 @@ TUNABLE = {
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
     "dx_pass": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA with the dx expand (lora_sgrad's expand)
     "base_gemm": ("block_m", "block_n", "block_k", "warps", "stages"),  # x W^T with the expand in its epilogue
-    # shrink_expand on persistent programs (per_sm an SM), x / the weights through TMA descriptors or pointers
-    "persistent": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm", "x_desc", "w_desc"),
     # lora_stream_kernel: shrink_expand (stream) and the fused dy pass (stream_dy) over full tiles, descriptors
     "stream": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm"),
     "stream_dy": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm"),
@@ -138,25 +136,22 @@ def lora_shrink_expand(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, meta:
     out, so the op's reads and writes interleave as in a copy (the separate expand is a write-only
     pass). Forward: x, A, B -> h, y; backward: dy, B^T (scale_h), A^T -> dh, dx. w2: [N, R], out: [T, N]."""
     _check_expand(h, w2, meta, out, 0)
-    stream = stream_config("stream", x, w, w2, meta)
+    stream = stream_config("stream", x, w, w2, out, meta)
     if stream is not None:
         _launch_stream(x, w, w2, meta, h, out, stream, scale_h, scale_out, accumulate)
         return out
-    cfg = persistent_config(x, w, w2)
-    if cfg is None:
-        _launch_shrink(x, w, meta, h, 0, scale_h, None, None, _tuned("shrink", block_m=SHRINK_BLOCK_M)["block_m"],
-                       (w2, out, scale_out, accumulate))
-    else:
-        _launch_persistent(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumulate)
+    _launch_shrink(x, w, meta, h, 0, scale_h, None, None, _tuned("shrink", block_m=SHRINK_BLOCK_M)["block_m"],
+                   (w2, out, scale_out, accumulate))
     return out
 
 
-def stream_config(kernel: str, x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, meta: LoRABatchMeta) -> dict | None:
+def stream_config(kernel: str, x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor, out: torch.Tensor,
+                  meta: LoRABatchMeta) -> dict | None:
     """The launch of lora_stream_kernel for lora_shrink_expand (kernel "stream": x -> h -> y, dy -> dh -> dx) or
     lora_shrink_sgrad's pass with its dx (kernel "stream_dy"), or None for lora_shrink_kernel's one program a tile.
-    It needs a batch whose every rank is BLOCK_R, 16-bit dtypes, Hopper or later (or the CPU's interpreter), x and
-    w with unit column strides, w2 with a unit stride along either dim, 16-byte aligned bases and row steps (TMA
-    descriptors); the dy pass also 256-row tiles (dy_pass_block_m: one such tile an SM or more).
+    It needs a batch whose every rank is BLOCK_R, 16-bit dtypes, Hopper or later (or the CPU's interpreter), x, w
+    and out with unit column strides, w2 with a unit stride along either dim, 16-byte aligned bases and row steps
+    (TMA descriptors); the dy pass also 256-row tiles (dy_pass_block_m: one such tile an SM or more).
 
     The default at BLOCK_R 64: on the H200 at 8 jobs x 24k tokens, rank 64, one process, graph timing
     (reports/h200/twentieth/s1), the forward on [128, 64] tiles two programs an SM took 0.87-0.93x the own launch's
@@ -170,7 +165,7 @@ def stream_config(kernel: str, x: torch.Tensor, w: torch.Tensor, w2: torch.Tenso
         return None
     cfg = _tuned(kernel, on=True, block_m=128 if fwd else 256, block_k=64, block_n2=64, warps=4 if fwd else 8,
                  stages=3, per_sm=2 if fwd else 1)
-    if meta.min_rank != block_r or x.dtype not in (torch.bfloat16, torch.float16):
+    if meta.min_rank != block_r or x.dtype not in (torch.bfloat16, torch.float16) or out.stride(1) != 1:
         return None
     if not fwd and cfg["block_m"] > dy_pass_block_m(meta):  # under one 256-row tile an SM
         return None
@@ -222,63 +217,6 @@ def _launch_stream(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumulate, 
                        atomic=fused, tiles=short, block_k=block_k)
 
 
-def persistent_config(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> dict | None:
-    """The launch of lora_shrink_expand_persistent_kernel for lora_shrink_expand, or None for lora_shrink_kernel's
-    one program a tile: x, w and w2^T must have unit column strides; descriptors (x_desc, w_desc) need Hopper or
-    later, 16-bit dtypes and 16-byte aligned bases and row steps, and fall back to pointers elsewhere (the CPU's
-    interpreter takes both). Not the default (`launch_overrides(persistent={"on": True, ...})`): on the H200 at
-    8 jobs x 24k tokens, graph timing of the op's forward + backward in one process, level with the own launch
-    at rank 64 (k/v 791 against 796 us, o 1164 / 1174, down 1531 / 1538, q and gate/up +0.1-0.5%) and slower at
-    rank 16 (q 832 / 801, gate/up 1060 / 1018; the others level): reports/h200/nineteenth/p19."""
-    if not _overrides.get("persistent", {}).get("on"):
-        return None  # the default: no host work on the op's path
-    cfg = _tuned("persistent", on=True, block_m=64, block_k=64, block_n2=64, warps=4, stages=4, per_sm=3,
-                 x_desc=True, w_desc=True)
-    if x.stride(1) != 1 or w.stride(1) != 1 or w2.stride(0) != 1:
-        return None
-    if x.dtype == torch.float32 or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9):
-        # fp32's IEEE dots hold their operands in registers: with descriptors the kernel spills 120 bytes a thread
-        # at BLOCK_R 16 and 5.4 KB at 64 (kernels/compile_check.py, Triton 3.9), with pointers 0 and 24
-        cfg = {**cfg, "x_desc": False, "w_desc": False}
-
-    def aligned(t: torch.Tensor) -> bool:
-        return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-
-    return {**cfg, "x_desc": cfg["x_desc"] and aligned(x), "w_desc": cfg["w_desc"] and aligned(w) and aligned(w2.t())}
-
-
-def _launch_persistent(x, w, w2, meta, h, out, cfg, scale_h, scale_out, accumulate):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    _check_shrink(x, w, meta, h, 0)  # and lora_shrink_expand's _check_expand: h, w2, out
-    K = x.shape[1]
-    tiles = meta.tiles(cfg["block_m"])
-    if tiles.n == 0:
-        return
-    block_r = _block_r(meta.max_rank)
-    N2 = w2.shape[0]
-    block_k = min(cfg["block_k"], max(16, pow2(K)))
-    block_n2 = min(cfg["block_n2"], max(16, pow2(N2)))
-    w2t = w2.t()  # [R, N2], unit column stride
-
-    def desc(t, block):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
-    xd = desc(x, [cfg["block_m"], block_k]) if cfg["x_desc"] else x
-    wd, w2d = (desc(w, [block_r, block_k]), desc(w2t, [block_r, block_n2])) if cfg["w_desc"] else (w, w2t)
-    programs = max(1, min(tiles.n, cfg["per_sm"] * _num_sms(x.device)))
-    lora_shrink_expand_persistent_kernel[(programs,)](
-        xd, wd, h, w2d, out,
-        tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
-        tiles.n, programs, K, N2, 0,
-        x.stride(0), w.stride(0), h.stride(0), w2t.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=cfg["block_m"], BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N2=block_n2,
-        X_DESC=cfg["x_desc"], W_DESC=cfg["w_desc"], EVEN_R=meta.min_rank == block_r, HAS_SCALE=scale_h,
-        EXPAND_SCALE=scale_out, ACCUMULATE=accumulate, PRECISION=_precision(x.dtype, x.device),
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
-    )
-
-
 def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta: LoRABatchMeta, dh: torch.Tensor,
                       dBt: torch.Tensor, *, h_slice: int = 0, dx: tuple | None = None) -> None:
     """dh = lora_shrink(dy, Bt, scale=True) and dBt = lora_sgrad(h, dy, scale=True) in one pass over dy.
@@ -304,7 +242,7 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
         raise ValueError(f"dBt has shape {tuple(dBt.shape)}, expected {tuple(Bt.shape)}")
     N = dy.shape[1]
     atomic = _tuned("dy_pass", atomic=atomic_db())["atomic"]
-    stream = stream_config("stream_dy", dy, Bt, dx[0], meta) if (dx is not None and atomic) else None
+    stream = stream_config("stream_dy", dy, Bt, dx[0], dx[1], meta) if (dx is not None and atomic) else None
     if stream is not None:
         block_m, pb = stream["block_m"], min(stream["block_k"], max(16, pow2(N)))
     else:

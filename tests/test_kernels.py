@@ -380,92 +380,6 @@ def test_every_expand_route_matches_the_reference(route_y, route_dx, fuse_dy):
         assert rel_err(got_w[key], ref_w[key]) <= LORA_TOL[torch.bfloat16], key
 
 
-PERSISTENT = {"pointers": {"on": True, "x_desc": False, "w_desc": False}, "descriptors": {"on": True},
-              "x descriptor": {"on": True, "w_desc": False},
-              "small tiles": {"on": True, "block_m": 16, "block_k": 16, "block_n2": 16, "per_sm": 1}}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("variant", list(PERSISTENT))
-def test_persistent_shrink_expand_equals_the_tile_launch(variant, dtype):
-    """lora_shrink_expand on persistent programs (x and the weights by TMA descriptors or pointers) writes what
-    one program a tile writes: each job's own h columns (the rest of h left as it was), y or y + the delta, the
-    scales on either side; mixed ranks, a job without rows, a rank-0 job with rows (its y rows 0 or kept). A
-    neighbouring job's non-finite weights never reach another job's rows (descriptors read past a job's rank
-    rows and zero them in registers)."""
-    case = lora_case([33, 0, 70, 9, 21], [8, 16, 4, 0, 16], 40, 24, dtype, DEV, seed=31)
-    meta, x, A, B = case.meta, case.x.detach(), case.A.detach().clone(), case.B.detach().clone()
-    A[8:24], B[:, 8:24] = float("inf"), float("nan")  # the job without rows: its rank rows follow job 0's
-    _persistent_equals_tile_launch(meta, x, A, B, PERSISTENT[variant], dtype)
-    # every rank 16 (BLOCK_R): descriptor tiles cover exactly a job's rank rows (EVEN_R), a job without rows
-    # non-finite beside them
-    even = lora_case([33, 0, 70, 21], [16, 16, 16, 16], 40, 24, dtype, DEV, seed=32)
-    A, B = even.A.detach().clone(), even.B.detach().clone()
-    A[16:32], B[:, 16:32] = float("inf"), float("nan")
-    assert even.meta.min_rank == 16 == even.meta.max_rank
-    _persistent_equals_tile_launch(even.meta, even.x.detach(), A, B, PERSISTENT[variant], dtype)
-
-
-def _persistent_equals_tile_launch(meta, x, A, B, cfg_on, dtype):
-    from colora.kernels import lora_ops
-
-    Bt = B.t().contiguous()
-    T = x.shape[0]
-    for scale_h, scale_out, accumulate in [(False, True, False), (True, False, True)]:
-        outs = []
-        for cfg in ({"on": False}, cfg_on):
-            h = torch.full((T, lora_ops.h_width(meta, 1)), float("nan"), dtype=dtype, device=DEV)
-            y = torch.randn(T, 24, generator=torch.Generator().manual_seed(5)).to(dtype).to(DEV)
-            y0 = y.clone()
-            with lora_ops.launch_overrides(persistent=cfg):
-                lora_ops.lora_shrink_expand(x, A, Bt.t(), meta, h, y, scale_h=scale_h, scale_out=scale_out,
-                                            accumulate=accumulate)
-            outs.append((h, y))
-        (h_tile, y_tile), (h, y) = outs
-        assert torch.equal(h.isnan(), h_tile.isnan())  # the same lanes written, the others left
-        assert rel_err(h.nan_to_num(0.0), h_tile.nan_to_num(0.0)) <= LORA_TOL[dtype]
-        assert torch.isfinite(y).all()
-        assert rel_err(y, y_tile) <= LORA_TOL[dtype]
-        for j in range(meta.num_jobs):
-            if meta.rank_start[j + 1] == meta.rank_start[j]:  # a rank-0 job's rows: 0, or y kept
-                rows = slice(meta.seg_start[j], meta.seg_start[j + 1])
-                assert torch.equal(y[rows], y0[rows] if accumulate else torch.zeros_like(y[rows]))
-
-
-@pytest.mark.parametrize("fuse_dy", [True, False], ids=["dB fused", "dB apart"])
-def test_persistent_shrink_expand_in_the_op_matches_the_reference(fuse_dy):
-    """The op with the persistent launch (its forward, and the dy -> dh -> dx pass where dB is not fused)
-    against the fp64 reference, outputs and gradients."""
-    from colora.kernels import lora_ops
-
-    case = lora_case([600, 0, 300, 9], [16, 8, 0, 4], 40, 24, torch.bfloat16, DEV, seed=23)
-    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
-    with lora_ops.launch_overrides(persistent={"on": True}, route={"y": "shrink", "dx": "dy"}):
-        got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, fuse_expand=True)
-    for key in ("y", "dx", "dA", "dB"):
-        assert rel_err(got[key], ref[key]) <= LORA_TOL[torch.bfloat16], key
-
-
-def test_persistent_config_falls_back_where_it_cannot_run():
-    """Strided operands take the one-program-a-tile launch; misaligned and fp32 ones lose their descriptors."""
-    from colora.kernels import lora_ops
-
-    bf16 = dict(device=DEV, dtype=torch.bfloat16)
-    x = torch.randn(64, 48, **bf16)
-    w, w2 = torch.randn(16, 48, **bf16), torch.randn(16, 40, **bf16).t()
-    with lora_ops.launch_overrides(persistent={"on": True}):
-        cfg = lora_ops.persistent_config(x, w, w2)
-        assert cfg["x_desc"] and cfg["w_desc"] or (DEV.type == "cuda" and torch.cuda.get_device_capability()[0] < 9)
-        assert lora_ops.persistent_config(x.t().contiguous().t(), w, w2) is None
-        assert lora_ops.persistent_config(x, w, w2.contiguous()) is None
-        odd = torch.randn(64, 47, **bf16)[:, :46]  # rows 47 elements apart: not a 16-byte step
-        cfg = lora_ops.persistent_config(odd, torch.randn(16, 46, **bf16), w2)
-        assert cfg is not None and not cfg["x_desc"] and not cfg["w_desc"]
-        cfg = lora_ops.persistent_config(x.float(), w.float(), w2.float())  # fp32 spills with descriptors
-        assert cfg is not None and not cfg["x_desc"] and not cfg["w_desc"]
-    assert lora_ops.persistent_config(x, w, w2) is None  # not the default
-
-
 STREAM_SMALL = {"on": True, "block_m": 16, "block_k": 16, "block_n2": 16, "per_sm": 1}
 
 
@@ -494,7 +408,7 @@ def test_stream_shrink_expand_equals_the_tile_launch(layout):
             h = torch.full((T, lora_ops.h_width(meta, 1)), float("nan"), dtype=x.dtype, device=DEV)
             y = torch.randn(T, 24, generator=torch.Generator().manual_seed(5)).to(x.dtype).to(DEV)
             with lora_ops.launch_overrides(stream=cfg):
-                assert (lora_ops.stream_config("stream", x, A, w2, meta) is not None) == cfg["on"]
+                assert (lora_ops.stream_config("stream", x, A, w2, y, meta) is not None) == cfg["on"]
                 lora_ops.lora_shrink_expand(x, A, w2, meta, h, y, scale_h=scale_h, scale_out=scale_out,
                                             accumulate=accumulate)
             outs.append((h, y))
@@ -539,10 +453,11 @@ def test_stream_in_the_op_matches_the_reference():
     such tile an SM on, 1,024 rows on the interpreter) against the fp64 reference, outputs and gradients."""
     from colora.kernels import lora_ops
 
-    case = lora_case([300, 0, 812, 9], [64] * 4, 24, 16, torch.bfloat16, DEV, seed=27)
+    big = 256 * lora_ops._num_sms(torch.device(DEV))  # rows for 256-row tiles in the dy pass (1,024 interpreted)
+    case = lora_case([300, 0, big - 203, 9], [64] * 4, 24, 16, torch.bfloat16, DEV, seed=27)
     meta, dy = case.meta, case.dy
-    assert lora_ops.stream_config("stream", case.x, case.A, case.B, meta) is not None
-    assert lora_ops.stream_config("stream_dy", dy, case.B.t().contiguous(), case.A.t(), meta) is not None
+    assert lora_ops.stream_config("stream", case.x, case.A, case.B, dy, meta) is not None
+    assert lora_ops.stream_config("stream_dy", dy, case.B.t().contiguous(), case.A.t(), case.x, meta) is not None
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     got = lora_grads(K.grouped_lora, case, backend="triton")
     for key in ("y", "dx", "dA", "dB"):
@@ -557,26 +472,31 @@ def test_stream_config_falls_back_where_it_cannot_run():
     bf16 = dict(device=DEV, dtype=torch.bfloat16)
     big = 256 * lora_ops._num_sms(torch.device(DEV))
 
-    def meta(ranks, tokens=64):
+    def meta(ranks, tokens):
         return K.LoRABatchMeta.build([0, tokens // 2, tokens], [0, ranks[0], sum(ranks)], [1.0, 1.0], DEV)
 
     x, w, w2 = torch.randn(64, 48, **bf16), torch.randn(128, 48, **bf16), torch.randn(128, 40, **bf16).t()
-    assert lora_ops.stream_config("stream", x, w, w2, meta([64, 64])) is not None  # the default at BLOCK_R 64
-    assert lora_ops.stream_config("stream", x, w, w2, meta([64, 64]))["w2_nr"] is False
-    assert lora_ops.stream_config("stream", x, w, w2.contiguous(), meta([64, 64]))["w2_nr"] is True
-    assert lora_ops.stream_config("stream", x, w, w2, meta([64, 32])) is None  # a rank below BLOCK_R
-    assert lora_ops.stream_config("stream", x.float(), w.float(), w2.float(), meta([64, 64])) is None
-    assert lora_ops.stream_config("stream", x.t().contiguous().t(), w, w2, meta([64, 64])) is None
+    y = torch.empty(64, 40, **bf16)
+
+    def config(x=x, w=w, w2=w2, y=y, ranks=(64, 64), kernel="stream"):
+        return lora_ops.stream_config(kernel, x, w, w2, y, meta(ranks, x.shape[0]))
+
+    assert config() is not None and config()["w2_nr"] is False  # the default at BLOCK_R 64; w2 = B^T's view
+    assert config(w2=w2.contiguous())["w2_nr"] is True  # w2 = B itself
+    assert config(ranks=(64, 32)) is None  # a rank below BLOCK_R
+    assert config(x.float(), w.float(), w2.float(), y.float()) is None
+    assert config(x.t().contiguous().t()) is None  # x column-major
+    assert config(y=y.t().contiguous().t()) is None  # out column-major
     odd = torch.randn(64, 47, **bf16)[:, :46]  # rows 47 elements apart: not a 16-byte step
-    assert lora_ops.stream_config("stream", odd, torch.randn(128, 46, **bf16), w2, meta([64, 64])) is None
-    assert lora_ops.stream_config("stream", x, w[:32], w2[:, :32], meta([16, 16])) is None  # off at BLOCK_R 16
+    assert config(odd, torch.randn(128, 46, **bf16)) is None
+    assert config(w=w[:32], w2=w2[:, :32], ranks=(16, 16)) is None  # off at BLOCK_R 16 by default
     with lora_ops.launch_overrides(stream={"on": True}):
-        assert lora_ops.stream_config("stream", x, w[:32], w2[:, :32], meta([16, 16])) is not None
+        assert config(w=w[:32], w2=w2[:, :32], ranks=(16, 16)) is not None
     with lora_ops.launch_overrides(stream={"on": False}):
-        assert lora_ops.stream_config("stream", x, w, w2, meta([64, 64])) is None
-    xb = torch.randn(big, 48, **bf16)
-    assert lora_ops.stream_config("stream_dy", xb, w, w2, meta([64, 64], big)) is not None
-    assert lora_ops.stream_config("stream_dy", xb[:big - 2], w, w2, meta([64, 64], big - 2)) is None  # 64-row tiles
+        assert config() is None
+    xb, yb = torch.randn(big, 48, **bf16), torch.empty(big, 40, **bf16)
+    assert config(xb, y=yb, kernel="stream_dy") is not None
+    assert config(xb[:big - 2], y=yb[:big - 2], kernel="stream_dy") is None  # 64-row tiles below 256 x SMs rows
 
 
 def test_full_tiles_split_every_job_rows():

@@ -145,17 +145,17 @@ def test_base_gemm_gpu(d_in, d_out):
 
 @pytest.mark.parametrize("d_in,d_out", SHAPES, ids=["q", "k/v", "o", "gate/up", "down"])
 def test_stream_gpu(d_in, d_out):
-    """The op at rank 64 as it runs by default at 8 jobs x ~4.5k tokens: lora_stream_kernel's forward and dy pass
+    """The op at rank 64 as it runs by default at 8 jobs x ~5k tokens (one empty): lora_stream_kernel's forward and dy pass
     (TMA descriptors, full tiles; each job's short last tile by lora_shrink_kernel), against fp64; and the same
     with the stream launches off."""
     from colora.kernels import lora_ops
 
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(d_in + d_out)
-    tokens = (4200 + torch.randint(0, 600, (8,), generator=g)).tolist()
+    tokens = (5000 + torch.randint(0, 600, (8,), generator=g)).tolist()  # over 256 rows an SM: 256-row dy tiles
     tokens[3] = 0
     case = lora_case(tokens, [64] * 8, d_in, d_out, dtype, DEV, seed=d_in + 3 * d_out)
-    assert lora_ops.stream_config("stream_dy", case.dy, case.B.t().contiguous(), case.A.t(), case.meta) is not None
+    assert lora_ops.stream_config("stream_dy", case.dy, case.B.t().contiguous(), case.A.t(), case.x, case.meta)
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     errs = {}
     for on in (True, False):
@@ -163,26 +163,6 @@ def test_stream_gpu(d_in, d_out):
             got = lora_grads(K.grouped_lora, case, backend="triton")
         errs.update({f"{k} {'stream' if on else 'tiles'}": rel_err(got[k], ref[k]) for k in ("y", "dx", "dA", "dB")})
     _record("stream", d_in=d_in, d_out=d_out, errors=errs, tol=LORA_TOL[dtype])
-    assert max(errs.values()) <= LORA_TOL[dtype], errs
-
-
-@pytest.mark.parametrize("d_in,d_out", SHAPES, ids=["q", "k/v", "o", "gate/up", "down"])
-def test_persistent_shrink_expand_gpu(d_in, d_out):
-    """The op with lora_shrink_expand on persistent programs, x and the weights by TMA descriptors (Hopper), 8
-    jobs of mixed ranks up to 64, against fp64: outputs and gradients, with dB fused and apart."""
-    from colora.kernels import lora_ops
-
-    dtype = torch.bfloat16
-    tokens, ranks = _layout(8, seed=d_in + 2 * d_out)
-    case = lora_case(tokens, ranks, d_in, d_out, dtype, DEV, seed=d_in + 2 * d_out)
-    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
-    errs = {}
-    for fuse_dy in (True, False):
-        with lora_ops.launch_overrides(persistent={"on": True}, route={"y": "shrink", "dx": "dy"}):
-            got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, fuse_expand=True)
-        errs.update({f"{k} {'fused' if fuse_dy else 'apart'}": rel_err(got[k], ref[k])
-                     for k in ("y", "dx", "dA", "dB")})
-    _record("persistent_shrink_expand", d_in=d_in, d_out=d_out, errors=errs, tol=LORA_TOL[dtype])
     assert max(errs.values()) <= LORA_TOL[dtype], errs
 
 
