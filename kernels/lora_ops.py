@@ -157,8 +157,10 @@ def stream_config(kernel: str, x: torch.Tensor, w: torch.Tensor, w2: torch.Tenso
     (reports/h200/twentieth/s1), the forward on [128, 64] tiles two programs an SM took 0.87-0.93x the own launch's
     time at every Qwen3-0.6B shape (k/v 246 against 283 us: 77% of the copy against 67%), the dy pass on [256, 64]
     tiles one program an SM 0.89-0.95x (k/v 333 against 374 us); on [128, 64] or [64, 64] tiles, whose dB partials
-    add as many bytes into L2 as half or all the dy they read, 1.0-2.0x. At rank 16 (BLOCK_R 16) the forward took
-    1.0-1.09x the own launch's, which already moves 84-88% of the copy: off there."""
+    add as many bytes into L2 as half or all the dy they read, 1.0-2.0x. The op's forward + backward with both
+    (reports/h200/twentieth/d5/dA): 0.88-0.95x the time of the tile launches (1.34-1.55x the bytes bound; cuBLAS
+    on the same products as one adapter 1.25-1.53x). At rank 16 (BLOCK_R 16) the forward took 1.0-1.09x the own
+    launch's, which already moves 84-88% of the copy: off there."""
     block_r = _block_r(meta.max_rank)
     fwd = kernel == "stream"
     if not _overrides.get(kernel, {}).get("on", block_r == 64):

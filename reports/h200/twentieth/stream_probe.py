@@ -31,6 +31,10 @@ SHAPES = {"tiny": (32, 48)} if QUICK else {
 if os.environ.get("SHAPES"):
     SHAPES = {k: v for k, v in SHAPES.items() if k in os.environ["SHAPES"].split(",")}
 PARTS = os.environ.get("PARTS", "fwd,dy,step").split(",")
+# diagnostics of the fault between shapes (calls 2 and 4): STREAM_OFF=1 runs everything with the stream launches
+# off unless a variant turns them on; NO_DENSE=1 leaves out the cuBLAS step; FRESH=1 skips torch.cuda.empty_cache
+STREAM_OFF = os.environ.get("STREAM_OFF") == "1"
+NO_DENSE = os.environ.get("NO_DENSE") == "1"
 
 
 def cfg(m, w, s, x, n=64, k=64):
@@ -43,6 +47,8 @@ FWD = {"stream (default)": {}, "stream m64 w4 s4 x3": cfg(64, 4, 4, 3), "stream 
 DY = {"stream (default)": {}, "stream m256 w8 s4 x1": cfg(256, 8, 4, 1), "stream m256 w8 s2 x1": cfg(256, 8, 2, 1),
       "stream m256 w8 s3 x1 n128": cfg(256, 8, 3, 1, 128), "stream m256 w8 s2 x1 k128": cfg(256, 8, 2, 1, 64, 128),
       "stream m256 w16 s3 x1": cfg(256, 16, 3, 1), "stream m512 w16 s2 x1": cfg(512, 16, 2, 1)}
+if os.environ.get("TILES_ONLY") == "1":  # with STREAM_OFF=1: the same run without any stream launch (a control)
+    FWD, DY = {"tiles again": {"on": False}}, {"tiles again": {"on": False}}
 if QUICK:
     FWD = {"stream (default)": {}, "stream m16": cfg(16, 4, 2, 1, 16, 16)}
     DY = {"stream (default)": {}, "stream m16": cfg(16, 4, 2, 1, 16, 16)}
@@ -71,6 +77,8 @@ def timed(section, shape, vname, fn, outs, ref, nbytes, base):
         assert err < 3e-2, f"max rel diff to own {err:.1e}"
         t = graph_us(fn)
         ks = _kernel_breakdown(fn, dev) or {}
+        if dev.type == "cuda":
+            torch.cuda.synchronize()  # an asynchronous fault is this variant's
     except Exception as e:  # a configuration that does not compile, fit or match: recorded
         print(f"  {section:4s} {vname:28s} FAILED {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
               flush=True)
@@ -88,6 +96,9 @@ def timed(section, shape, vname, fn, outs, ref, nbytes, base):
 
 print(f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}; copy {cal['copy_GBps']:.0f} GB/s; "
       f"{J} jobs x {TPJ} tokens, rank {R}", flush=True)
+if STREAM_OFF:
+    _off = launch_overrides(stream={"on": False}, stream_dy={"on": False})
+    _off.__enter__()
 for name, (d_in, d_out) in SHAPES.items():
     meta, x, A, B, dy = _lora_problem(K, J, TPJ, R, d_in, d_out, dev, seed=J * 7 + R)
     T = J * TPJ
@@ -107,7 +118,8 @@ for name, (d_in, d_out) in SHAPES.items():
                 fwd()
 
         base, ref = timed("fwd", name, "own (tiles)", own_fwd, (h, y), None, nb, None)
-        for vname, over in {**FWD, "stream (default) B[N,R]": {}}.items():
+        fwd_variants = {**FWD, "stream (default) B[N,R]": {}} if "stream (default)" in FWD else FWD
+        for vname, over in fwd_variants.items():
             def run(over=over, w2=Bd if "B[N,R]" in vname else Bt.t()):
                 with launch_overrides(stream=over):
                     fwd(w2)
@@ -153,12 +165,13 @@ for name, (d_in, d_out) in SHAPES.items():
         def dense():
             return list(dense_lora_products(xd, Ad[:R], Bd[:, :R], dy))
 
-        t, _ = timed("step", name, "dense cuBLAS (one adapter)", dense, None, None, nb, base)
+        t, _ = (None, None) if NO_DENSE else timed("step", name, "dense cuBLAS (one adapter)", dense, None, None, nb,
+                                                    base)
         if t:
             print(f"       x bound {t / bound:5.2f}", flush=True)
             rows[-1]["x_bound"] = t / bound
     del x, A, B, dy, xd, Ad, Bd, Bt, h, y
-    if dev.type == "cuda":
+    if dev.type == "cuda" and os.environ.get("FRESH") != "1":
         torch.cuda.empty_cache()
 
 out = os.environ.get("OUT")
