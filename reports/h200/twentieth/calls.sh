@@ -22,7 +22,8 @@ OUT=$OUT/s2_r64_6k TPJ=6144 PARTS=step PYTHONPATH=/tmp/colora-shim timeout 60 py
 OUT=$OUT/s2_r16 RANK=16 PARTS=step PYTHONPATH=/tmp/colora-shim timeout 60 python3 -P \
   reports/h200/twentieth/stream_probe.py
 
-# 3. s3/ (8e23cbf + the tests' batch sizes, a synchronisation after each probe variant): the kernels' GPU tests and
+# 3. s3/ (8e23cbf + the tests' batch sizes, committed in 4f4297c, and a synchronisation after each probe variant;
+#    the probe's later switches, calls 5 and 7, are committed with these reports in 6c75111): the kernels' GPU tests and
 #    the stream / tile-split tests (48 passed, tests/kernel_tests.jsonl), then q and k/v with CUDA_LAUNCH_BLOCKING=1
 #    (no fault; its calibrated copy rate, 3928 GB/s, is low: read its "x bound" with care, its "x own" is sound)
 COLORA_KERNEL_TEST_LOG=$OUT/tests/kernel_tests.jsonl PYTHONPATH=/tmp/colora-shim timeout 200 python3 -P -m pytest \
@@ -59,3 +60,11 @@ OUT=$OUT/c2 PYTHONPATH=/tmp/colora-shim timeout 260 python3 -P reports/h200/twen
 # 8. s8/ (same tree): o, gate/up and down every section, one process a shape (no fault)
 for s in o gate/up down; do d=$OUT/s5_$(echo $s | tr / _); mkdir -p $d
   OUT=$d SHAPES=$s PYTHONPATH=/tmp/colora-shim timeout 120 python3 -P reports/h200/twentieth/stream_probe.py; done
+
+# 9. final/ (at 6c75111: the persistent kernel removed, the documents): the kernels' GPU tests with the stream /
+#    tile-split tests (43 passed: 48 less the five persistent ones removed; kernel_tests.jsonl) and the trainer's
+#    (26 passed)
+COLORA_KERNEL_TEST_LOG=$OUT/final/kernel_tests.jsonl PYTHONPATH=/tmp/colora-shim timeout 170 python3 -P -m pytest \
+  -q tests/test_kernels_gpu.py tests/test_kernels.py -k "gpu or stream or full_tiles or fuses_where" -p no:cacheprovider
+PYTHONPATH=/tmp/colora-shim timeout 150 python3 -P -m pytest -q tests/test_trainer.py -k "gpu or triton or not interpreter" \
+  -p no:cacheprovider
