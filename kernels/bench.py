@@ -55,11 +55,17 @@ def _graph_timer(fn, device: torch.device, quick: bool) -> float | None:
     """Median seconds per call of `fn` replayed as one CUDA graph: the kernels' time without the host's
     launch gaps (do_bench's events also time the GPU waiting for the host, a ~1 ms floor per LoRA
     forward+backward on the H200, above the bytes bound of 8 jobs x 24k tokens). None on the CPU, or
-    where the call cannot be captured."""
+    where the call cannot be captured.
+
+    do_bench_cudagraph calls `fn` on a stream of its own; the tile tables that `fn`'s first eager call uploaded
+    (LoRABatchMeta: without blocking, on the stream then current) may not have landed yet, and a kernel on the
+    other stream would read whatever those bytes held: wait for them first (compute-sanitizer caught a tile's job
+    index read 4.5 GB past the segment table that way, reports/h200/twentieth/san)."""
     if device.type != "cuda":
         return None
     import triton.testing
 
+    torch.cuda.synchronize(device)
     try:
         return triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 60, return_mode="median") / 1e3
     except Exception as e:  # a capture error: the row keeps its event timing only

@@ -92,6 +92,10 @@ class LoRABatchMeta:
     seg_start / rank_start / scale: Python copies (host decisions: grid sizes, block sizes);
     *_t: the same on the device, for the kernels. `tiles(block)` is cached per block size and shared
     with metas derived by `with_ranks` (same rows, other adapters).
+
+    The device tables are uploaded without blocking (`upload`) on the stream current when they are made: `build`'s
+    at once, the tile tables when a launcher first asks for them. Like any tensor written on one stream, they are
+    ready on another only after that stream waits for the first (`torch.cuda.synchronize`, `Stream.wait_stream`).
     """
 
     seg_start: tuple[int, ...]  # [J+1]

@@ -68,3 +68,21 @@ COLORA_KERNEL_TEST_LOG=$OUT/final/kernel_tests.jsonl PYTHONPATH=/tmp/colora-shim
   -q tests/test_kernels_gpu.py tests/test_kernels.py -k "gpu or stream or full_tiles or fuses_where" -p no:cacheprovider
 PYTHONPATH=/tmp/colora-shim timeout 150 python3 -P -m pytest -q tests/test_trainer.py -k "gpu or triton or not interpreter" \
   -p no:cacheprovider
+
+# 10. e10/ (at 32509fc): the control narrowed: the forward and dy sections alone with no stream launch (e1: faulted
+#     between the second and third shape) and the whole control without torch.cuda.empty_cache (e2, FRESH=1:
+#     faulted between the first and second): neither the cuBLAS rows nor empty_cache nor the stream kernel
+OUT=$OUT/e1 STREAM_OFF=1 TILES_ONLY=1 PARTS=fwd,dy PYTHONPATH=/tmp/colora-shim timeout 100 python3 -P \
+  reports/h200/twentieth/stream_probe.py
+OUT=$OUT/e2 FRESH=1 STREAM_OFF=1 TILES_ONLY=1 PYTHONPATH=/tmp/colora-shim timeout 120 python3 -P \
+  reports/h200/twentieth/stream_probe.py
+
+# 11. san/ (same tree): e1 under compute-sanitizer's memcheck (the host has it in /usr/local/cuda/bin). Its first
+#     report: lora_shrink_kernel reading the segment table at a job index read from the tile table, 4.5 GB past it,
+#     in the first shape's first variant, inside triton.testing.do_bench_cudagraph. That timer runs fn on a stream
+#     of its own, and the tile table fn's eager call had just uploaded (without blocking, on the default stream)
+#     had not landed: the probe's race, not a kernel's. Fixed after this call: stream_probe.py's graph_us and
+#     kernels/bench.py's _graph_timer synchronise before handing fn to that stream.
+OUT=$OUT/san STREAM_OFF=1 TILES_ONLY=1 PARTS=fwd,dy SHAPES=q,k/v,o PYTHONPATH=/tmp/colora-shim timeout 140 \
+  compute-sanitizer --tool memcheck --print-limit 3 --log-file $OUT/san/memcheck.log python3 -P \
+  reports/h200/twentieth/stream_probe.py

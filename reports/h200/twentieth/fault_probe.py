@@ -46,7 +46,7 @@ def run3(fn):
     fn()
     if dev.type == "cuda":
         import triton.testing
-        triton.testing.do_bench_cudagraph(fn, rep=20)
+        triton.testing.do_bench_cudagraph(fn, rep=20)  # no synchronisation first: as calls 2-8 did
         _kernel_breakdown(fn, dev, calls=2)
         torch.cuda.synchronize()
 

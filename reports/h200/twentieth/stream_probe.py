@@ -8,6 +8,8 @@ shape, one process, CUDA-graph microseconds:
 Run from the repository root on the H200 after scripts/h200.sh made its shim:
     PYTHONPATH=/tmp/colora-shim python3 -P reports/h200/twentieth/stream_probe.py [--quick]
 (--quick: tiny shapes on the CPU's interpreter, plumbing only.) PARTS=fwd,dy,step picks the sections.
+graph_us synchronises before do_bench_cudagraph since call 11 (calls.sh): without it the timer's own stream could
+read a tile table the eager call had not yet uploaded.
 """
 import json
 import os
@@ -59,6 +61,7 @@ def graph_us(fn):
         fn()
         return float("nan")
     import triton.testing
+    torch.cuda.synchronize()  # fn's tile tables, uploaded on this stream, ready for do_bench_cudagraph's stream
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
 
 
