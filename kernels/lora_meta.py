@@ -213,31 +213,26 @@ class LoRABatchMeta:
         key = ("full", block)
         hit = self._tiles.get(key)
         if hit is None:
-            seg = np.asarray(self.seg_start, dtype=np.int64)
-            n_rows = seg[1:] - seg[:-1]
-            parts = []
-            for per_job, first in ((n_rows // block, seg[:-1]), ((n_rows % block > 0).astype(np.int64), None)):
-                job_start = np.concatenate([[0], np.cumsum(per_job)])
-                n = int(job_start[-1])
-                job = np.repeat(np.arange(self.num_jobs), per_job)
-                # the full tiles from each job's first row on; the short one after them
-                row = seg[job] + (np.arange(n) - job_start[job]) * block if first is not None \
-                    else seg[job] + n_rows[job] // block * block
-                parts.append(Tiles(block, n, *upload_aligned([job, row, job_start], torch.int32, self.device)))
-            hit = self._tiles[key] = tuple(parts)
+            job, row = self._tile_rows(block)
+            full = row + block <= np.asarray(self.seg_start, dtype=np.int64)[job + 1]
+            hit = self._tiles[key] = tuple(self._upload_tiles(block, job[keep], row[keep]) for keep in (full, ~full))
         return hit
 
     def tiles(self, block: int) -> Tiles:
         """Row tiles of `block` rows per job (cached): sum_j ceil(T_j / block) tiles."""
         hit = self._tiles.get(block)
-        if hit is not None:
-            return hit
+        if hit is None:
+            hit = self._tiles[block] = self._upload_tiles(block, *self._tile_rows(block))
+        return hit
+
+    def _tile_rows(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(job, first row) of each tile of `block` rows, by job, on the host."""
         seg = np.asarray(self.seg_start, dtype=np.int64)
         per_job = (seg[1:] - seg[:-1] + block - 1) // block  # [J] tiles per job
         job_start = np.concatenate([[0], np.cumsum(per_job)])  # [J+1]
-        n = int(job_start[-1])
         job = np.repeat(np.arange(self.num_jobs), per_job)  # [n]
-        row = seg[job] + (np.arange(n) - job_start[job]) * block  # [n]
-        t = Tiles(block, n, *upload_aligned([job, row, job_start], torch.int32, self.device))
-        self._tiles[block] = t
-        return t
+        return job, seg[job] + (np.arange(len(job)) - job_start[job]) * block
+
+    def _upload_tiles(self, block: int, job: np.ndarray, row: np.ndarray) -> Tiles:
+        job_start = np.concatenate([[0], np.cumsum(np.bincount(job, minlength=self.num_jobs))])
+        return Tiles(block, len(job), *upload_aligned([job, row, job_start], torch.int32, self.device))

@@ -250,10 +250,9 @@ def lora_shrink_sgrad(dy: torch.Tensor, Bt: torch.Tensor, h: torch.Tensor, meta:
     else:
         block_m = _tuned("dy_pass", block_m=dy_pass_block_m(meta))["block_m"]
         pb = _shrink_block_k(block_m, block_r, N, dy.dtype)  # the partials' column block: the pass's BLOCK_K
-    tiles = meta.tiles(block_m)
     # one partial a job, every tile adding to it (fp32 atomics: the sum's order varies), or one a tile,
     # summed per job in tile order by the reduce
-    table, alloc = (meta.per_job(), torch.zeros) if atomic else (tiles, torch.empty)
+    table, alloc = (meta.per_job(), torch.zeros) if atomic else (meta.tiles(block_m), torch.empty)
     part = alloc((cdiv(N, pb), max(table.n, 1), block_r, pb), dtype=torch.float32, device=dy.device)
     if stream is not None:
         _launch_stream(dy, Bt, dx[0], meta, dh, dx[1], stream, True, False, dx[2], p=h, part=part)
