@@ -145,9 +145,9 @@ def test_base_gemm_gpu(d_in, d_out):
 
 @pytest.mark.parametrize("d_in,d_out", SHAPES, ids=["q", "k/v", "o", "gate/up", "down"])
 def test_stream_gpu(d_in, d_out):
-    """The op at rank 64 as it runs by default at 8 jobs x ~5k tokens (one empty): lora_stream_kernel's forward and dy pass
-    (TMA descriptors, full tiles; each job's short last tile by lora_shrink_kernel), against fp64; and the same
-    with the stream launches off."""
+    """The op at rank 64 as it runs by default at 8 jobs x ~5k tokens (one empty): lora_stream_kernel's forward
+    and dy pass (TMA descriptors, full tiles; each job's short last tile by lora_shrink_kernel), against fp64; and
+    the same with the stream launches off."""
     from colora.kernels import lora_ops
 
     dtype = torch.bfloat16
