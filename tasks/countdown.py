@@ -18,8 +18,9 @@ Verification (safe: tasks/arith.py, no eval): the final span (tags, \\boxed{}, "
 whole text); in it, the last run of expression characters within one line (digits, + - * / × ÷ −,
 parentheses, "=", spaces) that holds a digit, so "The answer is (3 + 5) * 3." works. The run is
 split at "=" (at most 4 parts, so "(3 + 5) * 3 = 24" and "24 = (3 + 5) * 3" both work) and the
-completion is right when one part evaluates exactly to the target using the given numbers as the
-rule says. "**", unary minus, decimals, letters (also "x" for times), huge literals or values:
+completion is right when every part evaluates exactly to the target and one of them uses the given
+numbers as the rule says: a stated value that disagrees with the expression ("(3 + 5) * 3 = 25")
+scores 0, and so does a part that does not evaluate. "**", unary minus, decimals, letters (also "x" for times), huge literals or values:
 reward 0.
 Content key: the sorted numbers and the target (a permutation is the same puzzle).
 """
@@ -86,19 +87,23 @@ class Countdown(ProceduralTask):
                 run = m.group()
         if run is None:
             return None
-        parts = run.split("=", _MAX_PARTS)[:_MAX_PARTS]
-        values = [v for v in (safe_evaluate(p) for p in parts if p.strip()) if v is not None]
-        return values or None
+        parts = [p for p in run.split("=", _MAX_PARTS)[:_MAX_PARTS] if p.strip()]
+        values = [safe_evaluate(p) for p in parts]
+        if not values or any(v is None for v in values):
+            return None  # every side of an equation must be an expression colora can evaluate
+        return values
 
     def is_correct(self, value: object, item: Item) -> bool:
         meta = item.meta
         target, given = Fraction(int(meta["target"])), Counter(int(x) for x in meta["numbers"])
-        for result, literals in value:  # type: ignore[attr-defined]
+        if any(result != target for result, _ in value):  # type: ignore[attr-defined]
+            return False  # every side must equal the target: "(3 + 5) * 3 = 25" is wrong
+        for _, literals in value:  # type: ignore[attr-defined]
             used = Counter(literals)
             if meta.get("use_all", True):
                 ok_usage = used == given
             else:
                 ok_usage = all(used[k] <= given[k] for k in used)
-            if result == target and ok_usage:
+            if ok_usage:
                 return True
         return False

@@ -32,6 +32,14 @@ _WORD_RE = re.compile(r"[A-Za-z]+")
 _LATEX_COMMAND_RE = re.compile(r"\\[A-Za-z]+")
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
+# Lower-cases A-Z only. str.lower() changes some strings' length ('\u0130' becomes two code points),
+# so positions found in t.lower() would slice t at the wrong place; this fold keeps every index.
+_ASCII_FOLD = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def ascii_fold(text: str) -> str:
+    """`text` with A-Z lower-cased and nothing else changed: same length, same positions."""
+    return text.translate(_ASCII_FOLD)
 
 
 def tail(text: object) -> str:
@@ -45,7 +53,7 @@ def final_span(text: object) -> tuple[str, str]:
     """(span, source): the text holding the final answer and where it came from:
     "answer" (tags), "boxed", "####", or "text" (no marker: the whole tail)."""
     t = tail(text)
-    low = t.lower()
+    low = ascii_fold(t)
     close = low.rfind(_CLOSE)
     open_ = low.rfind(_OPEN)
     if open_ != -1 and open_ > close:  # the last tag is left open: read to the end
@@ -81,7 +89,7 @@ def format_score(text: object, parses: Callable[[str], bool]) -> float:
     """1.0: exactly one <answer>...</answer>, in order, with content that `parses`; 0.5: answer
     tags present but not that; 0.0: no answer tags."""
     t = tail(text)
-    low = t.lower()
+    low = ascii_fold(t)
     opens, closes = low.count(_OPEN), low.count(_CLOSE)
     if opens == 0 and closes == 0:
         return 0.0

@@ -233,3 +233,30 @@ def test_evaluate_rejects(text, reason):
 ])
 def test_answer_before_a_closing_remark_without_tags(name, it, completion):
     assert get_task(name).reward(completion, it) == 1.0
+
+
+# Characters whose lower case is longer ('\u0130' -> 'i' + U+0307) or that are not ASCII letters at all must
+# not shift where the answer tags are found: positions come from the text itself.
+_WIDE = ["\u0130", "\u0130" * 5, "\u1e9e", "\u2126", "K\u0130", "\ufb03"]
+
+
+@pytest.mark.parametrize("prefix", _WIDE)
+def test_answer_tags_after_characters_that_lower_case_longer(prefix):
+    assert final_span(f"{prefix} <answer>129</answer>") == ("129", "answer")
+    assert final_span(f"{prefix} <ANSWER>129</Answer> tail") == ("129", "answer")
+    assert final_span(f"{prefix}<answer>129") == ("129", "answer")
+    task = get_task("addition")
+    assert task.reward(f"{prefix} <answer>129</answer>", item("129")) == 1.0
+    assert task.reward(f"{prefix} <answer>129</answer>", item("29")) == 0.0
+    assert task.format_reward(f"{prefix} <answer>129</answer>", item("129")) == 1.0
+
+
+def test_countdown_stated_value_must_agree_with_the_expression():
+    task = get_task("countdown")
+    assert task.reward("<answer>(3 + 5) * 3 = 25</answer>", COUNTDOWN) == 0.0
+    assert task.reward("<answer>25 = (3 + 5) * 3</answer>", COUNTDOWN) == 0.0
+    assert task.reward("<answer>(3 + 5) * 3 = 24 = 25</answer>", COUNTDOWN) == 0.0
+    assert task.reward("<answer>(3 + 5) * 3 = 8 * 3 = 24</answer>", COUNTDOWN) == 1.0
+    assert task.reward("<answer>(3 + 5) * 3 = 24</answer>", COUNTDOWN) == 1.0
+    assert task.reward("<answer>(3 + 5) * 3 = </answer>", COUNTDOWN) == 1.0  # nothing stated
+    assert task.reward("<answer>(3 + 5) * 3 = 3 +</answer>", COUNTDOWN) == 0.0  # a side that does not evaluate
