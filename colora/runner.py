@@ -344,6 +344,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
     from .fusion import elementwise_kernels_from_env, should_fuse
     from .gpumon import GpuSampler
     from .models import load_tokenizer
+    from .provenance import code_version
 
     cfg, out = setup.cfg, setup.out
     exp = cfg.experiment
@@ -459,6 +460,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         }
     return {
         "experiment": exp.name, "arm": exp.arm, "seed": exp.seed, "config_hash": cfg.hash(),
+        "code_version": code_version(),
         "model": str(setup.model_dir), "device": device, "dtype": dtype, "mps": mps_note,
         "engine_start_s": engine.start_seconds, "engine_reused": engine.reused, "engine_sampler": engine.sampler,
         "engine_process": engine.own_process,

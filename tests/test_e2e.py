@@ -63,6 +63,9 @@ def test_shared_sync_two_jobs_two_steps(tmp_path, tiny_model_dir, cache, monkeyp
     ev = json.loads((out / "eval.json").read_text())
     assert set(ev["before"]) == set(ev["after"]) == {"add", "mod"} and ev["after"]["add"]["version"] == 2
     assert summary["steps_measured"] == 4 and summary["steps_per_hour"] > 0
+    from colora.provenance import source_hash
+
+    assert summary["code_version"]["source_hash"] == source_hash()  # which code made the figures
 
 
 def test_overlap_two_groups_never_stale(tmp_path, tiny_model_dir, cache):
