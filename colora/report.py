@@ -2,9 +2,10 @@
 
     colora report RUNS... [--prereg FILE] --out reports/NAME [--bootstrap-seed 0]
 
-RUNS are run directories or directories holding them (a sweep's DIR): every `summary.json` below
-them whose status.json says complete is one run (directories moved aside as `*.incomplete-<n>` are
-left out). Each run's arm and seed come from its config.json; its repeat index from the sweep.json
+RUNS are run directories, directories holding them (a sweep's DIR), or `.tar.gz` / `.tgz` archives
+of such directories (a study's committed evidence), read as the folder they hold: every
+`summary.json` below them whose status.json says complete is one run (directories moved aside as
+`*.incomplete-<n>` are left out). Each run's arm and seed come from its config.json; its repeat index from the sweep.json
 that lists it, else from its order among runs of the same (arm, seed).
 
 What is computed (colora.stats has the definitions):
@@ -28,6 +29,8 @@ import json
 import math
 import shlex
 import sys
+import tarfile
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,12 +75,47 @@ class RunData:
 
 
 # -- reading runs ---------------------------------------------------------------------------------
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
+_unpacked: dict[Path, tuple[Path, tempfile.TemporaryDirectory]] = {}  # archive -> (its folder, the temp dir)
+
+
+def is_archive(p: Path) -> bool:
+    return p.is_file() and p.name.endswith(ARCHIVE_SUFFIXES)
+
+
+def unpack(archive: Path) -> Path:
+    """The folder an archive of run directories holds, unpacked once per process into a temporary
+    directory (removed at exit). Members that would land outside it, links and devices are refused."""
+    archive = archive.resolve()
+    if archive not in _unpacked:
+        tmp = tempfile.TemporaryDirectory(prefix="colora-report-")
+        try:
+            with tarfile.open(archive, "r:gz") as tf:
+                tf.extractall(tmp.name, filter="data")
+        except (tarfile.TarError, OSError, EOFError) as e:
+            tmp.cleanup()
+            raise ReportError(f"{str(archive)!r}: not a readable .tar.gz of run directories ({e})") from None
+        _unpacked[archive] = (Path(tmp.name), tmp)
+    return _unpacked[archive][0]
+
+
+def display_path(p: Path) -> str:
+    """A run directory as a reader finds it: inside an archive, `ARCHIVE:member/path`."""
+    for archive, (root, _) in _unpacked.items():
+        if p.is_relative_to(root):
+            return f"{archive.name}:{p.relative_to(root).as_posix()}"
+    return str(p)
+
+
 def find_run_dirs(paths: list[str | Path]) -> list[Path]:
-    """Every run directory (one holding summary.json) given or below the given paths."""
+    """Every run directory (one holding summary.json) given or below the given paths (folders or
+    archives of them)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
             raise ReportError(f"{str(p)!r} does not exist")
+        if is_archive(p):
+            p = unpack(p)
         if (p / "summary.json").is_file():
             found.append(p)
             continue
@@ -155,7 +193,7 @@ def load_runs(paths: list[str | Path]) -> tuple[list[RunData], list[str]]:
         reps = [r.repeat for r in rs]
         if len(set(reps)) != len(reps):
             raise ReportError(f"{key[0]} seed {key[1]}: several runs claim the same repeat ({sorted(reps)}): "
-                              + ", ".join(str(r.path) for r in rs))
+                              + ", ".join(display_path(r.path) for r in rs))
     arm_order = {a: i for i, a in enumerate(ARMS)}
     runs.sort(key=lambda r: (arm_order[r.arm], r.seed, r.repeat))
     return runs, warnings
@@ -553,16 +591,22 @@ def render(res: dict, runs: list[RunData], command: str, gates: stats.Gates, pre
                                         for h in prereg["hypotheses"]]
     L += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
     L += ["", "## Runs used", "",
-          "config hash: the hash a pre-registration locks (every setting but experiment.arm and experiment.seed).",
-          "", "| arm | seed | repeat | steps | seconds | steps/h | device | MPS | engine | config hash | directory |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "config hash: the hash a pre-registration locks (every setting but experiment.arm and experiment.seed); "
+          "code: the hash of the source tree that ran (colora.provenance).",
+          "", "| arm | seed | repeat | steps | seconds | steps/h | device | MPS | engine | config hash | code | directory |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = r.summary
         L.append(f"| {r.arm} | {r.seed} | {r.repeat} | {s.get('steps_measured')} | "
                  f"{_f(s.get('seconds_measured'), '.1f')} | "
                  f"{_f(r.steps_per_hour, '.1f')} | {s.get('device')} | {s.get('mps')} | "
-                 f"{'reused' if s.get('engine_reused') else 'started'} | {r.lock_hash} | {r.path} |")
+                 f"{'reused' if s.get('engine_reused') else 'started'} | {r.lock_hash} | {_code(s)} | {display_path(r.path)} |")
     return "\n".join(L) + "\n"
+
+
+def _code(summary: dict) -> str:
+    """The source hash of the code that made a run (colora.provenance), '-' for runs that predate it."""
+    return (summary.get("code_version") or {}).get("source_hash") or "-"
 
 
 # -- entry point ----------------------------------------------------------------------------------
@@ -595,7 +639,7 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
             warnings.append(f"arm(s) {', '.join(extra)} are not pre-registered in {pr.path}: exploratory")
         bad = [f"{r.arm} seed {r.seed} r{r.repeat} ({r.lock_hash})" for r in runs if r.lock_hash != pr.config_hash]
         prinfo = {**pr.header_dict(), "matches": not bad, "mismatched_runs": bad,
-                  "left_out_runs": [str(r.path) for r in left_out]}
+                  "left_out_runs": [display_path(r.path) for r in left_out]}
     hashes = sorted({r.lock_hash for r in runs})
     if len(hashes) > 1:
         warnings.append(f"the runs come from {len(hashes)} different configs (beyond arm and seed: "
@@ -618,7 +662,7 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
     summary = {"command": command, "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "gates_config": gates.__dict__, "analysis": analysis, "prereg": prinfo, "warnings": warnings,
                "figures": figures, **res,
-               "runs": [{"dir": str(r.path), "arm": r.arm, "seed": r.seed, "repeat": r.repeat, "lock_hash": r.lock_hash,
+               "runs": [{"dir": display_path(r.path), "arm": r.arm, "seed": r.seed, "repeat": r.repeat, "lock_hash": r.lock_hash,
                          "steps_per_hour": r.steps_per_hour, "steps_measured": r.summary.get("steps_measured"),
                          "seconds_measured": r.summary.get("seconds_measured"), "eval_accuracy": r.eval_after,
                          "train_reward": r.reward_mean} for r in runs]}
@@ -629,7 +673,8 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colora report", description="Paired statistics and gates over run directories.")
-    p.add_argument("runs", nargs="+", help="run directories or directories holding them (a sweep's --out)")
+    p.add_argument("runs", nargs="+", help="run directories, directories holding them (a sweep's --out), or "
+                                           ".tar.gz archives of them")
     p.add_argument("--prereg", help="pre-registration whose gates and analysis plan to apply")
     p.add_argument("--out", required=True, help="report directory, e.g. reports/NAME")
     p.add_argument("--bootstrap-seed", type=int, help="seed of the bootstrap's numpy Generator (default: the "

@@ -158,6 +158,40 @@ def test_report_with_missing_arms_and_no_aa(tmp_path):
     assert any("no dedicated run" in n for n in s["notes"])
 
 
+def test_report_reads_an_archive_of_run_directories_as_the_folder(tmp_path):
+    import tarfile
+
+    sweep = make_fake_sweep(tmp_path / "sweep")
+    archive = tmp_path / "runs.tgz"
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(sweep, arcname="study")
+    from_dir = report.make_report([str(sweep)], tmp_path / "rep_dir", figures=False)
+    from_tgz = report.make_report([str(archive)], tmp_path / "rep_tgz", figures=False)
+    for key in ("steps_per_hour", "ratio", "aa", "learning", "gates"):
+        assert from_tgz[key] == from_dir[key], key
+    assert sorted(r["dir"] for r in from_tgz["runs"]) == sorted(
+        f"runs.tgz:study/{a}/seed{s}-r{r}" for a, s, r in FAKE)
+    assert "runs.tgz:study/dedicated/seed1-r0" in (tmp_path / "rep_tgz" / "report.md").read_text()
+
+
+def test_report_refuses_an_archive_that_escapes_or_is_broken(tmp_path, capsys):
+    import io
+    import tarfile
+
+    evil = tmp_path / "evil.tgz"
+    with tarfile.open(evil, "w:gz") as tf:
+        data = b"{}"
+        info = tarfile.TarInfo("../outside/summary.json")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    assert report.main([str(evil), "--out", str(tmp_path / "r")]) == 2
+    assert "not a readable .tar.gz" in capsys.readouterr().err and not (tmp_path / "outside").exists()
+    broken = tmp_path / "broken.tgz"
+    broken.write_bytes(b"not gzip at all")
+    assert report.main([str(broken), "--out", str(tmp_path / "r")]) == 2
+    assert "broken.tgz" in capsys.readouterr().err
+
+
 def test_report_skips_incomplete_and_moved_aside_runs(tmp_path):
     sweep = make_fake_sweep(tmp_path / "sweep")
     gone = tmp_path / "sweep" / "shared_sync" / "seed2-r0"
