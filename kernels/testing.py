@@ -118,8 +118,7 @@ def interpreted_kernels():
         importlib.reload(tl.standard)
         importlib.reload(tl)
     if not isinstance(importlib.import_module(f"{__package__}.lora_kernels").lora_shrink_kernel, InterpretedFunction):
-        for name in ("lora_kernels", "logsoftmax_kernels", "noise_kernels", "lora_ops", "lora", "logsoftmax",
-                     "noise"):
+        for name in ("lora_kernels", "logsoftmax_kernels", "lora_ops", "lora", "logsoftmax"):
             importlib.reload(importlib.import_module(f"{__package__}.{name}"))
         pkg = importlib.reload(pkg)
     return pkg
