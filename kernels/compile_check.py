@@ -26,9 +26,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .logsoftmax_kernels import selective_logsoftmax_kernel
-from .lora_kernels import (lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel,
-                           lora_shrink_kernel, lora_stream_kernel)
-from .lora_ops import _shrink_block_k, _shrink_stages, dx_pass_shape, expand_block_n2, reduce_shape, sgrad_shape
+from .lora_kernels import lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel, lora_stream_kernel
+from .lora_ops import _shrink_block_k, _shrink_stages, expand_block_n2, reduce_shape, sgrad_shape
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -126,10 +125,6 @@ def variants():
             sdiv = ("N", "p_slice", "chunk", "stride_pm", "stride_qm", "stride_wr", "stride_ym")
             sones = ("stride_qn", "stride_wn", "stride_yn")
             yield f"sgrad {dt} R{R}", lora_sgrad_kernel, sgrad, sg, sones, sdiv, sw, 3
-            # dA with the dx expand (route "sgrad"; not a default), at its own block shape
-            xbn, xw = dx_pass_shape(R)
-            yield (f"sgrad+expand {dt} R{R}", lora_sgrad_kernel, sgrad, dict(sg, BLOCK_N=xbn, EXPAND=True),
-                   sones, sdiv, xw, 3)
             ebn, ew = ((64 if R <= 64 else 32), 8) if dt == "fp32" else (bn, sw)  # as lora_expand launches
             for acc in (False, True):  # lora_expand (the sgrad kernel without its sgrad)
                 yield (f"expand{'+acc' if acc else ''} {dt} R{R}", lora_sgrad_kernel, sgrad,
@@ -144,20 +139,6 @@ def variants():
                 yield (f"reduce {dt} R{R} N{rbn} C{chunks} rows{rows}", lora_reduce_kernel, reduce,
                        dict(BLOCK_R=R, BLOCK_N=rbn, PB=pb, CHUNKS=chunks, HAS_SCALE=True, ROWS=rows),
                        ("stride_or",), ("N", "stride_on"), 8 if rows * rbn * chunks >= 16384 else 4, 3)
-        # the base GEMM with the expand in its epilogue (lora_base_gemm; not a default), at bf16 on the tiles
-        # of reports/h200/eighteenth/base_gemm_probe.py, fp32 on its own
-        gemm = dict(x_ptr=p, wb_ptr=p, h_ptr=p, w_ptr=p, y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32",
-                    seg_start_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32", N=i, K=i, h_slice=i,
-                    stride_xm=i, stride_xk=i, stride_bn=i, stride_bk=i, stride_hm=i, stride_wn=i, stride_wr=i,
-                    stride_ym=i, stride_yn=i)
-        gdiv = ("N", "K", "h_slice", "stride_xm", "stride_bn", "stride_hm", "stride_wr", "stride_ym")
-        gones = ("stride_xk", "stride_bk", "stride_wn", "stride_yn")
-        for R in (16, 64):
-            for bm, bn, bk, w, st in ((64, 64, 32, 4, 3),) if dt == "fp32" else \
-                    ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)):
-                yield (f"base_gemm {dt} R{R} {bm}x{bn}x{bk} w{w} s{st}", lora_base_gemm_kernel, gemm,
-                       dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=R, EVEN_K=True, HAS_SCALE=True,
-                            PRECISION=prec), gones, gdiv, w, st)
         lsm = dict(logits_ptr=p, targets_ptr="*i64", temp_ptr="*fp32", logp_ptr="*fp32", ent_ptr="*fp32",
                    V=i, stride_l=i)
         yield (f"logsoftmax {dt}", selective_logsoftmax_kernel, lsm,

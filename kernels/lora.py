@@ -23,8 +23,8 @@ import torch
 
 from .backend import resolve_backend
 from .lora_meta import FloatsLike, IntsLike, LoRABatchMeta
-from .lora_ops import (base_order, expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_base_gemm, lora_expand,
-                       lora_sgrad, lora_shrink, lora_shrink_expand, lora_shrink_sgrad)
+from .lora_ops import (fuse_dy_pays, fuse_expand_pays, h_width, lora_expand, lora_sgrad, lora_shrink, lora_shrink_expand,
+                       lora_shrink_sgrad)
 from .lora_ref import grouped_lora_ref
 
 
@@ -39,11 +39,10 @@ class _GroupedLoRA(torch.autograd.Function):
     output is the LoRA delta plus x W_s^T, and dx the LoRA's plus dy_s W_s, each base product added by
     cuBLAS's epilogue (beta = 1) after the kernels wrote the LoRA's part: the GEMM reads that part under
     its arithmetic, where the kernels adding into the base's output read and write it again, and autograd
-    summing two dx would add a pass more (lora_ops.base_order). On the H200 the trainer's four calls
-    a layer (rank 16, 8 x 6,144 tokens) took 1.4-2.6% less than with x W^T first, one process
-    (reports/h200/seventeenth/probe14_trainer).
+    summing two dx would add a pass more. On the H200 the trainer's four calls a layer (rank 16,
+    8 x 6,144 tokens) took 1.4-2.6% less than with x W^T first, one process (seventeenth session).
     fuse: (fuse_dy, fuse_expand): dh and dB in one pass over dy; with one slice, the expands in the
-    launches that compute h and dh (x -> h -> y, dy -> dh -> dx); see lora_ops.expand_route.
+    launches that compute h and dh (x -> h -> y, dy -> dh -> dx), else lora_expand writes y and dx.
     """
 
     @staticmethod
@@ -59,39 +58,27 @@ class _GroupedLoRA(torch.autograd.Function):
             # B^T copies ([R, d_out], tiny): contiguous along d_out, so both the expand here and the dh
             # shrink of the backward read them with wide loads
             Bts = [B.t().contiguous() for B in Bs]
-        route_y, route_dx = expand_route(fuse[1], n_slices)
-        order = base_order() if weights is not None else None
-        fuse_expand = route_y == "shrink" and order != "fused"  # "fused": the expand in the base GEMM
+        fuse_expand = fuse[1] and n_slices == 1  # a packed call's dx needs every slice's dh first
         # [T, >= slices * max_rank], see h_width; zero-filled for the separate expand, which reads its
         # padding lanes. With the expand fused, h's only readers (the backward's dy pass and sgrad)
         # carry its lanes >= r_j into rows of their fp32 partials that the reduce never stores.
         h = (x.new_empty if fuse_expand else x.new_zeros)((T, h_width(meta, n_slices)))
         if not fuse_expand:
             lora_shrink(x, A, packed, h)
-        # the base projection after the delta (see the class docstring)
-        base_after = order == "after"
         ys = []
         for s, Bt in enumerate(Bts):
-            if order == "fused":
-                ys.append(lora_base_gemm(x, weights[s], h, Bt.t(), meta, x.new_empty((T, Bt.shape[1])), h_slice=s,
-                                         scale=True))
-                continue
-            if weights is not None and not base_after:
-                out = torch.mm(x, weights[s].t())  # the base projection, to add the delta into
-            else:
-                out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
-            accumulate = bool(bases) or (weights is not None and not base_after)
+            out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
             if fuse_expand:
-                ys.append(lora_shrink_expand(x, A, Bt.t(), meta, h, out, scale_out=True, accumulate=accumulate))
+                ys.append(lora_shrink_expand(x, A, Bt.t(), meta, h, out, scale_out=True, accumulate=bool(bases)))
             else:
-                ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=accumulate))
-            if base_after:
-                out.addmm_(x, weights[s].t())
+                ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=bool(bases)))
+            if weights is not None:
+                out.addmm_(x, weights[s].t())  # the base projection after the delta (see the class docstring)
         if bases:
             ctx.mark_dirty(*bases)
         ctx.save_for_backward(x, A, h, *Bts)
         ctx.meta, ctx.n_slices, ctx.n_bases = meta, n_slices, len(bases)
-        ctx.fuse_dy, ctx.route_dx = fuse[0], route_dx
+        ctx.fuse_dy, ctx.fuse_expand = fuse[0], fuse_expand
         ctx.weights = weights
         ctx.set_materialize_grads(False)
         return tuple(ys)
@@ -106,17 +93,14 @@ class _GroupedLoRA(torch.autograd.Function):
         need_dh = need[0] or need[1]
         dys = [None if d is None else d.to(x.dtype) for d in dys]
         dys = [None if d is None else (d if d.stride(-1) == 1 else d.contiguous()) for d in dys]
-        # dx is written by the dy pass (route "dy": one slice with a dy), lora_expand ("expand") or dA's pass
-        # ("sgrad"); then the base projections' dy_s W_s are added (see the class docstring)
-        route_dx = ctx.route_dx if need[0] else None
-        if route_dx == "dy" and dys[0] is None:
-            route_dx = "expand"
+        # dx is written by the dy pass (its expand fused: one slice with a dy) or by lora_expand; then the base
+        # projections' dy_s W_s are added (see the class docstring)
+        fused_dx = ctx.fuse_expand and dys[0] is not None
         dx = torch.empty_like(x) if need[0] else None
-        fused_dx = (A.t(), dx, False) if route_dx == "dy" else None
-        # slices without an incoming gradient keep dh = 0; the dx expands outside the dy pass read its
-        # padding lanes (as h's in the forward). One slice whose dy pass writes every lane read: no fill.
-        no_fill = (ctx.route_dx == "dy" and dys[0] is not None and route_dx in ("dy", None))
-        dh = ((torch.empty_like if no_fill else torch.zeros_like)(h)) if need_dh else None
+        # slices without an incoming gradient keep dh = 0; lora_expand reads its padding lanes (as h's in the
+        # forward). One slice whose dy pass writes every lane read: no fill.
+        dh = ((torch.empty_like if fused_dx else torch.zeros_like)(h)) if need_dh else None
+        fused_dx = (A.t(), dx, False) if (fused_dx and need[0]) else None
         dBs = []
         for s, (Bt, dy) in enumerate(zip(Bts, dys)):
             dBt = None
@@ -136,13 +120,10 @@ class _GroupedLoRA(torch.autograd.Function):
                         lora_sgrad(h, dy, meta, dBt, p_slice=s, scale=True)
             dBs.append(None if dBt is None else dBt.t())
         dA = torch.empty(A.shape, dtype=a_dtype, device=A.device) if need[1] else None
-        if route_dx == "sgrad" and dA is not None:
-            lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx))
-        else:
-            if route_dx in ("sgrad", "expand"):  # sgrad without dA: the expand alone
-                lora_expand(dh, A.t(), packed, dx)
-            if dA is not None:
-                lora_sgrad(dh, x, packed, dA)
+        if dx is not None and fused_dx is None:
+            lora_expand(dh, A.t(), packed, dx)
+        if dA is not None:
+            lora_sgrad(dh, x, packed, dA)
         if dx is not None and ctx.weights is not None:
             for W, dy in zip(ctx.weights, dys):
                 if dy is not None:

@@ -7,12 +7,10 @@ The kernels below serve the forward and the backward of y_j = s_j * (x_j A_j^T) 
            optionally fused with sgrad's partial over its row tile             (+ h^T dy)
            and with the expand of the h tile it computed (one slice)          (+ h B^T; dh A)
   sgrad    partial[c, k, n]     = sum_{t in chunk c} p[t, slice*r_j + k] q[t, n]  (h^T dy; dh^T x)
-           and/or the expand of the same chunk of rows, one [BLOCK_T, BLOCK_N] tile after another:
+           or the expand of a chunk of rows, one [BLOCK_T, BLOCK_N] tile after another:
            y[t, n]             (+)= (s_j *) sum_k p[t, slice*r_j + k] W[n, rank_start[j] + k]
                                                                                   (h B^T; dh A)
   reduce   out[rank_start[j] + k, n] = (s_j *) sum_{chunks c of job j} partial[c, k, n]  (in chunk order)
-  base_gemm y[t, n] = sum_i x[t, i] Wb[n, i] + s_j sum_k h[t, slice*r_j + k] W[n, rank_start[j] + k]
-           (the frozen base projection with the expand in its epilogue; not a default: lora_ops.base_order)
   stream   the shrink with its expand (and the dy pass's dB partial) on persistent programs over full row tiles,
            x / dy and the weights through TMA descriptors, nothing masked (batches whose every rank is BLOCK_R;
            the default at BLOCK_R 64: lora_ops.stream_config)
@@ -312,59 +310,3 @@ def lora_reduce_kernel(
         acc = acc * tl.load(scale_ptr + job)
     out = out_ptr + (r0 + offs_r)[:, None] * stride_or + offs_n[None, :] * stride_on
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_r < r)[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def lora_base_gemm_kernel(
-    x_ptr, wb_ptr, h_ptr, w_ptr, y_ptr,  # x: [T, K], wb: [N, K] (the base weight), h: [T, H], w: [N, R], y: [T, N]
-    tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, scale_ptr,
-    N, K, h_slice,
-    stride_xm, stride_xk, stride_bn, stride_bk, stride_hm, stride_wn, stride_wr, stride_ym, stride_yn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """y[t, n] = sum_i x[t, i] wb[n, i] + (s_j *) sum_k h[t, h_slice*r_j + k] w[n, rank_start[j] + k]: the frozen
-    base projection with the LoRA's expand in its epilogue, so y is written once (the expand and cuBLAS's
-    beta = 1 epilogue write and read it once more). One [BLOCK_M, BLOCK_N] tile a program, the row tiles one
-    job's; the column tiles of a row tile are consecutive programs, so they find its x rows in L2."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // n_tiles_n
-    pid_n = pid % n_tiles_n
-    job, row0, row_end, r0, r = _tile_of(tile_job_ptr, tile_row_ptr, seg_start_ptr, rank_start_ptr, pid_m, BLOCK_M)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
-    rows = rows.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
-    b_ptrs = wb_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-            bt = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < K - k0
-            xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            bt = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = _dot(xt, bt, acc, PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        b_ptrs += BLOCK_K * stride_bk
-    # the LoRA's part into the same accumulator (a second [BLOCK_M, BLOCK_N] fp32 tile would double the
-    # registers): acc = s * (acc / s + h w^T), exact to fp32 rounding. h's rank lanes are read without a mask
-    # (finite, zero-filled: module docstring), the weight's lanes >= r_j masked to 0.
-    s = tl.load(scale_ptr + job) if HAS_SCALE else 1.0
-    if (r > 0) & (s != 0.0):
-        offs_r = tl.arange(0, BLOCK_R)
-        ht = tl.load(h_ptr + rows[:, None] * stride_hm + (h_slice * r + offs_r)[None, :], mask=row_ok[:, None],
-                     other=0.0)  # [BLOCK_M, BLOCK_R]
-        wt = tl.load(w_ptr + offs_n[None, :] * stride_wn + (r0 + offs_r)[:, None] * stride_wr,
-                     mask=(offs_r < r)[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-        if HAS_SCALE:
-            acc = _dot(ht, wt, acc / s, PRECISION) * s
-        else:
-            acc = _dot(ht, wt, acc, PRECISION)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])

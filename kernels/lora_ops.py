@@ -17,8 +17,7 @@ import functools
 
 import torch
 
-from .lora_kernels import (lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel,
-                           lora_shrink_kernel, lora_stream_kernel)
+from .lora_kernels import lora_reduce_kernel, lora_sgrad_kernel, lora_shrink_kernel, lora_stream_kernel
 from .lora_meta import LoRABatchMeta
 
 SHRINK_BLOCK_M = 64  # rows per tile of the shrink (and of the fused dy pass below one 256-row tile an SM)
@@ -35,12 +34,9 @@ TUNABLE = {
     "dy_pass": ("block_m", "block_k", "warps", "stages", "block_n2", "atomic"),  # the fused dh + dB partials (-> dx)
     "expand": ("block_t", "block_n", "warps", "stages", "chunk"),  # h -> y, dh -> dx
     "sgrad": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA (and dB unfused)
-    "dx_pass": ("block_t", "block_n", "warps", "stages", "chunk"),  # dA with the dx expand (lora_sgrad's expand)
-    "base_gemm": ("block_m", "block_n", "block_k", "warps", "stages"),  # x W^T with the expand in its epilogue
     # lora_stream_kernel: shrink_expand (stream) and the fused dy pass (stream_dy) over full tiles, descriptors
     "stream": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm"),
     "stream_dy": ("on", "block_m", "block_k", "block_n2", "warps", "stages", "per_sm"),
-    "route": ("dx", "y", "base"),  # not a launch: where dx and y are expanded (expand_route), base_order
 }
 _overrides: dict[str, dict] = {}
 
@@ -336,33 +332,6 @@ def expand_block_n2(block_m: int, warps: int, block_r: int, fp32: bool, dy_pass:
     return (32 if fp32 else 64) * 32 * warps // block_m // (2 if block_r >= 64 else 1)
 
 
-def expand_route(fuse_expand: bool, n_slices: int) -> tuple[str, str]:
-    """(y, dx): where the forward's y and the backward's dx are expanded. y: "shrink" (in the launch
-    that computes h; one slice) or "expand" (lora_expand); dx: "dy" (in the dy pass; one slice),
-    "expand" (lora_expand) or "sgrad" (in dA's pass: lora_sgrad's expand, each x tile read and its dx
-    tile written in turn; not a default: on the H200 at 8 jobs x 24k tokens it was level to 13% slower
-    than the dy pass or lora_expand at every shape, ranks 16 and 64, reports/h200/seventeenth/probe12*)."""
-    fuse = fuse_expand and n_slices == 1
-    route = _tuned("route", y="shrink" if fuse else "expand", dx="dy" if fuse else "expand")
-    route = {k: route[k] for k in ("y", "dx")}
-    if n_slices > 1 and (route["y"] == "shrink" or route["dx"] == "dy"):
-        raise ValueError(f"route {route}: the expands fuse into the shrink / dy pass with one slice only")
-    return route["y"], route["dx"]
-
-
-def base_order() -> str:
-    """Where the op's base projection (grouped_lora's base=W) joins the forward's y: "after" (the LoRA
-    delta written first, x W^T added by cuBLAS's epilogue with beta = 1), "before" (x W^T first, the
-    delta's expand reading and writing y to add into it) or "fused" (lora_base_gemm: one Triton GEMM with
-    the expand in its epilogue, y written once; the forward only, dx as "after"). Not "fused" by default:
-    on the H200 at the trainer's calls (8 x 6,144 tokens, rank 16) it took 7-14% more than "after" at every
-    slice, its GEMM at 473-551 TFLOP/s against cuBLAS's 621-667 (reports/h200/eighteenth/base_gemm2)."""
-    order = _tuned("route", base="after")["base"]
-    if order not in ("after", "before", "fused"):
-        raise ValueError(f"route base={order!r}: expected 'after', 'before' or 'fused'")
-    return order
-
-
 def fuse_expand_pays(meta: LoRABatchMeta, n_slices: int, d_in: int, d_out: int) -> bool:
     """The expand of the y / dx rows fuses into the pass that computes their h / dh when there is
     one slice (a packed call's dx needs every slice's dh first, and its outputs are several tensors)
@@ -456,24 +425,13 @@ def sgrad_shape(block_r: int) -> tuple[int, int]:
     return (128, 4) if block_r <= 32 else (256, 8) if block_r == 64 else (64, 8)
 
 
-def dx_pass_shape(block_r: int) -> tuple[int, int]:
-    """(columns per program, warps) of the sgrad with its dx expand: [64, 128] dx tiles over 8 warps at
-    BLOCK_R <= 64 (126-128 registers, 57 / 106 KB of shared memory at BLOCK_R 16 / 64 with Triton 3.9;
-    the sgrad's own [64, 256] at BLOCK_R 64 takes 252 and 172 KB: one program an SM)."""
-    return (128, 8) if block_r <= 64 else sgrad_shape(block_r)
-
-
 def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch.Tensor, *,
-               p_slice: int = 0, scale: bool = False, chunk: int | None = None,
-               expand: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               p_slice: int = 0, scale: bool = False, chunk: int | None = None) -> torch.Tensor:
     """out[rank_start[j] + k, n] = (scale_j *) sum_{t in job j} p[t, p_slice*r_j + k] * q[t, n].
 
     p: [T, H] (h or dh; as h in lora_expand), q: [T, N] (dy or x), out: [R, N] (any strides: dA,
     or dB^T). Every row of out is written (zeros for a job without rows). Two launches: per-chunk
     fp32 partials, then a per-job sum in chunk order, so the result does not depend on scheduling.
-    expand: (w [N, R], y [T, N]) to also write y = lora_expand(p, w) from the same
-    programs (dA = dh^T x with dx = dh A: each x tile read and the dx tile of the same rows written in
-    turn); p must then be finite in every column, as lora_expand's h.
     """
     T, N = q.shape
     _check(meta, p, "p", meta.num_tokens)
@@ -486,15 +444,10 @@ def lora_sgrad(p: torch.Tensor, q: torch.Tensor, meta: LoRABatchMeta, out: torch
                          "columns (h_width), finite everywhere")
     if not (p.dtype == q.dtype):
         raise ValueError(f"dtypes differ: p {p.dtype}, q {q.dtype}")
-    if expand is not None:
-        _check_expand(p, expand[0], meta, expand[1], p_slice)
-        if expand[0].shape[0] != N:
-            raise ValueError(f"the expand's weight has {expand[0].shape[0]} rows, q {N} columns")
-    if meta.total_rank == 0 and expand is None:
+    if meta.total_rank == 0:
         return out
-    shape = sgrad_shape(block_r) if expand is None else dx_pass_shape(block_r)
-    cfg = _rows_config("sgrad" if expand is None else "dx_pass", meta, N, *shape, chunk)
-    part, chunks = _launch_rows(p, meta, p_slice, cfg, q=q, expand=None if expand is None else (*expand, False, False))
+    cfg = _rows_config("sgrad", meta, N, *sgrad_shape(block_r), chunk)
+    part, chunks = _launch_rows(p, meta, p_slice, cfg, q=q)
     _launch_reduce(part, out, meta, chunks, block_r, scale)
     return out
 
@@ -522,46 +475,8 @@ def lora_expand(h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta, out: torc
     return out
 
 
-def lora_base_gemm(x: torch.Tensor, wb: torch.Tensor, h: torch.Tensor, w: torch.Tensor, meta: LoRABatchMeta,
-                   out: torch.Tensor, *, h_slice: int = 0, scale: bool = False) -> torch.Tensor:
-    """out = x wb^T + lora_expand(h, w, h_slice=h_slice, scale=scale): the frozen base projection with the
-    LoRA's expand in its epilogue (one Triton GEMM; y written once).
-
-    x: [T, K], wb: [N, K] (the base weight; any strides), h: [T, H] as for lora_expand (finite in every
-    column), w: [N, R] (any strides: B), out: [T, N] (any strides). Each program computes one
-    [BLOCK_M, BLOCK_N] tile of one job's rows (the tile table of BLOCK_M rows)."""
-    K, N = x.shape[1], wb.shape[0]
-    _check_expand(h, w, meta, out, h_slice)
-    _check(meta, x, "x", meta.num_tokens)
-    if wb.dim() != 2 or wb.shape[1] != K or N != out.shape[1]:
-        raise ValueError(f"base weight {tuple(wb.shape)}: expected [{out.shape[1]}, {K}] (out's columns, x's)")
-    if not (x.dtype == wb.dtype == h.dtype):
-        raise ValueError(f"dtypes differ: x {x.dtype}, base weight {wb.dtype}, h {h.dtype}")
-    block_r = _block_r(meta.max_rank)
-    fp32 = x.dtype == torch.float32
-    # fp32's IEEE dots hold their operands in registers: smaller tiles
-    cfg = _tuned("base_gemm", block_m=64 if fp32 else 128, block_n=64 if fp32 else 256, block_k=32 if fp32 else 64,
-                 warps=4 if fp32 else 8, stages=3)
-    block_n = min(cfg["block_n"], max(16, pow2(N)))
-    block_k = min(cfg["block_k"], max(16, pow2(K)))
-    tiles = meta.tiles(cfg["block_m"])
-    if tiles.n == 0:
-        return out
-    lora_base_gemm_kernel[(tiles.n * cdiv(N, block_n),)](
-        x, wb, h, w, out,
-        tiles.job, tiles.row, meta.seg_start_t, meta.rank_start_t, meta.scale_t,
-        N, K, h_slice,
-        x.stride(0), x.stride(1), wb.stride(0), wb.stride(1), h.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), out.stride(1),
-        BLOCK_M=cfg["block_m"], BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-        EVEN_K=K % block_k == 0, HAS_SCALE=scale, PRECISION=_precision(x.dtype, x.device),
-        num_warps=cfg["warps"], num_stages=cfg["stages"],
-    )
-    return out
-
-
 def _rows_config(kernel: str, meta: LoRABatchMeta, N: int, block_n: int, warps: int, chunk: int | None = None) -> dict:
-    """The launch of lora_sgrad_kernel for `kernel` ("sgrad", "dx_pass", "expand"): BLOCK_N capped at
+    """The launch of lora_sgrad_kernel for `kernel` ("sgrad", "expand"): BLOCK_N capped at
     N's power of 2, rows a step, stages and the rows a program (sgrad_chunk unless given)."""
     block_r = _block_r(meta.max_rank)
     block_n = min(block_n, max(16, pow2(N)))
@@ -571,7 +486,7 @@ def _rows_config(kernel: str, meta: LoRABatchMeta, N: int, block_n: int, warps: 
 
 def _launch_rows(p, meta, p_slice, cfg, *, q=None, expand=None):
     """lora_sgrad_kernel over chunks of cfg["chunk"] rows and cfg["block_n"] columns: the sgrad's
-    partials of p^T q where q is given, and the expand (w, y, scale, accumulate). Returns (the
+    partials of p^T q where q is given, or else the expand (w, y, scale, accumulate). Returns (the
     partials or None, the chunks' table)."""
     block_r = _block_r(meta.max_rank)
     block_n, chunk = cfg["block_n"], cfg["chunk"]

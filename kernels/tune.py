@@ -26,7 +26,7 @@ import torch
 
 from .lora_ops import TUNABLE, fuse_dy_pays, launch_overrides
 
-SEARCHED = ("shrink", "dy_pass", "expand", "sgrad")  # the launchers searched (TUNABLE's dx_pass and route not)
+SEARCHED = ("shrink", "dy_pass", "expand", "sgrad")  # the launchers searched (TUNABLE's stream launches not)
 
 # (block_m, block_k, warps, stages[, block_n2: the fused expand's columns]) of the shrink; its own
 # choice at bf16: (64, 128, 4, 4, 128) at rank 16, (64, 64, 4, 4, 64) at rank 64
