@@ -1,5 +1,5 @@
 """Padding-free micro-batches: every sequence of a micro-batch back to back in one row, attention kept
-inside each sequence. The default on CUDA (`COLORA_PACKED_ROWS`, `packed_rows`).
+inside each sequence. The trainer's default on CUDA (`packed_by_default`; `MultiJobTrainer(packed_rows=)`).
 
 Why: the trainer pads each micro-batch's rows to its longest (rows x longest <= trainer.
 micro_batch_tokens). A group of the reference workload's overlap arm (4 jobs x 64 sequences, 40 + 8-256
@@ -20,7 +20,8 @@ FlashAttention has no fp32), otherwise one causal SDPA call per sequence. transf
 for an attention it has no mask function for, so nothing of size T x T exists.
 
 On the CPU the default stays padded: the per-sequence SDPA loop is a reference there, not a speed-up
-(nothing was measured on the CPU), and the CPU tests hold the packed step to the padded one.
+(nothing was measured on the CPU), and the CPU tests hold the packed step to the padded one (they ask
+the trainer for packed rows with `packed_rows=True`).
 """
 
 from __future__ import annotations
@@ -34,19 +35,10 @@ import torch
 ATTN = "colora_varlen"
 
 
-def packed_rows_from_env() -> str:
-    """COLORA_PACKED_ROWS: "auto" or unset, packed rows on CUDA and padded rows elsewhere; "1" packs
-    each micro-batch's rows without padding everywhere; "0" pads them everywhere. Anything else is a
-    ValueError (checked before a run starts: runner.prepare)."""
-    from .config import env_switch
-
-    return env_switch("COLORA_PACKED_ROWS", ("0", "1", "auto"), "auto")
-
-
-def packed_rows(device: torch.device) -> bool:
-    """Whether the trainer on `device` packs its micro-batches' rows (`packed_rows_from_env`)."""
-    mode = packed_rows_from_env()
-    return mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")
+def packed_by_default(device: torch.device | str) -> bool:
+    """Whether the trainer on `device` packs its micro-batches' rows unless told: on CUDA, where it was
+    measured (tenth session's H200 A/B above), and not elsewhere."""
+    return torch.device(device).type == "cuda"
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:

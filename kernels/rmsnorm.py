@@ -3,8 +3,8 @@ a layer (input, post-attention, q and k per head), which torch.compile fuses jus
 but calls through Dynamo's guards, AOTAutograd's wrappers and Inductor's launcher: about 0.5 ms of
 host time per call and its backward on the H200 (ninth session's profile: 167 us a compiled call,
 286 us its backward, 47 us Dynamo's cache lookup; the step bound by host work), against one
-`autograd.Function` and two launches here. The default with the other elementwise kernels
-(COLORA_ELEMENTWISE_KERNELS, measured together on the H200: reports/h200/twelfth/kernels_ab).
+`autograd.Function` and two launches here. The trainer's with the other elementwise kernels
+(colora/fusion.py, where the measurement that chose them is).
 
 The arithmetic of Hugging Face's Qwen3RMSNorm / LlamaRMSNorm, its roundings included (the tests:
 equal within one rounding of the output, where fp32 rsqrt's last bit moves a value across one):
