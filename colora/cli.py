@@ -98,11 +98,11 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "kernels":
-        from colora.kernels.bench import main
+        from .bench.kernels import main
     elif args.what == "trainer":
-        from .bench_trainer import main
+        from .bench.trainer import main
     elif args.what == "engine":
-        from .bench_engine import main
+        from .bench.engine import main
     else:
         from .bench_arms import main
     return main(rest)

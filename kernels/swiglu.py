@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .lora_ops import cdiv
+from .util import cdiv
 from .swiglu_kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 
 BLOCK = 1024

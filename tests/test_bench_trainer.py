@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from colora import bench_trainer
+from colora.bench import trainer as bench_trainer
 
 
 def test_an_unknown_implementation_flag_is_a_usage_error(capsys):

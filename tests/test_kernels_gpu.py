@@ -21,7 +21,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 import colora.kernels as K  # noqa: E402
-from colora.kernels.testing import LOGSOFTMAX_TOL, LORA_TOL, lora_case, lora_grads, rel_err  # noqa: E402
+from kernel_cases import LOGSOFTMAX_TOL, LORA_TOL, lora_case, lora_grads, rel_err  # noqa: E402
 
 DEV = torch.device("cuda")
 SHAPES = [(1024, 2048), (1024, 1024), (2048, 1024), (1024, 3072), (3072, 1024)]  # q, k/v, o, gate/up, down
@@ -115,19 +115,18 @@ def test_stream_gpu(d_in, d_out):
     """The op at rank 64 as it runs by default at 8 jobs x ~5k tokens (one empty): lora_stream_kernel's forward
     and dy pass (TMA descriptors, full tiles; each job's short last tile by lora_shrink_kernel), against fp64; and
     the same with the stream launches off."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.stream import stream_config
 
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(d_in + d_out)
     tokens = (5000 + torch.randint(0, 600, (8,), generator=g)).tolist()  # over 256 rows an SM: 256-row dy tiles
     tokens[3] = 0
     case = lora_case(tokens, [64] * 8, d_in, d_out, dtype, DEV, seed=d_in + 3 * d_out)
-    assert lora_ops.stream_config("stream_dy", case.dy, case.B.t().contiguous(), case.A.t(), case.x, case.meta)
+    assert stream_config("stream_dy", case.dy, case.B.t().contiguous(), case.A.t(), case.x, case.meta)
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     errs = {}
     for on in (True, False):
-        with lora_ops.launch_overrides(stream={"on": on}, stream_dy={"on": on}):
-            got = lora_grads(K.grouped_lora, case, backend="triton")
+        got = lora_grads(K.grouped_lora, case, backend="triton", launch={"stream": {"on": on}, "stream_dy": {"on": on}})
         errs.update({f"{k} {'stream' if on else 'tiles'}": rel_err(got[k], ref[k]) for k in ("y", "dx", "dA", "dB")})
     _record("stream", d_in=d_in, d_out=d_out, errors=errs, tol=LORA_TOL[dtype])
     assert max(errs.values()) <= LORA_TOL[dtype], errs

@@ -25,7 +25,7 @@ import torch
 
 
 def _rollouts(jobs: list[str], seqs: int, prompt: int, completion: int, vocab: int, version: int):
-    from .trainer import Rollout
+    from ..trainer import Rollout
 
     g = torch.Generator().manual_seed(version)
     out = {}
@@ -55,18 +55,18 @@ def _peak(device: str) -> float:
 
 
 def bench_colora(model_dir: str, args, backend: str) -> dict:
-    from .config import JobConfig, TrainerConfig
-    from .heap import frozen_heap
-    from .lora import AdapterBank, inject_lora
-    from .models import load_base_model
-    from .trainer import MultiJobTrainer
+    from ..config import JobConfig, TrainerConfig
+    from ..heap import frozen_heap
+    from ..lora import AdapterBank, inject_lora
+    from ..models import load_base_model
+    from ..trainer import MultiJobTrainer
 
     _reset(args.device)
     model = load_base_model(model_dir, args.dtype, args.device)
     backend, *flags = backend.split("+")
     packed, fused = "packed" in flags, "fused" in flags
     if fused:
-        from .fusion import fuse_elementwise
+        from ..fusion import fuse_elementwise
 
         fuse_elementwise(model)
     bank = AdapterBank(args.device, backend, pack_projections=packed)
@@ -102,7 +102,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
         profile_sources(lambda: trainer.step(ro), args.device, f"{args.out}.sources.txt", impl)
     del trainer, bank, model
     if fused:
-        from .fusion import restore_rotary
+        from ..fusion import restore_rotary
 
         restore_rotary()  # the next implementation measures the model's own code
     return out
@@ -212,7 +212,7 @@ def ops_by_caller(events, device: str, rows: int = 50) -> str:
 def bench_peft(model_dir: str, args) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from .models import load_base_model
+    from ..models import load_base_model
 
     _reset(args.device)
     base = load_base_model(model_dir, args.dtype, args.device)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         if impl != "peft" and (backend not in ("triton", "torch") or not set(flags) <= {"packed", "fused"}):
             p.error(f"--impls {impl}: expected peft, or triton/torch with any of +packed, +fused")
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    from .runner import resolve_model
+    from ..runner import resolve_model
 
     model_dir = str(resolve_model(args.model))
     results = []
