@@ -1,13 +1,13 @@
 """The base model's elementwise parts through colora's Triton kernels, for the trainer (`trainer.fuse_elementwise`).
 
-The H200 profile of a trainer step (second session) showed the GPU spending more time in Hugging Face's
+The H200 profile of a trainer step (measured at e034c1e) showed the GPU spending more time in Hugging Face's
 eager elementwise code than in matrix products: RMSNorm upcasts every hidden state to fp32 and makes five
 passes over it, rotary embeddings four muls and a cat on q and k, the MLP a SiLU and a mul, each again in
 the backward. `fuse_elementwise` routes the frozen RMSNorms, the SiLU-gated products and the rotary
 embedding through kernels/rmsnorm.py, kernels/swiglu.py and kernels/rotary.py: one autograd.Function and one
 launch a tensor each way, in the model's arithmetic (its roundings included), the rotary's results in the
 projections' [B, T, H, D] layout. On the H200 the 8-job trainer step took 1.721 s with them against 1.986 s
-with torch.compile's fused functions of the same pieces (twelfth session, at fd87e62).
+with torch.compile's fused functions of the same pieces (measured at fd87e62).
 
 Where a kernel cannot run (no CUDA and no Triton interpreter, a trainable norm weight, a rotary call of
 another shape) the module keeps the model's own code.

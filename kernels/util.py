@@ -18,7 +18,7 @@ def pow2(n: int) -> int:
     machines'; not checked for the H200's 3.6), and a call from Python goes through Triton's wrapper,
     2-3 us a call and tens of calls per LoRA op. With these and LoRABatchMeta's cached max_rank, a
     layer's four grouped-LoRA calls made 2.2x fewer Python calls and took 1.33x less of colora's host
-    time on the CPU (measured at 5395e86, 65eb13e's reports/cpu/lora_host.txt)."""
+    time on the CPU (measured at 5395e86; the figures in 65eb13e)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 

@@ -34,7 +34,7 @@ def graph_timer(fn, device: torch.device, quick: bool) -> float | None:
     do_bench_cudagraph calls `fn` on a stream of its own; the tile tables that `fn`'s first eager call uploaded
     (LoRABatchMeta: without blocking, on the stream then current) may not have landed yet, and a kernel on the
     other stream would read whatever those bytes held: wait for them first (compute-sanitizer caught a tile's job
-    index read 4.5 GB past the segment table that way: H200, twentieth session, 6c75111)."""
+    index read 4.5 GB past the segment table that way, on the H200 at 6c75111)."""
     if device.type != "cuda":
         return None
     import triton.testing
