@@ -49,6 +49,7 @@ SHRINK_BLOCK_M = 64  # rows per tile of the shrink (and of the fused dy pass bel
 FUSED_TILE_WAVES = 1
 
 
+@functools.lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
     """The name of `device`'s table: the GPU's name with spaces and dashes as _, or "interpreter"."""
     if device.type != "cuda":
@@ -73,20 +74,27 @@ def check_launch(launch: Launch | None) -> None:
 
 
 def table_entry(kind: str, br: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """`kind`'s entry for BLOCK_R `br` in `device`'s table, with fp32's register budget applied: IEEE fp32 dots
-    hold their operands in registers, so the shrinks read 64 (the 256-row dy pass 32) columns of K a step, at 3
-    stages, the fused expand sizes its own columns (`expand_block_n2`), and the expand takes 64 columns a program
-    (32 above BLOCK_R 64) over 8 warps (compile_check: no spills so, Triton 3.9)."""
-    entries = launch_table(device_name(device))[kind]
+    """`kind`'s entry for BLOCK_R `br` in `device`'s table (a copy to change), with fp32's register budget
+    applied: IEEE fp32 dots hold their operands in registers, so the shrinks read 64 (the 256-row dy pass 32)
+    columns of K a step, at 3 stages, the fused expand sizes its own columns (`expand_block_n2`), and the
+    expand takes 64 columns a program (32 above BLOCK_R 64) over 8 warps (compile_check: no spills so,
+    Triton 3.9)."""
+    return dict(_entry(kind, br, dtype == torch.float32, device_name(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(kind: str, br: int, fp32: bool, name: str) -> tuple:
+    # cached: the launchers ask for an entry per launch, host time a layer stack pays per micro-batch
+    entries = launch_table(name)[kind]
     keys = sorted(int(k) for k in entries if not k.startswith("_"))
     cfg = dict(entries[str(max([k for k in keys if k <= br], default=keys[0]))])
-    if dtype == torch.float32:
+    if fp32:
         if kind in ("shrink", "dy_pass"):
             cfg.update(block_k=32 if cfg["block_m"] > SHRINK_BLOCK_M else 64, stages=3)
             cfg.pop("block_n2", None)
         elif kind == "expand":
             cfg.update(block_n=64 if br <= 64 else 32, warps=8)
-    return cfg
+    return tuple(cfg.items())
 
 
 def shrink_config(meta: LoRABatchMeta, dtype: torch.dtype, K: int, N2: int, *, dy_pass: bool = False,
