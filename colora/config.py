@@ -130,8 +130,8 @@ class TrainerConfig:
     # q/k/v and gate/up LoRA in one grouped call per input (4 calls per layer instead of 7): with
     # fused elementwise, 3.25 s against 3.71 s per H200 trainer step (reports/h200/fused).
     pack_projections: bool = True
-    # RMSNorm, rotary and SiLU*up through torch.compile (colora/fusion.py): "auto" = on CUDA only,
-    # where the eager elementwise code took more GPU time than the matrix products.
+    # RMSNorm, rotary and SiLU*up through colora's Triton kernels (colora/fusion.py; "off": the model's own
+    # code): "auto" = on CUDA only, where the eager elementwise code took more GPU time than the matrix products.
     fuse_elementwise: Literal["auto", "on", "off"] = "auto"
     # A job whose adapter holds a weight beyond this after an update is stopped before the engine
     # loads it (diverged training; LoRA weights are O(1) or far below). 0 disables the check.

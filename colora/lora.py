@@ -94,20 +94,6 @@ def _adamw_impl(device: torch.device) -> dict:
     return {"fused": True} if device.type == "cuda" else {}
 
 
-def base_in_lora_from_env() -> bool:
-    """COLORA_BASE_IN_LORA: "1" computes each adapted projection's frozen base product inside the
-    grouped-LoRA op (Triton path, projections without bias), whose backward adds the base's part of
-    dx in the same cuBLAS call (beta = 1) as one matmul of dy and W; otherwise the base linear runs on
-    its own and autograd sums its dx with the LoRA's: one read-read-write pass over a [tokens, d_in]
-    gradient per projection input, about 93 ms of the H200's 8-job trainer step (reports/h200/
-    twelfth/new_profile). "1" or unset is the default: the H200's 8-job trainer step took 1.635 s with
-    it against 1.677 s without, in one run (reports/h200/thirteenth/base_ab). "0" keeps the base
-    linear. Anything else is a ValueError (checked before a run: runner.prepare)."""
-    from .config import env_switch
-
-    return env_switch("COLORA_BASE_IN_LORA", ("0", "1"), "1") == "1"
-
-
 def _add_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
     if g is None:
         return
@@ -115,12 +101,10 @@ def _add_grad(p: torch.Tensor, g: torch.Tensor | None) -> None:
 
 
 class AdapterBank:
-    def __init__(self, device: torch.device | str, lora_backend: str = "auto", pack_projections: bool = False,
-                 base_in_lora: bool = False):
+    def __init__(self, device: torch.device | str, lora_backend: str = "auto", pack_projections: bool = False):
         self.device = torch.device(device)
         self.lora_backend = lora_backend
         self.pack_projections = pack_projections
-        self.base_in_lora = base_in_lora  # see base_in_lora_from_env
         self.jobs: dict[str, JobAdapter] = {}
         self.modules: dict[str, nn.Linear] = {}  # module path -> base linear (shapes)
         self._active: _Active | None = None
@@ -431,11 +415,15 @@ class MultiLoRALinear(nn.Module):
         return y2.view(*x.shape[:-1], y2.shape[-1])
 
     def _base_inside(self, x2: torch.Tensor, mods) -> bool:
-        """Whether the grouped-LoRA op computes these modules' base products (bank.base_in_lora):
-        on the Triton path, for frozen bias-free linears in x's dtype."""
+        """Whether the grouped-LoRA op computes these modules' base products: on the Triton path, for
+        frozen bias-free linears in x's dtype. The op's backward then adds the base's part of dx in the
+        same cuBLAS call (beta = 1) as one matmul of dy and W, where a base linear beside it leaves autograd
+        to sum two dx, one read-read-write pass over a [tokens, d_in] gradient per projection input. On the
+        H200 the 8-job trainer step took 1.635 s with it against 1.677 s without (measured at 07f5023).
+        Elsewhere the base linear runs and the op adds the delta into its output (add_to)."""
         from colora.kernels import resolve_backend
 
-        return (self.bank.base_in_lora and resolve_backend(self.bank.lora_backend, x2.device) == "triton"
+        return (resolve_backend(self.bank.lora_backend, x2.device) == "triton"
                 and all(m.base.bias is None and not m.base.weight.requires_grad and m.base.weight.dtype == x2.dtype
                         for m in mods))
 

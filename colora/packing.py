@@ -1,13 +1,13 @@
 """Padding-free micro-batches: every sequence of a micro-batch back to back in one row, attention kept
-inside each sequence. The default on CUDA (`COLORA_PACKED_ROWS`, `packed_rows`).
+inside each sequence. The trainer's default on CUDA (`packed_by_default`; `MultiJobTrainer(packed_rows=)`).
 
 Why: the trainer pads each micro-batch's rows to its longest (rows x longest <= trainer.
 micro_batch_tokens). A group of the reference workload's overlap arm (4 jobs x 64 sequences, 40 + 8-256
 tokens) is ~39k real tokens padded to ~56k in two micro-batches; one micro-batch of the same rows
 would need ~80k padded tokens, more memory than the trainer has beside the engine. On the H200 each
-micro-batch costs ~0.2 s of host work (reports/h200/ninth/micro_batch: 0.662 s for such a group in two
+micro-batch costs ~0.2 s of host work (measured at c41a630: 0.662 s for such a group in two
 micro-batches against 0.458 s in one). Packed, the group is one micro-batch of its real tokens, and no
-padded token is computed. Measured (reports/h200/tenth/packed_ab): with micro-batches of 49,152 tokens
+padded token is computed. Measured on the H200 at a9f4f4f: with micro-batches of 49,152 tokens
 the overlap_mps arm's training step fell from 1.07 to 0.53 s (medians) and the arm made 6386 steps/h
 against 5098 padded, in one process on one engine.
 
@@ -20,7 +20,8 @@ FlashAttention has no fp32), otherwise one causal SDPA call per sequence. transf
 for an attention it has no mask function for, so nothing of size T x T exists.
 
 On the CPU the default stays padded: the per-sequence SDPA loop is a reference there, not a speed-up
-(nothing was measured on the CPU), and the CPU tests hold the packed step to the padded one.
+(nothing was measured on the CPU), and the CPU tests hold the packed step to the padded one (they ask
+the trainer for packed rows with `packed_rows=True`).
 """
 
 from __future__ import annotations
@@ -34,19 +35,10 @@ import torch
 ATTN = "colora_varlen"
 
 
-def packed_rows_from_env() -> str:
-    """COLORA_PACKED_ROWS: "auto" or unset, packed rows on CUDA and padded rows elsewhere; "1" packs
-    each micro-batch's rows without padding everywhere; "0" pads them everywhere. Anything else is a
-    ValueError (checked before a run starts: runner.prepare)."""
-    from .config import env_switch
-
-    return env_switch("COLORA_PACKED_ROWS", ("0", "1", "auto"), "auto")
-
-
-def packed_rows(device: torch.device) -> bool:
-    """Whether the trainer on `device` packs its micro-batches' rows (`packed_rows_from_env`)."""
-    mode = packed_rows_from_env()
-    return mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")
+def packed_by_default(device: torch.device | str) -> bool:
+    """Whether the trainer on `device` packs its micro-batches' rows unless told: on CUDA, where it was
+    measured (the A/B above), and not elsewhere."""
+    return torch.device(device).type == "cuda"
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
@@ -81,7 +73,7 @@ def varlen_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     The inputs are transposed views of the projections' [1, T, H, D] outputs (the fused rotary keeps
     that layout: colora/fusion.py), so FlashAttention gets them without a copy. `squeeze(0)`, not
     `[0]`: the backward of indexing builds a zero tensor and copies the gradient into it (a strided
-    copy of q's, k's and v's gradients per layer on the H200: reports/h200/twelfth)."""
+    copy of q's, k's and v's gradients per layer on the H200, measured at 4139214)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(f"attention {ATTN!r} needs cu_seq_lens_q and max_length_q (colora's packed rows)")
     if sliding_window is not None or dropout:
@@ -113,7 +105,7 @@ _repeat_kv: list[bool] = []  # [True] once torch's varlen attention refused K/V 
 def _flash_varlen(fn, q, k, v, cu, max_len, scaling, causal, gqa):
     """FlashAttention's varlen call with grouped-query K/V as they are: its kernels take fewer K/V
     heads than Q heads (torch 2.11 passes them through without an `enable_gqa` parameter: same
-    output and K/V gradients as with K/V repeated, reports/h200/twelfth/gqa_probe.txt). Repeating
+    output and K/V gradients as with K/V repeated, measured at 4139214). Repeating
     them costs a copy of K and V forward and a reduction of their gradients backward per layer
     (~100 ms of a 2 s trainer step on the H200). A torch that refuses them gets them repeated."""
     extra = {"enable_gqa": True} if gqa else {}

@@ -55,7 +55,8 @@ def replay(d: Path, overrides: list[str], sdpa: str | None, log=print) -> dict:
     """Train once on the kept rollouts; returns job -> JobStepStats."""
     from .config import from_dict, replace
     from .models import load_tokenizer
-    from .runner import build_trainer, resolve_device, resolve_model, torch_dtype
+    from .runner import resolve_device, resolve_model, torch_dtype
+    from .trainer import build_trainer
 
     raw, rollouts, state = load_failed_step(d)
     cfg = replace(from_dict(raw), overrides)

@@ -144,18 +144,12 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     """Every input check that needs no engine. Creates nothing on failure."""
     from .corunner import reload_first_from_env
     from .engine import engine_process_from_env, sampler_from_env, tuned_lora_configs
-    from .fusion import elementwise_kernels_from_env
-    from .lora import base_in_lora_from_env
-    from .packing import packed_rows_from_env
 
     try:
         tuned_lora_configs()
         sampler_from_env()
         engine_process_from_env(cfg.experiment.arm)
         reload_first_from_env()
-        packed_rows_from_env()
-        elementwise_kernels_from_env()
-        base_in_lora_from_env()
     except ValueError as e:
         raise RunError(str(e)) from None
     tasks = load_tasks(cfg.jobs)
@@ -316,35 +310,17 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def build_trainer(cfg: Config, model_dir: Path, device: str, dtype, pad_id: int):
-    """The frozen base model with every job's adapter injected, and the trainer over it:
-    (bank, trainer). Used by a run and by `colora replay-step`."""
-    from .fusion import elementwise_kernels_from_env, fuse_elementwise, should_fuse
-    from .lora import AdapterBank, base_in_lora_from_env, inject_lora
-    from .models import load_base_model
-    from .trainer import MultiJobTrainer
-
-    model = load_base_model(model_dir, dtype, device)
-    if should_fuse(cfg.trainer.fuse_elementwise, device):
-        fuse_elementwise(model, kernels=elementwise_kernels_from_env())
-    bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections, base_in_lora_from_env())
-    inject_lora(model, bank)
-    for j in cfg.jobs:
-        bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, cfg.experiment.seed, j.learning_rate,
-                     j.weight_decay, j.adam_betas, j.adam_eps)
-    return bank, MultiJobTrainer(model, bank, cfg.trainer, {j.name: j for j in cfg.jobs}, pad_id)
-
-
 def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None = None,
          process_mps=None, resume_state: dict | None = None) -> dict:
     from .checkpoint import Checkpointer
     from .corunner import CoRunner, EngineFailure, JobState, throughput
     from .engine import RolloutEngine, engine_process_from_env, tuned_lora_configs
     from .evaluate import evaluate
-    from .fusion import elementwise_kernels_from_env, should_fuse
+    from .fusion import should_fuse
     from .gpumon import GpuSampler
     from .models import load_tokenizer
     from .provenance import code_version
+    from .trainer import build_trainer
 
     cfg, out = setup.cfg, setup.out
     exp = cfg.experiment
@@ -466,8 +442,7 @@ def _run(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | N
         "engine_process": engine.own_process,
         "reload_first": corunner.reload_first,
         "packed_rows": trainer.packed,
-        "elementwise_kernels": should_fuse(cfg.trainer.fuse_elementwise, device) and elementwise_kernels_from_env(),
-        "base_in_lora": trainer.bank.base_in_lora,
+        "elementwise_kernels": should_fuse(cfg.trainer.fuse_elementwise, device),
         "vllm_lora_configs": tuned_lora_configs(),
         "trainer_setup_s": trainer_setup_s,
         # the trainer's view of the GPU: under MPS with a thread percentage below 100 fewer SMs show

@@ -15,14 +15,15 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import grpo
-from .config import JobConfig, TrainerConfig
+from .config import Config, JobConfig, TrainerConfig
 from .lora import AdapterBank
-from .packing import packed_rows, use_packed_attention
+from .packing import packed_by_default, use_packed_attention
 
 
 @dataclass
@@ -152,8 +153,11 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class MultiJobTrainer:
+    """packed_rows: each micro-batch's sequences back to back in one row without padding (colora/packing.py);
+    None: `packing.packed_by_default` (on CUDA)."""
+
     def __init__(self, model: torch.nn.Module, bank: AdapterBank, cfg: TrainerConfig,
-                 jobs: dict[str, JobConfig], pad_id: int):
+                 jobs: dict[str, JobConfig], pad_id: int, packed_rows: bool | None = None):
         self.model = model
         self.body = _decoder(model)
         self.lm_head = model.get_output_embeddings()
@@ -162,7 +166,7 @@ class MultiJobTrainer:
         self.jobs = jobs
         self.pad_id = pad_id
         self.device = next(model.parameters()).device
-        self.packed = packed_rows(self.device)  # COLORA_PACKED_ROWS: see colora/packing.py
+        self.packed = packed_by_default(self.device) if packed_rows is None else packed_rows
         if self.packed:
             use_packed_attention(model)
         if cfg.gradient_checkpointing:
@@ -345,6 +349,26 @@ class MultiJobTrainer:
                                     logprob_gap=gap / n, entropy=ent / n, tokens=int(ntok),
                                     sequences=len(rollouts[j]), version=ad.version, failure=failure)
         return stats
+
+
+def build_trainer(cfg: Config, model_dir: Path, device: str, dtype: torch.dtype,
+                  pad_id: int) -> tuple[AdapterBank, MultiJobTrainer]:
+    """The frozen base model on `device` in `dtype`, its elementwise parts fused where
+    `trainer.fuse_elementwise` says (colora/fusion.py), every job's adapter injected, and the trainer over
+    it: (bank, trainer). Used by a run and by `colora replay-step`."""
+    from .fusion import fuse_elementwise, should_fuse
+    from .lora import inject_lora
+    from .models import load_base_model
+
+    model = load_base_model(model_dir, dtype, device)
+    if should_fuse(cfg.trainer.fuse_elementwise, device):
+        fuse_elementwise(model)
+    bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections)
+    inject_lora(model, bank)
+    for j in cfg.jobs:
+        bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, cfg.experiment.seed, j.learning_rate,
+                     j.weight_decay, j.adam_betas, j.adam_eps)
+    return bank, MultiJobTrainer(model, bank, cfg.trainer, {j.name: j for j in cfg.jobs}, pad_id)
 
 
 def _group_norms(groups: list[list[torch.Tensor]], ord: float) -> list[float]:

@@ -1,4 +1,5 @@
-"""colora's kernels: grouped LoRA over rows sorted by job, and a fused selective log-softmax.
+"""colora's kernels: grouped LoRA over rows sorted by job (the `lora` subpackage), a fused selective
+log-softmax, and the trainer's elementwise kernels (rmsnorm, swiglu, rotary). docs/kernels.md gives the design.
 
 Each entry point takes `backend`: "triton" (CUDA, or Triton's interpreter with TRITON_INTERPRET=1),
 "torch" (the plain reference, the CPU trainer's path) or "auto" (triton on CUDA, torch elsewhere).
@@ -6,9 +7,8 @@ Each entry point takes `backend`: "triton" (CUDA, or Triton's interpreter with T
 
 from .backend import BACKENDS, resolve_backend
 from .logsoftmax import selective_log_softmax
-from .lora import grouped_lora, grouped_lora_packed
-from .lora_meta import LoRABatchMeta, upload, upload_aligned
-from .lora_ref import grouped_lora_packed_ref, grouped_lora_ref
+from .lora import LoRABatchMeta, grouped_lora, grouped_lora_packed, grouped_lora_packed_ref, grouped_lora_ref
+from .util import upload, upload_aligned
 
 __all__ = [
     "BACKENDS",

@@ -21,7 +21,7 @@ import triton
 
 from .backend import resolve_backend
 from .logsoftmax_kernels import selective_logsoftmax_kernel
-from .lora_meta import ALIGN
+from .util import ALIGN
 
 
 def _temperatures(temperature: float | torch.Tensor, T: int, device: torch.device) -> torch.Tensor:

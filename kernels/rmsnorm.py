@@ -1,10 +1,10 @@
 """RMSNorm with a frozen weight, one Triton launch forward and one backward: the trainer's four norms
 a layer (input, post-attention, q and k per head), which torch.compile fuses just as well on the GPU
 but calls through Dynamo's guards, AOTAutograd's wrappers and Inductor's launcher: about 0.5 ms of
-host time per call and its backward on the H200 (ninth session's profile: 167 us a compiled call,
+host time per call and its backward on the H200 (measured at c41a630: 167 us a compiled call,
 286 us its backward, 47 us Dynamo's cache lookup; the step bound by host work), against one
-`autograd.Function` and two launches here. The default with the other elementwise kernels
-(COLORA_ELEMENTWISE_KERNELS, measured together on the H200: reports/h200/twelfth/kernels_ab).
+`autograd.Function` and two launches here. The trainer's with the other elementwise kernels
+(colora/fusion.py, where the measurement that chose them is).
 
 The arithmetic of Hugging Face's Qwen3RMSNorm / LlamaRMSNorm, its roundings included (the tests:
 equal within one rounding of the output, where fp32 rsqrt's last bit moves a value across one):
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .lora_ops import cdiv, pow2
+from .util import cdiv, pow2
 from .rmsnorm_kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
 
 

@@ -2,13 +2,12 @@
 the projections' layout.
 
 The attention layers pass q and k as [B, H, T, D] transposed views of the projections' [B, T, H, D]
-outputs. torch.compile's version of the model's function (and colora's layout-keeping one,
-colora/fusion.py `_rotary_thd`) cost the H200 ~0.5 ms forward and 0.5-1 ms backward per tensor at
-49,152 tokens, several times the bytes moved (reports/h200/twelfth). Here the outputs and the
-inputs' gradients are written [B, T, H, D]-contiguous and returned as the same transposed views, so
-FlashAttention and the norms' backward take them without a copy. With the other elementwise kernels
-(COLORA_ELEMENTWISE_KERNELS, the default) the H200's 8-job trainer step took 1.721 s against 1.986 s
-with the compiled functions, in one run (reports/h200/twelfth/kernels_ab).
+outputs. torch.compile's version of the model's function (and a layout-keeping compiled one) cost the
+H200 ~0.5 ms forward and 0.5-1 ms backward per tensor at 49,152 tokens, several times the bytes moved
+(measured at 4139214). Here the outputs and the inputs' gradients are written [B, T, H, D]-contiguous and
+returned as the same transposed views, so FlashAttention and the norms' backward take them without a
+copy. The trainer's with the other elementwise kernels (colora/fusion.py, where the measurement that
+chose them is).
 
 The arithmetic of the model's eager code, its roundings included:
     y = round(round(x * cos) + round(rotate_half(x) * sin))
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .lora_ops import cdiv, pow2
+from .util import cdiv, pow2
 from .rotary_kernels import rotary_kernel
 
 

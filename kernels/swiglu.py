@@ -1,7 +1,7 @@
 """silu(gate) * up, one Triton launch forward and one backward: the trainer's MLP activation a layer,
 which torch.compile also fuses into one kernel each way but calls through Dynamo's guards and
-AOTAutograd's and Inductor's wrappers, the step's host time (see rmsnorm.py). The default with the
-other elementwise kernels (COLORA_ELEMENTWISE_KERNELS, measured on the H200: reports/h200/twelfth/kernels_ab).
+AOTAutograd's and Inductor's wrappers, the step's host time (see rmsnorm.py). The trainer's with the
+other elementwise kernels (colora/fusion.py, where the measurement that chose them is).
 
 The arithmetic of the model's `act_fn(gate) * up` with each result rounded to the inputs' dtype as
 eager torch rounds it: y = round(round(silu(g)) * u); du = round(dy * round(silu(g))),
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .lora_ops import cdiv
+from .util import cdiv
 from .swiglu_kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 
 BLOCK = 1024

@@ -14,8 +14,6 @@
 #   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
 #   bash scripts/h200.sh cli ARGS...        colora ARGS... (run, sweep, ...; the log is $OUT/cli.log;
 #                                           COLORA_TIMEOUT=S stops it after S seconds)
-#                                           e.g. cli bench vllm-lora CONFIG --out $OUT/vllm_lora (tuned
-#                                           configs for VLLM_TUNED_CONFIG_FOLDER in $OUT/vllm_lora.configs)
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out}
@@ -34,7 +32,7 @@ LOG="$OUT/$1.log"
 } >> "$LOG" 2>&1
 gpu_tests() {  # the GPU tests of the kernels and the trainer, within $1 seconds; then the other gpu-marked ones
   timeout "$1" python3 -P -m pytest -q tests/test_kernels_gpu.py tests/test_kernels.py tests/test_trainer.py -k "gpu or triton or not interpreter" -p no:cacheprovider 2>&1 | tail -40 >> "$LOG"
-  timeout 120 python3 -P -m pytest -q -m gpu tests/test_lora.py tests/test_bench_vllm_lora.py -p no:cacheprovider 2>&1 | tail -20 >> "$LOG"
+  timeout 120 python3 -P -m pytest -q -m gpu tests/test_lora.py -p no:cacheprovider 2>&1 | tail -20 >> "$LOG"
 }
 case "$1" in
   kernels)

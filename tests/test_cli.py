@@ -68,9 +68,6 @@ def test_unwritable_out_dir(capsys, tiny_model_dir):
 @pytest.mark.parametrize("var,value,allowed", [("COLORA_VLLM_SAMPLER", "fast", "'colora' or 'vllm'"),
                                                ("COLORA_ENGINE_PROCESS", "yes", "'0', '1' or 'auto'"),
                                                ("COLORA_RELOAD_FIRST", "on", "'0' or '1'"),
-                                               ("COLORA_PACKED_ROWS", "2", "'0', '1' or 'auto'"),
-                                               ("COLORA_ELEMENTWISE_KERNELS", "yes", "'0' or '1'"),
-                                               ("COLORA_BASE_IN_LORA", "on", "'0' or '1'"),
                                                ("VLLM_TUNED_CONFIG_FOLDER", "/nonexistent/colora", "is not a directory")])
 def test_unknown_engine_switch_is_refused_before_anything_runs(capsys, tmp_path, tiny_model_dir, monkeypatch,
                                                                var, value, allowed):

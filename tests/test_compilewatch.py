@@ -62,7 +62,7 @@ def _compiled(name: str, **extra):
     """Call the hook the way Triton's JITFunction._call_hook does after a compile."""
     import triton
 
-    fn = SimpleNamespace(module="colora.kernels.lora_kernels", name=name, jit_function=None)  # a JitFunctionInfo
+    fn = SimpleNamespace(module="colora.kernels.lora.shrink", name=name, jit_function=None)  # a JitFunctionInfo
     return triton.knobs.runtime.jit_post_compile_hook(key="k", repr=f"{name}[num_warps=4]()", fn=fn,
                                                       compile={"key": "k", "num_warps": 4},
                                                       is_manual_warmup=False, already_compiled=False, **extra)

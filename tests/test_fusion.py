@@ -1,19 +1,14 @@
-"""The compiled elementwise pieces (colora/fusion.py) compute what the model's own code does: same
-logits and same gradients, for Qwen3 and for Llama, and only modules of the known pattern change."""
+"""The elementwise kernels that colora/fusion.py routes the model through compute what the model's own
+code does: same logits and same gradients, for Qwen3 and for Llama, and only modules of the known
+pattern change (Triton's interpreter on the CPU)."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
 from colora.fusion import fuse_elementwise, restore_rotary, should_fuse
 from colora.models import load_base_model
-
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="torch.compile on the CPU needs a C compiler")
-
 
 def _tiny_llama(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -110,18 +105,15 @@ def test_auto_fuses_on_cuda_only():
     assert should_fuse("on", "cpu") and not should_fuse("off", "cuda")
 
 
-def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_dir, monkeypatch, check_switch):
-    """COLORA_ELEMENTWISE_KERNELS's path: the frozen model's RMSNorms, SiLU-gated products and rotary
-    embedding through kernels/rmsnorm.py, kernels/swiglu.py and kernels/rotary.py (Triton's
-    interpreter here) give the model's own logits and input gradients; a trainable norm keeps the
-    compiled function (the kernel computes no weight gradient)."""
+def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_dir, monkeypatch):
+    """The frozen model's RMSNorms, SiLU-gated products and rotary embedding through kernels/rmsnorm.py,
+    kernels/swiglu.py and kernels/rotary.py (Triton's interpreter here) give the model's own logits and
+    input gradients; a trainable norm keeps the model's own code (the kernel computes no weight gradient)."""
     import colora.kernels.rmsnorm as rk
     import colora.kernels.rotary as ro
     import colora.kernels.swiglu as sk
-    from colora.fusion import elementwise_kernels_from_env
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("COLORA_ELEMENTWISE_KERNELS", raising=False)
     ids = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(2))
     want = _logits_and_grads(_load(tiny_model_dir).requires_grad_(False), ids)
     calls = {"norm": 0, "swiglu": 0, "rotary": 0}
@@ -130,24 +122,22 @@ def test_elementwise_kernels_compute_the_same_logits_and_gradients(tiny_model_di
         monkeypatch.setattr(getattr(mod, fn), "apply", lambda *a, real=real, key=key: calls.__setitem__(
             key, calls[key] + 1) or real(*a))
     model = _load(tiny_model_dir).requires_grad_(False)
-    fuse_elementwise(model, kernels=True)
+    fuse_elementwise(model)
     try:
         got = _logits_and_grads(model, ids)
         seen = dict(calls)
-        trainable = _load(tiny_model_dir)  # parameters require grad: the norms stay compiled
-        fuse_elementwise(trainable, kernels=True)
+        trainable = _load(tiny_model_dir)  # parameters require grad: the norms keep the model's code
+        fuse_elementwise(trainable)
         _logits_and_grads(trainable, ids)
     finally:
         restore_rotary()
     n_layers = model.config.num_hidden_layers
     # input, post-attention, q and k norms a layer and the final one; one MLP and one rotary a layer
     assert seen == {"norm": n_layers * 4 + 1, "swiglu": n_layers, "rotary": n_layers}
-    # the trainable model: norms compiled, its MLPs' products and rotary through the kernels
+    # the trainable model: norms the model's own, its MLPs' products and rotary through the kernels
     assert calls["norm"] == seen["norm"] and calls["swiglu"] == 2 * n_layers and calls["rotary"] == 2 * n_layers
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
-    check_switch(elementwise_kernels_from_env, "COLORA_ELEMENTWISE_KERNELS", {None: True, "0": False, "1": True},
-                 bad="yes", accepted="'0' or '1'")
 
 
 def test_elementwise_kernels_on_llama(tmp_path, monkeypatch):
@@ -162,7 +152,7 @@ def test_elementwise_kernels_on_llama(tmp_path, monkeypatch):
     real = ro._Rotary.apply
     monkeypatch.setattr(ro._Rotary, "apply", lambda *a: calls.append(1) or real(*a))
     model = _load(path).requires_grad_(False)
-    assert fuse_elementwise(model, kernels=True) == {"rms_norm": 2 * model.config.num_hidden_layers + 1,
+    assert fuse_elementwise(model) == {"rms_norm": 2 * model.config.num_hidden_layers + 1,
                                                      "mlp": model.config.num_hidden_layers, "rotary": 1}
     try:
         got = _logits_and_grads(model, ids)

@@ -20,14 +20,9 @@ import zlib  # noqa: E402
 
 import pytest  # noqa: E402
 
-from colora.kernels.testing import (  # noqa: E402
-    LOGSOFTMAX_TOL,
-    LORA_TOL,
-    interpreted_kernels,
-    lora_case,
-    lora_grads,
-    rel_err,
-)
+from kernel_cases import LOGSOFTMAX_TOL, LORA_TOL, lora_case, lora_grads, rel_err  # noqa: E402
+
+from colora.kernels.backend import interpreted_kernels  # noqa: E402
 
 K = interpreted_kernels()  # re-imports the kernels if another test module imported them compiled
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,14 +71,16 @@ def test_grouped_lora_matches_reference(name, d_in, d_out, tokens, ranks, dtype)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_launchers_write_every_element(dtype):
     """Outputs are poisoned with NaN; each launcher must write exactly what it promises."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.common import h_width
+    from colora.kernels.lora.sgrad import lora_expand, lora_sgrad
+    from colora.kernels.lora.shrink import lora_shrink, lora_shrink_expand, lora_shrink_sgrad
 
     tokens, ranks = [13, 0, 40, 7], [8, 16, 4, 0]
     case = lora_case(tokens, ranks, 40, 24, dtype, DEV, seed=7)
     meta, x, A, B = case.meta, case.x, case.A, case.B
     T = x.shape[0]
-    h = torch.full((T, lora_ops.h_width(meta, 1)), float("nan"), dtype=dtype, device=DEV)
-    lora_ops.lora_shrink(x, A, meta, h)
+    h = torch.full((T, h_width(meta, 1)), float("nan"), dtype=dtype, device=DEV)
+    lora_shrink(x, A, meta, h)
     for j in range(meta.num_jobs):  # shrink writes each job's own r_j columns only
         t0, t1, r0, r1 = meta.seg_start[j], meta.seg_start[j + 1], meta.rank_start[j], meta.rank_start[j + 1]
         want = x[t0:t1].double() @ A[r0:r1].double().t()
@@ -93,45 +90,44 @@ def test_launchers_write_every_element(dtype):
     h = h.nan_to_num(0.0)  # the autograd op zero-fills h before the shrink: expand reads padding lanes
     # ... but not when the expands are fused: h's other readers never store what those lanes give
     nan_dA, zero_dA = torch.empty_like(A), torch.empty_like(A)
-    lora_ops.lora_sgrad(h_nan, x, meta, nan_dA)
-    lora_ops.lora_sgrad(h, x, meta, zero_dA)
+    lora_sgrad(h_nan, x, meta, nan_dA)
+    lora_sgrad(h, x, meta, zero_dA)
     assert torch.equal(nan_dA, zero_dA)
     dBts = [torch.empty(B.shape[::-1], dtype=dtype, device=DEV) for _ in range(2)]
     for p_, dBt in zip((h_nan, h), dBts):
-        lora_ops.lora_shrink_sgrad(torch.ones_like(x[:, :B.shape[0]]), B.t().contiguous(), p_, meta,
-                                   torch.empty_like(h), dBt)
+        lora_shrink_sgrad(torch.ones_like(x[:, :B.shape[0]]), B.t().contiguous(), p_, meta, torch.empty_like(h), dBt)
     assert torch.equal(dBts[0], dBts[1])
     y = torch.full((T, B.shape[0]), float("nan"), dtype=dtype, device=DEV)
-    lora_ops.lora_expand(h, B, meta, y, scale=True)
+    lora_expand(h, B, meta, y, scale=True)
     assert torch.isfinite(y).all()
     assert (y[53:] == 0).all()  # the rank-0 job's rows
     # shrink and expand in one launch: the same h (own columns) and every element of y, rank-0 rows 0
     h2 = torch.full_like(h, float("nan"))
     y2 = torch.full_like(y, float("nan"))
-    lora_ops.lora_shrink_expand(x, A, B, meta, h2, y2, scale_out=True)
+    lora_shrink_expand(x, A, B, meta, h2, y2, scale_out=True)
     for j in range(meta.num_jobs):
         t0, t1, r = meta.seg_start[j], meta.seg_start[j + 1], meta.rank_start[j + 1] - meta.rank_start[j]
         assert torch.equal(h2[t0:t1, :r], h[t0:t1, :r])
     assert torch.isfinite(y2).all() and (y2[53:] == 0).all()
     assert rel_err(y2, y) <= LORA_TOL[dtype]
     dA = torch.full_like(A, float("nan"))
-    lora_ops.lora_sgrad(h, x, meta, dA, chunk=16)  # small chunks: several per job, reduced in order
+    lora_sgrad(h, x, meta, dA, chunk=16)  # small chunks: several per job, reduced in order
     assert torch.isfinite(dA).all()
     assert (dA[8:24] == 0).all()  # the job without rows: rank rows 8..23
     # the fused dy pass writes every element of dB^T too (the backward allocates it without a fill)
     dy = torch.randn_like(y)
     dBt = torch.full((B.shape[1], B.shape[0]), float("nan"), dtype=dtype, device=DEV)
     dh = torch.zeros_like(h)
-    lora_ops.lora_shrink_sgrad(dy, B.t().contiguous(), h, meta, dh, dBt)
+    lora_shrink_sgrad(dy, B.t().contiguous(), h, meta, dh, dBt)
     assert torch.isfinite(dBt).all() and (dBt[8:24] == 0).all()
 
 
 def test_sgrad_chunking_does_not_change_the_result():
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.sgrad import lora_sgrad
 
     case = lora_case([150, 3, 90], [16, 8, 4], 40, 24, torch.float32, DEV, seed=3)
     h = (case.x @ case.A.t()).contiguous()  # any [T, >= max rank] works as p
-    outs = [lora_ops.lora_sgrad(h, case.x, case.meta, torch.empty_like(case.A), chunk=c) for c in (16, 64, 256, 8192)]
+    outs = [lora_sgrad(h, case.x, case.meta, torch.empty_like(case.A), chunk=c) for c in (16, 64, 256, 8192)]
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
 
@@ -144,14 +140,15 @@ def test_reduce_sums_each_jobs_partials_at_any_tile_shape(monkeypatch, shape):
     partial last step at 8 per step, a rank-4 job without rows gets zeros, 24 columns under a 32- or
     64-wide tile, rank rows split over 1-4 programs), and the same bits on a second call (a fixed
     order, no atomics)."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora import reduce
+    from colora.kernels.lora.sgrad import lora_sgrad
 
     case = lora_case([150, 3, 0, 90], [16, 8, 4, 4], 40, 24, torch.float32, DEV, seed=5)
     h = (case.x @ case.A.t()).detach().contiguous()
     q = case.dy
-    monkeypatch.setattr(lora_ops, "reduce_shape", lambda *a: shape)
-    got = lora_ops.lora_sgrad(h, q, case.meta, torch.full((case.meta.total_rank, 24), float("nan")).to(DEV), chunk=16)
-    again = lora_ops.lora_sgrad(h, q, case.meta, torch.empty((case.meta.total_rank, 24), device=DEV), chunk=16)
+    monkeypatch.setattr(reduce, "reduce_shape", lambda *a: shape)
+    got = lora_sgrad(h, q, case.meta, torch.full((case.meta.total_rank, 24), float("nan")).to(DEV), chunk=16)
+    again = lora_sgrad(h, q, case.meta, torch.empty((case.meta.total_rank, 24), device=DEV), chunk=16)
     assert torch.equal(got, again)
     meta = case.meta
     for j in range(meta.num_jobs):
@@ -165,7 +162,7 @@ def test_reduce_sums_each_jobs_partials_at_any_tile_shape(monkeypatch, shape):
 def test_reduce_shape_keeps_the_wide_launch_for_few_partials():
     """Few partials a job (dA: 2-4): one partial a step, whole blocks and all rank rows, which the
     H200 measured faster there; many (dB: 96 a job): 16 a step over 4 rank rows."""
-    from colora.kernels.lora_ops import reduce_shape
+    from colora.kernels.lora.policy import reduce_shape
 
     assert reduce_shape(8, 3072, 16, 8 * 2, 128) == (128, 1, 16)
     assert reduce_shape(8, 1024, 64, 8 * 4, 64) == (64, 1, 64)
@@ -260,8 +257,7 @@ def test_add_to_accumulates_in_place_and_passes_gradient():
 def test_base_weight_inside_the_op_equals_adding_the_base_output(dtype, slices, backend, x_grad):
     """base=W: the op computes x W^T itself and adds dy W to dx in the same matmul; outputs and
     every gradient equal those of add_to=x W^T (autograd summing the base's dx), packed or not, and
-    with an input that needs no gradient (the first layer's), the base product added after the delta
-    (the default) or before it. Frozen weights only."""
+    with an input that needs no gradient (the first layer's). Frozen weights only."""
     tokens, ranks, d_in, outs = [21, 0, 44], [8, 4, 16], 40, (32, 16, 16)[:slices]
     g = torch.Generator().manual_seed(7 + slices)
     meta = lora_case(tokens, ranks, d_in, 8, dtype, DEV, seed=7).meta
@@ -286,18 +282,6 @@ def test_base_weight_inside_the_op_equals_adding_the_base_output(dtype, slices, 
     want = run(call(add_to=[x @ W.t() for W in Ws]))
     for a, b in zip(got, want):
         assert rel_err(a, b) <= LORA_TOL[dtype]
-    if backend == "triton":  # the base product before the delta (the delta accumulating into it), and the
-        from colora.kernels import lora_ops  # delta's expand in a Triton base GEMM's epilogue, as well
-
-        assert lora_ops.base_order() == "after"
-        for order in ("before", "fused"):
-            with lora_ops.launch_overrides(route={"base": order}):
-                assert lora_ops.base_order() == order
-                other = run(call(base=Ws))
-            for a, b in zip(other, want):
-                assert rel_err(a, b) <= LORA_TOL[dtype], order
-        with lora_ops.launch_overrides(route={"base": "sideways"}), pytest.raises(ValueError, match="sideways"):
-            call(base=Ws)
     with pytest.raises(ValueError, match="must be frozen"):
         call(base=[W.clone().requires_grad_() for W in Ws])
     with pytest.raises(ValueError, match="not both"):
@@ -313,16 +297,17 @@ def test_fused_dy_pass_matches_separate_kernels(tokens, dtype, fuse_expand, monk
     """dh and dB from one pass over dy (fuse_dy) equal the separate shrink + sgrad, with dx written by
     that pass (fuse_expand) or by its own expand. From 256 x SMs rows on (SMs = 4 on the
     interpreter: 1,024) the fused pass uses 256-row tiles. A rank-0 job with rows is among them."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora import shrink
+    from colora.kernels.lora.common import num_sms
 
     case = lora_case(tokens, [16, 8, 0, 4], 40, 24, dtype, DEV, seed=len(tokens) + sum(tokens))
-    launches, real = [], lora_ops._launch_shrink
+    launches, real = [], shrink._launch_shrink
     # (dy pass with dB partials?, rows per tile, expand fused?) of every shrink launch
-    monkeypatch.setattr(lora_ops, "_launch_shrink",
-                        lambda *a, **k: launches.append((a[7] is not None, a[8], len(a) > 9 and a[9] is not None))
-                        or real(*a, **k))
+    monkeypatch.setattr(shrink, "_launch_shrink",
+                        lambda *a, **k: launches.append((k.get("part") is not None, a[6]["block_m"],
+                                                         k.get("exp") is not None)) or real(*a, **k))
     fused = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True, fuse_expand=fuse_expand)
-    tile = 256 if sum(tokens) >= 256 * lora_ops._num_sms(torch.device(DEV)) else 64
+    tile = 256 if sum(tokens) >= 256 * num_sms(torch.device(DEV)) else 64
     assert launches == [(False, 64, fuse_expand), (True, tile, fuse_expand)]
     separate = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=False, fuse_expand=not fuse_expand)
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
@@ -332,13 +317,14 @@ def test_fused_dy_pass_matches_separate_kernels(tokens, dtype, fuse_expand, monk
 
 
 def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
-    """fuse_expand=None follows lora_ops.fuse_expand_pays: one slice, BLOCK_R <= 64, and at BLOCK_R
+    """fuse_expand=None follows policy.fuse_expand_pays: one slice, BLOCK_R <= 64, and at BLOCK_R
     <= 32 only d_in <= d_out (the H200's measurements: at rank 16 fused was slower where the dy pass
     writes a dx wider than dy; at rank 64 it was faster there too)."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora import shrink
+    from colora.kernels.lora.policy import fuse_expand_pays
 
-    launches, real = [], lora_ops._launch_shrink
-    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a, **k: launches.append(len(a) > 9 and a[9] is not None)
+    launches, real = [], shrink._launch_shrink
+    monkeypatch.setattr(shrink, "_launch_shrink", lambda *a, **k: launches.append(k.get("exp") is not None)
                         or real(*a, **k))
     for (d_in, d_out, ranks), want in (((24, 40, [8, 16]), True), ((40, 24, [8, 16]), False),
                                        ((24, 40, [64, 8]), True), ((40, 24, [64, 8]), True),
@@ -348,33 +334,29 @@ def test_expands_fuse_where_the_rule_says_by_default(monkeypatch):
         launches.clear()
         lora_grads(K.grouped_lora, case, backend="triton")
         assert launches and all(f == want for f in launches), (d_in, d_out, ranks, launches)
-        assert lora_ops.fuse_expand_pays(case.meta, 1, d_in, d_out) == want
+        assert fuse_expand_pays(case.meta, 1, d_in, d_out) == want
     case = lora_case([20, 30], [8, 16], 24, 40, torch.float32, DEV, seed=1)
     launches.clear()
     K.grouped_lora_packed(case.x, [case.A, case.A], [case.B, case.B], case.meta, backend="triton")
-    assert launches == [False] and not lora_ops.fuse_expand_pays(case.meta, 2, 24, 40)
+    assert launches == [False] and not fuse_expand_pays(case.meta, 2, 24, 40)
 
 
-ROUTES = [(y, dx, fuse_dy) for y in ("shrink", "expand") for dx in ("dy", "sgrad", "expand")
-          for fuse_dy in (True, False)]
+EXPAND_FUSE = [(fuse_expand, fuse_dy) for fuse_expand in (True, False) for fuse_dy in (True, False)]
 
 
-@pytest.mark.parametrize("route_y,route_dx,fuse_dy", ROUTES, ids=[f"y {y}, dx {d}, fuse_dy {f}" for y, d, f in ROUTES])
-def test_every_expand_route_matches_the_reference(route_y, route_dx, fuse_dy):
-    """y expanded in the shrink's launch or by lora_expand; dx in the dy pass, in dA's pass (lora_sgrad's
-    expand) or by lora_expand: every route gives the reference's y and
-    gradients, with mixed ranks, a job without rows, a rank-0 job with rows, and 2-3 chunks a job
-    (sgrad_chunk's 256 rows); with the base weight inside the op too (dx = dy W + dh A)."""
-    from colora.kernels import lora_ops
-
+@pytest.mark.parametrize("fuse_expand,fuse_dy", EXPAND_FUSE,
+                         ids=[f"fuse_expand {e}, fuse_dy {f}" for e, f in EXPAND_FUSE])
+def test_every_expand_route_matches_the_reference(fuse_expand, fuse_dy):
+    """y and dx expanded in the launches that compute h and dh (fuse_expand) or by lora_expand, with dh and dB
+    from one pass over dy or two: every route gives the reference's y and gradients, with mixed ranks, a job
+    without rows, a rank-0 job with rows, and 2-3 chunks a job (sgrad_chunk's 256 rows); with the base weight
+    inside the op too (dx = dy W + dh A)."""
     case = lora_case([600, 0, 300, 9], [16, 8, 0, 4], 40, 24, torch.bfloat16, DEV, seed=21)
     W = (torch.randn(24, 40, generator=torch.Generator().manual_seed(3)) * 0.2).to(torch.bfloat16).to(DEV)
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     ref_w = lora_grads(K.grouped_lora, case.double(), backend="torch", base=W.double())
-    with lora_ops.launch_overrides(route={"y": route_y, "dx": route_dx}):
-        got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, fuse_expand=route_y == "shrink")
-        got_w = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, base=W,
-                           fuse_expand=route_y == "shrink")
+    got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, fuse_expand=fuse_expand)
+    got_w = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse_dy, base=W, fuse_expand=fuse_expand)
     for key in ("y", "dx", "dA", "dB"):
         assert rel_err(got[key], ref[key]) <= LORA_TOL[torch.bfloat16], key
         assert rel_err(got_w[key], ref_w[key]) <= LORA_TOL[torch.bfloat16], key
@@ -395,7 +377,9 @@ def test_stream_shrink_expand_equals_the_tile_launch(layout):
     (the short tiles) writes what one program a tile writes: h, y or y + the delta, the scales on either side; with
     the expand's weight B^T's transpose view (as the op passes it) or B itself. A job without rows has non-finite
     weights: a full tile's descriptor blocks cover exactly its own job's rank rows, so nothing else reaches y."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.common import h_width
+    from colora.kernels.lora.shrink import lora_shrink_expand
+    from colora.kernels.lora.stream import stream_config
 
     case = _stream_case()
     meta, x, A, B = case.meta, case.x.detach(), case.A.detach().clone(), case.B.detach().clone()
@@ -405,12 +389,11 @@ def test_stream_shrink_expand_equals_the_tile_launch(layout):
     for scale_h, scale_out, accumulate in [(False, True, False), (True, False, True)]:
         outs = []
         for cfg in ({"on": False}, STREAM_SMALL):
-            h = torch.full((T, lora_ops.h_width(meta, 1)), float("nan"), dtype=x.dtype, device=DEV)
+            h = torch.full((T, h_width(meta, 1)), float("nan"), dtype=x.dtype, device=DEV)
             y = torch.randn(T, 24, generator=torch.Generator().manual_seed(5)).to(x.dtype).to(DEV)
-            with lora_ops.launch_overrides(stream=cfg):
-                assert (lora_ops.stream_config("stream", x, A, w2, y, meta) is not None) == cfg["on"]
-                lora_ops.lora_shrink_expand(x, A, w2, meta, h, y, scale_h=scale_h, scale_out=scale_out,
-                                            accumulate=accumulate)
+            assert (stream_config("stream", x, A, w2, y, meta, {"stream": cfg}) is not None) == cfg["on"]
+            lora_shrink_expand(x, A, w2, meta, h, y, scale_h=scale_h, scale_out=scale_out, accumulate=accumulate,
+                               launch={"stream": cfg})
             outs.append((h, y))
         (h_tile, y_tile), (h, y) = outs
         assert torch.equal(h.isnan(), h_tile.isnan())  # the same lanes written
@@ -422,21 +405,22 @@ def test_stream_dy_pass_equals_the_tile_launch():
     """lora_shrink_sgrad with its dx by lora_stream_kernel (dh, dx, and dB's atomic partials from the full tiles; the
     short tiles by lora_shrink_kernel into the same partials) against one program a tile. One job's dy is not
     finite: the other jobs' dh, dx and dB stay finite and equal (a full tile reads its own job's rows only)."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.common import h_width
+    from colora.kernels.lora.shrink import lora_shrink, lora_shrink_sgrad
 
     case = _stream_case(d_in=24, d_out=40)
     meta, x, A, B, dy = case.meta, case.x.detach(), case.A.detach(), case.B.detach(), case.dy.clone()
     dy[meta.seg_start[2]:meta.seg_start[3]] = float("inf")
     Bt = B.t().contiguous()
     T = x.shape[0]
-    h = x.new_zeros((T, lora_ops.h_width(meta, 1)))
-    lora_ops.lora_shrink(x, A, meta, h)
+    h = x.new_zeros((T, h_width(meta, 1)))
+    lora_shrink(x, A, meta, h)
     outs = []
     for cfg in ({"on": False}, STREAM_SMALL):
-        dh = x.new_zeros((T, lora_ops.h_width(meta, 1)))
+        dh = x.new_zeros((T, h_width(meta, 1)))
         dx, dBt = torch.empty_like(x), torch.empty_like(Bt)
-        with lora_ops.launch_overrides(stream_dy=cfg, dy_pass={"block_m": 16, "block_k": 16}):
-            lora_ops.lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, dx=(A.t(), dx, False))
+        lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, dx=(A.t(), dx, False),
+                          launch={"stream_dy": cfg, "dy_pass": {"block_m": 16, "block_k": 16}})
         outs.append((dh, dx, dBt))
     rows = torch.ones(T, dtype=torch.bool, device=DEV)
     rows[meta.seg_start[2]:meta.seg_start[3]] = False
@@ -451,13 +435,14 @@ def test_stream_dy_pass_equals_the_tile_launch():
 def test_stream_in_the_op_matches_the_reference():
     """The op at rank 64 with lora_stream_kernel by default (the forward, and the dy pass: 256-row tiles from one
     such tile an SM on, 1,024 rows on the interpreter) against the fp64 reference, outputs and gradients."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.common import num_sms
+    from colora.kernels.lora.stream import stream_config
 
-    big = 256 * lora_ops._num_sms(torch.device(DEV))  # rows for 256-row tiles in the dy pass (1,024 interpreted)
+    big = 256 * num_sms(torch.device(DEV))  # rows for 256-row tiles in the dy pass (1,024 interpreted)
     case = lora_case([300, 0, big - 203, 9], [64] * 4, 24, 16, torch.bfloat16, DEV, seed=27)
     meta, dy = case.meta, case.dy
-    assert lora_ops.stream_config("stream", case.x, case.A, case.B, dy, meta) is not None
-    assert lora_ops.stream_config("stream_dy", dy, case.B.t().contiguous(), case.A.t(), case.x, meta) is not None
+    assert stream_config("stream", case.x, case.A, case.B, dy, meta) is not None
+    assert stream_config("stream_dy", dy, case.B.t().contiguous(), case.A.t(), case.x, meta) is not None
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     got = lora_grads(K.grouped_lora, case, backend="triton")
     for key in ("y", "dx", "dA", "dB"):
@@ -467,10 +452,11 @@ def test_stream_in_the_op_matches_the_reference():
 def test_stream_config_falls_back_where_it_cannot_run():
     """lora_stream_kernel only for batches whose every rank is BLOCK_R, 16-bit dtypes, unit column strides and
     16-byte row steps; by default at BLOCK_R 64 only, and the dy pass from one 256-row tile an SM on."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.common import num_sms
+    from colora.kernels.lora.stream import stream_config
 
     bf16 = dict(device=DEV, dtype=torch.bfloat16)
-    big = 256 * lora_ops._num_sms(torch.device(DEV))
+    big = 256 * num_sms(torch.device(DEV))
 
     def meta(ranks, tokens):
         return K.LoRABatchMeta.build([0, tokens // 2, tokens], [0, ranks[0], sum(ranks)], [1.0, 1.0], DEV)
@@ -478,8 +464,8 @@ def test_stream_config_falls_back_where_it_cannot_run():
     x, w, w2 = torch.randn(64, 48, **bf16), torch.randn(128, 48, **bf16), torch.randn(128, 40, **bf16).t()
     y = torch.empty(64, 40, **bf16)
 
-    def config(x=x, w=w, w2=w2, y=y, ranks=(64, 64), kernel="stream"):
-        return lora_ops.stream_config(kernel, x, w, w2, y, meta(ranks, x.shape[0]))
+    def config(x=x, w=w, w2=w2, y=y, ranks=(64, 64), kernel="stream", launch=None):
+        return stream_config(kernel, x, w, w2, y, meta(ranks, x.shape[0]), launch)
 
     assert config() is not None and config()["w2_nr"] is False  # the default at BLOCK_R 64; w2 = B^T's view
     assert config(w2=w2.contiguous())["w2_nr"] is True  # w2 = B itself
@@ -490,10 +476,8 @@ def test_stream_config_falls_back_where_it_cannot_run():
     odd = torch.randn(64, 47, **bf16)[:, :46]  # rows 47 elements apart: not a 16-byte step
     assert config(odd, torch.randn(128, 46, **bf16)) is None
     assert config(w=w[:32], w2=w2[:, :32], ranks=(16, 16)) is None  # off at BLOCK_R 16 by default
-    with lora_ops.launch_overrides(stream={"on": True}):
-        assert config(w=w[:32], w2=w2[:, :32], ranks=(16, 16)) is not None
-    with lora_ops.launch_overrides(stream={"on": False}):
-        assert config() is None
+    assert config(w=w[:32], w2=w2[:, :32], ranks=(16, 16), launch={"stream": {"on": True}}) is not None
+    assert config(launch={"stream": {"on": False}}) is None
     xb, yb = torch.randn(big, 48, **bf16), torch.empty(big, 40, **bf16)
     assert config(xb, y=yb, kernel="stream_dy") is not None
     assert config(xb[:big - 2], y=yb[:big - 2], kernel="stream_dy") is None  # 64-row tiles below 256 x SMs rows
@@ -510,11 +494,9 @@ def test_full_tiles_split_every_job_rows():
     assert meta.full_tiles(16) is meta.full_tiles(16)
 
 
-def test_packed_routes_outside_the_shrink_match_the_reference():
-    """A packed call (two slices) with dx in dA's pass or by lora_expand; the routes that fuse into one
-    slice's shrink or dy pass are refused."""
-    from colora.kernels import lora_ops
-
+def test_packed_call_with_distinct_weights_matches_the_reference():
+    """A packed call (two slices, each with its own B) expands y and dx by lora_expand; outputs and gradients
+    match the fp64 reference."""
     case = lora_case([300, 40], [16, 4], 24, 40, torch.float32, DEV, seed=22)
     dys = [torch.randn(340, 40, generator=torch.Generator().manual_seed(s)).to(DEV) for s in (1, 2)]
     B2 = case.B.detach().flip(0).clone().requires_grad_()
@@ -525,70 +507,8 @@ def test_packed_routes_outside_the_shrink_match_the_reference():
         return [y.detach() for y in ys] + list(torch.autograd.grad(ys, (x, A, B, B2_), [d.to(dtype) for d in dys]))
 
     want = run("torch", torch.float64)
-    for dx in ("sgrad", "expand"):
-        with lora_ops.launch_overrides(route={"y": "expand", "dx": dx}):
-            got = run("triton")
-        for a, b in zip(got, want):
-            assert rel_err(a, b) <= LORA_TOL[torch.float32], dx
-    with lora_ops.launch_overrides(route={"dx": "dy"}), pytest.raises(ValueError, match="one slice only"):
-        run("triton")
-
-
-def test_sgrad_with_expand_refuses_mismatched_operands():
-    """lora_sgrad's expand (dx in dA's pass) checks its weight and output against q and the batch, and
-    writes nothing when it refuses."""
-    from colora.kernels import lora_ops
-
-    case = lora_case([30, 12], [8, 4], 24, 40, torch.float32, DEV, seed=23)
-    R, T = case.meta.total_rank, case.meta.num_tokens
-    p = torch.zeros(T, lora_ops.h_width(case.meta, 1), device=DEV)
-    dA = torch.full((R, 24), float("nan"), device=DEV)
-    dx = torch.full((T, 24), float("nan"), device=DEV)
-    with pytest.raises(ValueError, match="the expand's weight has 40 rows, q 24 columns"):
-        lora_ops.lora_sgrad(p, case.x.detach(), case.meta, dA, expand=(torch.zeros(40, R, device=DEV),
-                                                                       torch.zeros(T, 40, device=DEV)))
-    with pytest.raises(ValueError, match="out has"):
-        lora_ops.lora_sgrad(p, case.x.detach(), case.meta, dA, expand=(case.A.detach().t(), dx[:-1]))
-    assert dA.isnan().all() and dx.isnan().all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("tile", [(16, 32, 16), (32, 16, 32)], ids=["16x32x16", "32x16x32"])
-def test_base_gemm_adds_the_expand_to_the_base_projection(dtype, tile):
-    """lora_base_gemm = x W^T + s_j h_j B_j^T for every row, in one launch: against fp64 over mixed ranks, a rank-0
-    job with rows, a job without rows, a job whose scale is 0 (the base alone), the second slice of a packed h,
-    K not a multiple of BLOCK_K and N not one of BLOCK_N; every element of the poisoned output written."""
-    from colora.kernels import lora_ops
-    from colora.kernels.lora_meta import LoRABatchMeta
-
-    tokens, ranks, scales = [21, 0, 40, 9, 17], [8, 4, 16, 0, 8], [0.5, 2.0, 1.5, 1.0, 0.0]
-    seg, rs = [0], [0]
-    for t, r in zip(tokens, ranks):
-        seg.append(seg[-1] + t)
-        rs.append(rs[-1] + r)
-    meta = LoRABatchMeta.build(seg, rs, scales, device=DEV)
-    g = torch.Generator().manual_seed(31)
-    T, d_in, N, R = seg[-1], 40, 36, rs[-1]
-    x, W = torch.randn(T, d_in, generator=g), torch.randn(N, d_in, generator=g) * 0.3
-    B = torch.randn(N, R, generator=g) * 0.3
-    h = torch.zeros(T, lora_ops.h_width(meta, 2))
-    for j, (t0, t1) in enumerate(zip(seg, seg[1:])):  # slice 1 of a 2-way packed h: columns [r_j, 2 r_j)
-        r = rs[j + 1] - rs[j]
-        h[t0:t1, :2 * r] = torch.randn(t1 - t0, 2 * r, generator=g)
-    want = x.double() @ W.double().t()
-    for j, (t0, t1) in enumerate(zip(seg, seg[1:])):
-        r0, r1 = rs[j], rs[j + 1]
-        want[t0:t1] += scales[j] * h[t0:t1, r1 - r0:2 * (r1 - r0)].double() @ B[:, r0:r1].double().t()
-    out = torch.full((T, N), float("nan"), dtype=dtype, device=DEV)
-    bm, bn, bk = tile
-    with lora_ops.launch_overrides(base_gemm={"block_m": bm, "block_n": bn, "block_k": bk, "warps": 4, "stages": 2}):
-        lora_ops.lora_base_gemm(*(t.to(dtype).to(DEV) for t in (x, W, h, B)), meta, out, h_slice=1, scale=True)
-    assert torch.isfinite(out).all()
-    assert rel_err(out, want.to(DEV)) <= LORA_TOL[dtype]
-    with pytest.raises(ValueError, match="base weight"):
-        lora_ops.lora_base_gemm(x.to(DEV), W[:, :-1].to(DEV), h.to(DEV), B.to(DEV), meta, out.float())
-    with pytest.raises(ValueError, match="dtypes differ"):
-        lora_ops.lora_base_gemm(x.to(DEV), W.double().to(DEV), h.to(DEV), B.to(DEV), meta, out.float())
+    for a, b in zip(run("triton"), want):
+        assert rel_err(a, b) <= LORA_TOL[torch.float32]
 
 
 @pytest.fixture
@@ -602,17 +522,18 @@ def deterministic():
 def test_triton_path_is_deterministic_when_torch_is_asked(deterministic, monkeypatch):
     """Under torch.use_deterministic_algorithms the fused dy pass writes one dB partial a tile, summed
     in tile order (no atomics), so two calls give the same bits; several 64-row tiles a job."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora import shrink
+    from colora.kernels.lora.policy import atomic_db
 
-    atomic, real = [], lora_ops._launch_shrink
-    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a, **k: atomic.append(k.get("atomic")) or real(*a, **k))
+    atomic, real = [], shrink._launch_shrink
+    monkeypatch.setattr(shrink, "_launch_shrink", lambda *a, **k: atomic.append(k.get("atomic")) or real(*a, **k))
     case = lora_case([150, 170], [16, 8], 40, 24, torch.bfloat16, DEV, seed=9)
     a = lora_grads(K.grouped_lora, case, backend="triton")
     b = lora_grads(K.grouped_lora, case, backend="triton")
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert [a for a in atomic if a is not None] == [False, False]  # the two dy passes (forwards: None)
-    assert not lora_ops.atomic_db()
+    assert not atomic_db()
 
 
 @pytest.mark.parametrize("tokens", [[150, 0, 90, 5], [1200, 0, 900, 7]], ids=["64-row tiles", "256-row tiles"])
@@ -620,15 +541,20 @@ def test_atomic_db_partials_equal_the_per_tile_ones(tokens, monkeypatch):
     """dB summed by atomic additions into one fp32 partial a job equals the per-tile partials summed
     in order (and the fp64 reference), with several tiles a job, a job without rows (zeros) and a
     rank-0 job with rows; it is the default unless torch is asked for determinism."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora import shrink
+    from colora.kernels.lora.policy import atomic_db
 
-    atomic, real = [], lora_ops._launch_shrink
-    monkeypatch.setattr(lora_ops, "_launch_shrink", lambda *a, **k: atomic.append(k.get("atomic")) or real(*a, **k))
+    atomic, real = [], shrink._launch_shrink
+    monkeypatch.setattr(shrink, "_launch_shrink", lambda *a, **k: atomic.append(k.get("atomic")) or real(*a, **k))
     case = lora_case(tokens, [16, 8, 0, 4], 40, 24, torch.float32, DEV, seed=11)
     got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True)
-    assert atomic[-1] is True and lora_ops.atomic_db()
-    with lora_ops.launch_overrides(dy_pass={"atomic": False}):
+    assert atomic[-1] is True and atomic_db()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
         per_tile = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=True)
+    finally:
+        torch.use_deterministic_algorithms(was)
     assert atomic[-1] is False
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     for key in ("dx", "dA", "dB"):
@@ -642,15 +568,16 @@ def test_dy_pass_fuses_where_the_rule_says():
     """fuse_dy_pays: always at BLOCK_R <= 32; at BLOCK_R 64 only with atomic partials, 256-row tiles
     (256 x SMs rows: 1,024 on the interpreter) and a 16-bit dtype, whichever of dx and dy is wider; never
     above 64."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.common import num_sms
+    from colora.kernels.lora.policy import fuse_dy_pays
 
     def meta(tokens, rank):
         return K.LoRABatchMeta.build([0, tokens // 2, tokens], [0, rank, 2 * rank], [1.0, 1.0], DEV)
 
     def pays(tokens, rank, d_in, d_out, dtype=torch.bfloat16):
-        return lora_ops.fuse_dy_pays(meta(tokens, rank), d_in, d_out, dtype)
+        return fuse_dy_pays(meta(tokens, rank), d_in, d_out, dtype)
 
-    big = 256 * lora_ops._num_sms(torch.device(DEV))
+    big = 256 * num_sms(torch.device(DEV))
     assert pays(64, 16, 40, 24) and pays(big, 32, 40, 24) and pays(64, 16, 40, 24, torch.float32)
     assert pays(big, 64, 24, 40) and pays(big, 48, 24, 24) and pays(big, 64, 24, 40, torch.float16)
     assert pays(big, 64, 40, 24)  # dx wider than dy: it pays since the twentieth session's measurements
@@ -796,7 +723,7 @@ def test_bench_kernels_reduce_writes_its_table(tmp_path):
     launches timed, the JSON and the Markdown table written."""
     import json
 
-    from colora.kernels.bench import main
+    from colora.bench.kernels import main
 
     assert main(["--quick", "--only", "reduce", "--out", str(tmp_path / "k")]) == 0
     rows = json.loads((tmp_path / "k.json").read_text())["reduce"]
@@ -926,7 +853,7 @@ def test_bench_kernels_lora_table_on_the_cpu(tmp_path):
     there ('-' in the table)."""
     import json
 
-    from colora.kernels.bench import main
+    from colora.bench.kernels import main
 
     assert main(["--quick", "--only", "lora", "--out", str(tmp_path / "k")]) == 0
     rows = json.loads((tmp_path / "k.json").read_text())["lora"]
@@ -938,7 +865,7 @@ def test_bench_kernels_lora_table_on_the_cpu(tmp_path):
 
 
 def test_bench_kernels_targets_read_the_graph_timing_where_every_row_has_one():
-    from colora.kernels.bench import _targets
+    from colora.bench.kernels import _targets
 
     rows = [{"shape": "q", "rank": 16, "jobs": 8, "tokens_per_job": 24576, "x_bound": 1.65, "x_bound_graph": 1.21},
             {"shape": "o", "rank": 16, "jobs": 8, "tokens_per_job": 24576, "x_bound": 1.25, "x_bound_graph": 1.12},
@@ -955,7 +882,7 @@ def test_bench_kernels_base_plus_lora_table_on_the_cpu(tmp_path):
     adding the LoRA to it (separate, add_to, the base inside the op), each timed, in the table."""
     import json
 
-    from colora.kernels.bench import main
+    from colora.bench.kernels import main
 
     assert main(["--quick", "--only", "add_to", "--out", str(tmp_path / "k")]) == 0
     (row,) = json.loads((tmp_path / "k.json").read_text())["add_to"]
@@ -968,7 +895,7 @@ def test_bench_kernels_base_plus_lora_table_on_the_cpu(tmp_path):
 def test_kernel_times_sum_each_kernel_per_call_largest_first():
     from types import SimpleNamespace as E
 
-    from colora.kernels.bench import kernel_times
+    from colora.bench.measure import kernel_times
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = [E(name="lora_shrink_kernel", device_type=cuda, device_time_total=30.0),
@@ -980,7 +907,7 @@ def test_kernel_times_sum_each_kernel_per_call_largest_first():
 
 
 def test_kernel_breakdown_table_in_the_markdown():
-    from colora.kernels.bench import to_markdown
+    from colora.bench.kernels import to_markdown
 
     row = {"shape": "k/v", "d_in": 1024, "d_out": 1024, "rank": 16, "jobs": 8, "tokens_per_job": 24576,
            "tokens": 196608, "triton_ms": 1.1, "fused_dy": True, "other_fuse_ms": 1.0, "loop_ms": 4.8,
@@ -1005,7 +932,7 @@ def test_kernel_breakdown_table_in_the_markdown():
 def test_dense_lora_products_are_one_adapters_forward_and_backward():
     """The benchmark's cuBLAS ceiling computes what it stands for: y = x A^T B^T and autograd's dx, dA,
     dB of it for an incoming dy (float64, so the two orders of summation agree to rounding)."""
-    from colora.kernels.bench import dense_lora_products
+    from colora.bench.kernels import dense_lora_products
 
     g = torch.Generator().manual_seed(5)
     x, A, B, dy = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((37, 24), (8, 24), (40, 8), (37, 40)))
@@ -1017,30 +944,24 @@ def test_dense_lora_products_are_one_adapters_forward_and_backward():
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
 
 
-def test_launch_overrides_reach_the_launches_and_keep_the_results():
-    """The tuner's overrides (kernels/tune.py): other tile sizes, warps, stages and chunks for every
-    launcher give the same gradients within the table's tolerance; the expand's 128-row chunks and the
-    sgrad's 512-row chunks are the ones built; unknown kernels or parameters are refused."""
-    from colora.kernels import lora_ops
-
+def test_launch_parameters_reach_the_launches_and_keep_the_results():
+    """The tuner's launch parameters (colora/bench/tune.py, grouped_lora's launch=): other tile sizes, warps,
+    stages and chunks for every launcher give the same gradients within the table's tolerance; the expand's
+    128-row chunks and the sgrad's 512-row chunks are the ones built; unknown kernels or parameters are refused."""
+    launch = {"shrink": {"block_m": 128, "block_k": 32, "warps": 8, "stages": 2},
+              "dy_pass": {"block_m": 128, "block_k": 16, "warps": 4, "stages": 2},
+              "expand": {"block_t": 32, "block_n": 16, "warps": 8, "stages": 3, "chunk": 128},
+              "sgrad": {"block_t": 32, "block_n": 16, "warps": 8, "stages": 2, "chunk": 512}}
     for fuse in (True, False):
         case = lora_case([300, 0, 170, 9], [16, 8, 0, 4], 40, 24, torch.bfloat16, DEV, seed=31)
         want = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse)
-        with lora_ops.launch_overrides(shrink={"block_m": 128, "block_k": 32, "warps": 8, "stages": 2},
-                                       dy_pass={"block_m": 128, "block_k": 16, "warps": 4, "stages": 2},
-                                       expand={"block_t": 32, "block_n": 16, "warps": 8, "stages": 3, "chunk": 128},
-                                       sgrad={"block_t": 32, "block_n": 16, "warps": 8, "stages": 2, "chunk": 512}):
-            got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse)
+        got = lora_grads(K.grouped_lora, case, backend="triton", fuse_dy=fuse, launch=launch)
         assert {128, 512} <= set(case.meta._tiles)
-        assert lora_ops._overrides == {}  # restored
         for key in ("y", "dx", "dA", "dB"):
             assert rel_err(got[key], want[key]) <= LORA_TOL[torch.bfloat16], (fuse, key)
-    with pytest.raises(ValueError, match="tunable"):
-        with lora_ops.launch_overrides(expand={"block_k": 64}):
-            pass
-    with pytest.raises(ValueError, match="tunable"):
-        with lora_ops.launch_overrides(reduce={"block_n": 64}):
-            pass
+    for bad in ({"expand": {"block_k": 64}}, {"reduce": {"block_n": 64}}):
+        with pytest.raises(ValueError, match="tunable"):
+            lora_grads(K.grouped_lora, case, backend="triton", launch=bad)
 
 
 def test_bench_kernels_tune_searches_every_launcher_on_the_cpu(tmp_path):
@@ -1049,9 +970,9 @@ def test_bench_kernels_tune_searches_every_launcher_on_the_cpu(tmp_path):
     of them together recorded, and the tables written."""
     import json
 
-    from colora.kernels.bench import main
-    from colora.kernels.lora_ops import TUNABLE
-    from colora.kernels.tune import SEARCHED, candidates
+    from colora.bench.kernels import main
+    from colora.bench.tune import SEARCHED, candidates
+    from colora.kernels.lora.policy import TUNABLE
 
     assert main(["--quick", "--only", "tune", "--out", str(tmp_path / "k")]) == 0
     (row,) = json.loads((tmp_path / "k.json").read_text())["tune"]
@@ -1064,11 +985,11 @@ def test_bench_kernels_tune_searches_every_launcher_on_the_cpu(tmp_path):
 
 
 def test_compile_check_covers_every_tuning_candidate():
-    """`python -m colora.kernels.compile_check --tune` compiles each of kernels/tune.py's candidates
+    """`python -m colora.bench.compile_check --tune` compiles each of colora/bench/tune.py's candidates
     (ranks 16 and 64; the fused dy pass with its atomic dB partials, the default) with its block sizes,
     warps and stages."""
-    from colora.kernels.compile_check import tune_variants
-    from colora.kernels.tune import candidates
+    from colora.bench.compile_check import tune_variants
+    from colora.bench.tune import candidates
 
     got = list(tune_variants())
     for R in (16, 64):

@@ -21,7 +21,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 import colora.kernels as K  # noqa: E402
-from colora.kernels.testing import LOGSOFTMAX_TOL, LORA_TOL, lora_case, lora_grads, rel_err  # noqa: E402
+from kernel_cases import LOGSOFTMAX_TOL, LORA_TOL, lora_case, lora_grads, rel_err  # noqa: E402
 
 DEV = torch.device("cuda")
 SHAPES = [(1024, 2048), (1024, 1024), (2048, 1024), (1024, 3072), (3072, 1024)]  # q, k/v, o, gate/up, down
@@ -111,56 +111,22 @@ def test_packed_qkv_gpu(add_to):
 
 
 @pytest.mark.parametrize("d_in,d_out", SHAPES, ids=["q", "k/v", "o", "gate/up", "down"])
-def test_base_gemm_gpu(d_in, d_out):
-    """lora_base_gemm (x W^T with the expand in its epilogue) on its own tiles, 8 jobs of mixed ranks, against
-    fp64; then the op with its base inside, route base "fused", against fp64 (outputs and gradients)."""
-    from colora.kernels import lora_ops
-
-    dtype = torch.bfloat16
-    tokens, ranks = _layout(8, seed=d_in + d_out)
-    case = lora_case(tokens, ranks, d_in, d_out, dtype, DEV, seed=d_in + d_out)
-    g = torch.Generator(device=DEV).manual_seed(d_in)
-    W = (torch.randn(d_out, d_in, device=DEV, generator=g) / d_in**0.5).to(dtype)
-    meta, x, A, B = case.meta, case.x.detach(), case.A.detach(), case.B.detach()
-    h = torch.zeros(x.shape[0], lora_ops.h_width(meta, 1), dtype=dtype, device=DEV)
-    lora_ops.lora_shrink(x, A, meta, h)
-    out = torch.full((x.shape[0], d_out), float("nan"), dtype=dtype, device=DEV)
-    lora_ops.lora_base_gemm(x, W, h, B, meta, out, scale=True)
-    want = x.double() @ W.double().t()
-    for j in range(meta.num_jobs):
-        t0, t1, r0, r1 = meta.seg_start[j], meta.seg_start[j + 1], meta.rank_start[j], meta.rank_start[j + 1]
-        want[t0:t1] += meta.scale[j] * h[t0:t1, :r1 - r0].double() @ B[:, r0:r1].double().t()
-    err = rel_err(out, want)
-    ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
-    with lora_ops.launch_overrides(route={"base": "fused"}):
-        y = K.grouped_lora(case.x, case.A, case.B, meta=meta, backend="triton", base=W)
-        grads = torch.autograd.grad(y, (case.x, case.A, case.B), case.dy)
-    y_want = case.x.detach().double() @ W.double().t() + ref["y"]
-    op_errs = {"y": rel_err(y, y_want), "dx": rel_err(grads[0], ref["dx"] + case.dy.double() @ W.double()),
-               "dA": rel_err(grads[1], ref["dA"]), "dB": rel_err(grads[2], ref["dB"])}
-    _record("base_gemm", d_in=d_in, d_out=d_out, error=err, op_errors=op_errs, tol=LORA_TOL[dtype])
-    assert torch.isfinite(out).all() and err <= LORA_TOL[dtype], err
-    assert max(op_errs.values()) <= LORA_TOL[dtype], op_errs
-
-
-@pytest.mark.parametrize("d_in,d_out", SHAPES, ids=["q", "k/v", "o", "gate/up", "down"])
 def test_stream_gpu(d_in, d_out):
     """The op at rank 64 as it runs by default at 8 jobs x ~5k tokens (one empty): lora_stream_kernel's forward
     and dy pass (TMA descriptors, full tiles; each job's short last tile by lora_shrink_kernel), against fp64; and
     the same with the stream launches off."""
-    from colora.kernels import lora_ops
+    from colora.kernels.lora.stream import stream_config
 
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(d_in + d_out)
     tokens = (5000 + torch.randint(0, 600, (8,), generator=g)).tolist()  # over 256 rows an SM: 256-row dy tiles
     tokens[3] = 0
     case = lora_case(tokens, [64] * 8, d_in, d_out, dtype, DEV, seed=d_in + 3 * d_out)
-    assert lora_ops.stream_config("stream_dy", case.dy, case.B.t().contiguous(), case.A.t(), case.x, case.meta)
+    assert stream_config("stream_dy", case.dy, case.B.t().contiguous(), case.A.t(), case.x, case.meta)
     ref = lora_grads(K.grouped_lora, case.double(), backend="torch")
     errs = {}
     for on in (True, False):
-        with lora_ops.launch_overrides(stream={"on": on}, stream_dy={"on": on}):
-            got = lora_grads(K.grouped_lora, case, backend="triton")
+        got = lora_grads(K.grouped_lora, case, backend="triton", launch={"stream": {"on": on}, "stream_dy": {"on": on}})
         errs.update({f"{k} {'stream' if on else 'tiles'}": rel_err(got[k], ref[k]) for k in ("y", "dx", "dA", "dB")})
     _record("stream", d_in=d_in, d_out=d_out, errors=errs, tol=LORA_TOL[dtype])
     assert max(errs.values()) <= LORA_TOL[dtype], errs

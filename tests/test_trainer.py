@@ -23,7 +23,7 @@ JOB_B = JobConfig(name="b", task="addition", lora_rank=8, lora_alpha=8.0, learni
                   prompts_per_step=2, samples_per_prompt=3, max_new_tokens=12)
 
 
-def make_trainer(model_dir, jobs, micro_batch_tokens, device="cpu", dtype="float32"):
+def make_trainer(model_dir, jobs, micro_batch_tokens, device="cpu", dtype="float32", packed_rows=None):
     model = load_base_model(model_dir, getattr(torch, dtype), device)
     bank = AdapterBank(device, "torch")
     inject_lora(model, bank)
@@ -31,7 +31,7 @@ def make_trainer(model_dir, jobs, micro_batch_tokens, device="cpu", dtype="float
         bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, 7, j.learning_rate, j.weight_decay)
     cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, lora_backend="torch", logprob_backend="torch",
                         logprob_chunk=5)
-    return MultiJobTrainer(model, bank, cfg, {j.name: j for j in jobs}, pad_id=0), bank, model
+    return MultiJobTrainer(model, bank, cfg, {j.name: j for j in jobs}, pad_id=0, packed_rows=packed_rows), bank, model
 
 
 def fixed_rollouts(job: JobConfig, step: int, vocab: int) -> list[Rollout]:
@@ -113,23 +113,22 @@ def test_base_weights_never_change(tiny_model_dir):
     assert not any(p.requires_grad for p in model.parameters())
 
 
-@pytest.mark.parametrize("packed", ["0", "1"], ids=["padded", "packed"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_the_step_builds_no_kv_cache(tiny_model_dir, monkeypatch, packed):
     """The trainer's forwards (the policy's and the KL reference's) ask transformers for no KV cache:
     its default builds one in training too, concatenating every layer's K and V into it (and leaving
     them strided for the attention, a copy each: ~100 ms of the H200's 8-job step)."""
     from transformers import cache_utils
 
-    monkeypatch.setenv("COLORA_PACKED_ROWS", packed)
     updates = []
     for cls in (cache_utils.DynamicLayer, cache_utils.DynamicCache):
         real = cls.update
         monkeypatch.setattr(cls, "update", lambda self, *a, real=real, **k: updates.append(1) or real(self, *a, **k))
-    trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=128)
-    assert trainer.packed == (packed == "1")
+    trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=128, packed_rows=packed)
+    assert trainer.packed == packed
     st = trainer.step({"a": fixed_rollouts(JOB_A, 0, 500), "b": fixed_rollouts(JOB_B, 0, 500)})  # b has a KL term
     assert st["a"].failure == st["b"].failure == "" and updates == []
-    packed_kw = {"cu_seq_lens_q": torch.tensor([0, 3]), "max_length_q": 3} if packed == "1" else {}
+    packed_kw = {"cu_seq_lens_q": torch.tensor([0, 3]), "max_length_q": 3} if packed else {}
     trainer.body(input_ids=torch.tensor([[5, 6, 7]]), **packed_kw)  # the model's default: a cache (the probe sees it)
     assert updates
 
@@ -260,14 +259,13 @@ def test_packed_projections_take_the_same_step(tiny_model_dir, backend, monkeypa
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
 
 
-def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch, check_switch):
-    """COLORA_BASE_IN_LORA's path: every adapted projection's base product inside the grouped-LoRA op
-    (packed and not: JOB_A's q/v fall back to separate calls) gives the step of the base linears
-    beside it; a projection no active job adapts keeps its linear."""
+def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch):
+    """On the Triton path every adapted projection's base product runs inside the grouped-LoRA op
+    (packed and not: JOB_A's q/v fall back to separate calls) and gives the step of the torch path's
+    base linears beside it; a projection no active job adapts keeps its linear."""
     import os
 
     import colora.kernels as ck
-    from colora.lora import base_in_lora_from_env
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -278,9 +276,9 @@ def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch
         real = getattr(ck, name)
         monkeypatch.setattr(ck, name, lambda *a, real=real, **k: based.append("base" in k) or real(*a, **k))
     results = []
-    for inside in (False, True):
+    for backend in ("torch", "triton"):
         trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B, full], micro_batch_tokens=128, device=device)
-        bank.lora_backend, bank.pack_projections, bank.base_in_lora = "triton", True, inside
+        bank.lora_backend, bank.pack_projections = backend, True
         based.clear()
         st = trainer.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B, full)})
         results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}, list(based)))
@@ -290,8 +288,6 @@ def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
-    check_switch(base_in_lora_from_env, "COLORA_BASE_IN_LORA", {None: True, "0": False, "1": True},
-                 bad="on", accepted="'0' or '1'")
 
 
 def test_step_scoped_stacks_take_the_per_activation_step(tiny_model_dir):
@@ -372,16 +368,16 @@ def test_pack_micro_batch_equals_the_per_token_loop():
 
 
 @pytest.mark.parametrize("micro_batch_tokens", [100, 1000])
-def test_packed_rows_take_the_padded_step(tiny_model_dir, monkeypatch, micro_batch_tokens):
-    """COLORA_PACKED_ROWS=1: each micro-batch's sequences back to back in one row, attention kept
+def test_packed_rows_take_the_padded_step(tiny_model_dir, micro_batch_tokens):
+    """packed_rows=True: each micro-batch's sequences back to back in one row, attention kept
     inside each sequence, no padding: the same losses, gradient norms, KL and updates as the padded
     trainer (job b's KL term runs the base model packed too), in fewer micro-batches where the
     padding filled the budget."""
     vocab, results, counts = 500, [], []
-    for packed in ("0", "1"):
-        monkeypatch.setenv("COLORA_PACKED_ROWS", packed)
-        trainer, bank, model = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=micro_batch_tokens)
-        assert trainer.packed is (packed == "1")
+    for packed in (False, True):
+        trainer, bank, model = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=micro_batch_tokens,
+                                            packed_rows=packed)
+        assert trainer.packed is packed
         ro = {j.name: fixed_rollouts(j, 0, vocab) for j in (JOB_A, JOB_B)}
         counts.append(len(trainer._micro_batches(trainer._sequences(ro), ("a", "b"))))
         trainer.step(ro)
@@ -416,34 +412,27 @@ def test_packed_rows_layout():
     assert per_tok["w"].tolist() == [1.0, 1.0, 2.0, 2.0] and np.isnan(per_tok["elp"][2:]).all()
 
 
-def test_packed_rows_switch_is_checked(monkeypatch):
-    """COLORA_PACKED_ROWS: unset or auto, packed on CUDA only (measured there, reports/h200/tenth);
-    0 and 1 force it everywhere; anything else names the variable and what it accepts."""
-    from colora.packing import packed_rows, packed_rows_from_env
+def test_packed_rows_by_default_on_cuda_only(tiny_model_dir):
+    """Packed rows unless told otherwise on CUDA only (measured there: the tenth session's H200 A/B);
+    `packed_rows=` decides on any device."""
+    from colora.packing import packed_by_default
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.delenv("COLORA_PACKED_ROWS", raising=False)
-    assert (packed_rows(cpu), packed_rows(cuda)) == (False, True)
-    for mode, want in (("auto", (False, True)), ("0", (False, False)), ("1", (True, True))):
-        monkeypatch.setenv("COLORA_PACKED_ROWS", mode)
-        assert (packed_rows(cpu), packed_rows(cuda)) == want, mode
-    monkeypatch.setenv("COLORA_PACKED_ROWS", "yes")
-    with pytest.raises(ValueError, match="COLORA_PACKED_ROWS must be '0', '1' or 'auto', got 'yes'"):
-        packed_rows_from_env()
+    assert (packed_by_default(torch.device("cpu")), packed_by_default("cuda")) == (False, True)
+    for packed_rows, want in ((None, False), (True, True), (False, False)):
+        assert make_trainer(tiny_model_dir, [JOB_A], 128, packed_rows=packed_rows)[0].packed is want
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_packed_rows_on_the_gpu_take_the_padded_step(tiny_model_dir, monkeypatch, dtype):
+def test_packed_rows_on_the_gpu_take_the_padded_step(tiny_model_dir, dtype):
     """The CUDA paths of colora/packing.py: in bf16 torch's varlen attention (whatever its torch
     version's signature), in fp32 one SDPA call per sequence (FlashAttention has no fp32; the first
     run of this test on the H200 failed there, reports/h200/tenth/packed_ab/tests.log): the same step
     as the padded trainer, within fp32's or bf16's rounding of the flash and cuBLAS kernels."""
     results = []
-    for packed in ("0", "1"):
-        monkeypatch.setenv("COLORA_PACKED_ROWS", packed)
+    for packed in (False, True):
         trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=100, device="cuda",
-                                        dtype=dtype)
+                                        dtype=dtype, packed_rows=packed)
         for step in range(2):
             st = trainer.step({j.name: fixed_rollouts(j, step, 500) for j in (JOB_A, JOB_B)})
         results.append((st, {j: params_of(bank, j) for j in ("a", "b")}))

@@ -2,14 +2,14 @@
 compiler did: registers, stack (spills), shared memory, and SASS instruction counts (HGMMA/HMMA
 tensor-core ops, LDGSTS async copies, 128-bit LDG/STG vs 2-byte loads, local-memory LDL/STL).
 
-    python -m colora.kernels.compile_check            (all; about 1 minute)
-    python -m colora.kernels.compile_check shrink     (labels containing "shrink")
-    python -m colora.kernels.compile_check --tune     (kernels/tune.py's candidates, bf16, ranks 16 and 64)
+    python -m colora.bench.compile_check            (all; about 1 minute)
+    python -m colora.bench.compile_check shrink     (labels containing "shrink")
+    python -m colora.bench.compile_check --tune     (colora/bench/tune.py's candidates, bf16, ranks 16 and 64)
 
 The interpreter (CPU tests) enforces none of Triton's compile-time rules; this does, with the
 installed Triton's own ptxas. The specialisations mirror real launches at Qwen3 shapes (unit
-strides as constants, 16-divisible sizes) and the block sizes lora_ops / logsoftmax choose; keep
-the two in step when either changes.
+strides as constants, 16-divisible sizes) with the launch parameters the LoRA launch policy
+(kernels/lora/policy.py and its H200 table) and logsoftmax choose.
 """
 
 from __future__ import annotations
@@ -25,10 +25,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .logsoftmax_kernels import selective_logsoftmax_kernel
-from .lora_kernels import (lora_base_gemm_kernel, lora_reduce_kernel, lora_sgrad_kernel,
-                           lora_shrink_kernel, lora_stream_kernel)
-from .lora_ops import _shrink_block_k, _shrink_stages, dx_pass_shape, expand_block_n2, reduce_shape, sgrad_shape
+from colora.kernels.logsoftmax_kernels import selective_logsoftmax_kernel
+from colora.kernels.lora.common import block_r
+from colora.kernels.lora.meta import LoRABatchMeta
+from colora.kernels.lora.policy import reduce_shape, rows_config, shrink_config, stream_entry
+from colora.kernels.lora.reduce import lora_reduce_kernel
+from colora.kernels.lora.sgrad import lora_sgrad_kernel
+from colora.kernels.lora.shrink import lora_shrink_kernel
+from colora.kernels.lora.stream import lora_stream_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -64,6 +68,12 @@ def compile_one(label: str, fn, types: dict, consts: dict, ones=(), div16=(), wa
     return f"{label:34s} {usage[0]:8s} {usage[1]:10s} smem={c.metadata.shared:6d} {ops}"
 
 
+def _meta(R: int, tokens_per_job: int) -> LoRABatchMeta:
+    """8 jobs at rank R: the batch whose launches a variant compiles (24k tokens a job: the dy pass's 256-row
+    tiles; 100: its 64-row ones)."""
+    return LoRABatchMeta.build([tokens_per_job * j for j in range(9)], [R * j for j in range(9)], [1.0] * 8)
+
+
 def variants():
     """(label, kernel, arg types, constexprs, unit strides, 16-divisible ints, warps, stages)."""
     i = "i32"
@@ -77,64 +87,67 @@ def variants():
                           w2_ptr=p, y_ptr=p, N2=i, stride_w2n=i, stride_w2r=i, stride_ym=i, stride_yn=i)
             div = ("K", "h_slice", "stride_xm", "stride_wr", "stride_hm", "stride_pm", "N2", "stride_w2r", "stride_ym")
             dtype = torch.float32 if dt == "fp32" else torch.bfloat16
-            bk = _shrink_block_k(64, R, 1024, dtype, fused=False)
-            warps = 8 if R >= 128 else 4
-            stages = _shrink_stages(R, dt == "fp32", False)
-            base = dict(BLOCK_M=64, BLOCK_R=R, BLOCK_K=bk, EVEN_K=True, PRECISION=prec, FUSE_SGRAD=False,
-                        FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False, PART_ATOMIC=False)
+            big, small = _meta(R, 24576), _meta(R, 100)
+            cfg = shrink_config(big, dtype, 1024, 0)
+            warps, stages = cfg["warps"], cfg["stages"]
+            base = dict(BLOCK_M=cfg["block_m"], BLOCK_R=R, BLOCK_K=cfg["block_k"], EVEN_K=True, PRECISION=prec,
+                        FUSE_SGRAD=False, FUSE_EXPAND=False, BLOCK_N2=16, EXPAND_SCALE=False, ACCUMULATE=False,
+                        PART_ATOMIC=False)
             ones = ("stride_xk", "stride_wk", "stride_w2n", "stride_yn")
             yield (f"shrink {dt} R{R}", lora_shrink_kernel, shrink, dict(base, HAS_SCALE=True), ones, div, warps, stages)
             # with the expand fused (x -> h -> y; dy -> dh -> dx accumulating into dy W), BLOCK_N2 as launched
-            n2 = lambda bm, w, dy=False: expand_block_n2(bm, w, R, dt == "fp32", dy)  # noqa: E731  (as launched)
-            if R <= 64:  # lora_ops.fuse_expand_pays
+            if R <= 64:  # policy.fuse_expand_pays
+                n2 = shrink_config(big, dtype, 1024, 1024)["block_n2"]
                 yield (f"shrink+expand {dt} R{R}", lora_shrink_kernel, shrink,
-                       dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2(64, warps), EXPAND_SCALE=True),
+                       dict(base, HAS_SCALE=False, FUSE_EXPAND=True, BLOCK_N2=n2, EXPAND_SCALE=True),
                        ones, div, warps, stages)
-            # lora_stream_kernel (lora_ops.stream_config: the default at BLOCK_R 64; 16-bit only): the shrink_expand
-            # on [128, 64] tiles (B^T's [R, N2] layout, or B's [N2, R]) and the dy pass on [256, 64] ones
+            # lora_stream_kernel (its table's "on": BLOCK_R 64; 16-bit only): the shrink_expand (B^T's [R, N2]
+            # layout, or B's [N2, R]) and the dy pass, on the table's tiles
             if R <= 64 and dt == "bf16":
                 def td(block):
                     return f"tensordesc<{dt}[{block[0]}, {block[1]}]>"
-                for label, bm, fused, nr, wp in (("fwd", 128, False, False, 4), ("fwd B", 128, False, True, 4),
-                                                 ("dy", 256, True, False, 8)):  # as stream_config launches them
-                    stream = dict(x=td((bm, 64)), w=td((R, 64)), h_ptr=p, p_ptr=p, part_ptr="*fp32",
-                                  w2=td((64, R) if nr else (R, 64)), y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32",
-                                  rank_start_ptr="*i32", scale_ptr="*fp32", n_tiles=i, programs=i, K=i, N2=i,
-                                  n_part=i, stride_hm=i, stride_pm=i, stride_ym=i)
+                for label, kind, nr in (("fwd", "stream", False), ("fwd B", "stream", True),
+                                        ("dy", "stream_dy", False)):
+                    sc = stream_entry(kind, big, dtype)
+                    bm, bk, bn2, fused = sc["block_m"], sc["block_k"], sc["block_n2"], kind == "stream_dy"
+                    stream = dict(x=td((bm, bk)), w=td((R, bk)), h_ptr=p, p_ptr=p, part_ptr="*fp32",
+                                  w2=td((bn2, R) if nr else (R, bn2)), y_ptr=p, tile_job_ptr="*i32",
+                                  tile_row_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32", n_tiles=i,
+                                  programs=i, K=i, N2=i, n_part=i, stride_hm=i, stride_pm=i, stride_ym=i)
                     yield (f"stream {label} {dt} R{R} M{bm}", lora_stream_kernel, stream,
-                           dict(BLOCK_M=bm, BLOCK_R=R, BLOCK_K=64, BLOCK_N2=64, W2_NR=nr, EVEN_N2=True,
+                           dict(BLOCK_M=bm, BLOCK_R=R, BLOCK_K=bk, BLOCK_N2=bn2, W2_NR=nr, EVEN_N2=True,
                                 FUSE_SGRAD=fused, HAS_SCALE=fused, EXPAND_SCALE=not fused, ACCUMULATE=fused,
                                 PRECISION=prec),
-                           (), ("K", "N2", "n_part", "stride_hm", "stride_pm", "stride_ym"), wp, 3)
-            # the fused dy pass (lora_ops.fuse_dy_pays): per-tile or atomic dB partials at R <= 32, atomic
+                           (), ("K", "N2", "n_part", "stride_hm", "stride_pm", "stride_ym"), sc["warps"], sc["stages"])
+            # the fused dy pass (policy.fuse_dy_pays): per-tile or atomic dB partials at R <= 32, atomic
             # ones on 256-row tiles at R 64 (bf16 only: at fp32 it spills 2.4 KB a thread, so it does not run)
-            for bm, atomic in ((64, False), (256, False), (64, True), (256, True)) if R <= 32 else \
-                    ((256, True),) if R == 64 and dt == "bf16" else ():
-                fused = dict(base, BLOCK_M=bm, BLOCK_K=_shrink_block_k(bm, R, 1024, dtype),
-                             FUSE_SGRAD=True, HAS_SCALE=True, PART_ATOMIC=atomic)
-                w = 8 if bm == 256 else 4
+            for meta, atomic in ((small, False), (big, False), (small, True), (big, True)) if R <= 32 else \
+                    ((big, True),) if R == 64 and dt == "bf16" else ():
+                dc = shrink_config(meta, dtype, 1024, 1024, dy_pass=True)
+                bm, w = dc["block_m"], dc["warps"]
+                fused = dict(base, BLOCK_M=bm, BLOCK_K=dc["block_k"], FUSE_SGRAD=True, HAS_SCALE=True,
+                             PART_ATOMIC=atomic)
                 a = " atomic" if atomic else ""
-                yield (f"shrink+sgrad {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink, fused, ones, div, w, 3)
+                yield (f"shrink+sgrad {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink, fused, ones, div, w,
+                       dc["stages"])
                 yield (f"shrink+sgrad+expand {dt} R{R} M{bm}{a}", lora_shrink_kernel, shrink,
-                       dict(fused, FUSE_EXPAND=True, BLOCK_N2=n2(bm, w, True), ACCUMULATE=True), ones, div, w, 3)
-            bn, sw = sgrad_shape(R)
+                       dict(fused, FUSE_EXPAND=True, BLOCK_N2=dc["block_n2"], ACCUMULATE=True), ones, div, w,
+                       dc["stages"])
+            sc = rows_config("sgrad", big, 1024, dtype)
+            bn, sw = sc["block_n"], sc["warps"]
             sgrad = dict(p_ptr=p, q_ptr=p, part_ptr="*fp32", w_ptr=p, y_ptr=p, scale_ptr="*fp32", tile_job_ptr="*i32",
                          tile_row_ptr="*i32", seg_start_ptr="*i32", rank_start_ptr="*i32", N=i, p_slice=i, chunk=i,
                          stride_pm=i, stride_qm=i, stride_qn=i, stride_wn=i, stride_wr=i, stride_ym=i, stride_yn=i)
-            sg = dict(BLOCK_T=64 if R <= 64 else 32, BLOCK_R=R, BLOCK_N=bn, PRECISION=prec, SGRAD=True, EXPAND=False,
+            sg = dict(BLOCK_T=sc["block_t"], BLOCK_R=R, BLOCK_N=bn, PRECISION=prec, SGRAD=True, EXPAND=False,
                       EXPAND_SCALE=False, ACCUMULATE=False)
             sdiv = ("N", "p_slice", "chunk", "stride_pm", "stride_qm", "stride_wr", "stride_ym")
             sones = ("stride_qn", "stride_wn", "stride_yn")
-            yield f"sgrad {dt} R{R}", lora_sgrad_kernel, sgrad, sg, sones, sdiv, sw, 3
-            # dA with the dx expand (route "sgrad"; not a default), at its own block shape
-            xbn, xw = dx_pass_shape(R)
-            yield (f"sgrad+expand {dt} R{R}", lora_sgrad_kernel, sgrad, dict(sg, BLOCK_N=xbn, EXPAND=True),
-                   sones, sdiv, xw, 3)
-            ebn, ew = ((64 if R <= 64 else 32), 8) if dt == "fp32" else (bn, sw)  # as lora_expand launches
+            yield f"sgrad {dt} R{R}", lora_sgrad_kernel, sgrad, sg, sones, sdiv, sw, sc["stages"]
+            ec = rows_config("expand", big, 1024, dtype)
             for acc in (False, True):  # lora_expand (the sgrad kernel without its sgrad)
                 yield (f"expand{'+acc' if acc else ''} {dt} R{R}", lora_sgrad_kernel, sgrad,
-                       dict(sg, BLOCK_N=ebn, SGRAD=False, EXPAND=True, EXPAND_SCALE=True, ACCUMULATE=acc),
-                       sones, sdiv, ew, 3)
+                       dict(sg, BLOCK_T=ec["block_t"], BLOCK_N=ec["block_n"], SGRAD=False, EXPAND=True,
+                            EXPAND_SCALE=True, ACCUMULATE=acc), sones, sdiv, ec["warps"], ec["stages"])
             reduce = dict(part_ptr="*fp32", out_ptr=p, job_chunk_ptr="*i32", rank_start_ptr="*i32",
                           scale_ptr="*fp32", N=i, n_chunks=i, stride_or=i, stride_on=i)
             # as launched at 8 jobs x 1024 columns on the H200: the dy pass's 64-column blocks, and few
@@ -144,20 +157,6 @@ def variants():
                 yield (f"reduce {dt} R{R} N{rbn} C{chunks} rows{rows}", lora_reduce_kernel, reduce,
                        dict(BLOCK_R=R, BLOCK_N=rbn, PB=pb, CHUNKS=chunks, HAS_SCALE=True, ROWS=rows),
                        ("stride_or",), ("N", "stride_on"), 8 if rows * rbn * chunks >= 16384 else 4, 3)
-        # the base GEMM with the expand in its epilogue (lora_base_gemm; not a default), at bf16 on the tiles
-        # of reports/h200/eighteenth/base_gemm_probe.py, fp32 on its own
-        gemm = dict(x_ptr=p, wb_ptr=p, h_ptr=p, w_ptr=p, y_ptr=p, tile_job_ptr="*i32", tile_row_ptr="*i32",
-                    seg_start_ptr="*i32", rank_start_ptr="*i32", scale_ptr="*fp32", N=i, K=i, h_slice=i,
-                    stride_xm=i, stride_xk=i, stride_bn=i, stride_bk=i, stride_hm=i, stride_wn=i, stride_wr=i,
-                    stride_ym=i, stride_yn=i)
-        gdiv = ("N", "K", "h_slice", "stride_xm", "stride_bn", "stride_hm", "stride_wr", "stride_ym")
-        gones = ("stride_xk", "stride_bk", "stride_wn", "stride_yn")
-        for R in (16, 64):
-            for bm, bn, bk, w, st in ((64, 64, 32, 4, 3),) if dt == "fp32" else \
-                    ((128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3)):
-                yield (f"base_gemm {dt} R{R} {bm}x{bn}x{bk} w{w} s{st}", lora_base_gemm_kernel, gemm,
-                       dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_R=R, EVEN_K=True, HAS_SCALE=True,
-                            PRECISION=prec), gones, gdiv, w, st)
         lsm = dict(logits_ptr=p, targets_ptr="*i64", temp_ptr="*fp32", logp_ptr="*fp32", ent_ptr="*fp32",
                    V=i, stride_l=i)
         yield (f"logsoftmax {dt}", selective_logsoftmax_kernel, lsm,
@@ -165,16 +164,15 @@ def variants():
 
 
 def tune_variants():
-    """The candidates of kernels/tune.py at bf16, ranks 16 and 64, as `variants` yields them: which
+    """The candidates of colora/bench/tune.py at bf16, ranks 16 and 64, as `variants` yields them: which
     compile for sm_90a, with how much shared memory and how many registers, before device time goes
     to them."""
-    from .lora_ops import _block_r
     from .tune import candidates
 
     base = {v[0]: v[1:] for v in variants()}
     for R in (16, 64):
         # the shrink as it runs where its expand fuses (fuse_expand_pays), the dy pass with dx fused
-        for kernel, label, fused in (("shrink", f"shrink+expand bf16 R{_block_r(R)}", False),
+        for kernel, label, fused in (("shrink", f"shrink+expand bf16 R{block_r(R)}", False),
                                      ("dy_pass", f"shrink+sgrad+expand bf16 R{R} M256 atomic", True),
                                      ("expand", f"expand+acc bf16 R{R}", False), ("sgrad", f"sgrad bf16 R{R}", False)):
             fn, types, consts, ones, div, _, _ = base[label]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .lora_meta import LoRABatchMeta
+from .meta import LoRABatchMeta
 
 
 def grouped_lora_ref(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, meta: LoRABatchMeta) -> torch.Tensor:

@@ -21,15 +21,17 @@ from collections.abc import Sequence
 
 import torch
 
-from .backend import resolve_backend
-from .lora_meta import FloatsLike, IntsLike, LoRABatchMeta
-from .lora_ops import (base_order, expand_route, fuse_dy_pays, fuse_expand_pays, h_width, lora_base_gemm, lora_expand,
-                       lora_sgrad, lora_shrink, lora_shrink_expand, lora_shrink_sgrad)
-from .lora_ref import grouped_lora_ref
+from ..backend import resolve_backend
+from .common import h_width
+from .meta import FloatsLike, IntsLike, LoRABatchMeta
+from .policy import Launch, check_launch, fuse_dy_pays, fuse_expand_pays
+from .reference import grouped_lora_ref
+from .sgrad import lora_expand, lora_sgrad
+from .shrink import lora_shrink, lora_shrink_expand, lora_shrink_sgrad
 
 
 class _GroupedLoRA(torch.autograd.Function):
-    """forward(x, A_packed, meta, n_slices, fuse, compute, weights, *Bs, *bases) -> one output per slice.
+    """forward(x, A_packed, meta, n_slices, fuse, compute, weights, launch, *Bs, *bases) -> one output per slice.
 
     x: [T, d_in], A_packed: [slices * R, d_in] (rows per job: slice 0 | slice 1 | ...),
     Bs[s]: [d_out_s, R], bases[s]: [T, d_out_s] (optional, added to in place and returned).
@@ -39,15 +41,16 @@ class _GroupedLoRA(torch.autograd.Function):
     output is the LoRA delta plus x W_s^T, and dx the LoRA's plus dy_s W_s, each base product added by
     cuBLAS's epilogue (beta = 1) after the kernels wrote the LoRA's part: the GEMM reads that part under
     its arithmetic, where the kernels adding into the base's output read and write it again, and autograd
-    summing two dx would add a pass more (lora_ops.base_order). On the H200 the trainer's four calls
-    a layer (rank 16, 8 x 6,144 tokens) took 1.4-2.6% less than with x W^T first, one process
-    (reports/h200/seventeenth/probe14_trainer).
+    summing two dx would add a pass more. Measured on the H200 at 20758dc: the trainer's four calls a layer
+    (rank 16, 8 x 6,144 tokens) 1.4-2.6% less than with x W^T first.
     fuse: (fuse_dy, fuse_expand): dh and dB in one pass over dy; with one slice, the expands in the
-    launches that compute h and dh (x -> h -> y, dy -> dh -> dx); see lora_ops.expand_route.
+    launches that compute h and dh (x -> h -> y, dy -> dh -> dx), else lora_expand writes y and dx.
+    launch: None, or launch parameters for every launcher (policy.TUNABLE).
     """
 
     @staticmethod
-    def forward(ctx, x, A, meta: LoRABatchMeta, n_slices: int, fuse: tuple[bool, bool], compute, weights, *rest):
+    def forward(ctx, x, A, meta: LoRABatchMeta, n_slices: int, fuse: tuple[bool, bool], compute, weights,
+                launch: Launch | None, *rest):
         Bs, bases = rest[:n_slices], rest[n_slices:]
         packed = meta.packed(n_slices)
         T = x.shape[0]
@@ -59,95 +62,79 @@ class _GroupedLoRA(torch.autograd.Function):
             # B^T copies ([R, d_out], tiny): contiguous along d_out, so both the expand here and the dh
             # shrink of the backward read them with wide loads
             Bts = [B.t().contiguous() for B in Bs]
-        route_y, route_dx = expand_route(fuse[1], n_slices)
-        order = base_order() if weights is not None else None
-        fuse_expand = route_y == "shrink" and order != "fused"  # "fused": the expand in the base GEMM
+        fuse_expand = fuse[1] and n_slices == 1  # a packed call's dx needs every slice's dh first
         # [T, >= slices * max_rank], see h_width; zero-filled for the separate expand, which reads its
         # padding lanes. With the expand fused, h's only readers (the backward's dy pass and sgrad)
         # carry its lanes >= r_j into rows of their fp32 partials that the reduce never stores.
         h = (x.new_empty if fuse_expand else x.new_zeros)((T, h_width(meta, n_slices)))
         if not fuse_expand:
-            lora_shrink(x, A, packed, h)
-        # the base projection after the delta (see the class docstring)
-        base_after = order == "after"
+            lora_shrink(x, A, packed, h, launch=launch)
         ys = []
         for s, Bt in enumerate(Bts):
-            if order == "fused":
-                ys.append(lora_base_gemm(x, weights[s], h, Bt.t(), meta, x.new_empty((T, Bt.shape[1])), h_slice=s,
-                                         scale=True))
-                continue
-            if weights is not None and not base_after:
-                out = torch.mm(x, weights[s].t())  # the base projection, to add the delta into
-            else:
-                out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
-            accumulate = bool(bases) or (weights is not None and not base_after)
+            out = bases[s] if bases else x.new_empty((T, Bt.shape[1]))
             if fuse_expand:
-                ys.append(lora_shrink_expand(x, A, Bt.t(), meta, h, out, scale_out=True, accumulate=accumulate))
+                ys.append(lora_shrink_expand(x, A, Bt.t(), meta, h, out, scale_out=True, accumulate=bool(bases),
+                                             launch=launch))
             else:
-                ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=accumulate))
-            if base_after:
-                out.addmm_(x, weights[s].t())
+                ys.append(lora_expand(h, Bt.t(), meta, out, h_slice=s, scale=True, accumulate=bool(bases),
+                                      launch=launch))
+            if weights is not None:
+                out.addmm_(x, weights[s].t())  # the base projection after the delta (see the class docstring)
         if bases:
             ctx.mark_dirty(*bases)
         ctx.save_for_backward(x, A, h, *Bts)
         ctx.meta, ctx.n_slices, ctx.n_bases = meta, n_slices, len(bases)
-        ctx.fuse_dy, ctx.route_dx = fuse[0], route_dx
-        ctx.weights = weights
+        ctx.fuse_dy, ctx.fuse_expand = fuse[0], fuse_expand
+        ctx.weights, ctx.launch = weights, launch
         ctx.set_materialize_grads(False)
         return tuple(ys)
 
     @staticmethod
     def backward(ctx, *dys):
         x, A, h, *Bts = ctx.saved_tensors
-        meta, S = ctx.meta, ctx.n_slices
+        meta, S, launch = ctx.meta, ctx.n_slices, ctx.launch
         a_dtype, b_dtypes = ctx.grad_dtypes
         packed = meta.packed(S)
         need = ctx.needs_input_grad
         need_dh = need[0] or need[1]
         dys = [None if d is None else d.to(x.dtype) for d in dys]
         dys = [None if d is None else (d if d.stride(-1) == 1 else d.contiguous()) for d in dys]
-        # dx is written by the dy pass (route "dy": one slice with a dy), lora_expand ("expand") or dA's pass
-        # ("sgrad"); then the base projections' dy_s W_s are added (see the class docstring)
-        route_dx = ctx.route_dx if need[0] else None
-        if route_dx == "dy" and dys[0] is None:
-            route_dx = "expand"
+        # dx is written by the dy pass (its expand fused: one slice with a dy) or by lora_expand; then the base
+        # projections' dy_s W_s are added (see the class docstring)
+        fused_dx = ctx.fuse_expand and dys[0] is not None
         dx = torch.empty_like(x) if need[0] else None
-        fused_dx = (A.t(), dx, False) if route_dx == "dy" else None
-        # slices without an incoming gradient keep dh = 0; the dx expands outside the dy pass read its
-        # padding lanes (as h's in the forward). One slice whose dy pass writes every lane read: no fill.
-        no_fill = (ctx.route_dx == "dy" and dys[0] is not None and route_dx in ("dy", None))
-        dh = ((torch.empty_like if no_fill else torch.zeros_like)(h)) if need_dh else None
+        # slices without an incoming gradient keep dh = 0; lora_expand reads its padding lanes (as h's in the
+        # forward). One slice whose dy pass writes every lane read: no fill.
+        dh = ((torch.empty_like if fused_dx else torch.zeros_like)(h)) if need_dh else None
+        fused_dx = (A.t(), dx, False) if (fused_dx and need[0]) else None
         dBs = []
         for s, (Bt, dy) in enumerate(zip(Bts, dys)):
             dBt = None
-            if need[7 + s]:  # x, A, meta, n_slices, fuse_dy, compute, weights, then the Bs
+            if need[8 + s]:  # x, A, meta, n_slices, fuse, compute, weights, launch, then the Bs
                 # [R, d_out_s], returned as dB = dBt^T: the kernels write every element (each job's rows,
                 # zeros where it has no tokens), so it needs no zero fill; zeros without a dy
                 dBt = (torch.empty if dy is not None else torch.zeros)(Bt.shape, dtype=b_dtypes[s], device=Bt.device)
             if dy is not None:
                 if need_dh and dBt is not None and ctx.fuse_dy:
-                    lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, h_slice=s, dx=fused_dx)  # one read of dy
+                    lora_shrink_sgrad(dy, Bt, h, meta, dh, dBt, h_slice=s, dx=fused_dx, launch=launch)  # one read of dy
                 else:
                     if fused_dx is not None:
-                        lora_shrink_expand(dy, Bt, fused_dx[0], meta, dh, fused_dx[1], scale_h=True)
+                        lora_shrink_expand(dy, Bt, fused_dx[0], meta, dh, fused_dx[1], scale_h=True, launch=launch)
                     elif need_dh:
-                        lora_shrink(dy, Bt, meta, dh, h_slice=s, scale=True)
+                        lora_shrink(dy, Bt, meta, dh, h_slice=s, scale=True, launch=launch)
                     if dBt is not None:
-                        lora_sgrad(h, dy, meta, dBt, p_slice=s, scale=True)
+                        lora_sgrad(h, dy, meta, dBt, p_slice=s, scale=True, launch=launch)
             dBs.append(None if dBt is None else dBt.t())
         dA = torch.empty(A.shape, dtype=a_dtype, device=A.device) if need[1] else None
-        if route_dx == "sgrad" and dA is not None:
-            lora_sgrad(dh, x, packed, dA, expand=(A.t(), dx))
-        else:
-            if route_dx in ("sgrad", "expand"):  # sgrad without dA: the expand alone
-                lora_expand(dh, A.t(), packed, dx)
-            if dA is not None:
-                lora_sgrad(dh, x, packed, dA)
+        if dx is not None and fused_dx is None:
+            lora_expand(dh, A.t(), packed, dx, launch=launch)
+        if dA is not None:
+            lora_sgrad(dh, x, packed, dA, launch=launch)
         if dx is not None and ctx.weights is not None:
             for W, dy in zip(ctx.weights, dys):
                 if dy is not None:
                     dx.addmm_(dy, W)  # dx += dy_s W_s, the base projection's part
-        return (dx, dA, None, None, None, None, None, *dBs, *(dys[:ctx.n_bases]))
+        return (dx, dA, None, None, None, None, None, None, *dBs, *(dys[:ctx.n_bases]))
 
 
 def _meta_for(x: torch.Tensor, seg_start, rank_start, scale, meta: LoRABatchMeta | None) -> LoRABatchMeta:
@@ -214,7 +201,8 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
                  rank_start: IntsLike | None = None, scale: FloatsLike | None = None, *, backend: str = "auto",
                  meta: LoRABatchMeta | None = None, add_to: torch.Tensor | None = None,
                  fuse_dy: bool | None = None, compute: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 base: torch.Tensor | None = None, fuse_expand: bool | None = None) -> torch.Tensor:
+                 base: torch.Tensor | None = None, fuse_expand: bool | None = None,
+                 launch: Launch | None = None) -> torch.Tensor:
     """y = for each job j: scale[j] * (x_j @ A_j^T) @ B_j^T, differentiable wrt x, A and B.
 
     x: [T, d_in] rows sorted by job (job j: x[seg_start[j]:seg_start[j+1]]), A: [R, d_in] (job j owns
@@ -225,18 +213,22 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
     `meta=` (the three positional arguments are then ignored).
     add_to: [T, d_out], the base projection's output: returns add_to + y, written into add_to in
     place on the triton path (saves writing and re-reading y); gradients flow to it unchanged.
-    fuse_dy: compute dh and dB in one pass over dy (None: when it pays, see lora_ops.fuse_dy_pays).
+    fuse_dy: compute dh and dB in one pass over dy (None: when it pays, see policy.fuse_dy_pays).
     fuse_expand: write y from the launch that computes h, and dx from the one that computes dh
-    (None: when it pays, see lora_ops.fuse_expand_pays).
+    (None: when it pays, see policy.fuse_expand_pays).
     compute: (A_c [R, d_in], Bt_c [R, d_out] contiguous) in x's dtype, outside autograd, to compute
     with; A and B are then masters in their own dtype (the trainer's fp32 adapters) and get their
     gradients in it (see the module docstring). The torch path casts A and B instead.
     base: the frozen base projection's weight W [d_out, d_in] in x's dtype (instead of add_to):
     returns x W^T + y, the base product computed inside the op, whose backward adds dy W to dx in
     the same matmul (see _GroupedLoRA).
+    launch: parameters that replace the device table's for named launches of this call, e.g.
+    {"expand": {"block_n": 256, "warps": 8}} (policy.TUNABLE; the tuner's candidates, the tests' small tiles);
+    an unknown launch or parameter is a ValueError. The triton path only.
     """
     meta = _meta_for(x, seg_start, rank_start, scale, meta)
     backend = resolve_backend(backend, x.device)
+    check_launch(launch)
     _check_inputs(x, [A], [B], meta, backend, None if compute is None else ([compute[0]], [compute[1]]))
     weights = _check_base(x, None if base is None else [base], [B], add_to)
     if backend == "torch":
@@ -247,7 +239,7 @@ def grouped_lora(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seg_start: I
     fuse = (fuse_dy_pays(meta, x.shape[1], B.shape[0], x.dtype) if fuse_dy is None else fuse_dy,
             fuse_expand_pays(meta, 1, x.shape[1], B.shape[0]) if fuse_expand is None else fuse_expand)
     copies = None if compute is None else (compute[0], [compute[1]])
-    return _GroupedLoRA.apply(x, A, meta, 1, fuse, copies, weights, B, *bases)[0]
+    return _GroupedLoRA.apply(x, A, meta, 1, fuse, copies, weights, launch, B, *bases)[0]
 
 
 def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor],
@@ -255,18 +247,19 @@ def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequenc
                         add_to: Sequence[torch.Tensor] | None = None, fuse_dy: bool | None = None,
                         compute: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None,
                         base: Sequence[torch.Tensor] | None = None,
-                        fuse_expand: bool | None = None) -> list[torch.Tensor]:
+                        fuse_expand: bool | None = None, launch: Launch | None = None) -> list[torch.Tensor]:
     """[grouped_lora(x, As[s], Bs[s], meta=meta) for each slice s], with one read of x in the forward
     and one dx in the backward. x: [T, d_in], As[s]: [R, d_in], Bs[s]: [d_out_s, R] (same rank layout
     for every slice); add_to: optional list of [T, d_out_s] base outputs, as in `grouped_lora`;
     compute: ([A_c per slice], [Bt_c per slice]), as in `grouped_lora`; base: the slices' frozen base
     weights [d_out_s, d_in], as in `grouped_lora` (one dx for the base products and the LoRA's);
-    fuse_dy, fuse_expand: as in `grouped_lora` (the expands fuse with one slice only)."""
+    fuse_dy, fuse_expand, launch: as in `grouped_lora` (the expands fuse with one slice only)."""
     if len(As) != len(Bs) or not As:
         raise ValueError(f"need as many A as B, at least one: got {len(As)} and {len(Bs)}")
     if add_to is not None and len(add_to) != len(Bs):
         raise ValueError(f"add_to has {len(add_to)} tensors, expected one per slice ({len(Bs)})")
     backend = resolve_backend(backend, x.device)
+    check_launch(launch)
     _check_inputs(x, As, Bs, meta, backend, compute)
     weights = _check_base(x, base, Bs, add_to)
     S = len(As)
@@ -285,4 +278,4 @@ def grouped_lora_packed(x: torch.Tensor, As: Sequence[torch.Tensor], Bs: Sequenc
             copies = (pack(compute[0]), list(compute[1]))
     fuse = (fuse_dy_pays(meta, x.shape[1], Bs[0].shape[0], x.dtype) if fuse_dy is None else fuse_dy,
             fuse_expand_pays(meta, S, x.shape[1], Bs[0].shape[0]) if fuse_expand is None else fuse_expand)
-    return list(_GroupedLoRA.apply(x, pack(As), meta, S, fuse, copies, weights, *Bs, *(add_to or ())))
+    return list(_GroupedLoRA.apply(x, pack(As), meta, S, fuse, copies, weights, launch, *Bs, *(add_to or ())))

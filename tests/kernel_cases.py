@@ -1,5 +1,5 @@
-"""Shared by the kernel tests (CPU and GPU) and the benchmark: random grouped-LoRA problems, the
-tolerance table, and the error measure.
+"""Shared by the kernel tests (CPU and GPU): random grouped-LoRA problems, the tolerance table, and the
+error measure.
 
 Errors are ||out - ref|| / ||ref|| against the reference run in float64 on the same (rounded)
 inputs. One tolerance per dtype, each set by what the dtype's rounding allows, not by what the
@@ -8,13 +8,11 @@ kernel happened to hit; the torch loop in the same dtype must pass the same tabl
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass
 
 import torch
 
-from .lora_meta import LoRABatchMeta
+from colora.kernels import LoRABatchMeta
 
 LORA_TOL = {
     # fp32 in, IEEE fp32 dots and fp32 accumulation: only the summation order differs (K <= 3072
@@ -97,29 +95,3 @@ def lora_grads(fn, case: LoRACase, **kw) -> dict[str, torch.Tensor]:
     zero = torch.zeros_like
     return {"y": y.detach(), "dx": zero(case.x) if dx is None else dx, "dA": zero(case.A) if dA is None else dA,
             "dB": zero(case.B) if dB is None else dB}
-
-
-def interpreted_kernels():
-    """The colora.kernels package, running on Triton's interpreter when there is no CUDA device.
-
-    Triton picks compiled or interpreted when a function is decorated with @triton.jit, at import,
-    and triton.language's own helpers (tl.max, tl.sum, ...) are jit functions too. So on the CPU
-    TRITON_INTERPRET=1 must be set before triton is first imported (tests/conftest.py does). If
-    triton was imported earlier in this process, its helpers and our kernels are re-imported here.
-    For tests and the benchmark's --quick only."""
-    pkg = importlib.import_module(__package__)
-    if torch.cuda.is_available():
-        return pkg
-    os.environ["TRITON_INTERPRET"] = "1"
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.standard.max, InterpretedFunction):
-        importlib.reload(tl.standard)
-        importlib.reload(tl)
-    if not isinstance(importlib.import_module(f"{__package__}.lora_kernels").lora_shrink_kernel, InterpretedFunction):
-        for name in ("lora_kernels", "logsoftmax_kernels", "noise_kernels", "lora_ops", "lora", "logsoftmax",
-                     "noise"):
-            importlib.reload(importlib.import_module(f"{__package__}.{name}"))
-        pkg = importlib.reload(pkg)
-    return pkg

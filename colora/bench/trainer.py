@@ -6,7 +6,10 @@ One optimizer step for J jobs x S sequences of (prompt + completion) tokens on Q
 (random weights, bf16, LoRA rank 16 on every linear layer): colora's multi-job trainer with the Triton
 kernels, the same trainer with the torch reference ops, and peft with one adapter for all rows
 (the standard path: full logits, log-softmax, gather), each timed after a warm-up step, with peak
-memory. Writes OUT.json and OUT.md.
+memory. --impls names the implementations: peft, or triton / torch with +packed (q/k/v and gate/up
+in one grouped call each: trainer.pack_projections) and +fused (the elementwise kernels:
+trainer.fuse_elementwise); the trainer packs its rows on CUDA (colora/packing.py). Writes OUT.json
+and OUT.md.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 
 def _rollouts(jobs: list[str], seqs: int, prompt: int, completion: int, vocab: int, version: int):
-    from .trainer import Rollout
+    from ..trainer import Rollout
 
     g = torch.Generator().manual_seed(version)
     out = {}
@@ -52,21 +55,21 @@ def _peak(device: str) -> float:
 
 
 def bench_colora(model_dir: str, args, backend: str) -> dict:
-    from .config import JobConfig, TrainerConfig
-    from .heap import frozen_heap
-    from .lora import AdapterBank, inject_lora
-    from .models import load_base_model
-    from .trainer import MultiJobTrainer
+    from ..config import JobConfig, TrainerConfig
+    from ..heap import frozen_heap
+    from ..lora import AdapterBank, inject_lora
+    from ..models import load_base_model
+    from ..trainer import MultiJobTrainer
 
     _reset(args.device)
     model = load_base_model(model_dir, args.dtype, args.device)
     backend, *flags = backend.split("+")
-    packed, fused, kernels, base = "packed" in flags, "fused" in flags, "kernels" in flags, "base" in flags
+    packed, fused = "packed" in flags, "fused" in flags
     if fused:
-        from .fusion import fuse_elementwise
+        from ..fusion import fuse_elementwise
 
-        fuse_elementwise(model, kernels=kernels)
-    bank = AdapterBank(args.device, backend, pack_projections=packed, base_in_lora=base)
+        fuse_elementwise(model)
+    bank = AdapterBank(args.device, backend, pack_projections=packed)
     inject_lora(model, bank)
     names = [f"job{i}" for i in range(args.jobs)]
     jobs = {}
@@ -89,8 +92,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
             if step > 0:  # the first step compiles and autotunes
                 times.append(time.perf_counter() - t0)
     peak = _peak(args.device)
-    impl = (f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''}{', fused elementwise' if fused else ''}"
-            f"{', elementwise kernels' if fused and kernels else ''}{', base in the LoRA op' if base else ''})")
+    impl = f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''}{', fused elementwise' if fused else ''})"
     out = {"impl": impl, "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
     if args.profile:
         ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, args.repeats + 1)
@@ -100,7 +102,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
         profile_sources(lambda: trainer.step(ro), args.device, f"{args.out}.sources.txt", impl)
     del trainer, bank, model
     if fused:
-        from .fusion import restore_rotary
+        from ..fusion import restore_rotary
 
         restore_rotary()  # the next implementation measures the model's own code
     return out
@@ -210,7 +212,7 @@ def ops_by_caller(events, device: str, rows: int = 50) -> str:
 def bench_peft(model_dir: str, args) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from .models import load_base_model
+    from ..models import load_base_model
 
     _reset(args.device)
     base = load_base_model(model_dir, args.dtype, args.device)
@@ -271,10 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for impl in args.impls:
         backend, *flags = impl.split("+")
-        if impl != "peft" and (backend not in ("triton", "torch") or not set(flags) <= {"packed", "fused", "kernels", "base"}):
-            p.error(f"--impls {impl}: expected peft, or triton/torch with any of +packed, +fused, +kernels, +base")
+        if impl != "peft" and (backend not in ("triton", "torch") or not set(flags) <= {"packed", "fused"}):
+            p.error(f"--impls {impl}: expected peft, or triton/torch with any of +packed, +fused")
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    from .runner import resolve_model
+    from ..runner import resolve_model
 
     model_dir = str(resolve_model(args.model))
     results = []

@@ -3,19 +3,18 @@
     colora bench kernels --only tune --out reports/lora_tune     (H200: a few minutes; --tune-budget)
 
 For each problem (8 jobs x 24k tokens at rank 64, where every projection's forward+backward stays
-above 1.3x the bytes bound on the H200: 1.45-1.66x at the sixteenth session's final code,
-reports/h200/sixteenth; and k/v at rank 16, within it, as the control) and each launcher
-of `SEARCHED`, the LoRA step runs with one candidate configuration for that launcher while
-the others keep their own choice, timed by the sum of the GPU's own kernel durations
-(`bench.kernel_times`: no host gaps). Then the best of each launcher together, also replayed as one
-CUDA graph, against the bytes bound. A candidate that does not compile or run (too much shared
-memory, say) is recorded with its error. Past --tune-budget seconds no further candidate or problem
-is started (`python -m colora.kernels.compile_check --tune` compiles the candidates for sm_90a on a
-CPU machine first).
+above 1.3x the bytes bound on the H200: 1.34-1.55x at 6c75111; and k/v at rank 16, within it, as the
+control) and each launcher of `SEARCHED`, the LoRA step runs with one candidate configuration for that
+launcher (grouped_lora's launch=) while the others keep the device table's, timed by the sum of the GPU's
+own kernel durations (`measure.kernel_times`: no host gaps). Then the best of each launcher together, also
+replayed as one CUDA graph, against the bytes bound. A candidate that does not compile or run (too much
+shared memory, say) is recorded with its error. Past --tune-budget seconds no further candidate or problem
+is started (`python -m colora.bench.compile_check --tune` compiles the candidates for sm_90a on a CPU
+machine first).
 
-A search, not a change: the launchers keep their heuristics until a report shows a gain and they
-are changed with it. With --quick (the CPU's interpreter) it runs tiny problems and two candidates
-per launcher, to test the plumbing; its times mean nothing.
+A search, not a change: the device's table (kernels/lora/configs/<GPU>.json) changes when a report shows a
+gain. With --quick (the CPU's interpreter) it runs tiny problems and two candidates per launcher, to test the
+plumbing; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -24,33 +23,33 @@ import time
 
 import torch
 
-from .lora_ops import TUNABLE, fuse_dy_pays, launch_overrides
+from colora.kernels.lora.policy import TUNABLE, fuse_dy_pays
 
-SEARCHED = ("shrink", "dy_pass", "expand", "sgrad")  # the launchers searched (TUNABLE's dx_pass and route not)
+from .measure import graph_timer, kernel_breakdown, lora_problem, timer
 
-# (block_m, block_k, warps, stages[, block_n2: the fused expand's columns]) of the shrink; its own
-# choice at bf16: (64, 128, 4, 4, 128) at rank 16, (64, 64, 4, 4, 64) at rank 64
+SEARCHED = ("shrink", "dy_pass", "expand", "sgrad")  # the launchers searched (TUNABLE's stream launches not)
+
+# The candidates of each launcher; the baseline is the device's table (kernels/lora/configs).
+# (block_m, block_k, warps, stages[, block_n2: the fused expand's columns]) of the shrink
 _SHRINK = [(64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 4, 3), (64, 256, 8, 3),
            (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3, 32), (64, 128, 4, 3, 128),
            (128, 64, 8, 3, 64), (128, 128, 8, 3, 128)]
-# the fused dy pass (lora_ops.fuse_dy_pays); its own at 8 x 24k: (256, 64, 8, 3, 64) at rank 16, (256, 64, 8, 3, 128)
-# at rank 64
+# the same of the fused dy pass (policy.fuse_dy_pays)
 _DY_PASS = [(256, 32, 4, 3), (256, 32, 8, 4), (256, 64, 4, 3), (256, 64, 8, 2), (256, 128, 8, 2),
             (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (512, 32, 8, 3), (512, 64, 8, 2),
             (256, 64, 8, 3, 32), (256, 64, 8, 3, 128)]
-# (block_t, block_n, warps, stages, chunk or None for its own) of the expand; its own as the sgrad's
+# (block_t, block_n, warps, stages, chunk or None for policy.sgrad_chunk's) of the expand
 _EXPAND = [(32, 128, 4, 3, None), (64, 64, 4, 3, None), (64, 256, 8, 3, None), (128, 128, 8, 3, None),
            (64, 128, 8, 3, None), (64, 128, 4, 2, None), (64, 128, 4, 4, None), (64, 128, 4, 3, 2048),
            (64, 128, 4, 3, 8192)]
-# (block_t, block_n, warps, stages, chunk or None for its own) of the sgrad; its own: (64, 128, 4, 3, own)
-# at rank <= 32, (64, 256, 8, 3, own) at rank 64
+# the same of the sgrad
 _SGRAD = [(32, 128, 4, 3, None), (64, 64, 4, 3, None), (64, 256, 8, 3, None), (128, 128, 8, 3, None),
           (64, 128, 8, 4, None), (128, 64, 4, 3, None), (64, 128, 4, 4, None), (64, 128, 4, 3, 2048),
           (64, 128, 4, 3, 8192)]
 
 
 def candidates(kernel: str, quick: bool) -> list[dict]:
-    """The configurations tried for `kernel` (one of SEARCHED), as parameters of lora_ops.TUNABLE[kernel]."""
+    """The configurations tried for `kernel` (one of SEARCHED), as parameters of policy.TUNABLE[kernel]."""
     if quick:  # small blocks the interpreter runs in seconds
         grids = {"shrink": [(64, 32, 4, 2), (128, 16, 4, 2)], "dy_pass": [(64, 16, 4, 2), (128, 32, 4, 2)],
                  "expand": [(32, 16, 4, 2, 256), (64, 32, 4, 2, None)],
@@ -72,37 +71,33 @@ def problems(quick: bool) -> list[tuple[str, int, int, int, int, int]]:
 def _step_us(step, device: torch.device) -> float:
     """Microseconds of one call of `step`: the sum of its kernels' GPU durations on CUDA; on the CPU
     the benchmark's wall-time median (the interpreter: plumbing only)."""
-    from .bench import _kernel_breakdown, _timer
-
     if device.type == "cuda":
-        return sum(_kernel_breakdown(step, device).values())
-    return _timer(step, device, quick=True) * 1e6
+        return sum(kernel_breakdown(step, device).values())
+    return timer(step, device, quick=True) * 1e6
 
 
-def _trial(step, device, **overrides) -> tuple[float | None, str | None]:
+def _trial(step, device, launch: dict) -> tuple[float | None, str | None]:
+    """(us, None) of step(launch), or (None, the error) where that launch cannot compile or run."""
     try:
-        with launch_overrides(**overrides):
-            return _step_us(step, device), None
+        return _step_us(lambda: step(launch), device), None
     except Exception as e:  # a configuration that cannot compile or run: recorded, the search goes on
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float = 480.0) -> list[dict]:
-    from .bench import _graph_timer, _lora_problem
-
     rows, t_start = [], time.time()
     for name, d_in, d_out, rank, J, tpj in problems(quick):
         if time.time() - t_start > budget_s:
             print(f"tune: past the {budget_s:.0f} s budget, {name} and later problems not searched", flush=True)
             break
-        meta, x, A, B, dy = _lora_problem(K, J, tpj, rank, d_in, d_out, device, seed=J * 7 + rank)
+        meta, x, A, B, dy = lora_problem(K, J, tpj, rank, d_in, d_out, device, seed=J * 7 + rank)
 
-        def step():
-            y = K.grouped_lora(x, A, B, meta=meta, backend="triton")
+        def step(launch):
+            y = K.grouped_lora(x, A, B, meta=meta, backend="triton", launch=launch)
             torch.autograd.grad(y, (x, A, B), dy)
 
         bound_s = 2 * J * tpj * (3 * d_in + 2 * d_out) / (cal["copy_GBps"] * 1e9)
-        default_us, err = _trial(step, device)
+        default_us, err = _trial(step, device, {})
         if err is not None:
             raise RuntimeError(f"tune {name}: the launchers' own configuration failed: {err}")
         trials, best = [], {}
@@ -111,16 +106,15 @@ def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float =
             for cfg in candidates(kernel, quick):
                 if time.time() - t_start > budget_s:
                     break
-                us, err = _trial(step, device, **{kernel: cfg})
+                us, err = _trial(step, device, {kernel: cfg})
                 trials.append({"kernel": kernel, "config": cfg, "us": us, "error": err})
                 if us is not None and us < best.get(kernel, {}).get("us", default_us):
                     best[kernel] = {"config": cfg, "us": us}
         combined = {k: v["config"] for k, v in best.items()}
-        combined_us, combined_err = _trial(step, device, **combined)
+        combined_us, combined_err = _trial(step, device, combined)
         graph = {}
-        for label, over in (("default", {}), ("combined", combined)):
-            with launch_overrides(**over):
-                t = _graph_timer(step, device, quick)
+        for label, launch in (("default", {}), ("combined", combined)):
+            t = graph_timer(lambda: step(launch), device, quick)
             graph[label] = None if t is None else t * 1e3
         row = {"problem": name, "d_in": d_in, "d_out": d_out, "rank": rank, "jobs": J, "tokens_per_job": tpj,
                "default_us": default_us, "trials": trials, "best": best, "combined_us": combined_us,
@@ -143,7 +137,7 @@ def to_markdown(rows: list[dict]) -> list[str]:
     def fmt(v, nd=0):
         return "-" if v is None else f"{v:.{nd}f}"
 
-    out = ["", "## Launch parameters searched (kernels/tune.py)", "",
+    out = ["", "## Launch parameters searched (colora/bench/tune.py)", "",
            "Kernels us: the LoRA forward+backward's summed GPU kernel durations with one launcher's candidate "
            "(the others their own choice); own: every launcher its own choice. Graph ms: the step replayed as "
            "a CUDA graph; x bound: graph time over the bytes bound.", "",

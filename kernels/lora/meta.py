@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..util import upload, upload_aligned
+
 IntsLike = Sequence[int] | torch.Tensor
 FloatsLike = Sequence[float] | torch.Tensor
 
@@ -36,36 +38,6 @@ def _check_offsets(v: tuple[int, ...], name: str) -> None:
     for i in range(len(v) - 1):
         if v[i + 1] < v[i]:
             raise ValueError(f"{name} must be non-decreasing: {name}[{i}]={v[i]} > {name}[{i + 1}]={v[i + 1]}")
-
-
-def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` on `device` without waiting for the work already queued there: from pinned memory,
-    non-blocking (a pageable copy to the GPU would wait for the queued layers)."""
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
-ALIGN = 16  # bytes: Triton specialises a pointer argument on its 16-byte alignment
-
-
-def upload_aligned(parts: list, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Each of `parts` (1-D sequences) on `device` in one upload: views of one buffer, every view
-    starting at a 16-byte boundary.
-
-    Triton compiles a kernel once per combination of its pointer arguments' 16-byte alignment, so
-    views at data-dependent offsets (the tile arrays of n tiles, back to back: `row` at 4n bytes) made
-    new micro-batch sizes compile the grouped-LoRA kernels again mid-run, a stall of seconds."""
-    step = ALIGN // torch.empty((), dtype=dtype).element_size()
-    starts, total = [], 0
-    for p in parts:
-        starts.append(total)
-        total += -(-len(p) // step) * step
-    host = np.zeros(max(total, 1), dtype=torch.empty(0, dtype=dtype).numpy().dtype)
-    for p, s0 in zip(parts, starts):
-        host[s0: s0 + len(p)] = p
-    dev = upload(torch.from_numpy(host), device)
-    return [dev[s0: s0 + len(p)] for p, s0 in zip(parts, starts)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -183,7 +155,7 @@ class LoRABatchMeta:
         return self.rank_start[-1]
 
     # Cached: the launchers ask for these tens of times per grouped-LoRA call, host time that a
-    # layer stack pays per micro-batch (reports/cpu/lora_host.txt). The fields they read are frozen.
+    # layer stack pays per micro-batch (util.pow2). The fields they read are frozen.
     @functools.cached_property
     def max_rank(self) -> int:
         return max((b - a for a, b in zip(self.rank_start[:-1], self.rank_start[1:])), default=0)
@@ -198,7 +170,7 @@ class LoRABatchMeta:
 
     def per_job(self) -> Tiles:
         """One entry per job, empty jobs included (row: the job's first row; block 0: not a row tile):
-        the partial table of the dy pass's atomic dB, one partial a job (lora_ops.lora_shrink_sgrad)."""
+        the partial table of the dy pass's atomic dB, one partial a job (shrink.lora_shrink_sgrad)."""
         hit = self._tiles.get("job")
         if hit is None:
             J = self.num_jobs

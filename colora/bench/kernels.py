@@ -14,7 +14,8 @@ plus written) and the bf16 matmul rate (8192^3 through cuBLAS). Then:
 - the LoRA path accumulating into the base projection's output (add_to), and the base product
   inside the LoRA op (base=W), against a separate add, beside the base projection alone;
 - the selective log-softmax (V = 151936, d = 1024) forward+backward against the chunked torch
-  reference and the naive full-logits path, with peak memory.
+  reference and the naive full-logits path, with peak memory;
+- the weight gradients' segment reduction alone, and with --only tune the launch search (tune.py).
 Writes OUT.json (every figure) and OUT.md (tables, opening with the command). Times are medians of
 triton.testing.do_bench (CUDA events, L2 flushed between runs); on the CPU, of perf_counter.
 """
@@ -24,120 +25,29 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from .measure import graph_timer, kernel_breakdown, lora_problem, peak_bytes, timer
+
 QWEN3_SHAPES = {"q": (1024, 2048), "k/v": (1024, 1024), "o": (2048, 1024), "gate/up": (1024, 3072),
                 "down": (3072, 1024)}
-
-
-def _timer(fn, device: torch.device, quick: bool) -> float:
-    """Median seconds per call."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=20 if quick else 60,
-                                       return_mode="median") / 1e3
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _graph_timer(fn, device: torch.device, quick: bool) -> float | None:
-    """Median seconds per call of `fn` replayed as one CUDA graph: the kernels' time without the host's
-    launch gaps (do_bench's events also time the GPU waiting for the host, a ~1 ms floor per LoRA
-    forward+backward on the H200, above the bytes bound of 8 jobs x 24k tokens). None on the CPU, or
-    where the call cannot be captured.
-
-    do_bench_cudagraph calls `fn` on a stream of its own; the tile tables that `fn`'s first eager call uploaded
-    (LoRABatchMeta: without blocking, on the stream then current) may not have landed yet, and a kernel on the
-    other stream would read whatever those bytes held: wait for them first (compute-sanitizer caught a tile's job
-    index read 4.5 GB past the segment table that way, reports/h200/twentieth/san)."""
-    if device.type != "cuda":
-        return None
-    import triton.testing
-
-    torch.cuda.synchronize(device)
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 60, return_mode="median") / 1e3
-    except Exception as e:  # a capture error: the row keeps its event timing only
-        print(f"  (no CUDA graph timing: {type(e).__name__}: {e})", flush=True)
-        return None
-
-
-def kernel_times(events, calls: int) -> dict[str, float]:
-    """Microseconds per call of each kernel (and memset/memcpy) the profiled `calls` launched, by
-    name, largest first: the GPU's own durations, without the host's gaps or the bubbles between
-    kernels. `events`: torch.profiler's events (annotation ranges are left out)."""
-    out: dict[str, float] = {}
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA or getattr(e, "is_user_annotation", False):
-            continue
-        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        out[e.name] = out.get(e.name, 0.0) + us / calls
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
-def _kernel_breakdown(fn, device: torch.device, calls: int = 5) -> dict[str, float] | None:
-    """`kernel_times` of `calls` calls of `fn` after one warm-up call; None on the CPU."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return kernel_times(prof.events(), calls)
-
-
-def _peak_bytes(fn, device: torch.device) -> int | None:
-    """Peak memory allocated during one call, above what was allocated before it."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def calibrate(device: torch.device, quick: bool) -> dict:
     n = (1 << 16) if quick else (1 << 29)  # 1 GiB of bf16 per buffer on the GPU
     a = torch.randn(n, device=device).to(torch.bfloat16)
     b = torch.empty_like(a)
-    t_copy = _timer(lambda: b.copy_(a), device, quick)
+    t_copy = timer(lambda: b.copy_(a), device, quick)
     m = 256 if quick else 8192
     x = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     y = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    t_mm = _timer(lambda: x @ y, device, quick)
+    t_mm = timer(lambda: x @ y, device, quick)
     return {"copy_GBps": 2 * n * 2 / t_copy / 1e9, "bf16_matmul_TFLOPs": 2 * m**3 / t_mm / 1e12,
             "copy_bytes": 2 * n * 2, "matmul_n": m}
-
-
-def _lora_problem(K, J, tokens_per_job, rank, d_in, d_out, device, seed):
-    g = torch.Generator(device=device).manual_seed(seed)
-    dt = torch.bfloat16
-    seg = [tokens_per_job * j for j in range(J + 1)]
-    rs = [rank * j for j in range(J + 1)]
-    meta = K.LoRABatchMeta.build(seg, rs, [2.0] * J, device)
-    T, R = seg[-1], rs[-1]
-    x = torch.randn(T, d_in, device=device, generator=g).to(dt).requires_grad_()
-    A = (torch.randn(R, d_in, device=device, generator=g) / d_in**0.5).to(dt).requires_grad_()
-    B = (torch.randn(d_out, R, device=device, generator=g) / rank**0.5).to(dt).requires_grad_()
-    dy = torch.randn(T, d_out, device=device, generator=g).to(dt)
-    return meta, x, A, B, dy
 
 
 def dense_lora_products(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, dy: torch.Tensor):
@@ -150,6 +60,8 @@ def dense_lora_products(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, dy: t
 
 
 def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
+    from colora.kernels.lora.policy import fuse_dy_pays, fuse_expand_pays
+
     rows = []
     shapes = {"tiny": (64, 48)} if quick else QWEN3_SHAPES
     grid = [(1, 2048), (1, 24576), (8, 2048), (8, 24576), (32, 2048)]
@@ -159,30 +71,30 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     for name, (d_in, d_out) in shapes.items():
         for rank in ((8, 16) if quick else (8, 16, 64)):
             for J, tpj in grid:
-                meta, x, A, B, dy = _lora_problem(K, J, tpj, rank, d_in, d_out, device, seed=J * 7 + rank)
+                meta, x, A, B, dy = lora_problem(K, J, tpj, rank, d_in, d_out, device, seed=J * 7 + rank)
                 T = J * tpj
 
                 def step(backend, fuse_dy=None, fuse_expand=None):
                     y = K.grouped_lora(x, A, B, meta=meta, backend=backend, fuse_dy=fuse_dy, fuse_expand=fuse_expand)
                     torch.autograd.grad(y, (x, A, B), dy)
 
-                t_tri = _timer(lambda: step("triton"), device, quick)
-                t_loop = _timer(lambda: step("torch"), device, quick)
-                fused = K.lora_ops.fuse_dy_pays(meta, d_in, d_out, x.dtype)  # the default: one pass over dy
-                t_other = _timer(lambda: step("triton", not fused), device, quick)
-                t_graph = _graph_timer(lambda: step("triton"), device, quick)
+                t_tri = timer(lambda: step("triton"), device, quick)
+                t_loop = timer(lambda: step("torch"), device, quick)
+                fused = fuse_dy_pays(meta, d_in, d_out, x.dtype)  # the default: one pass over dy
+                t_other = timer(lambda: step("triton", not fused), device, quick)
+                t_graph = graph_timer(lambda: step("triton"), device, quick)
                 # where the time of the target's rows goes, kernel by kernel
-                kernels = _kernel_breakdown(lambda: step("triton"), device) if (J, tpj) == (8, 24576) else None
+                kernels = kernel_breakdown(lambda: step("triton"), device) if (J, tpj) == (8, 24576) else None
                 # and the same step with the expands in their own launches (fuse_expand=False), for the A/B
-                expand_fused = K.lora_ops.fuse_expand_pays(meta, 1, d_in, d_out)
+                expand_fused = fuse_expand_pays(meta, 1, d_in, d_out)
                 t_sep = None
-                if kernels is not None and K.lora_ops.fuse_expand_pays(meta, 1, 1, 1):  # (fusable at this rank)
-                    t_sep = _graph_timer(lambda: step("triton", fuse_expand=not expand_fused), device, quick)
-                    kernels_sep = _kernel_breakdown(lambda: step("triton", fuse_expand=not expand_fused), device)
+                if kernels is not None and fuse_expand_pays(meta, 1, 1, 1):  # (fusable at this rank)
+                    t_sep = graph_timer(lambda: step("triton", fuse_expand=not expand_fused), device, quick)
+                    kernels_sep = kernel_breakdown(lambda: step("triton", fuse_expand=not expand_fused), device)
                 t_dense = None
                 if kernels is not None:  # cuBLAS on the same products as one adapter: the library's ceiling
                     xd, Ad, Bd = x.detach(), A.detach()[:rank], B.detach()[:, :rank]
-                    t_dense = _graph_timer(lambda: dense_lora_products(xd, Ad, Bd, dy), device, quick)
+                    t_dense = graph_timer(lambda: dense_lora_products(xd, Ad, Bd, dy), device, quick)
                 flops = 6 * T * rank * (d_in + d_out)  # 2 fwd + 4 bwd GEMMs of T x r x d
                 bound = e * T * (3 * d_in + 2 * d_out)  # x twice, dx, y, dy once; weights are small
                 bound_s = bound / (cal["copy_GBps"] * 1e9)
@@ -217,12 +129,12 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
 def bench_add_to(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     """Base projection + LoRA, forward+backward: separate add, accumulating into the base output
     (add_to), and the base product inside the LoRA op (base=W: its dx in the same cuBLAS call as an
-    addmm, the trainer's default since the thirteenth session)."""
+    addmm, the trainer's default)."""
     rows = []
     shapes = {"tiny": (64, 48)} if quick else {k: QWEN3_SHAPES[k] for k in ("q", "gate/up", "down")}
     J, tpj, rank = (4, 48, 16) if quick else (8, 24576, 16)
     for name, (d_in, d_out) in shapes.items():
-        meta, x, A, B, dy = _lora_problem(K, J, tpj, rank, d_in, d_out, device, seed=3)
+        meta, x, A, B, dy = lora_problem(K, J, tpj, rank, d_in, d_out, device, seed=3)
         W = (torch.randn(d_out, d_in, device=device) / d_in**0.5).to(torch.bfloat16)
 
         def base():
@@ -241,7 +153,7 @@ def bench_add_to(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
             y = K.grouped_lora(x, A, B, meta=meta, backend="triton", base=W)
             torch.autograd.grad(y, (x, A, B), dy)
 
-        t = {k: _timer(f, device, quick) * 1e3 for k, f in (("base_ms", base), ("separate_ms", separate),
+        t = {k: timer(f, device, quick) * 1e3 for k, f in (("base_ms", base), ("separate_ms", separate),
                                                             ("add_to_ms", add_to), ("base_in_op_ms", base_in_op))}
         rows.append({"shape": name, "d_in": d_in, "d_out": d_out, "rank": rank, "jobs": J, "tokens": J * tpj, **t,
                      **{f"lora_overhead_{k}": t[f"{k}_ms"] / t["base_ms"] - 1 for k in ("separate", "add_to", "base_in_op")}})
@@ -266,30 +178,30 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     """The segment reduction alone (fp32 partials -> a job's rows of dA or dB^T), its launch now
     (`reduce_shape`) against the previous one (128 or 64 columns a program, one partial per step),
     at the trainer step's micro-batch: 8 jobs x 4096 tokens."""
-    import triton
-
-    from .lora_ops import _block_r, _launch_reduce, _shrink_block_k, reduce_shape, sgrad_chunk, sgrad_shape
+    from colora.kernels.lora.common import block_r as rank_block
+    from colora.kernels.lora.policy import reduce_shape, rows_config, shrink_config
+    from colora.kernels.lora.reduce import launch_reduce
+    from colora.kernels.util import cdiv
 
     J, tpj = (4, 40) if quick else (8, 4096)
     rows = []
     for name, N, rank, chunking in _reduce_cases(quick):
         meta = K.LoRABatchMeta.build([tpj * j for j in range(J + 1)], [rank * j for j in range(J + 1)],
                                      [2.0] * J, device)
-        block_r = _block_r(rank)
-        if chunking == "tiles":  # the dy pass's partials: column blocks of its BLOCK_K
-            block_m = 16 if quick else 64
-            chunks = meta.tiles(block_m)
-            pb = _shrink_block_k(block_m, block_r, N, torch.bfloat16)
-        else:
-            pb = min(sgrad_shape(block_r)[0], max(16, triton.next_power_of_2(N)))  # the sgrad's BLOCK_N
-            chunks = meta.tiles(sgrad_chunk(meta, triton.cdiv(N, pb), block_r))
-        part = torch.randn(triton.cdiv(N, pb), max(chunks.n, 1), block_r, pb, device=device)
+        block_r = rank_block(rank)
+        if chunking == "tiles":  # the dy pass's partials (64-row tiles at this batch): column blocks of its BLOCK_K
+            chunks = meta.tiles(16 if quick else 64)
+            pb = shrink_config(meta, torch.bfloat16, N, 0, dy_pass=True)["block_k"]
+        else:  # the sgrad's chunks and BLOCK_N
+            cfg = rows_config("sgrad", meta, N, torch.bfloat16)
+            pb, chunks = cfg["block_n"], meta.tiles(cfg["chunk"])
+        part = torch.randn(cdiv(N, pb), max(chunks.n, 1), block_r, pb, device=device)
         out = torch.empty(meta.total_rank, N, device=device, dtype=torch.bfloat16)
         before = reduce_shape(J, N, block_r, 0, pb)  # no partials: one a step, all rank rows
         now = reduce_shape(J, N, block_r, chunks.n, pb)
         t = {}
         for key, shape in (("before", before), ("now", now)):
-            t[key] = _timer(lambda: _launch_reduce(part, out, meta, chunks, block_r, True, shape=shape), device, quick)
+            t[key] = timer(lambda: launch_reduce(part, out, meta, chunks, block_r, True, shape=shape), device, quick)
         nbytes = part.numel() * 4 + out.numel() * 2
         rows.append({"case": name, "N": N, "rank": rank, "block_r": block_r, "jobs": J, "tokens_per_job": tpj,
                      "partials_per_job": chunks.n // J, "shape_before": list(before), "shape_now": list(now),
@@ -325,8 +237,8 @@ def bench_logsoftmax(K, cal: dict, device: torch.device, quick: bool) -> list[di
         for key, fn in (("triton", lambda: fused("triton")), ("torch_chunked", lambda: fused("torch")),
                         ("naive", naive)):
             try:
-                row[f"{key}_peak_GB"] = (_peak_bytes(fn, device) or 0) / 1e9
-                row[f"{key}_ms"] = _timer(fn, device, quick) * 1e3
+                row[f"{key}_peak_GB"] = (peak_bytes(fn, device) or 0) / 1e9
+                row[f"{key}_ms"] = timer(fn, device, quick) * 1e3
             except torch.cuda.OutOfMemoryError:
                 row[f"{key}_ms"], row[f"{key}_peak_GB"] = None, "OOM"
                 torch.cuda.empty_cache()
@@ -370,7 +282,7 @@ def to_markdown(result: dict) -> str:
            "", "## Grouped LoRA, forward + backward (bf16)", "",
            "x bound: time over (compulsory bytes / copy bandwidth); compulsory bytes = 2 x T x (3 d_in + 2 d_out). "
            "loop: the torch reference (per-job loop) run eagerly.", "",
-           "fused dy: dh and dB from one pass over dy (the default where lora_ops.fuse_dy_pays); 'other' is the same "
+           "fused dy: dh and dB from one pass over dy (the default where policy.fuse_dy_pays); 'other' is the same "
            "step with the other choice.", "",
            "graph: the same triton step replayed as one CUDA graph (triton.testing.do_bench_cudagraph), the "
            "kernels' time without the host's launch gaps; '-' on the CPU.", "",
@@ -389,9 +301,9 @@ def to_markdown(result: dict) -> str:
         out += ["", "### Kernel by kernel at 8 jobs x 24k tokens", "",
                 "The GPU's own durations (torch.profiler, CUPTI), microseconds per step: no host gaps and no "
                 "bubbles between kernels, so their sum over the bound is the kernels' own 'x bound'. "
-                "Expands: fused where lora_ops.fuse_expand_pays (one slice, BLOCK_R <= 64, and d_in <= d_out "
+                "Expands: fused where policy.fuse_expand_pays (one slice, BLOCK_R <= 64, and d_in <= d_out "
                 "at BLOCK_R <= 32: y written by the launch that computes h, dx by the dy pass), else in their "
-                "own launches (as before the fourteenth session). Other: the same step with the other choice, "
+                "own launches. Other: the same step with the other choice, "
                 "its kernels' sum and graph time; '-' above rank 64, where they do not fuse. cuBLAS: the same "
                 "six products on the same rows as one adapter (bench.dense_lora_products: no grouping, dy read "
                 "twice), graph time and its x bound: what the card's own GEMMs reach on this work.", "",
@@ -453,11 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="reports/kernels", help="writes OUT.json and OUT.md")
     p.add_argument("--quick", action="store_true", help="tiny shapes (also on the CPU, through the interpreter)")
     p.add_argument("--only", choices=["lora", "add_to", "logsoftmax", "reduce", "tune"], action="append",
-                   help="run only these parts (repeatable); 'tune' (kernels/tune.py) runs only when named")
+                   help="run only these parts (repeatable); 'tune' (colora/bench/tune.py) runs only when named")
     p.add_argument("--tune-budget", type=float, default=480.0, metavar="S",
                    help="seconds after which the search starts no new problem (default 480)")
     args = p.parse_args(argv)
-    from .testing import interpreted_kernels
+    from colora.kernels.backend import interpreted_kernels
 
     K = interpreted_kernels()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,8 +23,7 @@ KV reads of 300 sequences of a 0.6B model need. This program tells apart what a 
 - --profile: vLLM's torch profiler around one batch (the jobs' adapters, seeded, the largest batch);
   its table of operator times (CPU and, on CUDA, GPU) is written to OUT.profile.txt.
 
-One engine, started once as `colora run` starts it for the config's arm: its engine settings, the
-sampler chosen by COLORA_VLLM_SAMPLER, and for an MPS arm under colora's MPS daemon with the arm's
+One engine, started once as `colora run` starts it for the config's arm: its engine settings, and for an MPS arm under colora's MPS daemon with the arm's
 shares (`--set experiment.arm=dedicated`: without MPS; the report says which). The adapters are the jobs' PEFT initialisation with B drawn
 at random (every LoRA product is computed either way). Writes OUT.json and OUT.md.
 """
@@ -47,9 +46,9 @@ def _adapters(cfg, model_dir: Path, dtype: str, scratch: Path) -> dict[str, Path
     """Each job's adapter in PEFT's format: its initialisation with B random (nonzero)."""
     import torch
 
-    from .lora import AdapterBank, inject_lora
-    from .models import load_base_model
-    from .runner import torch_dtype
+    from ..lora import AdapterBank, inject_lora
+    from ..models import load_base_model
+    from ..runner import torch_dtype
 
     model = load_base_model(model_dir, torch.float32, "cpu")
     bank = AdapterBank("cpu", "torch")
@@ -68,7 +67,7 @@ def _adapters(cfg, model_dir: Path, dtype: str, scratch: Path) -> dict[str, Path
 def _measure(engine, batch: int, tokens: int, prompts: list[tuple[int, ...]], jobs: list[str | None],
              seeded: bool) -> dict:
     """Decode `batch` requests of exactly `tokens` tokens each; time every engine step."""
-    from .engine import GenRequest
+    from ..engine import GenRequest
 
     reqs = [GenRequest(jobs[i % len(jobs)], prompts[i % len(prompts)], max_tokens=tokens, temperature=1.0,
                        seed=(1000 + i) if seeded else None, min_tokens=tokens, ignore_eos=True) for i in range(batch)]
@@ -143,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--batches, --tokens and --prompt must be at least 1")
     import numpy as np
 
-    from .config import load_config
-    from .engine import RolloutEngine, plain_token_ids
-    from .runner import resolve_device, resolve_model, start_mps
-    from .runlog import write_report
+    from ..config import load_config
+    from ..engine import RolloutEngine, plain_token_ids
+    from ..runner import resolve_device, resolve_model, start_mps
+    from ..runlog import write_report
 
     cfg = load_config(args.config, args.set)
     if args.prompt + args.tokens > cfg.engine.max_model_len:
