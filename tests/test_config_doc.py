@@ -77,7 +77,8 @@ def test_types_and_defaults_read_as_toml():
     assert config_doc.type_name(tuple[str, ...]) == "list of strings"
     assert config_doc.type_name(tuple[float, float]) == "list of 2 numbers"
     assert config_doc.type_name(bool) == "boolean"
-    assert [config_doc.toml_value(v) for v in (True, 1e-4, "x", (1, 2), {})] == ["true", "0.0001", '"x"', "[1, 2]", "{}"]
+    values = (True, 1e-4, "x", (1, 2), {})
+    assert [config_doc.toml_value(v) for v in values] == ["true", "0.0001", '"x"', "[1, 2]", "{}"]
     job = {k.name: k for s in config_doc.sections() if s.title == "[[jobs]]" for k in s.keys}
     assert job["name"].default == "required"
     assert job["response_length"].type == "table"
