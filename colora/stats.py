@@ -1,10 +1,10 @@
 """Paired statistics and the pre-registered gate, as small pure functions over numbers.
 
-The model is the reference study (seeds/002, sections 2-4): every arm runs the same jobs on the
-same seeds as the dedicated baseline, so learning is compared *paired*, one difference per
-(job, seed): the unit is one job's outcome on one seed, arm minus dedicated. With 8 jobs and 3 seeds
-that is 24 pairs. Pairs that share a seed share a run, so they are not fully independent; the
-intervals below treat them as independent, as the reference does, and say so in the report.
+The design is the reference study's: every arm runs the same jobs on the same seeds as the dedicated
+baseline, so learning is compared *paired*, one difference per (job, seed): the unit is one job's
+outcome on one seed, arm minus dedicated. With 8 jobs and 3 seeds that is 24 pairs. Pairs that share
+a seed share a run, so they are not fully independent; the intervals below treat them as
+independent, as the reference does, and say so in the report.
 
 Repeats: when an (arm, seed) ran several times, `average_repeats` first averages each (job, seed)
 over its repeats, so a seed that ran twice does not count twice. Throughput is averaged the same way
@@ -179,7 +179,7 @@ def throughput_ratios(arm: Mapping[int, float], base: Mapping[int, float]) -> di
 
 @dataclass(frozen=True)
 class Gates:
-    """The pre-registered thresholds (reference study, section 2)."""
+    """The pre-registered thresholds (the reference study's by default)."""
 
     min_ratio: float = 2.0  # steps per GPU-hour over dedicated, on every seed
     aa_multiple: float = 5.0  # mean gain (ratio - 1) must exceed this times the A/A spread

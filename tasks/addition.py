@@ -5,7 +5,7 @@ Options (difficulty knobs):
     terms    (2..6, default 2)   how many operands
     eval_fraction (default 0.2)  share of the problem space held out for eval
 
-SmolLM2-135M-Instruct gets about 33% of one-digit and 5% of two-digit sums right at temperature 1.
+Where SmolLM2-135M-Instruct starts on these settings: reports/smollm2/report.md.
 Tiny spaces: digits=1, terms=2 has only 100 problems (about 20 eval), too few for 64 eval items;
 use terms=3 or a larger eval_fraction there.
 

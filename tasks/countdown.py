@@ -20,8 +20,8 @@ parentheses, "=", spaces) that holds a digit, so "The answer is (3 + 5) * 3." wo
 split at "=" (at most 4 parts, so "(3 + 5) * 3 = 24" and "24 = (3 + 5) * 3" both work) and the
 completion is right when every part evaluates exactly to the target and one of them uses the given
 numbers as the rule says: a stated value that disagrees with the expression ("(3 + 5) * 3 = 25")
-scores 0, and so does a part that does not evaluate. "**", unary minus, decimals, letters (also "x" for times), huge literals or values:
-reward 0.
+scores 0, and so does a part that does not evaluate. "**", unary minus, decimals, letters (also "x"
+for times), huge literals or values: reward 0.
 Content key: the sorted numbers and the target (a permutation is the same puzzle).
 """
 

@@ -4,8 +4,7 @@ trainer. What the tiny random model cannot show: the chat template and a real to
 tasks' verifiers, and the engine and the trainer compute the same policy on a real model, before and
 after a hot reload (the per-token log-prob gap between them stays at fp32 noise).
 
-The full experiment (12 steps, tens of minutes) is `colora run experiments/learn_cpu.toml`; its
-result is in reports/smollm2/learn_cpu.md.
+The full experiment (12 steps, tens of minutes) is `colora run experiments/learn_cpu.toml`.
 """
 
 from __future__ import annotations
