@@ -7,7 +7,6 @@
     colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
     colora bench kernels [...] | colora bench trainer [...] | colora bench arms CONFIG --seeds 1 2 3
     colora bench engine CONFIG [--batches ...]
-    colora bench vllm-lora CONFIG [--batches ...]             tune vLLM's LoRA kernels (VLLM_TUNED_CONFIG_FOLDER)
     colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR
     colora report RUNS... [--prereg FILE] --out reports/NAME
     colora prereg lock CONFIG --out prereg/NAME.md | colora prereg check PREREG CONFIG
@@ -26,7 +25,7 @@ from pathlib import Path
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
     from .models import ModelDirError
-    from .runner import RunError
+    from .resources import RunError
 
     errs: list[type[BaseException]] = [ConfigError, ModelDirError, RunError]
     try:
@@ -104,8 +103,6 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from .bench_trainer import main
     elif args.what == "engine":
         from .bench_engine import main
-    elif args.what == "vllm-lora":
-        from .bench_vllm_lora import main
     else:
         from .bench_arms import main
     return main(rest)
@@ -145,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option")
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
-    b.add_argument("what", choices=["kernels", "arms", "trainer", "engine", "vllm-lora"])
+    b.add_argument("what", choices=["kernels", "arms", "trainer", "engine"])
     for name in ("sweep", "report", "prereg", "replay-step"):
         sub.add_parser(name, add_help=False)
     return p

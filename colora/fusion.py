@@ -84,7 +84,7 @@ def elementwise_kernels_from_env() -> bool:
     instead of torch.compile's functions; "0" keeps the compiled ones. On the H200 the 8-job trainer
     step took 1.721 s with the kernels against 1.986 s without, in one run (reports/h200/twelfth/
     kernels_ab). Anything else is a ValueError (checked before a run: runner.prepare)."""
-    from .config import env_switch
+    from .environment import env_switch
 
     return env_switch("COLORA_ELEMENTWISE_KERNELS", ("0", "1"), "1") == "1"
 

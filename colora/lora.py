@@ -103,7 +103,7 @@ def base_in_lora_from_env() -> bool:
     twelfth/new_profile). "1" or unset is the default: the H200's 8-job trainer step took 1.635 s with
     it against 1.677 s without, in one run (reports/h200/thirteenth/base_ab). "0" keeps the base
     linear. Anything else is a ValueError (checked before a run: runner.prepare)."""
-    from .config import env_switch
+    from .environment import env_switch
 
     return env_switch("COLORA_BASE_IN_LORA", ("0", "1"), "1") == "1"
 

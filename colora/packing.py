@@ -38,7 +38,7 @@ def packed_rows_from_env() -> str:
     """COLORA_PACKED_ROWS: "auto" or unset, packed rows on CUDA and padded rows elsewhere; "1" packs
     each micro-batch's rows without padding everywhere; "0" pads them everywhere. Anything else is a
     ValueError (checked before a run starts: runner.prepare)."""
-    from .config import env_switch
+    from .environment import env_switch
 
     return env_switch("COLORA_PACKED_ROWS", ("0", "1", "auto"), "auto")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -357,3 +358,21 @@ def _group_norms(groups: list[list[torch.Tensor]], ord: float) -> list[float]:
     out = torch.stack([seg.norm(ord) if seg.numel() else seg.new_tensor(math.nan)
                        for seg in per.split([len(g) for g in groups])])
     return out.tolist()
+
+
+def build_trainer(cfg, model_dir: Path, device: str, dtype, pad_id: int):
+    """The frozen base model with every job's adapter injected, and the trainer over it:
+    (bank, trainer). Used by a run and by `colora replay-step`."""
+    from .fusion import elementwise_kernels_from_env, fuse_elementwise, should_fuse
+    from .lora import AdapterBank, base_in_lora_from_env, inject_lora
+    from .models import load_base_model
+
+    model = load_base_model(model_dir, dtype, device)
+    if should_fuse(cfg.trainer.fuse_elementwise, device):
+        fuse_elementwise(model, kernels=elementwise_kernels_from_env())
+    bank = AdapterBank(device, cfg.trainer.lora_backend, cfg.trainer.pack_projections, base_in_lora_from_env())
+    inject_lora(model, bank)
+    for j in cfg.jobs:
+        bank.add_job(j.name, j.lora_rank, j.lora_alpha, j.target_modules, cfg.experiment.seed, j.learning_rate,
+                     j.weight_decay, j.adam_betas, j.adam_eps)
+    return bank, MultiJobTrainer(model, bank, cfg.trainer, {j.name: j for j in cfg.jobs}, pad_id)
