@@ -28,9 +28,9 @@ new adapters before it trains the next group. A load pauses the engine's decodin
 and, run during a training step, takes about twice as long; overlap_mps made 11-20% more job-steps
 per hour with this wait than without (reports/h200/tenth and eleventh, reload_first.txt).
 
-The trainer (main thread) and the engine thread exchange small records through two queues:
-`Generate`, `Drop` and `Stop` to the engine thread, `Generated` and `Failed` back. Every wait on a
-queue has a timeout, after which it looks at whether the other side is still there.
+The trainer (main thread) and the engine thread exchange small records through two queues
+(colora/handoff.py). Every wait on a queue has a timeout, after which it looks at whether the other
+side is still there.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from . import compilewatch, grpo
 from .config import OVERLAP_ARMS, Config, JobConfig
 from .engine import GenRequest, GenResult, RolloutEngine
 from .grouping import plan_regroup, request_tokens, split_groups
+from .handoff import Drop, EngineFailure, Failed, Generate, Generated, Stop
 from .lora import AdapterBank
 from .replay import keep_failed_step
 from .runlog import JsonlWriter, Timeline
@@ -62,47 +63,6 @@ from .trainer import JobFailure, MultiJobTrainer, Rollout
 
 QUEUE_WAIT_S = 0.5  # the longest a thread waits on its queue before it looks at the other side
 JOIN_WAIT_S = 60.0  # the longest the trainer waits for the engine thread to end after a Stop
-
-
-class EngineFailure(RuntimeError):
-    """The engine (or its thread) failed; the trainer's state is whole and can be checkpointed."""
-
-
-# -- the records of the two queues --------------------------------------------------------------
-@dataclass(frozen=True)
-class Generate:
-    """To the engine thread: load the group's new adapters and queue one step of its rollouts."""
-
-    group: int
-
-
-@dataclass(frozen=True)
-class Drop:
-    """To the engine thread: take a stopped job's adapter out of the engine."""
-
-    job: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    """To the engine thread: end the loop."""
-
-
-@dataclass
-class Generated:
-    """From the engine thread: a group's finished rollouts, {job: (items, results)}, and how long the
-    group generated."""
-
-    group: int
-    jobs: dict[str, tuple[list, list[GenResult]]]
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Failed:
-    """From the engine thread (or its watchdog): the engine failed; the trainer raises `error`."""
-
-    error: EngineFailure
 
 
 @dataclass

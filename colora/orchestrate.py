@@ -8,8 +8,8 @@ Processes: consecutive planned runs of one kind share a process and its engines 
 the dominant cost of a short run): "plain" runs (no MPS), or MPS runs of one pair of MPS shares.
 Whether a process is an MPS client, and with what share of the SMs, is fixed when it makes its CUDA
 context, and a client cannot quit its daemon while it lives. So a group of MPS runs on a GPU runs in
-a child process, for which this process (never a CUDA client itself then) starts the daemon and which
-it starts with its trainer's share; with `children=True` every group runs in a child of its own (the
+a child process, for which this process (no client of that daemon) starts the daemon and which it
+starts with its trainer's share; with `children=True` every group runs in a child of its own (the
 arms benchmark: each batch a clean process). Other groups run in this process, one `EngineCache` for
 all of them.
 
@@ -26,23 +26,21 @@ runs later when the plan is run again.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 from . import python_m
-from .config import Config, ConfigError, diff, from_dict, replace, resolve
+from .config import Config, from_dict, replace, resolve
 from .engine import EngineCache, engine_process, release_cuda_cache
 from .resources import MPS_ARMS, RunError
-from .runlog import write_json_atomic
+from .rundirs import Record, check_existing, estimate, move_aside, run_state
 
 RunFn = Callable[[Config, Path, EngineCache, Callable[[str], None]], dict]
 STOP_TERM_S = 20.0  # how long a stopped child may take to shut its engine down before it is killed
@@ -139,118 +137,9 @@ def on_gpu(group: ProcessGroup, base: Config) -> bool:
     return torch.cuda.is_available()
 
 
-# -- run directories ------------------------------------------------------------------------------
-def run_state(path: Path) -> str:
-    """missing | complete | incomplete (killed or failed: anything else that exists)."""
-    if not path.exists():
-        return "missing"
-    try:
-        state = json.loads((path / "status.json").read_text()).get("state")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        state = None
-    return "complete" if state == "complete" and (path / "summary.json").is_file() else "incomplete"
-
-
-def run_config_hash(path: Path) -> tuple[str | None, dict | None]:
-    try:
-        d = json.loads((path / "config.json").read_text())
-        return d.get("hash"), d.get("config")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None, None
-
-
-def move_aside(path: Path) -> Path:
-    """Rename an unfinished run directory to `<name>.incomplete-<n>` (first free n)."""
-    n = 1
-    while (dest := path.with_name(f"{path.name}.incomplete-{n}")).exists():
-        n += 1
-    path.rename(dest)
-    return dest
-
-
-def _describe_diff(a: dict, b: Config) -> str:
-    try:
-        d = diff(from_dict(a), b)
-    except ConfigError:
-        return "(the old config no longer resolves)"
-    return "; ".join(f"{k}: {x!r} there, {y!r} here" for k, x, y in d[:6]) + (" ..." if len(d) > 6 else "")
-
-
-def check_existing(root: Path, base: Config, planned: list[PlannedRun]) -> dict[str, str]:
-    """State of each planned run; refuses (ConfigError) complete runs or a sweep.json of another config."""
-    from .prereg import lock_hash
-
-    sj = root / "sweep.json"
-    if sj.is_file():
-        try:
-            old = json.loads(sj.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{sj} is not valid JSON ({e}); move it away or use another --out") from None
-        if old.get("lock_hash") not in (None, lock_hash(base)):
-            raise ConfigError(f"{str(root)!r} holds a sweep of another config ({old.get('lock_hash')}, this one "
-                              f"{lock_hash(base)}: {_describe_diff(old.get('config', {}), base)}); use another --out")
-    states = {}
-    for p in planned:
-        d = root / p.rel
-        st = run_state(d)
-        if st == "complete":
-            want = p.config(base)
-            h, cfgd = run_config_hash(d)
-            if h != want.hash():
-                raise ConfigError(f"{d} is a complete run of another config ({h}, this plan's is {want.hash()}: "
-                                  f"{_describe_diff(cfgd or {}, want)}); use another --out")
-        states[p.rel] = st
-    return states
-
-
-def estimate(p: PlannedRun, jobs: int, root: Path, starts_engine: bool) -> float | None:
-    """About how long run `p` (of `jobs` jobs) will take, from the finished runs under `root` (their
-    summaries' wall time): the median of the same arm's runs at the same job count, else of every run
-    at that job count, plus the longest engine start seen if `p` starts an engine; None before any
-    run of its job count has finished."""
-    walls, same, starts = [], [], []
-    for f in root.glob("*/*/summary.json"):
-        s = json.loads(f.read_text())
-        start = 0.0 if s.get("engine_reused") else s.get("engine_start_s", 0.0)
-        starts.append(start)
-        if len(s.get("jobs", ())) == jobs:
-            walls.append(s["wall_s"] - start)
-            if s.get("arm") == p.arm:
-                same.append(s["wall_s"] - start)
-    if not walls:
-        return None
-    return statistics.median(same or walls) + (max(starts) if starts_engine else 0.0)
-
-
 def _dur(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-class Record:
-    """ROOT/sweep.json: every run the root holds (also from earlier invocations) and its state. A
-    child process updates the same file; `reload` reads what it wrote."""
-
-    def __init__(self, root: Path, data: dict | None = None):
-        self.path = root / "sweep.json"
-        self.runs: dict[str, dict] = {}
-        self.data: dict = {}
-        self.reload()
-        if data is not None:  # a new invocation
-            self.data = {**data, "invocations": self.data.get("invocations", []) + [
-                {"command": data.get("command", ""), "started": datetime.datetime.now(datetime.timezone.utc).isoformat()}]}
-            self.data.pop("command", None)
-
-    def reload(self) -> None:
-        old = json.loads(self.path.read_text()) if self.path.is_file() else {}
-        self.runs = {r["dir"]: r for r in old.pop("runs", [])}
-        self.data = old
-
-    def set(self, p: PlannedRun, **fields) -> None:
-        r = self.runs.setdefault(p.rel, {"dir": p.rel, "arm": p.arm, "seed": p.seed, "repeat": p.repeat, "tag": p.tag})
-        r.update(fields)
-        runs = sorted(self.runs.values(), key=lambda r: (r["seed"], r["repeat"], r["arm"], r.get("tag", "")))
-        write_json_atomic(self.path, {**self.data, "runs": runs})
 
 
 # -- running --------------------------------------------------------------------------------------
@@ -271,7 +160,6 @@ class _Progress:
     t0: float = 0.0
     done_s: float = 0.0
     n_done: int = 0
-    failed: list[str] = field(default_factory=list)
 
     def eta(self) -> str:
         return (f"ETA {_dur(self.done_s / self.n_done * (self.todo - self.n_done))}" if self.n_done
@@ -293,8 +181,8 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
             continue
         apart = engine_process(cfg.runtime.engine_process, p.arm)
         need = estimate(p, len(cfg.jobs), root, apart not in engines)
-        if deadline is not None and need is not None and clock() + need > deadline:
-            say(f"{tag}: not started, it needs about {_dur(need)} and the deadline comes in "
+        if deadline is not None and (clock() >= deadline or (need is not None and clock() + need > deadline)):
+            say(f"{tag}: not started, it needs about {_dur(need or 0.0)} and the deadline comes in "
                 f"{_dur(max(0.0, deadline - clock()))}")
             record.set(p, state="skipped", error="the deadline would cut it")
             continue
@@ -321,7 +209,6 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
         except Exception as e:
             secs = clock() - t
             record.set(p, state="failed", seconds=secs, error=f"{type(e).__name__}: {e}")
-            progress.failed.append(p.rel)
             say(f"{tag}: FAILED after {_dur(secs)}: {type(e).__name__}: {e} (log: {log_path})")
             progress.n_done, progress.done_s = progress.n_done + 1, progress.done_s + secs
             continue
@@ -339,8 +226,8 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
     code, or "deadline" when it had to be stopped. `seconds`: the time left to the whole plan."""
     daemon = None
     if group.mps_shares is not None:
-        # This process never makes a CUDA context, so it can start the daemon for the child and quit
-        # it cleanly once the child (the only client) has exited.
+        # This process is no client of the daemon (its own CUDA context, if any, was made without it),
+        # so it can quit it cleanly once the child, the only client, has exited.
         from .mps import MpsDaemon, MpsUnavailable
 
         daemon = MpsDaemon()
@@ -357,6 +244,10 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
                              start_new_session=True)
     try:
         return wait_or_stop(child, None if seconds is None else time.monotonic() + seconds)
+    except BaseException:  # interrupted here: the child (a session of its own) does not go by itself
+        if child.poll() is None:
+            _stop(child)
+        raise
     finally:
         if daemon is not None:
             print(f"MPS daemon: {daemon.stop()}", flush=True)
@@ -373,13 +264,18 @@ def wait_or_stop(child: subprocess.Popen, deadline: float | None) -> int | str:
         return child.wait(timeout=max(0.0, stop_at - time.monotonic()))
     except subprocess.TimeoutExpired:
         pass
+    _stop(child)
+    return "deadline"
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """SIGTERM to the child's process group (its engine's processes too), SIGKILL after STOP_TERM_S."""
     os.killpg(child.pid, signal.SIGTERM)
     try:
         child.wait(timeout=STOP_TERM_S)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
-    return "deadline"
 
 
 def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, record: dict | None = None,
@@ -416,13 +312,19 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
                     for p in group.runs:
                         say(f"[{index[p.rel]}/{len(planned)}] {p.label}: complete, skipped")
                     continue
+                left = None if deadline is None else deadline - clock()
+                if left is not None and left <= STOP_TERM_S + STOP_REPORT_S:
+                    for p in group.runs:
+                        if run_state(root / p.rel) != "complete":
+                            say(f"[{index[p.rel]}/{len(planned)}] {p.label}: not started, the deadline has come")
+                            rec.set(p, state="skipped", error="the deadline came first")
+                    continue
                 cache.close()  # the child's runs get the GPU to themselves
                 release_cuda_cache()
-                left = None if deadline is None else deadline - clock()
                 rc = child_fn(base, group, root, index, len(planned), left, verbose)
                 rec.reload()
-                for p in group.runs:
-                    if rec.runs.get(p.rel, {}).get("state") == "running":  # the child ended inside it
+                for p in group.runs:  # a run the child left open: it ended inside it or before it
+                    if rec.runs.get(p.rel, {}).get("state") in ("running", "pending"):
                         rec.set(p, state="failed", error=f"its process ended ({rc})")
                 if rc == 2:
                     raise RunError(f"a {group.kind} process refused its runs (bad input); see its output above")
@@ -435,8 +337,8 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
         cache.close()
     rec.reload()
     for p in planned:
-        states[p.rel] = run_state(root / p.rel) if run_state(root / p.rel) == "complete" else \
-            rec.runs.get(p.rel, {}).get("state", "missing")
+        done = run_state(root / p.rel) == "complete"
+        states[p.rel] = "complete" if done else rec.runs.get(p.rel, {}).get("state", "missing")
     failed = [r for r, s in states.items() if s == "failed"]
     skipped = [r for r, s in states.items() if s == "skipped"]
     say(f"sweep: {len(planned) - len(failed) - len(skipped)}/{len(planned)} complete in {_dur(clock() - prog.t0)}"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from colora import bench_arms, orchestrate, phases
+from colora import bench_arms, orchestrate, phases, rundirs
 from colora.config import load_config
 from colora.runlog import write_json_atomic
 
@@ -387,10 +387,10 @@ def test_run_seconds_come_from_the_finished_runs(tmp_path):
     _summary(tmp_path / "shared_sync" / "seed1-main", "shared_sync", 8, 100.0, 150.0, True)
     _summary(tmp_path / "overlap_mps" / "seed1-jobs2", "overlap_mps", 2, 40.0, 80.0, True)
     r = orchestrate.PlannedRun("overlap_mps", 1, "main", jobs=8)
-    assert orchestrate.estimate(r, 8, tmp_path, starts_engine=False) == pytest.approx(95.0)  # median at 8 jobs
-    assert orchestrate.estimate(r, 8, tmp_path, starts_engine=True) == pytest.approx(245.0)  # + longest start
-    assert orchestrate.estimate(r, 2, tmp_path, False) == pytest.approx(40.0)  # its own arm
-    assert orchestrate.estimate(r, 16, tmp_path, True) is None  # nothing to go by: run it
+    assert rundirs.estimate(r, 8, tmp_path, starts_engine=False) == pytest.approx(95.0)  # median at 8 jobs
+    assert rundirs.estimate(r, 8, tmp_path, starts_engine=True) == pytest.approx(245.0)  # + longest start
+    assert rundirs.estimate(r, 2, tmp_path, False) == pytest.approx(40.0)  # its own arm
+    assert rundirs.estimate(r, 16, tmp_path, True) is None  # nothing to go by: run it
 
 
 def _finished(root: Path, p, cfg, wall: float, start: float, reused: bool) -> dict:

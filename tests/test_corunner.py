@@ -359,3 +359,24 @@ def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path):
     overlapping = [(t, r) for t in trains for r in loads if t["start"] < r["end"] and r["start"] < t["end"]]
     assert len(loads) >= 8 and len(trains) >= 8
     assert not overlapping
+
+
+def test_the_engine_thread_takes_records_and_every_wait_ends(tmp_path):
+    """The engine thread takes Drop and Stop records and ends on Stop; the trainer's wait for the
+    engine thread's next record gives up with a Failed once that thread is gone without one."""
+    import queue
+
+    from colora.corunner import Drop, Failed, Stop
+
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync"], {"a": 4})
+    dropped = []
+    c.engine.drop = dropped.append
+    submit_q, done_q = queue.Queue(), queue.Queue()
+    t = threading.Thread(target=c.engine_loop, args=([["a"]], submit_q, done_q))
+    t.start()
+    submit_q.put(Drop("a"))
+    submit_q.put(Stop())
+    t.join(timeout=10)
+    assert not t.is_alive() and dropped == ["a"] and done_q.empty()
+    got = c._next(done_q, t)
+    assert isinstance(got, Failed) and "ended without a word" in str(got.error)
