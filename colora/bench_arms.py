@@ -55,7 +55,8 @@ def plan(cfg: Config, args) -> list[PlannedRun]:
             if k != n:
                 runs += [PlannedRun(arm, seed, f"jobs{k}", jobs=k) for arm in args.scale_arms or [args.headline]]
     for spec in args.vary:
-        runs += [PlannedRun(args.headline, args.seeds[0], label, jobs=n, set=tuple(sets)) for sets, label in vary_runs(spec)]
+        runs += [PlannedRun(args.headline, args.seeds[0], label, jobs=n, set=tuple(sets))
+                 for sets, label in vary_runs(spec)]
     for r in runs:
         r.config(cfg)  # a bad key or value of --vary is refused before anything runs
     return runs

@@ -322,7 +322,8 @@ def _check(cfg: Config) -> None:
         v = getattr(o, k)
         need(1 <= v <= 100, f"overlap.{k}", v, "must be an integer from 1 to 100")
     r = cfg.runtime
-    need(r.checkpoint_every >= 0, "runtime.checkpoint_every", r.checkpoint_every, "must be at least 0 (0: no checkpoints)")
+    need(r.checkpoint_every >= 0, "runtime.checkpoint_every", r.checkpoint_every,
+         "must be at least 0 (0: no checkpoints)")
     need(r.checkpoint_keep >= 1, "runtime.checkpoint_keep", r.checkpoint_keep, "must be at least 1")
 
     need(len(cfg.jobs) >= 1, "jobs", [], "must list at least one [[jobs]] table")

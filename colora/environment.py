@@ -2,8 +2,8 @@
 
 colora is configured by its config file and flags (`[runtime]` for how a run executes). The process
 environment is used only where something else reads it from there and nowhere else: vLLM's CPU
-build and its worker start method, the CUDA driver's MPS client settings, and COLORA_HOME, the
-folder of colora's model cache.
+build and its worker start method, the CUDA driver's MPS client settings, and the folder of colora's
+cache (COLORA_HOME, XDG_CACHE_HOME).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ MPS_VARIABLES = ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_
 
 
 def colora_home() -> Path:
-    """colora's cache (built models): COLORA_HOME, else ~/.cache/colora."""
-    return Path(os.environ.get("COLORA_HOME", Path.home() / ".cache" / "colora"))
+    """colora's cache (built models, downloaded model packages): COLORA_HOME, else colora/ in the
+    user's cache folder ($XDG_CACHE_HOME, else ~/.cache)."""
+    home = os.environ.get("COLORA_HOME")
+    return Path(home) if home else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colora"
 
 
 def prepare_vllm(device: str) -> None:

@@ -16,8 +16,9 @@ What is computed (colora.stats has the definitions):
 - gates (the pre-registration's, else the reference study's numbers), PASS/FAIL/NOT EVALUATED for
   every arm but dedicated, with the numbers behind each.
 
-Writes `report.md` (opening with the command that made it), `summary.json` (every number in the
-report), and PNG figures: throughput.png, learning_curves.png, paired_differences.png, timeline.png.
+Writes `report.md` (opening with the command that made it; colora/report_md.py), `summary.json`
+(every number in the report), and PNG figures (colora/report_figures.py): throughput.png,
+learning_curves.png, paired_differences.png, timeline.png.
 """
 
 from __future__ import annotations

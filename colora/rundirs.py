@@ -113,9 +113,9 @@ class Record:
         self.data: dict = {}
         self.reload()
         if data is not None:  # a new invocation
-            self.data = {**data, "invocations": self.data.get("invocations", []) + [
-                {"command": data.get("command", ""), "started": datetime.datetime.now(datetime.timezone.utc).isoformat()}]}
-            self.data.pop("command", None)
+            started = datetime.datetime.now(datetime.timezone.utc).isoformat()
+            calls = self.data.get("invocations", []) + [{"command": data.get("command", ""), "started": started}]
+            self.data = {k: v for k, v in data.items() if k != "command"} | {"invocations": calls}
 
     def reload(self) -> None:
         old = json.loads(self.path.read_text()) if self.path.is_file() else {}

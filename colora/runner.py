@@ -237,8 +237,9 @@ def _train(r: _Run, corunner, engine, ckpt):
         with frozen_heap(), GpuSampler(r.timeline) as gpu:
             window = corunner.run()
         if steps is not None:
+            origin = r.timeline.origin
             for b in steps.take():
-                r.timeline.add("engine_steps", b.pop("start") - r.timeline.origin, b.pop("end") - r.timeline.origin, **b)
+                r.timeline.add("engine_steps", b.pop("start") - origin, b.pop("end") - origin, **b)
     except EngineFailure as e:
         path = ckpt.save_now()
         raise RunFailed(f"the vLLM engine failed mid-run ({e}); every job's state is saved in "

@@ -24,7 +24,10 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 COLORA_HOME=/tmp/colora-
 cd "$ROOT"
 LOG="$OUT/$1.log"
 # colora from this checkout, importable from anywhere (python -P never looks in the working directory)
-installed() { python3 -P -c "import colora, colora.kernels, colora.tasks, pathlib, sys; sys.exit(pathlib.Path(colora.__file__).resolve().parent != pathlib.Path('$ROOT/colora').resolve())" 2>/dev/null; }
+installed() {
+  python3 -P -c "import colora, colora.kernels, colora.tasks, pathlib, sys
+sys.exit(pathlib.Path(colora.__file__).resolve().parent != pathlib.Path('$ROOT/colora').resolve())" 2>/dev/null
+}
 if ! installed; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT" >> "$LOG" 2>&1 ||
     python3 -m pip install -q --user --no-index --no-deps --no-build-isolation -e "$ROOT" >> "$LOG" 2>&1
