@@ -113,14 +113,17 @@ class _Run:
 
 def _execute(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None, process_mps,
              resume_state: dict | None) -> RunSummary:
+    from .models import load_tokenizer
+
     out, cfg = setup.out, setup.cfg
     t_start = time.perf_counter()
     r = _Run(setup, log, JsonlWriter(out / "metrics.jsonl"), Timeline(JsonlWriter(out / "timeline.jsonl")))
     with contextlib.ExitStack() as stack:
         stack.callback(r.metrics.close)
-        mps, r.mps_note = start_mps(cfg, stack, log, process_mps)  # before any CUDA context
+        _, r.mps_note = start_mps(cfg, stack, log, process_mps)  # before any CUDA context
         r.device, r.dtype = resolve_device(cfg)
         r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
+        r.tokenizer = load_tokenizer(setup.model_dir)
         engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
         bank, trainer, trainer_setup_s = _build_trainer(r)
         corunner, ckpt = _assemble(r, stack, engine, bank, trainer, resume_state)
@@ -135,10 +138,7 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     """The engine for the run: a cached one whose settings match, else a new one (closed with the
     run). A cached engine is shared only by runs of one MPS state: a process's MPS membership is fixed
     when its CUDA context is made (`shared`: the whole process is an MPS client)."""
-    from .models import load_tokenizer
-
     cfg, setup = r.cfg, r.setup
-    r.tokenizer = load_tokenizer(setup.model_dir)
     max_rank = max(j.lora_rank for j in cfg.jobs)
     max_loras = cfg.engine.max_loras or len(cfg.jobs)
     if max_loras < len(cfg.jobs):
