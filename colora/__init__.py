@@ -7,6 +7,7 @@ import sys
 
 def python_m(module: str) -> list[str]:
     """The command that runs `python -m module` with this interpreter, started as this process was:
-    with -P (safe path) when this process has it, so a child never imports another `colora` from its
-    working directory (the GPU host maps the repository onto colora through PYTHONPATH)."""
+    with -P (safe path) when this process has it, so a child imports the installed colora (on the GPU
+    host an editable install of the checkout, scripts/h200.sh) and never the `colora` folder of its
+    working directory, which alone lacks colora.kernels and colora.tasks."""
     return [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", module]

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from colora.tasks import get_task
 
     from .models import load_tokenizer
-    from .runner import resolve_model
+    from .resources import resolve_model
 
     from colora.tasks import TaskError
 

@@ -14,6 +14,7 @@ fails its manifest check on load and the previous checkpoint is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -100,12 +101,15 @@ def load_latest(root: Path, log: Callable[[str], None] = print) -> tuple[Path, d
 
 
 class Checkpointer:
-    """Takes checkpoints for a run (`every` steps of its slowest running job, and on demand) and
-    restores one into a fresh bank and job states."""
+    """Takes checkpoints for a run (every `every` steps of its slowest running job, when training
+    ends, and on demand; `every` 0: only on demand), keeps the newest `keep`, and restores one into a
+    fresh bank and job states."""
 
-    def __init__(self, out: Path, cfg, bank, jobs: dict, log: Callable[[str], None] = print):
+    def __init__(self, out: Path, cfg, bank, jobs: dict, every: int, keep: int, log: Callable[[str], None] = print,
+                 timeline=None):
+        """timeline: a runlog.Timeline that gets a "checkpoint" span per checkpoint written."""
         self.out, self.cfg, self.bank, self.jobs, self.log = out, cfg, bank, jobs, log
-        self.every = cfg.checkpoint.every
+        self.every, self.keep, self.timeline = every, keep, timeline
         self.last = min((js.step for js in jobs.values()), default=0)
 
     def state(self) -> dict:
@@ -115,7 +119,8 @@ class Checkpointer:
 
     def save_now(self) -> Path:
         tag = min(js.step for js in self.jobs.values())
-        path = save(self.out, tag, self.state(), self.cfg.checkpoint.keep)
+        with self.timeline.span("checkpoint") if self.timeline is not None else contextlib.nullcontext():
+            path = save(self.out, tag, self.state(), self.keep)
         self.last = tag
         self.log(f"checkpoint {path.name} written")
         return path
@@ -127,6 +132,15 @@ class Checkpointer:
         live = [js.step for js in self.jobs.values() if js.status != "stopped"]
         if live and min(live) >= self.last + self.every:
             self.save_now()
+
+    def finish(self) -> Path | None:
+        """When training has ended: the final state, unless checkpoints are off or the newest one
+        holds it already (a run killed during its last evaluation then resumes to evaluate only)."""
+        if self.every <= 0:
+            return None
+        tag = min(js.step for js in self.jobs.values())
+        latest = self.out / "checkpoints" / f"step-{tag:06d}"
+        return None if tag == self.last and latest.exists() else self.save_now()
 
     def restore(self, state: dict) -> None:
         if state.get("config_hash") != self.cfg.hash():

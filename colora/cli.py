@@ -1,13 +1,13 @@
 """colora's command line.
 
-    colora run CONFIG [--set key=value ...] [--out DIR]     run one experiment
+    colora run CONFIG [--set key=value ...] [--out DIR]     run one experiment (run options: --set runtime.KEY=V)
     colora run --resume DIR                                   continue a run from its last checkpoint
     colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
     colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
     colora bench kernels [...] | colora bench trainer [...] | colora bench arms CONFIG --seeds 1 2 3
     colora bench engine CONFIG [--batches ...]
-    colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR
+    colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR [--deadline S]
     colora report RUNS... [--prereg FILE] --out reports/NAME
     colora prereg lock CONFIG --out prereg/NAME.md | colora prereg check PREREG CONFIG
 
@@ -25,7 +25,7 @@ from pathlib import Path
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .config import ConfigError
     from .models import ModelDirError
-    from .runner import RunError
+    from .resources import RunError
 
     errs: list[type[BaseException]] = [ConfigError, ModelDirError, RunError]
     try:
@@ -38,7 +38,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .config import load_config, resolve
+    from .config import load_config
     from .runner import run
 
     if args.resume:

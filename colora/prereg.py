@@ -25,7 +25,8 @@ project's configs are TOML too) and continues with prose:
 
 The locked hash is `Config.hash()` of the resolved config with `experiment.arm` and
 `experiment.seed` set to "dedicated" and 0: those two keys are what a sweep sets per run (the arms
-and seeds are listed in the header instead); every other key is locked. The sidecar holds the
+and seeds are listed in the header instead); every other key of the experiment is locked. The run
+options (`[runtime]`) are not: they change how a run executes, not what it measures. The sidecar holds the
 resolved config itself so that `check` can name each setting that differs, not just say that the
 hash does.
 """
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import re
 import sys
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ARMS, Config, ConfigError, diff, from_dict, load_config
+from .config import ARMS, Config, ConfigError, dict_hash, diff, experiment_dict, from_dict, load_config
 from .runlog import write_json_atomic
 from .stats import Gates
 
@@ -104,21 +104,16 @@ class Prereg:
 
 
 # -- hashing --------------------------------------------------------------------------------------
-def _dict_hash(d: dict) -> str:
-    """The same canonical hash as `Config.hash()`, over a plain dict."""
-    blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def _normalised(d: dict) -> dict:
-    d = json.loads(json.dumps(d))
+    """The experiment's settings (no run options) with the per-run keys at their normal values."""
+    d = experiment_dict(d)
     d.setdefault("experiment", {}).update(_NORMAL)
     return d
 
 
 def lock_hash(cfg: Config) -> str:
     """Config.hash() with the per-run keys (FREE_KEYS) normalised: equal for every run of a sweep."""
-    return _dict_hash(_normalised(cfg.to_dict()))
+    return dict_hash(_normalised(cfg.to_dict()))
 
 
 # -- reading --------------------------------------------------------------------------------------
@@ -226,7 +221,7 @@ def locked_dict(pr: Prereg) -> dict:
         d = side["config"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise PreregError(f"{pr.sidecar}: not a locked config (expected JSON with a 'config' table: {e})") from None
-    got = _dict_hash(_normalised(d))
+    got = dict_hash(_normalised(d))
     if got != pr.config_hash:
         raise PreregError(f"{pr.sidecar}: its config hashes to {got}, but {pr.path} locks {pr.config_hash}: "
                           "the sidecar was edited or belongs to another pre-registration")

@@ -4,7 +4,7 @@
     colora replay-step RUN_DIR/failed_steps/step6-group0 --sdpa math --set trainer.fuse_elementwise=off
 
 When a training step fails (a loss, gradient or weight not finite, a diverged adapter) the run keeps
-what it ran on under RUN_DIR/failed_steps/ (`CoRunner.keep_failed_step`): the step's rollouts and
+what it ran on under RUN_DIR/failed_steps/ (`keep_failed_step`): the step's rollouts and
 each job's adapter and AdamW state. This builds the trainer from the run's config.json (with --set
 overrides), loads those adapters and trains once on the rollouts, then prints each job's loss,
 gradient norm and failure. A failure that comes back every time, under every attention backend, is
@@ -25,6 +25,28 @@ SDPA = ("math", "efficient", "flash", "cudnn")
 
 class ReplayError(ValueError):
     """The failed-step directory or its run cannot be replayed; the message names what is wrong."""
+
+
+def keep_failed_step(run_dir: Path, step: int, group: int, rollouts: dict, stats: dict, bank) -> Path:
+    """Keep what a training step that failed (a loss, gradient or weight not finite, a diverged
+    adapter) ran on, before its jobs are stopped: every rollout of the shared batch, and each
+    job's adapter and AdamW state. A job that failed on its loss or gradient was not updated, so
+    its state is the one the step saw; a job that was updated is one update further (copying every
+    adapter before every step to keep the exact one would cost each step a device sync). A NaN in a
+    shared batch can come from the data, from one job's adapter, or from the arithmetic of that
+    batch's shapes; `colora replay-step DIR` runs the step again by itself to tell which."""
+    import dataclasses
+
+    import torch
+
+    d = run_dir / "failed_steps" / f"step{step}-group{group}"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "rollouts.jsonl", "w") as f:
+        for r in (r for rs in rollouts.values() for r in rs):
+            f.write(json.dumps({k: v for k, v in dataclasses.asdict(r).items() if k != "text"}) + "\n")
+    failures = {n: st.failure for n, st in stats.items() if st.failure}
+    torch.save({"jobs": {n: bank.job_state(n) for n in rollouts}, "failures": failures}, d / "state.pt")
+    return d
 
 
 def load_failed_step(d: Path) -> tuple[dict, dict, dict]:
@@ -55,7 +77,7 @@ def replay(d: Path, overrides: list[str], sdpa: str | None, log=print) -> dict:
     """Train once on the kept rollouts; returns job -> JobStepStats."""
     from .config import from_dict, replace
     from .models import load_tokenizer
-    from .runner import resolve_device, resolve_model, torch_dtype
+    from .resources import resolve_device, resolve_model, torch_dtype
     from .trainer import build_trainer
 
     raw, rollouts, state = load_failed_step(d)
@@ -88,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key of the run's config")
     p.add_argument("--sdpa", choices=SDPA, help="PyTorch attention backend for the step (default: PyTorch's choice)")
     args = p.parse_args(argv)
-    from .runner import RunError
+    from .resources import RunError
 
     try:
         stats = replay(Path(args.dir), args.set, args.sdpa)

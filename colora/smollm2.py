@@ -69,9 +69,11 @@ class SourceError(ValueError):
 
 
 def default_cache_dir() -> Path:
-    """~/.cache/colora (or $XDG_CACHE_HOME/colora): where the wheel and its GGUF are kept between runs."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "colora"
+    """colora's cache (environment.colora_home: ~/.cache/colora unless COLORA_HOME or XDG_CACHE_HOME
+    say otherwise): where the wheel and its GGUF are kept between runs."""
+    from colora.environment import colora_home
+
+    return colora_home()
 
 
 def fetch_wheel(cache_dir: Path | None = None) -> Path:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # colora's GPU work on the benchmark H200, run through the device tool after the vLLM kit is
 # installed (../shared/gpu/README.md). The host has its own torch/Triton/transformers/peft and no
-# package index, so colora is not pip-installed there: a shim folder maps the repository's folders
-# to colora, colora.kernels and colora.tasks. Everything lands in $OUT (what comes back).
+# package index: colora is installed there editable from this checkout, without its dependencies
+# (pip install --no-index --no-deps --no-build-isolation -e .; the host's pip 24 and setuptools 81
+# do it), once per checkout. Everything lands in $OUT (what comes back).
 #
 #   bash scripts/h200.sh kernels            GPU kernel tests, kernel benchmark, trainer-step benchmark
 #   bash scripts/h200.sh tests              the GPU tests of the kernels and the trainer
@@ -17,14 +18,21 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT" /tmp/colora-shim/colora
-for f in "$ROOT"/colora/*; do ln -sfn "$f" /tmp/colora-shim/colora/; done
-ln -sfn "$ROOT/kernels" /tmp/colora-shim/colora/kernels
-ln -sfn "$ROOT/tasks" /tmp/colora-shim/colora/tasks
-export PYTHONPATH=/tmp/colora-shim:/tmp/colora-site:${PYTHONPATH:-}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/colora-site:${PYTHONPATH:-}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 COLORA_HOME=/tmp/colora-home
 cd "$ROOT"
 LOG="$OUT/$1.log"
+# colora from this checkout, importable from anywhere (python -P never looks in the working directory)
+installed() {
+  python3 -P -c "import colora, colora.kernels, colora.tasks, pathlib, sys
+sys.exit(pathlib.Path(colora.__file__).resolve().parent != pathlib.Path('$ROOT/colora').resolve())" 2>/dev/null
+}
+if ! installed; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e "$ROOT" >> "$LOG" 2>&1 ||
+    python3 -m pip install -q --user --no-index --no-deps --no-build-isolation -e "$ROOT" >> "$LOG" 2>&1
+  installed || { echo "colora: the editable install of $ROOT failed (see $LOG)" | tee -a "$LOG"; exit 2; }
+fi
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
   python3 -c "import sys, torch, triton, transformers, peft; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"

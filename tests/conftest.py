@@ -41,24 +41,3 @@ def tiny_model_dir(tmp_path_factory):
     from colora.models import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
-
-
-@pytest.fixture
-def check_switch(monkeypatch):
-    """check(read, name, values, bad, accepted): `read()` (an environment switch's reader) returns
-    values[None] with `name` unset and values[v] with it set to v, and for `bad` raises the ValueError
-    "NAME must be ACCEPTED, got 'BAD'"."""
-    import re
-
-    def check(read, name: str, values: dict, bad: str, accepted: str) -> None:
-        for setting, want in values.items():
-            if setting is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, setting)
-            assert read() is want, (name, setting)
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=re.escape(f"{name} must be {accepted}, got {bad!r}")):
-            read()
-
-    return check

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from colora import bench_arms
+from colora import bench_arms, orchestrate, phases, rundirs
 from colora.config import load_config
 from colora.runlog import write_json_atomic
 
@@ -27,23 +27,24 @@ def test_plan_runs_every_seeds_main_arms_before_the_extras():
     every seed's main arms (a cut once took seed 2's headline run while seed 1's extras ran)."""
     cfg = load_config(SMOKE)
     runs = bench_arms.plan(cfg, _args(jobs=[1, 2, 4], vary=["overlap.mps_trainer_percentage=50,100"]))
-    labels = [(r["label"], r["arm"], r["seed"]) for r in runs]
+    labels = [(r.tag, r.arm, r.seed) for r in runs]
     main = [x for x in labels if x[0] == "main"]
     assert labels[:len(main)] == main and len(main) == 6
     # the config's own job count (2) is the main run, not a scaling run; the headline arm scales
     assert [(x[0], x[2]) for x in labels[6:10]] == [("jobs1", 1), ("jobs4", 1), ("jobs1", 2), ("jobs4", 2)]
     assert {x[1] for x in labels[6:10]} == {"overlap_mps"}
-    assert [r["set"] for r in runs[10:]] == [["overlap.mps_trainer_percentage=50"], ["overlap.mps_trainer_percentage=100"]]
-    mps = [r for r in runs if r["arm"] in bench_arms.MPS]  # the MPS batch, in its own process, keeps the order
-    assert [r["label"] for r in mps][:2] == ["main", "main"]
+    assert [list(r.set) for r in runs[10:]] == [["overlap.mps_trainer_percentage=50"],
+                                                ["overlap.mps_trainer_percentage=100"]]
+    mps = [r for r in runs if r.arm in bench_arms.MPS]  # the MPS batch, in its own process, keeps the order
+    assert [r.tag for r in mps][:2] == ["main", "main"]
 
 
 def test_dedicated_steps_apply_to_the_dedicated_runs_only_and_the_report_says_so(tmp_path):
     cfg = load_config(SMOKE)
     runs = bench_arms.plan(cfg, _args(seeds=[1], dedicated_steps=3, jobs=[4]))
-    assert {r["arm"]: r["set"] for r in runs if r["label"] == "main"} == {
+    assert {r.arm: list(r.set) for r in runs if r.tag == "main"} == {
         "dedicated": ["experiment.steps=3"], "shared_sync": [], "overlap_mps": []}
-    assert all(r["set"] == [] for r in runs if r["label"] != "main")
+    assert all(r.set == () for r in runs if r.tag != "main")
     rows = bench_arms.collect(runs, tmp_path)
     rows[0]["phases"] = {"train": {"n": 9, "median": 0.35, "max": 3.95}, "train_outliers": [1.71, 3.95]}
     bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
@@ -52,51 +53,46 @@ def test_dedicated_steps_apply_to_the_dedicated_runs_only_and_the_report_says_so
     assert "Warning: dedicated seed 1 (main): training steps of 1.71 s, 3.95 s" in md
 
 
-def test_vary_env_sets_one_switch_for_its_run_alone(monkeypatch):
-    """`--vary env:COLORA_RELOAD_FIRST=0,1`: one headline run per value, no config override, the
-    variable set for that run only; a variable that is not a run's switch is refused by name."""
+def test_vary_sets_a_run_option_for_its_run_alone():
+    """`--vary runtime.engine_process=off,on`: one headline run per value, the option set in that run's
+    config only; a key that is neither a config key nor a run option is refused by name."""
     cfg = load_config(SMOKE)
-    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"], vary=["env:COLORA_RELOAD_FIRST=0,1"]))
-    assert [(r["label"], r["set"], r.get("env")) for r in runs] == [
-        ("main", [], None), ("vary:env:COLORA_RELOAD_FIRST=0", [], {"COLORA_RELOAD_FIRST": "0"}),
-        ("vary:env:COLORA_RELOAD_FIRST=1", [], {"COLORA_RELOAD_FIRST": "1"})]
-    assert [kind for kind, _ in bench_arms.batches(str(SMOKE), [], runs)] == ["mps"]  # one share: one process
-    with pytest.raises(ValueError, match="COLORA_VLLM_SAMPLER is not one of .*COLORA_RELOAD_FIRST"):
-        bench_arms.plan(cfg, _args(seeds=[1], vary=["env:COLORA_VLLM_SAMPLER=colora"]))
-    monkeypatch.delenv("COLORA_RELOAD_FIRST", raising=False)
-    monkeypatch.setenv("COLORA_ENGINE_PROCESS", "0")
-    with bench_arms.run_env({"COLORA_RELOAD_FIRST": "1", "COLORA_ENGINE_PROCESS": "1"}):
-        assert os.environ["COLORA_RELOAD_FIRST"] == "1" and os.environ["COLORA_ENGINE_PROCESS"] == "1"
-    assert "COLORA_RELOAD_FIRST" not in os.environ and os.environ["COLORA_ENGINE_PROCESS"] == "0"
+    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"], vary=["runtime.engine_process=off,on"]))
+    assert [(r.tag, list(r.set)) for r in runs] == [
+        ("main", []), ("vary:runtime.engine_process=off", ["runtime.engine_process=off"]),
+        ("vary:runtime.engine_process=on", ["runtime.engine_process=on"])]
+    assert [r.config(cfg).runtime.engine_process for r in runs] == ["auto", "off", "on"]
+    assert [g.kind for g in bench_arms.batches(cfg, runs)] == ["mps"]  # one share: one process
+    with pytest.raises(ValueError, match="unknown key runtime.sampler in runtime; accepted: checkpoint_every"):
+        bench_arms.plan(cfg, _args(seeds=[1], vary=["runtime.sampler=colora"]))
 
 
 def test_vary_joins_settings_with_plus_into_one_run():
-    """`--vary env:COLORA_PACKED_ROWS=1+trainer.micro_batch_tokens=65536`: one headline run with
-    both, the switch in its environment and the key as an override; lists of values do not mix
-    with +, and each part is checked like a lone one."""
+    """`--vary runtime.engine_process=on+trainer.micro_batch_tokens=65536`: one headline run with both
+    settings as overrides; lists of values do not mix with +, and each part is checked like a lone one."""
     cfg = load_config(SMOKE)
     runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"],
-                                      vary=["env:COLORA_PACKED_ROWS=1+trainer.micro_batch_tokens=65536",
+                                      vary=["runtime.engine_process=on+trainer.micro_batch_tokens=65536",
                                             "overlap.coalesce=false"]))
-    assert [(r["label"], r["set"], r.get("env")) for r in runs] == [
-        ("main", [], None),
-        ("vary:env:COLORA_PACKED_ROWS=1+trainer.micro_batch_tokens=65536", ["trainer.micro_batch_tokens=65536"],
-         {"COLORA_PACKED_ROWS": "1"}),
-        ("vary:overlap.coalesce=false", ["overlap.coalesce=false"], None)]
+    assert [(r.tag, list(r.set)) for r in runs] == [
+        ("main", []),
+        ("vary:runtime.engine_process=on+trainer.micro_batch_tokens=65536",
+         ["runtime.engine_process=on", "trainer.micro_batch_tokens=65536"]),
+        ("vary:overlap.coalesce=false", ["overlap.coalesce=false"])]
     assert bench_arms.vary_runs("overlap.mps_trainer_percentage=1e+2") == [
-        (["overlap.mps_trainer_percentage=1e+2"], {}, "vary:overlap.mps_trainer_percentage=1e+2")]
+        (["overlap.mps_trainer_percentage=1e+2"], "vary:overlap.mps_trainer_percentage=1e+2")]
     with pytest.raises(ValueError, match="one value each"):
-        bench_arms.vary_runs("env:COLORA_PACKED_ROWS=0,1+trainer.micro_batch_tokens=65536")
-    with pytest.raises(ValueError, match="HOME is not one of"):
-        bench_arms.vary_runs("trainer.micro_batch_tokens=65536+env:HOME=/tmp")
+        bench_arms.vary_runs("runtime.engine_process=off,on+trainer.micro_batch_tokens=65536")
+    with pytest.raises(ValueError, match="unknown key trainer.no_such_key in trainer"):
+        bench_arms.plan(cfg, _args(seeds=[1], vary=["trainer.micro_batch_tokens=65536+trainer.no_such_key=1"]))
     with pytest.raises(ValueError, match="is not KEY=VALUE"):
         bench_arms.vary_runs("overlap.groups=")
 
 
-def test_vary_of_an_unknown_switch_is_a_usage_error(capsys):
+def test_vary_of_an_unknown_key_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
-        bench_arms.main([str(SMOKE), "--vary", "env:HOME=/tmp", "--report-only"])
-    assert e.value.code == 2 and "HOME is not one of" in capsys.readouterr().err
+        bench_arms.main([str(SMOKE), "--vary", "trainer.no_such_key=1", "--report-only"])
+    assert e.value.code == 2 and "trainer.no_such_key" in capsys.readouterr().err
 
 
 def test_each_mps_share_gets_its_own_process():
@@ -105,7 +101,7 @@ def test_each_mps_share_gets_its_own_process():
     cfg = load_config(SMOKE)
     runs = bench_arms.plan(cfg, _args(seeds=[1], vary=["overlap.mps_trainer_percentage=50,100",
                                                       "overlap.mps_engine_percentage=60", "overlap.groups=3"]))
-    got = [(kind, [(r["arm"], r["label"]) for r in rs]) for kind, rs in bench_arms.batches(str(SMOKE), [], runs)]
+    got = [(g.kind, [(r.arm, r.tag) for r in g.runs]) for g in bench_arms.batches(cfg, runs)]
     assert got == [
         ("plain", [("dedicated", "main"), ("shared_sync", "main")]),
         ("mps", [("overlap_mps", "main"), ("overlap_mps", "vary:overlap.mps_trainer_percentage=100"),
@@ -114,8 +110,7 @@ def test_each_mps_share_gets_its_own_process():
         ("mps", [("overlap_mps", "vary:overlap.mps_engine_percentage=60")]),
     ]
     # each MPS process starts with its trainer's share in its environment; the plain one as we are
-    shares = [bench_arms.child_env(kind, rs, str(SMOKE), []).get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-              for kind, rs in bench_arms.batches(str(SMOKE), [], runs)]
+    shares = [g.env().get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") for g in bench_arms.batches(cfg, runs)]
     assert shares[1:] == ["100", "50", "100"]
     assert shares[0] == os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
@@ -126,17 +121,17 @@ def test_phase_stats_count_only_spans_inside_the_window():
              {"phase": "generate", "start": 5.0, "end": 9.0, "queued": 4.0},
              {"phase": "train", "start": 4.0, "end": 5.0}, {"phase": "train", "start": 6.0, "end": 6.5},
              {"phase": "train", "start": 7.0, "end": 7.25}, {"phase": "export", "start": 11.0, "end": 12.0}]
-    st = bench_arms.phase_stats(spans, {"start": 1.0, "end": 10.0, "seconds": 9.0})
+    st = phases.phase_stats(spans, {"start": 1.0, "end": 10.0, "seconds": 9.0})
     assert st["generate"] == {"n": 2, "median": 3.0, "max": 4.0}
     assert st["handoff"] == {"n": 2, "median": 0.75, "max": 1.0}
     assert st["train"] == {"n": 3, "median": 0.5, "max": 1.0}
     assert "export" not in st and "reload" not in st  # the export starts after the window
     assert st["train_outliers"] == []
     slow = spans + [{"phase": "train", "start": 9.0, "end": 13.0}]  # 4 s against a median of 1 s
-    assert bench_arms.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})["train_outliers"] == [4.0]
+    assert phases.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})["train_outliers"] == [4.0]
     ded = {"windows": [{"start": 0.0, "end": 1.0, "seconds": 1.0}, {"start": 6.0, "end": 8.0, "seconds": 2.0}]}
-    assert bench_arms.phase_stats(spans, ded)["train"]["n"] == 2
-    assert "train_outlier_compiles" not in bench_arms.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})
+    assert phases.phase_stats(spans, ded)["train"]["n"] == 2
+    assert "train_outlier_compiles" not in phases.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})
 
 
 def _report(tmp_path, arm: str, phases: dict) -> str:
@@ -156,7 +151,7 @@ def test_the_outlier_warning_names_what_compiled_in_each_slow_step(tmp_path):
     spans[1]["compiles"] = {"dynamo": 1}  # a compile in a step of usual length: not an outlier
     spans += [{"phase": "train", "start": 7.0, "end": 13.39, "compiles": shrink},
               {"phase": "train", "start": 14.0, "end": 18.0}]
-    st = bench_arms.phase_stats(spans, {"start": 1.0, "end": 20.0, "seconds": 19.0})
+    st = phases.phase_stats(spans, {"start": 1.0, "end": 20.0, "seconds": 19.0})
     assert st["train_outliers"] == [6.39, 4.0]
     assert st["train_outlier_compiles"] == [shrink, {}]
     assert ("Warning: dedicated seed 1 (main): training steps of 6.39 s (Triton: lora_shrink_kernel x2, "
@@ -176,7 +171,7 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
                (3.25, 0, 0, 0.0)]  # idle
     spans += [{"phase": "engine_steps", "group": -1, "start": t, "end": t + 0.5, "steps": n, "busy": busy,
                "inflight": f} for t, n, f, busy in buckets]
-    rate = bench_arms.engine_rate(spans)
+    rate = phases.engine_rate(spans)
     assert rate["training"] == {"n": 2, "steps_per_s": 90.0, "inflight": pytest.approx(512)}  # 80 and 100 steps/s
     # ms per step against in flight, not training: (256, 5.0), (256, 5.556), (100, 6.25), (20, 5.0); two
     # training buckets are too few for a line
@@ -184,8 +179,8 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
     assert nt["fixed_ms"] == pytest.approx(5.5199, abs=1e-3) and nt["per_request_us"] == pytest.approx(-0.434, abs=1e-3)
     assert rate["not_training"]["n"] == 4 and rate["not_training"]["steps_per_s"] == 190.0  # 160 180 200 200
     assert rate["not_training"]["inflight"] == pytest.approx((256 + 256 + 100 + 20) / 4)
-    assert bench_arms.engine_rate([s for s in spans if s["phase"] == "train"]) == {}
-    st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
+    assert phases.engine_rate([s for s in spans if s["phase"] == "train"]) == {}
+    st = phases.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
     assert st["engine"] == rate
     report = _report(tmp_path, "overlap_mps", st)
     assert "| overlap_mps | 1 | main | 90 (n=2) | 190 (n=4) | 512 | 158 | - | - |" in report
@@ -194,9 +189,9 @@ def test_engine_rate_splits_the_decoding_by_whether_a_group_trains(tmp_path):
     for b in spans:
         if b["phase"] == "engine_steps":
             b["wait"] = b["busy"] * (0.9 if 1.0 <= b["start"] < 2.0 else 0.25)
-    rate = bench_arms.engine_rate(spans)
+    rate = phases.engine_rate(spans)
     assert rate["training"]["waiting"] == pytest.approx(0.9) and rate["not_training"]["waiting"] == pytest.approx(0.25)
-    st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
+    st = phases.phase_stats(spans, {"start": 0.0, "end": 4.0, "seconds": 4.0})
     assert "| 512 | 158 | 0.90 | 0.25 |" in _report(tmp_path, "overlap_mps", st)
 
 
@@ -209,7 +204,7 @@ def test_engine_step_line_leaves_out_buckets_of_one_or_two_steps():
         spans.append({"phase": "engine_steps", "group": -1, "start": 0.5 * i, "end": 0.5 * i + 0.5, "steps": steps,
                       "busy": steps * (6.0 + 0.02 * f) / 1e3, "inflight": steps * f})
     spans.append({"phase": "engine_steps", "group": -1, "start": 2.0, "end": 2.5, "steps": 1, "busy": 0.4, "inflight": 5})
-    nt = bench_arms.engine_rate(spans)["not_training"]
+    nt = phases.engine_rate(spans)["not_training"]
     assert nt["n"] == 5
     assert nt["fixed_ms"] == pytest.approx(6.0) and nt["per_request_us"] == pytest.approx(20.0)
 
@@ -225,13 +220,13 @@ def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
             spans += [{"phase": "generate", "group": g, "start": t, "end": t + 2.0},
                       {"phase": "train", "group": g, "start": t + 2.0, "end": t + 3.0},
                       {"phase": "export", "group": g, "start": t + 3.0, "end": t + 3.5}]
-    chain = bench_arms.group_chain(spans)
+    chain = phases.group_chain(spans)
     # over [0, 12.25]: no group generates in [10.75, 12.25] (the last training and export); the
     # trainer trains six 1-second steps
     assert chain == {"groups": 2, "cycle": pytest.approx(3.5), "generate": 2.0, "train": 1.0, "export": 0.5,
                      "wait": 0.0, "engine_idle": pytest.approx(1.5 / 12.25), "trainer_busy": pytest.approx(6 / 12.25)}
-    assert bench_arms.group_chain([s for s in spans if s["group"] == 0]) == {}
-    st = bench_arms.phase_stats(spans, {"start": 0.0, "end": 20.0, "seconds": 20.0})
+    assert phases.group_chain([s for s in spans if s["group"] == 0]) == {}
+    st = phases.phase_stats(spans, {"start": 0.0, "end": 20.0, "seconds": 20.0})
     assert st["chain"] == chain
     assert "| overlap_mps | 1 | main | 2 | 3.50 | 2.00 | 0.00 | 1.00 | 0.50 | 3.50 | 12% | 49% |" in \
         _report(tmp_path, "overlap_mps", st)
@@ -247,7 +242,7 @@ def test_group_chain_sees_the_engine_idle_while_phase_locked_groups_wait_for_the
              {"phase": "train", "group": 1, "start": 4.0, "end": 5.0},
              {"phase": "generate", "group": 0, "start": 4.0, "end": 7.0},
              {"phase": "generate", "group": 1, "start": 5.0, "end": 8.0}]
-    chain = bench_arms.group_chain(spans + [{"phase": "train", "group": 0, "start": 7.0, "end": 7.5},
+    chain = phases.group_chain(spans + [{"phase": "train", "group": 0, "start": 7.0, "end": 7.5},
                                             {"phase": "train", "group": 1, "start": 8.0, "end": 8.5}])
     assert chain["engine_idle"] == pytest.approx(0.8 / 8.5 + 0.5 / 8.5)  # and [8, 8.5], the last step
     assert chain["trainer_busy"] == pytest.approx(3.0 / 8.5)
@@ -263,7 +258,7 @@ def test_group_chain_counts_a_step_that_trained_several_groups_for_each():
         t = 4.0 * k
         spans += [{"phase": "generate", "group": g, "start": t, "end": t + 3.0} for g in (0, 1)]
         spans += [{"phase": "train", "group": -1, "groups": [0, 1], "start": t + 3.0, "end": t + 4.0}]
-    assert bench_arms.group_chain(spans)["cycle"] == pytest.approx(4.0)
+    assert phases.group_chain(spans)["cycle"] == pytest.approx(4.0)
 
 
 def test_group_chain_says_how_long_a_group_waited_for_the_trainer():
@@ -275,16 +270,16 @@ def test_group_chain_says_how_long_a_group_waited_for_the_trainer():
         spans += [{"phase": "generate", "group": g, "start": t, "end": t + 2.0} for g in (0, 1)]
         spans += [{"phase": "train", "group": 0, "start": t + 2.0, "end": t + 3.0},
                   {"phase": "train", "group": 1, "start": t + 3.0, "end": t + 4.0}]
-    chain = bench_arms.group_chain(spans)
+    chain = phases.group_chain(spans)
     assert chain["wait"] == pytest.approx(0.5) and chain["cycle"] == pytest.approx(4.0)
 
 
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
     cfg = load_config(SMOKE)
-    jobs = bench_arms.scaled_jobs(cfg, 5)
+    jobs = orchestrate.scaled_jobs(cfg, 5)
     assert [j["name"] for j in jobs] == ["add", "mod", "add-1", "mod-1", "add-2"]
     assert [j["task"] for j in jobs] == [cfg.jobs[k % 2].task for k in range(5)]
-    assert len(bench_arms.with_jobs(cfg, 3).jobs) == 3
+    assert len(orchestrate.with_jobs(cfg, 3).jobs) == 3
 
 
 def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
@@ -292,11 +287,10 @@ def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
     runs = bench_arms.plan(cfg, _args(seeds=[1], jobs=[4]))
     sph = {("dedicated", "main"): 1000.0, ("shared_sync", "main"): 2100.0, ("overlap_mps", "jobs4"): 2600.0}
     for r in runs:
-        if (r["arm"], r["label"]) in sph:
-            own = r["arm"] == "shared_sync"  # this run's engine client ran in a process of its own
-            write_json_atomic(bench_arms.run_dir(tmp_path, r) / "summary.json",
-                              {"steps_per_hour": sph[(r["arm"], r["label"])], "busy_fraction": 0.5,
-                               "engine_sampler": "vllm", "engine_process": own})
+        if (r.arm, r.tag) in sph:
+            own = r.arm == "shared_sync"  # this run's engine client ran in a process of its own
+            write_json_atomic(tmp_path / r.rel / "summary.json",
+                              {"steps_per_hour": sph[(r.arm, r.tag)], "busy_fraction": 0.5, "engine_process": own})
     rows = bench_arms.collect(runs, tmp_path)
     ratio = {(r["arm"], r["label"]): r["ratio"] for r in rows}
     assert ratio == {("dedicated", "main"): 1.0, ("shared_sync", "main"): 2.1, ("overlap_mps", "main"): None,
@@ -306,8 +300,8 @@ def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
     assert "| shared_sync | 2100 (2.100x) | 2.100x |" in md
     assert "| overlap_mps | - | - |" in md  # did not finish: no number, no ratio
     assert "| jobs4 | overlap_mps | 4 | 1 | 2600 | 2.600 |" in md
-    assert "| shared_sync | 1 | main | - | vllm, client in its own process | " in md
-    assert "| dedicated | 1 | main | - | vllm | " in md
+    assert "| shared_sync | 1 | main | - | client in its own process | " in md
+    assert "| dedicated | 1 | main | - | client in-process | " in md
     data = json.loads((tmp_path / "rep.json").read_text())
     assert data["config_hash"] == cfg.hash() and len(data["runs"]) == 4
 
@@ -327,7 +321,7 @@ def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
     data = json.loads((tmp_path / "arms.json").read_text())
     by = {(r["arm"], r["label"]): r for r in data["runs"]}
     assert set(by) == {("dedicated", "main"), ("shared_sync", "main"), ("shared_sync", "jobs3")}
-    summaries = {k: json.loads((bench_arms.run_dir(tmp_path / "runs", r) / "summary.json").read_text())
+    summaries = {k: json.loads((tmp_path / "runs" / r["dir"] / "summary.json").read_text())
                  for k, r in by.items()}
     base = summaries[("dedicated", "main")]["steps_per_hour"]
     for k, r in by.items():
@@ -351,35 +345,33 @@ def test_the_deadline_covers_the_shutdown_of_a_batch_that_will_not_stop(monkeypa
     import subprocess
     import time
 
-    monkeypatch.setattr(bench_arms, "STOP_TERM_S", 1.0)
-    monkeypatch.setattr(bench_arms, "STOP_REPORT_S", 0.5)
+    monkeypatch.setattr(orchestrate, "STOP_TERM_S", 1.0)
+    monkeypatch.setattr(orchestrate, "STOP_REPORT_S", 0.5)
     stubborn = subprocess.Popen(["bash", "-c", 'trap "" TERM; sleep 60 & wait'], start_new_session=True)
     waits, wait = [], stubborn.wait
     stubborn.wait = lambda timeout=None: waits.append(timeout) or wait(timeout)  # the schedule, not the clock
     deadline = time.monotonic() + 3.0
-    assert bench_arms.wait_or_stop(stubborn, deadline) == "deadline"
+    assert orchestrate.wait_or_stop(stubborn, deadline) == "deadline"
     assert stubborn.returncode == -9  # it ignored SIGTERM, so it was killed
     # waited until the deadline less the shutdown and report shares, then STOP_TERM_S for SIGTERM
     assert 0 < waits[0] <= 3.0 - 1.0 - 0.5 and waits[1] == 1.0 and len(waits) == 3
     quick = subprocess.Popen(["bash", "-c", "exit 3"], start_new_session=True)
-    assert bench_arms.wait_or_stop(quick, time.monotonic() + 10.0) == 3
-    assert bench_arms.wait_or_stop(subprocess.Popen(["true"], start_new_session=True), None) == 0
+    assert orchestrate.wait_or_stop(quick, time.monotonic() + 10.0) == 3
+    assert orchestrate.wait_or_stop(subprocess.Popen(["true"], start_new_session=True), None) == 0
 
 
-def test_a_batch_runs_its_in_process_engine_runs_before_the_others(monkeypatch):
+def test_a_batch_runs_its_in_process_engine_runs_before_the_others():
     """A process keeps one engine on the GPU, so seeds must not alternate between the in-process
     client (dedicated, shared_sync, mps) and the client apart (overlap arms): each kind's runs
-    together, in plan order, and a run's own COLORA_ENGINE_PROCESS decides its kind."""
-    monkeypatch.delenv("COLORA_ENGINE_PROCESS", raising=False)
+    together, in plan order, and a run's own runtime.engine_process decides its kind."""
     cfg = load_config(SMOKE)
     runs = bench_arms.plan(cfg, _args(seeds=[1, 2], arms=["dedicated", "overlap", "shared_sync", "mps", "overlap_mps"],
-                                      vary=["env:COLORA_ENGINE_PROCESS=0"]))
-    got = [(kind, [(r["arm"], r["seed"], r["label"]) for r in rs])
-           for kind, rs in bench_arms.batches(str(SMOKE), [], runs)]
+                                      vary=["runtime.engine_process=off"]))
+    got = [(g.kind, [(r.arm, r.seed, r.tag) for r in g.runs]) for g in bench_arms.batches(cfg, runs)]
     assert got == [
         ("plain", [("dedicated", 1, "main"), ("shared_sync", 1, "main"), ("dedicated", 2, "main"),
                    ("shared_sync", 2, "main"), ("overlap", 1, "main"), ("overlap", 2, "main")]),
-        ("mps", [("mps", 1, "main"), ("mps", 2, "main"), ("overlap_mps", 1, "vary:env:COLORA_ENGINE_PROCESS=0"),
+        ("mps", [("mps", 1, "main"), ("mps", 2, "main"), ("overlap_mps", 1, "vary:runtime.engine_process=off"),
                  ("overlap_mps", 1, "main"), ("overlap_mps", 2, "main")]),
     ]
 
@@ -394,42 +386,53 @@ def test_run_seconds_come_from_the_finished_runs(tmp_path):
     _summary(tmp_path / "dedicated" / "seed1-main", "dedicated", 8, 240.0, 150.0, False)  # 90 s + its start
     _summary(tmp_path / "shared_sync" / "seed1-main", "shared_sync", 8, 100.0, 150.0, True)
     _summary(tmp_path / "overlap_mps" / "seed1-jobs2", "overlap_mps", 2, 40.0, 80.0, True)
-    r = {"arm": "overlap_mps", "seed": 1, "jobs": 8, "label": "main"}
-    assert bench_arms.run_seconds(r, tmp_path, starts_engine=False) == pytest.approx(95.0)  # median at 8 jobs
-    assert bench_arms.run_seconds(r, tmp_path, starts_engine=True) == pytest.approx(245.0)  # + longest start
-    assert bench_arms.run_seconds({**r, "jobs": 2}, tmp_path, False) == pytest.approx(40.0)  # its own arm
-    assert bench_arms.run_seconds({**r, "jobs": 16}, tmp_path, True) is None  # nothing to go by: run it
+    r = orchestrate.PlannedRun("overlap_mps", 1, "main", jobs=8)
+    assert rundirs.estimate(r, 8, tmp_path, starts_engine=False) == pytest.approx(95.0)  # median at 8 jobs
+    assert rundirs.estimate(r, 8, tmp_path, starts_engine=True) == pytest.approx(245.0)  # + longest start
+    assert rundirs.estimate(r, 2, tmp_path, False) == pytest.approx(40.0)  # its own arm
+    assert rundirs.estimate(r, 16, tmp_path, True) is None  # nothing to go by: run it
 
 
-def test_a_batch_does_not_start_a_run_the_deadline_would_cut(tmp_path, monkeypatch):
-    """A run cut by the deadline is thrown away with the device time it took: the batch starts only
-    what its estimate says will end in time, and later, shorter runs still go."""
-    import time
+def _finished(root: Path, p, cfg, wall: float, start: float, reused: bool) -> dict:
+    """The files of a complete run of planned run `p` with these timings."""
+    d, c = root / p.rel, p.config(cfg)
+    summary = {"arm": p.arm, "jobs": [j.name for j in c.jobs], "wall_s": wall, "engine_start_s": start,
+               "engine_reused": reused, "steps_per_hour": 1.0}
+    write_json_atomic(d / "config.json", {"config": c.to_dict(), "hash": c.hash()})
+    write_json_atomic(d / "summary.json", summary)
+    write_json_atomic(d / "status.json", {"state": "complete"})
+    return summary
 
-    from colora import runner
 
-    monkeypatch.delenv("COLORA_ENGINE_PROCESS", raising=False)
+def test_the_plan_starts_no_run_its_deadline_would_cut(tmp_path):
+    """A run cut by the deadline is thrown away with the device time it took: the orchestrator starts
+    only what its estimate says will end in time, later shorter runs still go, what it did not start is
+    recorded as skipped, and the next call with the same root runs it. The clock is fake: each run
+    takes 10 s of it."""
+    cfg = load_config(SMOKE)
     root = tmp_path / "runs"
-    _summary(root / "dedicated" / "seed1-main", "dedicated", 2, 100.0, 50.0, False)  # 50 s + a 50 s start
-    started = []
+    runs = [orchestrate.PlannedRun(a, 1, "main", jobs=2) for a in ("dedicated", "shared_sync", "overlap")]
+    runs.append(orchestrate.PlannedRun("overlap", 1, "jobs3", jobs=3))
+    _finished(root, runs[0], cfg, 100.0, 50.0, False)  # 50 s + a 50 s engine start
+    now, started = [0.0], []
 
-    class Cache:
-        def close(self):
-            pass
+    def fake_run(c, out, cache, log):
+        started.append(c.experiment.arm)
+        now[0] += 10.0
+        return _finished(out.parent.parent, next(p for p in runs if out == out.parent.parent / p.rel), cfg,
+                         10.0, 0.0, True)
 
-    def fake_run(cfg, out, **kw):
-        started.append(cfg.experiment.arm)
-        _summary(Path(out), cfg.experiment.arm, len(cfg.jobs), 10.0, 0.0, True)
-        return {"steps_per_hour": 1.0}
-
-    monkeypatch.setattr(runner, "EngineCache", Cache)
-    monkeypatch.setattr(runner, "run", fake_run)
-    runs = [{"arm": a, "seed": 1, "jobs": 2, "set": [], "label": "main"} for a in ("dedicated", "shared_sync", "overlap")]
-    runs.append({"arm": "overlap", "seed": 1, "jobs": 3, "set": [], "label": "jobs3"})
-    # 70 s left: shared_sync and overlap need 50 s each plus an engine start (50 s) in this new
-    # process, so neither starts; the 3-job run has nothing to go by and goes
-    bench_arms.run_batch(str(SMOKE), [], runs, root, mps_process=False, stop_by=time.time() + 70.0)
+    # 70 s left: shared_sync and overlap need 50 s each plus an engine start (50 s) in this process,
+    # so neither starts; the 3-job run has nothing to go by and goes
+    states = orchestrate.run_plan(cfg, runs, root, run_fn=fake_run, deadline_s=70.0, clock=lambda: now[0],
+                                  progress=lambda s: None)
     assert started == ["overlap"]
+    assert states == {"dedicated/seed1-main": "complete", "shared_sync/seed1-main": "skipped",
+                      "overlap/seed1-main": "skipped", "overlap/seed1-jobs3": "complete"}
+    rec = {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
+    assert rec["shared_sync/seed1-main"]["state"] == "skipped" and "deadline" in rec["shared_sync/seed1-main"]["error"]
     started.clear()
-    bench_arms.run_batch(str(SMOKE), [], runs, root, mps_process=False, stop_by=time.time() + 1000.0)
+    states = orchestrate.run_plan(cfg, runs, root, run_fn=fake_run, deadline_s=1000.0, clock=lambda: now[0],
+                                  progress=lambda s: None)
     assert started == ["shared_sync", "overlap"]  # the next call runs them; finished runs are skipped
+    assert set(states.values()) == {"complete"}

@@ -65,19 +65,6 @@ def test_unwritable_out_dir(capsys, tiny_model_dir):
            "/proc/colora-run")
 
 
-@pytest.mark.parametrize("var,value,allowed", [("COLORA_VLLM_SAMPLER", "fast", "'colora' or 'vllm'"),
-                                               ("COLORA_ENGINE_PROCESS", "yes", "'0', '1' or 'auto'"),
-                                               ("COLORA_RELOAD_FIRST", "on", "'0' or '1'"),
-                                               ("VLLM_TUNED_CONFIG_FOLDER", "/nonexistent/colora", "is not a directory")])
-def test_unknown_engine_switch_is_refused_before_anything_runs(capsys, tmp_path, tiny_model_dir, monkeypatch,
-                                                               var, value, allowed):
-    monkeypatch.setenv(var, value)
-    out = tmp_path / "run"
-    _fails(capsys, ["run", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--out", str(out)],
-           var, repr(value), allowed)
-    assert not out.exists()
-
-
 def test_replay_step_of_a_directory_that_no_run_kept(capsys, tmp_path):
     assert main(["replay-step", str(tmp_path)]) == 2
     assert "rollouts.jsonl' is missing" in capsys.readouterr().err

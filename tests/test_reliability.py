@@ -44,13 +44,13 @@ def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, tiny_model_dir)
     from colora.lora import AdapterBank, inject_lora
     from colora.models import load_base_model
 
-    cfg = load_config(SMOKE, ["checkpoint.every=1", "checkpoint.keep=3"])
+    cfg = load_config(SMOKE)
     bank = AdapterBank("cpu", "torch")
     inject_lora(load_base_model(tiny_model_dir, torch.float32, "cpu"), bank)
     bank.add_job("add", 8, 16.0, ("q_proj",), 0, 1e-3)
     bank.add_job("mod", 8, 16.0, ("q_proj",), 0, 1e-3)
     jobs = {"add": _Job(2), "mod": _Job(2)}
-    ck = Checkpointer(tmp_path, cfg, bank, jobs, log=lambda s: None)
+    ck = Checkpointer(tmp_path, cfg, bank, jobs, every=1, keep=3, log=lambda s: None)
     ck.save_now()
     bank.jobs["add"].version = 7
     jobs["add"].step = jobs["mod"].step = 4
@@ -106,7 +106,7 @@ def test_mps_daemon_is_stopped_after_a_failing_run(tmp_path, tiny_model_dir, mon
     assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "failed"
 
 
-@pytest.mark.parametrize("remote", ["auto", "0"])
+@pytest.mark.parametrize("remote", ["auto", "off"])
 def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(tmp_path, tiny_model_dir, monkeypatch,
                                                                               remote):
     """CUDA fixes a process's MPS share when it first initialises there, and the engine's client does
@@ -140,13 +140,13 @@ def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(t
     monkeypatch.setattr(colora.mps, "_make_context", make_context)
     # the engine's client in this process, or in one of its own (the default for this arm): spawned
     # under the engine's share either way
-    monkeypatch.setenv("COLORA_ENGINE_PROCESS", remote)
-    monkeypatch.setattr(colora.engine_process.RemoteEngine if remote != "0" else colora.engine.RolloutEngine,
+    monkeypatch.setattr(colora.engine_process.RemoteEngine if remote != "off" else colora.engine.RolloutEngine,
                         "__init__", engine)
     from colora.runner import run
 
     cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "experiment.arm=overlap_mps",
-                              "overlap.mps_trainer_percentage=25", "overlap.mps_engine_percentage=90"])
+                              "overlap.mps_trainer_percentage=25", "overlap.mps_engine_percentage=90",
+                              f"runtime.engine_process={remote}"])
     with pytest.raises(RuntimeError, match="stop here"):
         run(cfg, tmp_path / "run", log=lambda s: None)
     assert events == [("context", "25"), ("engine", "90")]
@@ -194,7 +194,7 @@ def _colora(*args, **kw):
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
     sets = []
-    for s in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=4", "checkpoint.every=1"]:
+    for s in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=4", "runtime.checkpoint_every=1"]:
         sets += ["--set", s]
     full = _colora("run", str(SMOKE), *sets, "--out", str(tmp_path / "full"))
     killed = _colora("run", str(SMOKE), *sets, "--out", str(tmp_path / "killed"))
@@ -220,7 +220,8 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_di
 
 @pytest.mark.vllm
 def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_dir):
-    from colora.runner import EngineCache, run
+    from colora.engine import EngineCache
+    from colora.runner import run
 
     base = SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=3", "engine.max_loras=3"]
     three = base + ['jobs.0.task="coin_task:Raising"', 'jobs.1.task="coin_task:HugeReward"']
@@ -301,10 +302,10 @@ def test_an_exclusive_engine_cache_closes_the_others_and_frees_cuda_memory_befor
     """On the H200 an engine with a new key failed to start beside the cached one (13 of 140 GiB free):
     an exclusive get must close every other engine and release the allocator's cache first, and
     still reuse an engine whose key matches without closing anything."""
-    from colora import runner
+    from colora import engine
 
     events = []
-    monkeypatch.setattr(runner, "release_cuda_cache", lambda: events.append("release"))
+    monkeypatch.setattr(engine, "release_cuda_cache", lambda: events.append("release"))
 
     class Fake:
         def __init__(self, name):
@@ -314,7 +315,7 @@ def test_an_exclusive_engine_cache_closes_the_others_and_frees_cuda_memory_befor
         def close(self):
             events.append(f"close {self.name}")
 
-    cache = runner.EngineCache()
+    cache = engine.EngineCache()
     a = cache.get(("a",), lambda: Fake("a"), exclusive=True)
     assert cache.get(("a",), lambda: Fake("a2"), exclusive=True) is a and a.reused
     b = cache.get(("b",), lambda: Fake("b"), exclusive=True)

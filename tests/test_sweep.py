@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from colora import sweep
+from colora import orchestrate, rundirs, sweep
 from colora.config import load_config
 from colora.prereg import lock
 from colora.runlog import write_json_atomic
@@ -87,7 +87,7 @@ def test_resume_skips_complete_and_redoes_unfinished(tmp_path):
     assert sorted(second.calls) == [("dedicated", 2), ("shared_sync", 2)]
     assert (out / "shared_sync" / "seed2-r0.incomplete-1" / "config.json").is_file()  # moved aside, kept
     assert (out / "dedicated" / "seed2-r0.incomplete-1" / "config.json").is_file()
-    assert sweep.run_state(out / "shared_sync" / "seed2-r0") == "complete"
+    assert rundirs.run_state(out / "shared_sync" / "seed2-r0") == "complete"
     data = json.loads((out / "sweep.json").read_text())
     assert all(r["state"] == "complete" for r in data["runs"]) and len(data["invocations"]) == 2
 
@@ -100,8 +100,8 @@ def test_progress_lines(tmp_path):
     cfg = load_config(SMOKE)
     plan = sweep.plan_runs(["dedicated", "shared_sync"], [3], 1)
     ticks = iter(range(0, 1000, 10))
-    sweep.run_sweep(cfg, plan, tmp_path / "sw", run_fn=FakeRunner(), progress=lines.append,
-                    clock=lambda: float(next(ticks)))
+    orchestrate.run_plan(cfg, plan, tmp_path / "sw", run_fn=FakeRunner(), progress=lines.append,
+                         clock=lambda: float(next(ticks)))
     assert "[1/2] dedicated seed 3 r0: running (elapsed" in lines[1] and "ETA after the first run" in lines[1]
     assert lines[2].startswith("[1/2] dedicated seed 3 r0: done in") and "400 steps/h" in lines[2]
     assert "[2/2] shared_sync seed 3 r0: running" in lines[3] and "ETA" in lines[3]
@@ -155,18 +155,20 @@ def test_dry_run_lists_states(tmp_path, capsys):
 
 
 def test_mps_arm_on_a_gpu_goes_to_a_child(tmp_path):
-    cfg = load_config(SMOKE)
+    cfg = load_config(SMOKE, ["experiment.steps=3"])
     plan = sweep.plan_runs(["dedicated", "overlap_mps"], [1], 1)
     child_calls = []
 
-    def child(config_path, overrides, out, log_path):
-        child_calls.append(overrides)
-        return FakeRunner()(load_config(config_path, overrides), out, None, lambda s: None)
+    def child(base, group, root, index, total, seconds, verbose):
+        for p in group.runs:
+            run_cfg = p.config(base)
+            child_calls.append([f"experiment.steps={run_cfg.experiment.steps}", *p.overrides()])
+            FakeRunner()(run_cfg, root / p.rel, None, lambda s: None)
+        return 0
 
     fake = FakeRunner()
-    sweep.run_sweep(cfg, plan, tmp_path / "sw", config_path=str(SMOKE), overrides=["experiment.steps=3"],
-                    run_fn=fake, child_fn=child, use_child=lambda c: c.experiment.arm in sweep.MPS_ARMS,
-                    progress=lambda s: None)
+    orchestrate.run_plan(cfg, plan, tmp_path / "sw", run_fn=fake, child_fn=child,
+                         use_child=lambda g, base: g.mps_shares is not None, progress=lambda s: None)
     assert fake.calls == [("dedicated", 1)]
     assert child_calls == [["experiment.steps=3", "experiment.arm=overlap_mps", "experiment.seed=1"]]
 

@@ -48,7 +48,7 @@ def _adapters(cfg, model_dir: Path, dtype: str, scratch: Path) -> dict[str, Path
 
     from ..lora import AdapterBank, inject_lora
     from ..models import load_base_model
-    from ..runner import torch_dtype
+    from ..resources import torch_dtype
 
     model = load_base_model(model_dir, torch.float32, "cpu")
     bank = AdapterBank("cpu", "torch")
@@ -106,7 +106,7 @@ def to_markdown(result: dict) -> str:
     env = result["environment"]
     out = ["# Engine decoding: step time against batch size", "", "```", result["command"], "```", "",
            f"{env['device']}; vLLM {env['vllm']}, torch {env['torch']}; {env['date']}. Model `{result['model']}` "
-           f"({result['dtype']}), sampler `{result['sampler']}`, {len(result['jobs'])} adapters (ranks "
+           f"({result['dtype']}), {len(result['jobs'])} adapters (ranks "
            f"{sorted(set(result['ranks']))}); every request decodes exactly {result['tokens']} tokens after a "
            f"{result['prompt']}-token prompt. Engine start {result['engine_start_s']:.0f} s (not in any figure). "
            f"Arm {result['arm']}: MPS {result['mps']}.", "",
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..config import load_config
     from ..engine import RolloutEngine, plain_token_ids
-    from ..runner import resolve_device, resolve_model, start_mps
+    from ..resources import resolve_device, resolve_model, start_mps
     from ..runlog import write_report
 
     cfg = load_config(args.config, args.set)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             "environment": {"device": torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or "cpu"),
                             "vllm": vllm.__version__, "torch": torch.__version__,
                             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
-            "model": cfg.experiment.model, "dtype": dtype, "sampler": engine.sampler, "engine_start_s": engine.start_seconds,
+            "model": cfg.experiment.model, "dtype": dtype, "engine_start_s": engine.start_seconds,
             "arm": cfg.experiment.arm, "mps": mps_note,
             "jobs": names, "ranks": [j.lora_rank for j in cfg.jobs], "tokens": args.tokens, "prompt": args.prompt,
             "rows": rows,

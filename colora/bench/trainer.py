@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         if impl != "peft" and (backend not in ("triton", "torch") or not set(flags) <= {"packed", "fused"}):
             p.error(f"--impls {impl}: expected peft, or triton/torch with any of +packed, +fused")
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    from ..runner import resolve_model
+    from ..resources import resolve_model
 
     model_dir = str(resolve_model(args.model))
     results = []

@@ -1,0 +1,67 @@
+"""What a run's summary.json holds: `RunSummary`, written last, so that it marks a complete run.
+
+Reports (colora/report.py, the arms benchmark), sweeps and the command line read these keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class JobSummary:
+    """One job's outcome."""
+
+    status: str  # done | stopped | running (a run that ended before the job's last step)
+    reason: str  # why it stopped ("" otherwise)
+    steps: int  # optimizer steps done
+    version: int  # its adapter's version at the end
+    mean_reward: float | None  # the mean over its ok steps of the step's mean reward
+    eval_before: float | None  # held-out accuracy before training (greedy); None without eval
+    eval_after: float | None
+
+
+@dataclass
+class RunSummary:
+    experiment: str
+    arm: str
+    seed: int
+    config_hash: str  # Config.hash(): the experiment, not the run options
+    code_version: dict  # the git commit and a hash of the source tree (colora/provenance.py)
+    runtime: dict  # the run options ([runtime]) the run executed with
+    model: str  # the model directory
+    device: str
+    dtype: str
+    mps: str  # how MPS was used, or why not
+    engine_start_s: float  # reported apart from the throughput
+    engine_reused: bool  # the engine of an earlier run in this process (no start)
+    engine_process: bool  # the engine's client ran in a process of its own
+    packed_rows: bool  # the trainer packed each micro-batch's sequences into one row
+    trainer_setup_s: float
+    trainer_sm_count: int | None  # the SMs the trainer's CUDA context sees (fewer under an MPS share)
+    steps_measured: int  # job-steps in the steady-state window (colora/throughput.py)
+    seconds_measured: float
+    steps_per_hour: float  # optimizer steps summed over jobs per device-hour
+    groups: list[list[str]] | None  # the final split into phase-offset groups
+    busy_fraction: float | None  # the share of the window with a phase running
+    gpu_util: float | None  # NVML's mean busy share over the window; None without NVML
+    wall_s: float  # the run's own wall time, engine start included
+    jobs: dict[str, JobSummary] = field(default_factory=dict)
+    window: dict[str, Any] = field(default_factory=dict)  # the measured window(s)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def job_summaries(jobs: dict, bank, rows: list[dict], before: dict, after: dict) -> dict[str, JobSummary]:
+    """Each job's outcome from its state (`corunner.JobState`), the adapter bank, the run's metric
+    rows and its evaluations before and after training."""
+    out = {}
+    for name, js in jobs.items():
+        rs = [r["reward"] for r in rows if r.get("job") == name and r.get("status") == "ok"]
+        out[name] = JobSummary(js.status, js.reason, js.step, bank.jobs[name].version,
+                               sum(rs) / len(rs) if rs else None,
+                               before.get(name, {}).get("accuracy"), after.get(name, {}).get("accuracy"))
+    return out

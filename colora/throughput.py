@@ -1,0 +1,55 @@
+"""A run's measured window and what is computed over it: steps per device-hour, the busy share of
+the timeline, the GPU's utilisation.
+
+Throughput = optimizer steps summed over jobs / device-hours of the steady-state window: from the
+moment every job has finished its warm-up steps to the last step's end. The dedicated arm runs each
+job alone: its windows add up (one GPU per job, summed).
+"""
+
+from __future__ import annotations
+
+from .runlog import busy_fraction
+
+
+def measure_window(step_ends: dict[str, list[float]], t0: float, warmup: int) -> dict:
+    """Steady-state window over each job's step end times (timeline seconds): from the moment every
+    job has finished `warmup` steps (t0 if none) to the last step's end; counts the job-steps that
+    ended inside it."""
+    ends = {n: e for n, e in step_ends.items() if e}
+    if not ends:
+        return {"steps": 0, "seconds": 0.0, "start": t0, "end": t0}
+    start = t0 if warmup == 0 else max((e[warmup - 1] if len(e) >= warmup else e[-1]) for e in ends.values())
+    end = max(e[-1] for e in ends.values())
+    steps = sum(1 for e in ends.values() for t in e if start < t <= end) if warmup else sum(len(e) for e in ends.values())
+    return {"steps": steps, "seconds": end - start, "start": start, "end": end}
+
+
+def combine_windows(windows: list[dict]) -> dict:
+    """Dedicated arm: each job alone; steps and seconds add up (one GPU per job, summed)."""
+    return {"steps": sum(w["steps"] for w in windows), "seconds": sum(w["seconds"] for w in windows),
+            "windows": windows}
+
+
+def throughput(window: dict) -> float:
+    """Optimizer steps summed over jobs per device-hour."""
+    return window["steps"] / window["seconds"] * 3600.0 if window["seconds"] > 0 else float("nan")
+
+
+def busy(spans: list[dict], window: dict) -> float | None:
+    """The share of the window in which the timeline shows work (busy_fraction); dedicated:
+    time-weighted over each job's own window."""
+    if "windows" in window:
+        tot = sum(w["seconds"] for w in window["windows"])
+        if tot <= 0:
+            return None
+        return sum(busy_fraction(spans, w["start"], w["end"]) * w["seconds"] for w in window["windows"]) / tot
+    return busy_fraction(spans, window["start"], window["end"]) if window["seconds"] > 0 else None
+
+
+def gpu_util(gpu, window: dict) -> float | None:
+    """NVML's mean busy share over the measured window(s), time-weighted; None without NVML."""
+    ws = window.get("windows", [window])
+    vals = [(gpu.mean_between(w["start"], w["end"]), w["seconds"]) for w in ws if w["seconds"] > 0]
+    vals = [(v, s) for v, s in vals if v is not None]
+    tot = sum(s for _, s in vals)
+    return sum(v * s for v, s in vals) / tot if tot else None

