@@ -52,8 +52,9 @@ def plan(cfg: Config, args) -> list[PlannedRun]:
             runs.append(PlannedRun(arm, seed, "main", jobs=n, set=ded))
     for seed in args.seeds:
         for k in args.jobs:
-            if k != n:
-                runs += [PlannedRun(arm, seed, f"jobs{k}", jobs=k) for arm in args.scale_arms or [args.headline]]
+            if k != n:  # fewer jobs than overlap.groups: as many groups as jobs, said in the run's config
+                fit = (f"overlap.groups={k}",) if k < cfg.overlap.groups else ()
+                runs += [PlannedRun(arm, seed, f"jobs{k}", jobs=k, set=fit) for arm in args.scale_arms or [args.headline]]
     for spec in args.vary:
         runs += [PlannedRun(args.headline, args.seeds[0], label, jobs=n, set=tuple(sets))
                  for sets, label in vary_runs(spec)]

@@ -383,6 +383,11 @@ def _check(cfg: Config) -> None:
         need(r.sigma >= 0, f"{p}.response_length.sigma", r.sigma, "must be at least 0")
         need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
              f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
+    need(not g.max_loras or g.max_loras >= len(cfg.jobs), "engine.max_loras", g.max_loras,
+         f"must be at least the number of jobs ({len(cfg.jobs)}), or 0 for that many")
+    if e.arm in OVERLAP_ARMS:  # the arms that split the jobs into groups (a group holds at least one)
+        need(o.groups <= len(cfg.jobs), "overlap.groups", o.groups,
+             f"must be at most the number of jobs ({len(cfg.jobs)}) in arm {e.arm!r}")
     if g.max_lora_rank:
         top = max(j.lora_rank for j in cfg.jobs)
         need(g.max_lora_rank >= top, "engine.max_lora_rank", g.max_lora_rank,
@@ -470,9 +475,15 @@ def resolve(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of a TOML file, with `--set` overrides. The file's folder is where the modules of
+    its import-path tasks (`task = "mytasks:MyTask"`) are looked for, after the installed packages
+    (colora/tasks/registry.py)."""
+    from colora.tasks import add_task_dirs
+
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
+    add_task_dirs(p.parent)
     try:
         raw = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:

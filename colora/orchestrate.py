@@ -237,8 +237,10 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
             print(f"MPS unavailable here ({e}); the child decides what to do", flush=True)
             daemon = None
     budget = None if seconds is None else seconds - STOP_TERM_S - STOP_REPORT_S
+    from colora.tasks import task_dirs
+
     spec = {"config": base.to_dict(), "root": str(root), "runs": [asdict(p) for p in group.runs],
-            "index": index, "total": total, "seconds": budget, "verbose": verbose}
+            "index": index, "total": total, "seconds": budget, "verbose": verbose, "task_dirs": task_dirs()}
     print(f"== {group.kind} process: {len(group.runs)} runs", flush=True)
     child = subprocess.Popen([*python_m("colora.orchestrate"), json.dumps(spec)], env=group.env(),
                              start_new_session=True)
@@ -350,7 +352,10 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
 def main(argv: list[str] | None = None) -> int:
     """A child process: run one group (its JSON spec is the only argument) with one engine cache and,
     for an MPS group, the daemon its parent started."""
+    from colora.tasks import add_task_dirs
+
     spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    add_task_dirs(*spec["task_dirs"])  # the parent's: its config file's folder, its current directory
     base, root = from_dict(spec["config"]), Path(spec["root"])
     runs = [PlannedRun(**{**r, "set": tuple(r["set"])}) for r in spec["runs"]]
     daemon = None

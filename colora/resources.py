@@ -1,8 +1,10 @@
-"""What a run needs before its engine starts: the model directory, the device and dtype, the tasks,
-an output directory it may write, and MPS for the arms that use it.
+"""What a run needs before its engine starts: the model directory, the device and dtype, the tasks
+(built with their options, each split large enough for what the run draws from it), an output
+directory it may write, and MPS for the arms that use it.
 
 Every check here needs no engine and creates nothing on failure: bad input is a `RunError` whose
-message names the key or flag, the value and what to do.
+message names the key or flag, the value and what to do. (What the config alone decides, such as
+overlap.groups against the number of jobs, is checked when it loads: colora/config.py.)
 """
 
 from __future__ import annotations
@@ -95,6 +97,49 @@ def load_tasks(jobs: tuple[JobConfig, ...]) -> dict:
     return tasks
 
 
+def check_sizes(cfg: Config, tasks: dict) -> None:
+    """Each job's splits hold what the run draws: experiment.eval_size items of the eval split, and
+    jobs.N.prompts_per_step distinct items of the train split per step. A task that knows its sizes
+    (`size(split)`, e.g. gsm8k from a file) is compared with them; any other draws the run's first
+    sample of each split, with the run's seeds."""
+    from colora.tasks import TaskError
+
+    from .seeding import derive_seed
+
+    seed = cfg.experiment.seed
+    for i, j in enumerate(cfg.jobs):
+        task = tasks[j.name]
+        wants = (("eval", cfg.experiment.eval_size, "experiment.eval_size", derive_seed(seed, j.name, "eval")),
+                 ("train", j.prompts_per_step, f"jobs.{i}.prompts_per_step", derive_seed(seed, j.name, 0, "prompts")))
+        for split, n, key, sseed in wants:
+            if n <= 0:
+                continue
+            size = getattr(task, "size", None)
+            if callable(size):
+                if n > size(split):
+                    raise RunError(f"{key} ({n}) is larger than the {split} split of job {j.name!r} (task {j.task!r}: "
+                                   f"{size(split)} items); use at most {size(split)}")
+                continue
+            try:
+                task.sample(n, sseed, split)
+            except TaskError as e:
+                raise RunError(f"{key} ({n}) for job {j.name!r}: {e}") from None
+
+
+def check_mps(cfg: Config, process_mps) -> None:
+    """An MPS arm that requires MPS (overlap.mps_required) is refused here when this machine has no
+    MPS to start (no control program or no NVIDIA device), unless the process has a daemon already
+    or the run is on the CPU (which runs the arm without MPS, labelled so)."""
+    from .mps import mps_available
+
+    if cfg.experiment.arm not in MPS_ARMS or process_mps is not None or cfg.experiment.device == "cpu":
+        return
+    ok, why = mps_available()
+    if not ok and cfg.overlap.mps_required:
+        raise RunError(f"arm {cfg.experiment.arm!r} needs MPS, which is unavailable here ({why}); set "
+                       "overlap.mps_required=false to run it without MPS, labelled so")
+
+
 def check_out_dir(out: Path, resume: bool) -> None:
     """Refuse a directory that holds a run (unless resuming) and one we cannot write or that is full,
     before anything is started."""
@@ -129,10 +174,14 @@ class Setup:
     tasks: dict
 
 
-def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], None] = print) -> Setup:
-    """Every input check that needs no engine. Creates nothing on failure."""
+def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], None] = print,
+            process_mps=None) -> Setup:
+    """Every input check that needs no engine. Creates nothing on failure (a builtin model is built
+    into colora's cache once the other checks pass)."""
     tasks = load_tasks(cfg.jobs)
+    check_sizes(cfg, tasks)
     check_out_dir(out, resume)
+    check_mps(cfg, process_mps)
     model_dir = resolve_model(cfg.experiment.model, log)
     return Setup(cfg, out, model_dir, tasks)
 

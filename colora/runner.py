@@ -50,13 +50,16 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, log: 
     returns the summary as summary.json holds it. Raises RunError on bad input, RunFailed when the
     run breaks off. engine_cache: engines kept across the runs of this process; process_mps: the MPS
     daemon this whole process is a client of (colora/orchestrate.py starts one per MPS process)."""
+    from colora.tasks import task_dirs
+
     from .checkpoint import rewind_logs
 
     out = Path(out)
-    setup = prepare(cfg, out, resume_state is not None, log)
+    setup = prepare(cfg, out, resume_state is not None, log, process_mps)
     out.mkdir(parents=True, exist_ok=True)
-    if resume_state is None:
-        write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
+    if resume_state is None:  # task_dirs: where a resume looks for the modules of import-path tasks
+        write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(),
+                                                "task_dirs": task_dirs()})
     else:
         rewind_logs(out, resume_state)
     write_json_atomic(out / "status.json", {"state": "running"})
@@ -73,6 +76,8 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, log: 
 
 def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
     """`colora run --resume DIR`: continue a run from its newest sound checkpoint."""
+    from colora.tasks import add_task_dirs
+
     from .checkpoint import load_latest
     from .config import from_dict
 
@@ -82,7 +87,9 @@ def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
     status = json.loads((out / "status.json").read_text()) if (out / "status.json").exists() else {}
     if status.get("state") == "complete":
         raise RunError(f"--resume {str(out)!r}: the run is already complete")
-    cfg = from_dict(json.loads((out / "config.json").read_text())["config"])
+    saved = json.loads((out / "config.json").read_text())
+    add_task_dirs(*saved.get("task_dirs", ()))
+    cfg = from_dict(saved["config"])
     found = load_latest(out, log)
     if found is None:
         raise RunError(f"--resume {str(out)!r}: no usable checkpoint (runtime.checkpoint_every was 0, or the run "
@@ -140,9 +147,7 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     when its CUDA context is made (`shared`: the whole process is an MPS client)."""
     cfg, setup = r.cfg, r.setup
     max_rank = max(j.lora_rank for j in cfg.jobs)
-    max_loras = cfg.engine.max_loras or len(cfg.jobs)
-    if max_loras < len(cfg.jobs):
-        raise RunError(f"engine.max_loras ({max_loras}) must be at least the number of jobs ({len(cfg.jobs)})")
+    max_loras = cfg.engine.max_loras or len(cfg.jobs)  # at least the jobs (config.py checks)
 
     def start():
         r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs"

@@ -13,9 +13,10 @@ options and how its answers are read.
 from __future__ import annotations
 
 from .base import SPLITS, AnswerTask, Draft, Item, ProceduralTask, Task, TaskError, split_of
-from .registry import describe_task, format_items, get_task, list_tasks, parse_options, register_task, task_class
+from .registry import (add_task_dirs, describe_task, format_items, get_task, list_tasks, parse_options, register_task,
+                       task_class, task_dirs)
 
 __all__ = [
-    "SPLITS", "AnswerTask", "Draft", "Item", "ProceduralTask", "Task", "TaskError", "describe_task", "format_items",
-    "get_task", "list_tasks", "parse_options", "register_task", "split_of", "task_class",
+    "SPLITS", "AnswerTask", "Draft", "Item", "ProceduralTask", "Task", "TaskError", "add_task_dirs", "describe_task",
+    "format_items", "get_task", "list_tasks", "parse_options", "register_task", "split_of", "task_class", "task_dirs",
 ]

@@ -6,13 +6,23 @@
 Options are checked against the class's keyword-only __init__ parameters before it is built, so an
 unknown or missing option is a TaskError naming it and listing what is accepted; values are checked
 by each task's constructor.
+
+An import path's module is looked up, in order, where Python finds installed packages (sys.path),
+in the task folders (`add_task_dirs`: the folder of each config file loaded, colora/config.py), and
+in the current directory. A module found in a task folder or the current directory has that folder
+appended to sys.path, so that it can import the modules beside it. A module found nowhere is a
+TaskError that lists every place looked in.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import inspect
 import json
+import os
+import sys
+from pathlib import Path
 
 from .addition import Addition
 from .base import Item, Task, TaskError
@@ -26,6 +36,47 @@ from .reverse import Reverse
 from .sorting import Sorting
 
 _REGISTRY: dict[str, type[Task]] = {}
+_TASK_DIRS: list[str] = []  # absolute folders to look in for a task's module after sys.path
+
+
+def add_task_dirs(*dirs: str | os.PathLike) -> None:
+    """Look for the modules of import-path tasks in these folders too (after sys.path, before the
+    current directory)."""
+    for d in dirs:
+        d = str(Path(d).resolve())
+        if d not in _TASK_DIRS:
+            _TASK_DIRS.append(d)
+
+
+def task_dirs() -> list[str]:
+    """Where a task's module is looked for after sys.path: the task folders, then the current
+    directory."""
+    return list(dict.fromkeys([*_TASK_DIRS, str(Path.cwd())]))
+
+
+def _import(name: str, module_name: str):
+    """The module of import-path task `name` (see the module docstring)."""
+    top = module_name.split(".")[0]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name not in {module_name.rsplit(".", k)[0] for k in range(module_name.count(".") + 1)}:
+            raise TaskError(f"task {name!r}: importing module {module_name!r} failed ({e})") from e
+    except Exception as e:  # the module itself raised while it was imported
+        raise TaskError(f"task {name!r}: importing module {module_name!r} failed ({type(e).__name__}: {e})") from e
+    where = task_dirs()
+    for d in where:
+        if importlib.machinery.PathFinder.find_spec(top, [d]) is not None:
+            if d not in sys.path:
+                sys.path.append(d)
+            importlib.invalidate_caches()
+            try:
+                return importlib.import_module(module_name)
+            except Exception as e:
+                raise TaskError(f"task {name!r}: importing module {module_name!r} from {d} failed "
+                                f"({type(e).__name__}: {e})") from e
+    raise TaskError(f"task {name!r}: no module {module_name!r}; looked in the installed packages (sys.path) and in "
+                    + ", ".join(where) + " (the config file's folder and the current directory)")
 
 
 def register_task(name: str, cls: type[Task]) -> None:
@@ -53,10 +104,9 @@ def task_class(name: str) -> type[Task]:
         raise TaskError(f"unknown task {name!r}; registered: {', '.join(list_tasks())}, "
                         f"or give an import path 'pkg.module:Class'")
     module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise TaskError(f"task {name!r}: cannot import module {module_name!r} ({e})") from e
+    if not module_name or not attr:
+        raise TaskError(f"task {name!r}: an import path is 'module:Class' (e.g. 'mytasks:MyTask')")
+    module = _import(name, module_name)
     cls = getattr(module, attr, None)
     if not (inspect.isclass(cls) and issubclass(cls, Task)):
         raise TaskError(f"task {name!r}: {module_name}.{attr} is not a subclass of colora.tasks.Task")

@@ -100,12 +100,12 @@ def test_each_mps_share_gets_its_own_process():
     the process (or the engine) of another setting."""
     cfg = load_config(SMOKE)
     runs = bench_arms.plan(cfg, _args(seeds=[1], vary=["overlap.mps_trainer_percentage=50,100",
-                                                      "overlap.mps_engine_percentage=60", "overlap.groups=3"]))
+                                                      "overlap.mps_engine_percentage=60", "overlap.groups=1"]))
     got = [(g.kind, [(r.arm, r.tag) for r in g.runs]) for g in bench_arms.batches(cfg, runs)]
     assert got == [
         ("plain", [("dedicated", "main"), ("shared_sync", "main")]),
         ("mps", [("overlap_mps", "main"), ("overlap_mps", "vary:overlap.mps_trainer_percentage=100"),
-                 ("overlap_mps", "vary:overlap.groups=3")]),
+                 ("overlap_mps", "vary:overlap.groups=1")]),
         ("mps", [("overlap_mps", "vary:overlap.mps_trainer_percentage=50")]),
         ("mps", [("overlap_mps", "vary:overlap.mps_engine_percentage=60")]),
     ]

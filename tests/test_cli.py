@@ -10,6 +10,7 @@ import pytest
 from colora.cli import main
 
 SMOKE = str(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml")
+GSM8K = Path(__file__).resolve().parent / "fixtures" / "gsm8k_sample.jsonl"  # 10 train items, 2 eval
 
 
 def _fails(capsys, argv, *needles):
@@ -31,10 +32,23 @@ def _fails(capsys, argv, *needles):
     ("jobs.0.task=no_such_task", ["jobs.0.task", "no_such_task", "registered"]),
     ('experiment.model="/nonexistent/model"', ["experiment.model", "/nonexistent/model", "does not exist"]),
     ("experiment.model=builtin:huge", ["builtin:huge", "builtin:tiny"]),
+    # checked before the engine starts: data sizes against the splits, groups and adapter slots against
+    # the jobs, task options
+    (["jobs.0.task=gsm8k", f'jobs.0.task_options={{path="{GSM8K}"}}', "experiment.eval_size=3"],
+     ["experiment.eval_size (3)", "eval split of job 'add'", "2 items", "at most 2"]),
+    (["jobs.0.task=gsm8k", f'jobs.0.task_options={{path="{GSM8K}"}}', "experiment.eval_size=0",
+      "jobs.0.prompts_per_step=11"],
+     ["jobs.0.prompts_per_step (11)", "train split", "10 items"]),
+    ("jobs.1.task_options={terms=1, max_operand=2, max_modulus=2}",  # a procedural task's tiny eval split
+     ["experiment.eval_size (8)", "job 'mod'", "too small"]),
+    ("jobs.1.task_options={max_modulus=1}", ["jobs.1.task", "modular", "max_modulus (1)"]),
+    (["experiment.arm=overlap", "overlap.groups=5"], ["overlap.groups (5)", "number of jobs (2)", "overlap"]),
+    ("engine.max_loras=1", ["engine.max_loras (1)", "number of jobs (2)"]),
 ])
 def test_bad_config_is_refused_before_anything_runs(capsys, tmp_path, override, needles):
     out = tmp_path / "run"
-    _fails(capsys, ["run", SMOKE, "--set", override, "--out", str(out)], *needles)
+    sets = [a for o in ([override] if isinstance(override, str) else override) for a in ("--set", o)]
+    _fails(capsys, ["run", SMOKE, *sets, "--out", str(out)], *needles)
     assert not out.exists()
 
 

@@ -254,9 +254,9 @@ def _loop_runner(tmp_path, overrides: list[str], lengths: dict[str, int], engine
     three-token tokenizer."""
     from colora.config import resolve
 
-    d = load_config(SMOKE, overrides).to_dict()
+    d = load_config(SMOKE).to_dict()
     d["jobs"] = [{**d["jobs"][0], "name": n, "response_length": {"dist": "natural"}} for n in lengths]
-    cfg = resolve(d)
+    cfg = resolve(d, overrides)  # after the jobs: overlap.groups must fit their number
     task = SimpleNamespace(
         sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
         reward=lambda text, item: float(item.id % 2))

