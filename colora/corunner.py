@@ -58,6 +58,7 @@ from .lora import AdapterBank
 from .replay import keep_failed_step
 from .runlog import JsonlWriter, Timeline
 from .seeding import derive_seed
+from .summary import NO_SIGNAL_STEPS
 from .throughput import combine_windows, measure_window
 from .trainer import JobFailure, MultiJobTrainer, Rollout
 
@@ -117,6 +118,7 @@ class CoRunner:
         self._regroup: dict[str, int] | None = None  # job -> planned group, while moves are pending
         self._regroup_decided = False
         self._loaded: dict[int, threading.Event] = {}  # group -> set once its adapters are loaded, queued
+        self._flat: dict[str, int] = {}  # job -> steps in a row whose groups all had equal rewards
 
     # -- prompts and requests ------------------------------------------------------------------
     def prompt_ids(self, messages: tuple[dict, ...]) -> list[int]:
@@ -277,9 +279,14 @@ class CoRunner:
         for name, st in stats.items():
             js = self.jobs[name]
             rs = rollouts[name]
+            by_prompt: dict[int, list[float]] = {}
+            for r in rs:
+                by_prompt.setdefault(r.prompt_index, []).append(r.reward)
             row = {"job": name, "step": js.step, "group": group_of[name], "reward": rewards[name],
                    "rollout_versions": sorted({r.version for r in rs}),
                    "reward_std": float(np.std([r.reward for r in rs])),
+                   # the share of its prompts whose samples all got one reward: no gradient from them
+                   "flat_groups": grpo.flat_groups(torch.tensor(list(by_prompt.values()), dtype=torch.float64)),
                    "response_len": float(np.mean([len(r.completion_ids) for r in rs])),
                    "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rs])),
                    "t_generate": t_gen[name], "t_train": t_train, **st.__dict__}
@@ -292,6 +299,7 @@ class CoRunner:
             js.step += 1
             js.step_ends.append(now)
             self.metrics.write({**row, "status": "ok"})
+            self._warn_flat(name, row["flat_groups"] == 1.0)
             if js.step >= self.cfg.experiment.steps:
                 js.status = "done"
             parts.append(f"{name} r={rewards[name]:.2f}")
@@ -299,6 +307,15 @@ class CoRunner:
         self.log(f"{progress} | {' '.join(parts)} | gen {max(t_gen.values()):.1f}s train {t_train:.1f}s")
         if self.on_step is not None:
             self.on_step()
+
+    def _warn_flat(self, name: str, flat: bool) -> None:
+        """Say so the moment a job has had no reward variance in any group for NO_SIGNAL_STEPS steps
+        in a row (the summary counts every such step: colora/summary.py)."""
+        self._flat[name] = self._flat.get(name, 0) + 1 if flat else 0
+        if self._flat[name] == NO_SIGNAL_STEPS:
+            self.log(f"warning: job {name}: every group's rewards were equal for {NO_SIGNAL_STEPS} steps in a row, so "
+                     "it got no gradient from them (its task may be too hard or too easy for the model, or its "
+                     "reward may not depend on the completion)")
 
     def export_adapters(self, exports: list[tuple[JobState, int]], group: int, groups: list[int]) -> None:
         """Write the engine's copy of each new adapter version (in the engine's dtype, its scale folded

@@ -34,6 +34,13 @@ def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: flo
     return centered / (rewards.std(dim=1, keepdim=True) + eps)
 
 
+def flat_groups(rewards: torch.Tensor) -> float:
+    """The share of groups whose rewards are all equal: their advantages are zero, so they give the
+    policy no gradient. rewards: [groups, samples]."""
+    assert rewards.dim() == 2 and rewards.shape[0] >= 1, rewards.shape
+    return float((rewards.max(dim=1).values == rewards.min(dim=1).values).double().mean())
+
+
 def sequence_token_weight(lengths: list[int], loss: str, max_new_tokens: int) -> list[float]:
     """Per-sequence weight applied to each of its completion tokens, for one job's whole step.
 

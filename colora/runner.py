@@ -36,7 +36,7 @@ from .config import Config
 from .engine import EngineCache, engine_process, release_cuda_cache
 from .resources import MPS_ARMS, RunError, Setup, adapter_scratch, prepare, resolve_device, start_mps, torch_dtype
 from .runlog import JsonlWriter, Timeline, read_jsonl, write_json_atomic
-from .summary import RunSummary, job_summaries
+from .summary import RunSummary, job_summaries, warnings
 from .trainer import build_trainer
 
 
@@ -274,6 +274,9 @@ def _summarise(r: _Run, engine, bank, trainer, corunner, window: dict, gpu, befo
     from .throughput import busy, gpu_util, throughput
 
     cfg, exp = r.cfg, r.cfg.experiment
+    jobs = job_summaries(corunner.jobs, bank, read_jsonl(r.setup.out / "metrics.jsonl"), before, after)
+    for w in warnings(jobs):
+        r.log(f"warning: {w}")
     sms = None
     if r.device == "cuda":  # the trainer's view of the GPU: under an MPS share below 100 fewer SMs show
         import torch
@@ -287,5 +290,4 @@ def _summarise(r: _Run, engine, bank, trainer, corunner, window: dict, gpu, befo
         trainer_setup_s=trainer_setup_s, trainer_sm_count=sms, steps_measured=window["steps"],
         seconds_measured=window["seconds"], steps_per_hour=throughput(window), groups=window.get("groups"),
         busy_fraction=busy(r.timeline.spans, window), gpu_util=gpu_util(gpu, window), wall_s=wall_s,
-        jobs=job_summaries(corunner.jobs, bank, read_jsonl(r.setup.out / "metrics.jsonl"), before, after),
-        window=window)
+        jobs=jobs, window=window, warnings=warnings(jobs))

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+NO_SIGNAL_STEPS = 5  # steps in a row without reward variance that get a warning (here and during the run)
+
 
 @dataclass
 class JobSummary:
@@ -21,6 +23,10 @@ class JobSummary:
     mean_reward: float | None  # the mean over its ok steps of the step's mean reward
     eval_before: float | None  # held-out accuracy before training (greedy); None without eval
     eval_after: float | None
+    # steps in which every group's rewards were equal (zero advantages: no gradient from the reward),
+    # and the longest run of them in a row
+    no_signal_steps: int = 0
+    no_signal_streak: int = 0
 
 
 @dataclass
@@ -50,6 +56,7 @@ class RunSummary:
     wall_s: float  # the run's own wall time, engine start included
     jobs: dict[str, JobSummary] = field(default_factory=dict)
     window: dict[str, Any] = field(default_factory=dict)  # the measured window(s)
+    warnings: list[str] = field(default_factory=list)  # what the run's outcome should be read with (`warnings`)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,8 +67,35 @@ def job_summaries(jobs: dict, bank, rows: list[dict], before: dict, after: dict)
     rows and its evaluations before and after training."""
     out = {}
     for name, js in jobs.items():
-        rs = [r["reward"] for r in rows if r.get("job") == name and r.get("status") == "ok"]
+        ok = sorted((r for r in rows if r.get("job") == name and r.get("status") == "ok"), key=lambda r: r["step"])
+        rs = [r["reward"] for r in ok]
+        steps, streak = no_signal([r.get("flat_groups") == 1.0 for r in ok])
         out[name] = JobSummary(js.status, js.reason, js.step, bank.jobs[name].version,
                                sum(rs) / len(rs) if rs else None,
-                               before.get(name, {}).get("accuracy"), after.get(name, {}).get("accuracy"))
+                               before.get(name, {}).get("accuracy"), after.get(name, {}).get("accuracy"),
+                               steps, streak)
+    return out
+
+
+def no_signal(flat: list[bool]) -> tuple[int, int]:
+    """(steps without reward variance, the longest run of them in a row) of one job's steps in order."""
+    longest = run = 0
+    for f in flat:
+        run = run + 1 if f else 0
+        longest = max(longest, run)
+    return sum(flat), longest
+
+
+def warnings(jobs: dict[str, JobSummary]) -> list[str]:
+    """A line per job that learned nothing from its reward in the whole run, or for NO_SIGNAL_STEPS
+    steps in a row or more."""
+    out = []
+    for name, j in jobs.items():
+        if j.steps and j.no_signal_steps == j.steps:
+            out.append(f"job {name}: every group's rewards were equal at every one of its {j.steps} steps: it got "
+                       "no gradient from its reward and learned nothing (a task too hard or too easy for the model, "
+                       "or a reward that does not depend on the completion?)")
+        elif j.no_signal_streak >= NO_SIGNAL_STEPS:
+            out.append(f"job {name}: every group's rewards were equal for {j.no_signal_streak} steps in a row "
+                       f"({j.no_signal_steps} of its {j.steps} steps in all): it learned nothing from them")
     return out

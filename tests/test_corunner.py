@@ -1,5 +1,5 @@
-"""The co-runner's adapter shipping and its train spans, with fakes for the engine, the adapter bank and
-the trainer (no vLLM)."""
+"""The co-runner's adapter shipping, its train spans and its warning about a job whose rewards never
+vary, with fakes for the engine, the adapter bank and the trainer (no vLLM)."""
 
 from __future__ import annotations
 
@@ -380,3 +380,42 @@ def test_the_engine_thread_takes_records_and_every_wait_ends(tmp_path):
     assert not t.is_alive() and dropped == ["a"] and done_q.empty()
     got = c._next(done_q, t)
     assert isinstance(got, Failed) and "ended without a word" in str(got.error)
+
+
+# -- a job that learns nothing -----------------------------------------------------------------------
+def test_a_job_whose_rewards_never_vary_is_warned_about_in_the_output_and_the_summary(tmp_path):
+    """The fake task's reward depends on the prompt only: every group's rewards are equal."""
+    from colora.runlog import read_jsonl
+    from colora.summary import NO_SIGNAL_STEPS, job_summaries, warnings
+
+    said = []
+    c = _loop_runner(tmp_path, [f"experiment.steps={NO_SIGNAL_STEPS + 1}"], {"a": 20})
+    c.log = said.append
+    c.run()
+    c.metrics.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["flat_groups"] for r in rows if r.get("status") == "ok"] == [1.0] * (NO_SIGNAL_STEPS + 1)
+    assert sum("warning: job a: every group's rewards were equal for 5 steps in a row" in s for s in said) == 1
+    bank = type("Bank", (), {"jobs": {"a": type("J", (), {"version": 6})()}})()
+    jobs = job_summaries(c.jobs, bank, rows, {}, {})
+    assert jobs["a"].no_signal_steps == jobs["a"].no_signal_streak == NO_SIGNAL_STEPS + 1
+    [w] = warnings(jobs)
+    assert "job a" in w and "learned nothing" in w and "every one of its 6 steps" in w
+
+
+def test_no_signal_counts_steps_and_the_longest_run():
+    import torch
+
+    from colora.grpo import flat_groups
+    from colora.summary import JobSummary, no_signal, warnings
+
+    assert no_signal([True, False, True, True, True, False]) == (4, 3)
+    assert no_signal([]) == (0, 0)
+    assert flat_groups(torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.5, 0.5], [0.0, 0.0]])) == 0.75
+
+    def job(steps, flat, streak):
+        return JobSummary("done", "", steps, steps, 0.5, None, None, flat, streak)
+
+    assert warnings({"a": job(10, 4, 3), "b": job(0, 0, 0)}) == []  # some signal; no steps at all
+    [w] = warnings({"c": job(10, 6, 5)})
+    assert "5 steps in a row (6 of its 10 steps" in w
