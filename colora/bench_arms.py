@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "command": command},
                           children=True, deadline_s=args.deadline or None, verbose=True,
                           progress=lambda s: print(s, flush=True))
-        failed = any(s == "failed" for s in states.values())
+        failed = any(s in ("failed", "interrupted") for s in states.values())
     rows = collect(runs, root)
     out = Path(args.out)
     write_report(rows, out, command, cfg)

@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     passthrough = {"sweep": "colora.sweep", "report": "colora.report", "prereg": "colora.prereg",
                    "replay-step": "colora.replay"}
     from .runner import RunFailed
+    from .stopping import Interrupted
 
     try:
         if argv and argv[0] in passthrough:
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         print(f"colora: error: {e}", file=sys.stderr)
         return 1
+    except Interrupted as e:  # a signal (colora/stopping.py): the message says how to continue
+        print(f"colora: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print("colora: interrupted", file=sys.stderr)
         return 130

@@ -30,7 +30,11 @@ per hour with this wait than without (reports/h200/tenth and eleventh, reload_fi
 
 The trainer (main thread) and the engine thread exchange small records through two queues
 (colora/handoff.py). Every wait on a queue has a timeout, after which it looks at whether the other
-side is still there.
+side is still there and whether a stop was requested (colora/stopping.py: a signal). On a stop
+request the engine thread takes no more work and ends, and the trainer finishes the step it is in,
+if any, and raises `Interrupted` before it queues anything again: every job's state is then that of
+its last completed step. An engine that failed after a stop request is the interruption (Ctrl-C
+reaches vLLM's processes too).
 """
 
 from __future__ import annotations
@@ -58,12 +62,14 @@ from .lora import AdapterBank
 from .replay import keep_failed_step
 from .runlog import JsonlWriter, Timeline
 from .seeding import derive_seed
+from .stopping import StopRequest
 from .summary import NO_SIGNAL_STEPS
 from .throughput import combine_windows, measure_window
 from .trainer import JobFailure, MultiJobTrainer, Rollout
 
 QUEUE_WAIT_S = 0.5  # the longest a thread waits on its queue before it looks at the other side
 JOIN_WAIT_S = 60.0  # the longest the trainer waits for the engine thread to end after a Stop
+STOP_JOIN_S = 10.0  # the same after a stop request: the process is going, the thread is a daemon
 
 
 @dataclass
@@ -97,7 +103,7 @@ class CoRunner:
     def __init__(self, cfg: Config, engine: RolloutEngine, trainer: MultiJobTrainer, bank: AdapterBank,
                  tokenizer, jobs: dict[str, JobState], timeline: Timeline, metrics: JsonlWriter,
                  adapter_root: Path, base_model: str, log: Callable[[str], None] = print,
-                 on_step: Callable[[], None] | None = None):
+                 on_step: Callable[[], None] | None = None, stop_request: StopRequest | None = None):
         self.cfg = cfg
         self.engine = engine
         self.trainer = trainer
@@ -110,6 +116,7 @@ class CoRunner:
         self.base_model = base_model
         self.log = log
         self.on_step = on_step  # checkpoint hook, called on the main thread after each group step
+        self.stop_request = stop_request or StopRequest()  # set by a signal (colora/stopping.py)
         self._prompt_cache: dict[tuple, list[int]] = {}
         self._submit_q: queue.Queue | None = None  # set while the engine thread runs
         self._queued_at: dict[int, float] = {}  # group -> when it was handed to the engine thread
@@ -162,11 +169,13 @@ class CoRunner:
     def shipping(self):
         """One adapter transfer at a time: the trainer's export of one group and the engine's load of
         another. On the H200 under MPS, run at once, each took 1-3 s instead of 0.1-0.3 s (reports/
-        h200/fourth). The wait gives up if the engine dies meanwhile (its thread may never let go)."""
+        h200/fourth). The wait gives up if the engine dies meanwhile (its thread may never let go) or
+        a stop is requested."""
         while not self._ship_lock.acquire(timeout=0.5):
             why = self.engine.dead()
             if why:
                 raise EngineFailure(why)
+            self.stop_request.check()
         try:
             yield
         finally:
@@ -187,10 +196,11 @@ class CoRunner:
 
     def engine_loop(self, groups: list[list[str]], submit_q: queue.Queue, done_q: queue.Queue) -> None:
         """The engine thread: take groups to generate for, keep the engine stepping, hand every
-        finished group's rollouts to the trainer. Any exception is handed over too."""
+        finished group's rollouts to the trainer. Any exception is handed over too. Ends on a Stop or
+        a stop request."""
         inflight: dict[int, tuple[dict, float]] = {}
         try:
-            while True:
+            while not self.stop_request.requested:
                 todo = []
                 with contextlib.suppress(queue.Empty):
                     # nothing decoding: wait for work (a Stop wakes the wait; the timeout bounds it)
@@ -422,7 +432,9 @@ class CoRunner:
                         break
                 for item in ready:
                     if isinstance(item, Failed):
+                        self.stop_request.check()  # the engine died of the signal that asked to stop
                         raise item.error
+                self.stop_request.check()  # rollouts back, but no new step is begun after a stop request
                 outstanding -= len(ready)
                 if waiting:
                     self._queue(submit_q, waiting.popleft())
@@ -430,6 +442,7 @@ class CoRunner:
                 step = max(self.jobs[n].step for r in ready for n in groups[r.group]) + 1
                 label = "groups " + ",".join(str(r.group) for r in ready) if len(groups) > 1 else "step"
                 self.train_task(ready, f"{label} {step}/{steps}")
+                self.stop_request.check()  # the step is whole: stop before queueing the next
                 self.regroup(groups, [r.group for r in ready])
                 queued = [r.group for r in ready if any(self.jobs[n].status == "running" for n in groups[r.group])]
                 for g in queued:
@@ -440,16 +453,19 @@ class CoRunner:
             stop_watch.set()
             submit_q.put(Stop())
             # a daemon thread stuck in a call into a dead engine stays behind
-            thread.join(timeout=JOIN_WAIT_S if not self.engine.dead() else 5.0)
+            wait = 5.0 if self.engine.dead() else STOP_JOIN_S if self.stop_request.requested else JOIN_WAIT_S
+            thread.join(timeout=wait)
             if thread.is_alive():
-                self.log(f"warning: the engine thread did not stop within {JOIN_WAIT_S:.0f} s; left behind")
+                self.log(f"warning: the engine thread did not stop within {wait:.0f} s; left behind")
             self._submit_q = None
         for g, names in enumerate(groups):  # the final adapters, for evaluation
             self.load_pending(names, g)
 
     def _next(self, done_q: queue.Queue, engine_thread: threading.Thread) -> Generated | Failed:
-        """The engine thread's next record; a thread that ended without one is a failure too."""
+        """The engine thread's next record; a thread that ended without one is a failure too. Raises
+        Interrupted on a stop request."""
         while True:
+            self.stop_request.check()
             try:
                 return done_q.get(timeout=QUEUE_WAIT_S)
             except queue.Empty:
@@ -458,9 +474,11 @@ class CoRunner:
 
     def _wait_loaded(self, groups: list[int], engine_thread: threading.Thread) -> None:
         """Until the engine thread has loaded these groups' adapters and queued their rollouts, or has
-        stopped (its error is then the next item of the trainer's queue)."""
+        stopped (its error is then the next item of the trainer's queue). Raises Interrupted on a stop
+        request."""
         for g in groups:
             while not self._loaded[g].wait(0.05):
+                self.stop_request.check()
                 if not engine_thread.is_alive() or self.engine.dead():
                     return
 

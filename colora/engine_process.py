@@ -23,11 +23,21 @@ the trainer's process only sends a group's adapters and requests and receives it
 Same interface as `RolloutEngine` (the co-runner, evaluation and the runner use either): one thread
 makes every call. Results are the child's `GenResult`s, unchanged (per-request seeds make them the
 same as in-process ones; tested).
+
+Stopping: the child leads a process group of its own, with vLLM's engine processes in it, so a
+Ctrl-C in the terminal (SIGINT to the foreground group) reaches the trainer's process only, which
+then closes the engine in order (colora/stopping.py). SIGTERM or SIGHUP to the child close its engine
+and end it; so does the end of its pipe (the trainer's process is gone). Every wait for the child
+has a timeout after which it looks whether the child still lives, and `close` wakes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
+import signal
+import threading
 import time
 import traceback
 from typing import Any
@@ -36,8 +46,15 @@ from .config import EngineConfig
 from .engine import GenRequest, GenResult, RolloutEngine, dead_process
 
 
+RECV_SLICE_S = 0.5  # the longest a wait for the child goes without looking whether it still lives
+CLOSE_WAIT_S = 20.0  # the longest `close` waits for the child to stop its engine, then to exit
+
+
 def _serve(conn, kwargs: dict) -> None:
     """The child: one RolloutEngine; commands from `conn` between engine steps, finished batches back."""
+    os.setpgrp()  # a group of its own (see the module docstring)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # end like Ctrl-C: the engine is closed on the way out
+        signal.signal(sig, signal.default_int_handler)
     try:
         eng = RolloutEngine(**kwargs)
     except BaseException as e:  # noqa: BLE001  (everything goes back to the parent, which raises it)
@@ -64,6 +81,16 @@ def _serve(conn, kwargs: dict) -> None:
         pass
     finally:
         eng.close()
+
+
+def _kill(proc) -> None:
+    """SIGKILL to the child's process group (vLLM's processes are in it) and to the child itself (in
+    case it has not made its group yet); then reap it."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        proc.kill()
+    proc.join(timeout=CLOSE_WAIT_S)
 
 
 class EngineProcessError(RuntimeError):
@@ -93,6 +120,8 @@ class RemoteEngine:
         from .models import load_tokenizer
 
         ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
+        self._closing = threading.Event()  # set by close(): a wait in another thread gives up
+        self._procs = []
         self._conn, child = ctx.Pipe()
         kwargs = dict(model_dir=model_dir, cfg=cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
                       seed=seed, device=device)
@@ -100,7 +129,12 @@ class RemoteEngine:
         t0 = time.perf_counter()
         self._proc.start()
         child.close()
-        msg = self._recv()
+        self._procs = [psutil.Process(self._proc.pid)]  # watched while the engine starts
+        try:
+            msg = self._recv()
+        except BaseException:  # interrupted (a signal) or the child died: nothing of it may stay
+            _kill(self._proc)
+            raise
         if msg[0] == "error":
             self._proc.join(timeout=30)
             raise EngineProcessError(f"the engine's process failed to start: {msg[1]}\n{msg[2]}")
@@ -119,9 +153,15 @@ class RemoteEngine:
 
     # -- messages ---------------------------------------------------------------------------------
     def _recv(self):
+        """The child's next message. Waits in slices of RECV_SLICE_S, between which a child that died
+        (or a close from another thread) ends the wait."""
         try:
+            while not self._conn.poll(RECV_SLICE_S):
+                why = self.dead() or ("closed" if self._closing.is_set() else "")
+                if why:
+                    raise EngineProcessError(f"the engine's process ended ({why})")
             return self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             why = self.dead() or f"exit code {self._proc.exitcode if self._proc else None}"
             raise EngineProcessError(f"the engine's process ended ({why})") from None
 
@@ -199,19 +239,22 @@ class RemoteEngine:
         return dead_process(self._procs)
 
     def close(self) -> None:
+        """Ask the child to close its engine and wait for it (CLOSE_WAIT_S for its reply, then as long
+        for its exit), else kill its process group."""
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
+        self._closing.set()
         try:
             if proc.is_alive():
                 self._conn.send(("stop",))
-                while self._conn.poll(60):
+                t_end = time.monotonic() + CLOSE_WAIT_S
+                while proc.is_alive() and self._conn.poll(max(0.0, t_end - time.monotonic())):
                     if self._conn.recv()[0] == "reply":
                         break
         except (EOFError, BrokenPipeError, OSError):
             pass
-        proc.join(timeout=60)
+        proc.join(timeout=CLOSE_WAIT_S)
         if proc.is_alive():
-            proc.kill()
-            proc.join()
+            _kill(proc)
         self._conn.close()

@@ -31,7 +31,7 @@ class GpuSampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=5.0)  # a daemon thread: an NVML call that hangs stays behind
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period_s):

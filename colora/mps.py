@@ -156,6 +156,16 @@ class MpsDaemon:
             environment.restore(self._saved_env)
         return outcome
 
+    def quit_nowait(self) -> None:
+        """Send `quit` and return at once (a second signal: this process, a client, exits next and the
+        daemon then quits). Leaves the environment as it is."""
+        if self.owner and self.started:
+            self.started = False
+            proc = subprocess.Popen([CONTROL], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env=self._env(), text=True)
+            proc.stdin.write("quit\n")
+            proc.stdin.close()
+
     def __enter__(self) -> "MpsDaemon":
         self.start()
         return self

@@ -13,19 +13,27 @@ starts with its trainer's share; with `children=True` every group runs in a chil
 arms benchmark: each batch a clean process). Other groups run in this process, one `EngineCache` for
 all of them.
 
-Resuming: a run whose status.json says complete and which has summary.json is skipped; any other
-existing run directory (killed, failed) is renamed `<dir>.incomplete-<n>` (never deleted) and run
-again. A complete run made with another config is refused before anything runs, and so is a ROOT
-that holds a sweep of another config: runs of several configs never mix.
+Resuming: a run whose status.json says complete and which has summary.json is skipped; an
+interrupted or killed run of the same config with a sound checkpoint continues from it
+(`colora run --resume`); any other existing run directory (failed, or with no checkpoint) is renamed
+`<dir>.incomplete-<n>` (never deleted) and run again. A complete run made with another config is
+refused before anything runs, and so is a ROOT that holds a sweep of another config: runs of several
+configs never mix.
 
 Deadline: with `deadline_s`, a run starts only if the finished runs say it ends in time (`estimate`);
-a child still running when the time is nearly up is stopped (SIGTERM to its process group, then
-SIGKILL) so that its shutdown and the report fit. A run not started is recorded as "skipped" and
+a child still running when the time is nearly up is stopped (SIGTERM to it, then SIGKILL to its
+process group) so that its shutdown and the report fit. A run not started is recorded as "skipped" and
 runs later when the plan is run again.
+
+Signals (colora/stopping.py): SIGINT, SIGTERM or SIGHUP stop the plan. The run in progress stops as
+`colora run` does and is recorded as "interrupted" in sweep.json; a child process is sent SIGTERM
+(it stops its run the same way) and its process group SIGKILL after STOP_TERM_S; running the same
+command again continues where the plan stopped. A second signal exits at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -40,9 +48,11 @@ from . import python_m
 from .config import Config, from_dict, replace, resolve
 from .engine import EngineCache, engine_process, release_cuda_cache
 from .resources import MPS_ARMS, RunError
-from .rundirs import Record, check_existing, estimate, move_aside, run_state
+from .rundirs import Record, check_existing, estimate, move_aside, resumable, run_state
+from .stopping import Interrupted, handling_signals, on_abort
 
 RunFn = Callable[[Config, Path, EngineCache, Callable[[str], None]], dict]
+ResumeFn = Callable[[Path, EngineCache, Callable[[str], None]], dict]
 STOP_TERM_S = 20.0  # how long a stopped child may take to shut its engine down before it is killed
 STOP_REPORT_S = 10.0  # then the MPS daemon's stop and the report
 
@@ -149,6 +159,12 @@ def run_in_process(cfg: Config, out: Path, cache: EngineCache, log: Callable[[st
     return run(cfg, out, log=log, engine_cache=cache, process_mps=process_mps)
 
 
+def resume_in_process(out: Path, cache: EngineCache, log: Callable[[str], None], process_mps=None) -> dict:
+    from .runner import resume
+
+    return resume(out, log=log, engine_cache=cache, process_mps=process_mps)
+
+
 @dataclass
 class _Progress:
     """Counts and prints the plan's progress: one line per run, with an ETA from the runs done."""
@@ -167,11 +183,13 @@ class _Progress:
 
 
 def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, cache: EngineCache, run_fn: RunFn,
-              progress: _Progress, index: dict[str, int], deadline: float | None, verbose: bool = False) -> None:
-    """Run every run of `runs` that is not complete, in this process: skip complete ones, move
-    unfinished ones aside, start none the deadline (on `progress.clock`) would cut. Runs that raise
-    are recorded as failed and the others go on; a RunError (bad input, the same for every run)
-    stops the plan."""
+              progress: _Progress, index: dict[str, int], deadline: float | None, verbose: bool = False,
+              resume_fn: ResumeFn = resume_in_process) -> None:
+    """Run every run of `runs` that is not complete, in this process: skip complete ones, resume
+    interrupted ones from their checkpoint, move other unfinished ones aside, start none the deadline
+    (on `progress.clock`) would cut. Runs that raise are recorded as failed and the others go on; a
+    RunError (bad input, the same for every run) stops the plan, and so does an interruption (the run
+    recorded as interrupted)."""
     clock, say = progress.clock, progress.say
     engines: set[bool] = set()  # the client kinds whose engine this process has started
     for p in runs:
@@ -187,24 +205,31 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
             record.set(p, state="skipped", error="the deadline would cut it")
             continue
         engines.add(apart)
-        if d.exists():
+        resuming = d.exists() and resumable(d, cfg.hash())
+        if d.exists() and not resuming:
             say(f"{tag}: unfinished run moved aside to {move_aside(d).name}; running it again")
-        say(f"{tag}: running (elapsed {_dur(clock() - progress.t0)}, {progress.eta()})")
+        say(f"{tag}: {'resuming from its checkpoint' if resuming else 'running'} "
+            f"(elapsed {_dur(clock() - progress.t0)}, {progress.eta()})")
         log_path = d.with_name(d.name + ".log")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         record.set(p, state="running", log=str(log_path.relative_to(root)), config_hash=cfg.hash())
         t = clock()
+        aborted = lambda p=p: record.set(p, state="interrupted", error="a second signal: exited at once")  # noqa: E731
         try:
-            with open(log_path, "a") as logf:
+            with open(log_path, "a") as logf, on_abort(aborted):
                 def log(s: str, _f=logf) -> None:
                     _f.write(s + "\n")
                     _f.flush()
                     if verbose:
                         say(f"  {s}")
 
-                summary = run_fn(cfg, d, cache, log)
+                summary = resume_fn(d, cache, log) if resuming else run_fn(cfg, d, cache, log)
         except RunError as e:
             record.set(p, state="failed", error=f"RunError: {e}")
+            raise
+        except Interrupted as e:
+            record.set(p, state="interrupted", seconds=clock() - t, error=str(e))
+            say(f"{tag}: {e}")
             raise
         except Exception as e:
             secs = clock() - t
@@ -271,25 +296,32 @@ def wait_or_stop(child: subprocess.Popen, deadline: float | None) -> int | str:
 
 
 def _stop(child: subprocess.Popen) -> None:
-    """SIGTERM to the child's process group (its engine's processes too), SIGKILL after STOP_TERM_S."""
-    os.killpg(child.pid, signal.SIGTERM)
+    """SIGTERM to the child, which then stops its run and its engine (colora/stopping.py); after it
+    ended, or after STOP_TERM_S, SIGKILL to its process group (what is left of its engine's
+    processes)."""
+    with contextlib.suppress(ProcessLookupError):
+        child.send_signal(signal.SIGTERM)
     try:
         child.wait(timeout=STOP_TERM_S)
     except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=STOP_TERM_S)
 
 
 def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, record: dict | None = None,
-             run_fn: RunFn = run_in_process, children: bool = False,
+             run_fn: RunFn = run_in_process, resume_fn: ResumeFn = resume_in_process, children: bool = False,
              use_child: Callable[[ProcessGroup, Config], bool] = on_gpu, child_fn=run_child_group,
              deadline_s: float | None = None, progress: Callable[[str], None] | None = None,
              verbose: bool = False, clock: Callable[[], float] = time.monotonic) -> dict[str, str]:
     """Run every planned run that is not complete yet; returns {rel dir: state} (complete, failed,
-    skipped, or missing for a run whose child process ended before it). record: what sweep.json
-    says about this invocation (config_path, overrides, command, prereg). children: every group in a
-    child process; else only those `use_child` picks. `run_fn`, `child_fn`, `use_child` and `clock`
-    are injectable for tests."""
+    interrupted, skipped, or missing for a run whose child process ended before it). record: what
+    sweep.json says about this invocation (config_path, overrides, command, prereg). children: every
+    group in a child process; else only those `use_child` picks. Raises Interrupted on a signal,
+    once the run in progress is recorded as interrupted. `run_fn`, `resume_fn`, `child_fn`,
+    `use_child` and `clock` are injectable for tests."""
     from .prereg import lock_hash
 
     root = Path(root)
@@ -307,46 +339,62 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     deadline = None if deadline_s is None else prog.t0 + deadline_s
     index = {p.rel: i for i, p in enumerate(planned, 1)}
     cache = EngineCache()
-    try:
-        for group in process_groups(base, planned):
-            if children or use_child(group, base):
-                if all(run_state(root / p.rel) == "complete" for p in group.runs):
-                    for p in group.runs:
-                        say(f"[{index[p.rel]}/{len(planned)}] {p.label}: complete, skipped")
-                    continue
-                left = None if deadline is None else deadline - clock()
-                if left is not None and left <= STOP_TERM_S + STOP_REPORT_S:
-                    for p in group.runs:
-                        if run_state(root / p.rel) != "complete":
-                            say(f"[{index[p.rel]}/{len(planned)}] {p.label}: not started, the deadline has come")
-                            rec.set(p, state="skipped", error="the deadline came first")
-                    continue
-                cache.close()  # the child's runs get the GPU to themselves
-                release_cuda_cache()
-                rc = child_fn(base, group, root, index, len(planned), left, verbose)
-                rec.reload()
-                for p in group.runs:  # a run the child left open: it ended inside it or before it
-                    if rec.runs.get(p.rel, {}).get("state") in ("running", "pending"):
-                        rec.set(p, state="failed", error=f"its process ended ({rc})")
-                if rc == 2:
-                    raise RunError(f"a {group.kind} process refused its runs (bad input); see its output above")
-            else:
-                run_group(base, group.runs, root, rec, cache, run_fn, prog, index, deadline, verbose)
-    except KeyboardInterrupt:
-        say("sweep: interrupted; run it again to resume")
-        raise
-    finally:
-        cache.close()
+    with handling_signals():
+        try:
+            _run_groups(base, planned, root, rec, cache, run_fn, resume_fn, children, use_child, child_fn, prog,
+                        index, deadline, verbose)
+        except Interrupted as e:
+            rec.reload()
+            cut = [p for p in planned if rec.runs.get(p.rel, {}).get("state") == "running"]
+            for p in cut:  # a run whose process was stopped before it could say so
+                rec.set(p, state="interrupted", error=f"interrupted by {e.signal}")
+            cut = [p.rel for p in planned if rec.runs.get(p.rel, {}).get("state") == "interrupted"]
+            e.message = (f"sweep interrupted by {e.signal}" + (f" in {', '.join(cut)}" if cut else "")
+                         + "; continue with: " + ((record or {}).get("command") or "the same command again"))
+            raise
+        finally:
+            cache.close()
     rec.reload()
     for p in planned:
         done = run_state(root / p.rel) == "complete"
         states[p.rel] = "complete" if done else rec.runs.get(p.rel, {}).get("state", "missing")
-    failed = [r for r, s in states.items() if s == "failed"]
+    failed = [r for r, s in states.items() if s in ("failed", "interrupted")]
     skipped = [r for r, s in states.items() if s == "skipped"]
     say(f"sweep: {len(planned) - len(failed) - len(skipped)}/{len(planned)} complete in {_dur(clock() - prog.t0)}"
-        + (f"; failed: {', '.join(failed)}" if failed else "")
+        + (f"; failed or interrupted: {', '.join(failed)}" if failed else "")
         + (f"; not started before the deadline: {', '.join(skipped)}" if skipped else ""))
     return states
+
+
+def _run_groups(base: Config, planned: list[PlannedRun], root: Path, rec: Record, cache: EngineCache, run_fn: RunFn,
+                resume_fn: ResumeFn, children: bool, use_child, child_fn, prog: _Progress, index: dict[str, int],
+                deadline: float | None, verbose: bool) -> None:
+    """The plan's process groups in order: each in a child process or in this one (see run_plan)."""
+    clock, say = prog.clock, prog.say
+    for group in process_groups(base, planned):
+        if children or use_child(group, base):
+            if all(run_state(root / p.rel) == "complete" for p in group.runs):
+                for p in group.runs:
+                    say(f"[{index[p.rel]}/{len(planned)}] {p.label}: complete, skipped")
+                continue
+            left = None if deadline is None else deadline - clock()
+            if left is not None and left <= STOP_TERM_S + STOP_REPORT_S:
+                for p in group.runs:
+                    if run_state(root / p.rel) != "complete":
+                        say(f"[{index[p.rel]}/{len(planned)}] {p.label}: not started, the deadline has come")
+                        rec.set(p, state="skipped", error="the deadline came first")
+                continue
+            cache.close()  # the child's runs get the GPU to themselves
+            release_cuda_cache()
+            rc = child_fn(base, group, root, index, len(planned), left, verbose)
+            rec.reload()
+            for p in group.runs:  # a run the child left open: it ended inside it or before it
+                if rec.runs.get(p.rel, {}).get("state") in ("running", "pending"):
+                    rec.set(p, state="failed", error=f"its process ended ({rc})")
+            if rc == 2:
+                raise RunError(f"a {group.kind} process refused its runs (bad input); see its output above")
+        else:
+            run_group(base, group.runs, root, rec, cache, run_fn, prog, index, deadline, verbose, resume_fn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,19 +422,27 @@ def main(argv: list[str] | None = None) -> int:
     def run_fn(cfg, out, cache, log):
         return run_in_process(cfg, out, cache, log, process_mps=daemon)
 
+    def resume_fn(out, cache, log):
+        return resume_in_process(out, cache, log, process_mps=daemon)
+
     say = lambda s: print(s, flush=True)  # noqa: E731
     prog = _Progress(spec["total"], len(runs), say, time.monotonic, t0=time.monotonic())
     deadline = None if spec["seconds"] is None else prog.t0 + spec["seconds"]
     cache = EngineCache()
-    try:
-        run_group(base, runs, root, Record(root), cache, run_fn, prog, spec["index"], deadline, spec["verbose"])
-    except RunError as e:
-        print(f"colora: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        cache.close()
-        if daemon is not None:
-            print(f"MPS daemon: {daemon.stop()}", flush=True)
+    with handling_signals():
+        try:
+            run_group(base, runs, root, Record(root), cache, run_fn, prog, spec["index"], deadline, spec["verbose"],
+                      resume_fn)
+        except RunError as e:
+            print(f"colora: error: {e}", file=sys.stderr)
+            return 2
+        except Interrupted as e:  # the run is recorded as interrupted; the parent says how to continue
+            print(f"colora: {e}", file=sys.stderr, flush=True)
+            return e.exit_code
+        finally:
+            cache.close()
+            if daemon is not None:
+                print(f"MPS daemon: {daemon.stop()}", flush=True)
     return 0
 
 

@@ -197,9 +197,10 @@ def adapter_scratch(out: Path) -> Path:
     return p
 
 
-def start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], None], process_mps):
+def start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], None], process_mps, stop=None):
     """MPS for this run: the process-wide daemon if there is one, else our own for an MPS arm
-    (stopped by `stack` after the engine), else none. Returns (daemon or None, note for the summary)."""
+    (stopped by `stack` after the engine; told to quit without waiting on a second signal of `stop`,
+    a stopping.StopRequest), else none. Returns (daemon or None, note for the summary)."""
     from .mps import MpsDaemon, MpsUnavailable
 
     ov, arm = cfg.overlap, cfg.experiment.arm
@@ -221,6 +222,8 @@ def start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], Non
         log(f"warning: MPS unavailable ({e}): arm {arm} runs without MPS")
         return None, f"UNAVAILABLE ({e}): arm ran without MPS"
     stack.callback(lambda: log(f"MPS daemon: {mps.stop()}"))  # registered first: runs after the engine closes
+    if stop is not None:
+        stack.enter_context(stop.on_abort(mps.quit_nowait))
     return mps, _claim_shares(mps, ov, note)
 
 

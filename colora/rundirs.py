@@ -1,7 +1,8 @@
 """The run directories of a plan (colora/orchestrate.py) and its record, ROOT/sweep.json.
 
 A run directory is complete when its status.json says so and it has summary.json (written last);
-anything else that exists is unfinished and is moved aside, never deleted. sweep.json lists every run
+anything else that exists is unfinished: resumed from its checkpoint when it was interrupted or
+killed (`resumable`), else moved aside, never deleted. sweep.json lists every run
 the root holds, from every invocation, with its state.
 """
 
@@ -30,6 +31,26 @@ def run_state(path: Path) -> str:
     except (OSError, json.JSONDecodeError, AttributeError):
         state = None
     return "complete" if state == "complete" and (path / "summary.json").is_file() else "incomplete"
+
+
+def resumable(path: Path, config_hash: str) -> bool:
+    """Whether an unfinished run can continue where it stopped: interrupted by a signal, or killed
+    (its status still says running), of the config `config_hash`, with a checkpoint that verifies."""
+    from .checkpoint import CheckpointError, verify
+
+    try:
+        state = json.loads((path / "status.json").read_text()).get("state")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+    if state not in ("interrupted", "running") or run_config_hash(path)[0] != config_hash:
+        return False
+    for ck in sorted((path / "checkpoints").glob("step-*"), reverse=True):
+        try:
+            verify(ck)
+            return True
+        except CheckpointError:
+            continue
+    return False
 
 
 def run_config_hash(path: Path) -> tuple[str | None, dict | None]:

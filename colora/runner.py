@@ -9,7 +9,8 @@ assemble the co-runner, evaluate, train in the configured arm, evaluate again, s
 options (`[runtime]`) are resolved here, once, and passed down. The run directory holds:
 
     config.json      the resolved config and its hash
-    status.json      running | failed (with the error) | complete
+    status.json      running | failed (with the error) | interrupted (by which signal, in which phase,
+                     after which step, and how to continue) | complete
     metrics.jsonl    one row per job per step (train/<job>/... values), plus events
     timeline.jsonl   every phase span (generate, train, reload, eval) with its group and jobs, and the
                      engine's steps per half second (engine_steps: steps, busy seconds, requests in flight)
@@ -18,6 +19,12 @@ options (`[runtime]`) are resolved here, once, and passed down. The run director
     summary.json     throughput and per-job outcome (colora/summary.py); written last, so it marks a
                      complete run
     adapters/<job>/  each job's final adapter in PEFT format
+
+SIGINT, SIGTERM and SIGHUP stop a run in bounded time (colora/stopping.py): the co-runner finishes
+the step it is in, a checkpoint of the last completed step is written (unless
+runtime.checkpoint_every is 0), the engine and the MPS daemon are stopped, status.json says
+"interrupted", and `colora run --resume DIR` continues the run (from the start, when nothing was
+saved). A second signal exits at once, killing the engine's processes.
 """
 
 from __future__ import annotations
@@ -36,46 +43,89 @@ from .config import Config
 from .engine import EngineCache, engine_process, release_cuda_cache
 from .resources import MPS_ARMS, RunError, Setup, adapter_scratch, prepare, resolve_device, start_mps, torch_dtype
 from .runlog import JsonlWriter, Timeline, read_jsonl, write_json_atomic
+from .stopping import Interrupted, StopRequest, handling_signals, say
 from .summary import RunSummary, job_summaries, warnings
 from .trainer import build_trainer
+
+
+ENGINE_DEATH_GRACE_S = 1.0  # an engine that died this long before a stop request died of its signal
 
 
 class RunFailed(RuntimeError):
     """A run that failed while running (the engine died, say); the message says how to go on."""
 
 
-def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, log: Callable[[str], None] = print,
-        engine_cache: EngineCache | None = None, process_mps=None) -> dict:
-    """Run one experiment into `out` (or continue it from `resume_state`, a checkpoint's state);
-    returns the summary as summary.json holds it. Raises RunError on bad input, RunFailed when the
-    run breaks off. engine_cache: engines kept across the runs of this process; process_mps: the MPS
-    daemon this whole process is a client of (colora/orchestrate.py starts one per MPS process)."""
+def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, restart: bool = False,
+        log: Callable[[str], None] = print, engine_cache: EngineCache | None = None, process_mps=None) -> dict:
+    """Run one experiment into `out` (or continue it from `resume_state`, a checkpoint's state, or
+    with `restart` run it again from the start in `out`, an interrupted run's directory); returns the
+    summary as summary.json holds it. Raises RunError on bad input, RunFailed when the run breaks
+    off, Interrupted on a signal (its message says how to continue). engine_cache: engines kept
+    across the runs of this process; process_mps: the MPS daemon this whole process is a client of
+    (colora/orchestrate.py starts one per MPS process)."""
     from colora.tasks import task_dirs
 
     from .checkpoint import rewind_logs
 
     out = Path(out)
-    setup = prepare(cfg, out, resume_state is not None, log, process_mps)
-    out.mkdir(parents=True, exist_ok=True)
-    if resume_state is None:  # task_dirs: where a resume looks for the modules of import-path tasks
-        write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(),
-                                                "task_dirs": task_dirs()})
-    else:
-        rewind_logs(out, resume_state)
-    write_json_atomic(out / "status.json", {"state": "running"})
-    try:
-        summary = _execute(setup, log, engine_cache, process_mps, resume_state).to_dict()
-    except BaseException as e:
-        write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
-                                                "traceback": traceback.format_exc()})
-        raise
-    write_json_atomic(out / "summary.json", summary)
-    write_json_atomic(out / "status.json", {"state": "complete"})
+    with handling_signals() as stop:
+        stop.phase = "checking the input"
+        setup = prepare(cfg, out, resume_state is not None or restart, log, process_mps)
+        out.mkdir(parents=True, exist_ok=True)
+        if resume_state is None:  # task_dirs: where a resume looks for the modules of import-path tasks
+            write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(),
+                                                    "task_dirs": task_dirs()})
+        if resume_state is not None or restart:
+            rewind_logs(out, resume_state or {"jobs": {j.name: {"step": 0} for j in cfg.jobs}})
+        write_json_atomic(out / "status.json", {"state": "running"})
+        try:
+            with stop.on_abort(lambda: _mark_aborted(out, stop)):
+                summary = _execute(setup, log, engine_cache, process_mps, resume_state, stop).to_dict()
+        except Interrupted as e:
+            status = _interrupted(e, stop, cfg, out)
+            write_json_atomic(out / "status.json", status)
+            log(f"interrupted: {status['reason']}")
+            e.message = f"interrupted by {status['reason']}; {status['saved']}; continue with: {status['resume']}"
+            raise
+        except BaseException as e:
+            write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
+                                                    "traceback": traceback.format_exc()})
+            raise
+        write_json_atomic(out / "summary.json", summary)
+        write_json_atomic(out / "status.json", {"state": "complete"})
     return summary
 
 
-def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
-    """`colora run --resume DIR`: continue a run from its newest sound checkpoint."""
+def _interrupted(e: Interrupted, stop: StopRequest, cfg: Config, out: Path) -> dict:
+    """status.json of an interrupted run: which signal, in which phase, after which step, what is
+    saved, and the command that continues it."""
+    step = getattr(e, "step", None)
+    newest = sorted((out / "checkpoints").glob("step-*"))
+    reason = f"{e.signal} during {stop.phase or 'the set-up'}" + (
+        f", after step {step} of {cfg.experiment.steps}" if step is not None else "")
+    if newest:
+        saved = f"every job's state is saved in {newest[-1]}"
+    elif step:
+        saved = "no checkpoint (runtime.checkpoint_every = 0): the run starts again from its beginning"
+    else:
+        saved = "nothing was trained yet: the run starts again from its beginning"
+    return {"state": "interrupted", "signal": e.signal, "phase": stop.phase, "step": step,
+            "checkpoint": str(newest[-1].relative_to(out)) if newest else None, "reason": reason, "saved": saved,
+            "resume": f"colora run --resume {out}"}
+
+
+def _mark_aborted(out: Path, stop: StopRequest) -> None:
+    """On a second signal, which exits at once: status.json says so, and how to continue."""
+    reason = f"{stop.signal} during {stop.phase}, then a second signal: exited at once"
+    write_json_atomic(out / "status.json", {"state": "interrupted", "signal": stop.signal, "phase": stop.phase,
+                                            "reason": reason, "resume": f"colora run --resume {out}"})
+    say(f"colora: interrupted by {reason}; continue with: colora run --resume {out}")
+
+
+def resume(out: str | Path, log: Callable[[str], None] = print, engine_cache: EngineCache | None = None,
+           process_mps=None) -> dict:
+    """`colora run --resume DIR`: continue a run from its newest sound checkpoint; an interrupted
+    run without one runs again from its beginning, in DIR."""
     from colora.tasks import add_task_dirs
 
     from .checkpoint import load_latest
@@ -91,12 +141,16 @@ def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
     add_task_dirs(*saved.get("task_dirs", ()))
     cfg = from_dict(saved["config"])
     found = load_latest(out, log)
+    kw = dict(log=log, engine_cache=engine_cache, process_mps=process_mps)
     if found is None:
+        if status.get("state") == "interrupted":
+            log(f"{out} has no checkpoint: running it again from its beginning")
+            return run(cfg, out, restart=True, **kw)
         raise RunError(f"--resume {str(out)!r}: no usable checkpoint (runtime.checkpoint_every was 0, or the run "
                        "ended before its first); start the run again in a new directory")
     path, state = found
     log(f"resuming {out} from {path.name}")
-    return run(cfg, out, resume_state=state, log=log)
+    return run(cfg, out, resume_state=state, **kw)
 
 
 @dataclass
@@ -107,6 +161,7 @@ class _Run:
     log: Callable[[str], None]
     metrics: JsonlWriter
     timeline: Timeline
+    stop: StopRequest
     device: str = ""
     dtype: str = ""
     mps_note: str = ""
@@ -119,24 +174,37 @@ class _Run:
 
 
 def _execute(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None, process_mps,
-             resume_state: dict | None) -> RunSummary:
+             resume_state: dict | None, stop: StopRequest) -> RunSummary:
     from .models import load_tokenizer
 
     out, cfg = setup.out, setup.cfg
     t_start = time.perf_counter()
-    r = _Run(setup, log, JsonlWriter(out / "metrics.jsonl"), Timeline(JsonlWriter(out / "timeline.jsonl")))
-    with contextlib.ExitStack() as stack:
-        stack.callback(r.metrics.close)
-        _, r.mps_note = start_mps(cfg, stack, log, process_mps)  # before any CUDA context
-        r.device, r.dtype = resolve_device(cfg)
-        r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
-        r.tokenizer = load_tokenizer(setup.model_dir)
-        engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
-        bank, trainer, trainer_setup_s = _build_trainer(r)
-        corunner, ckpt = _assemble(r, stack, engine, bank, trainer, resume_state)
-        before = _evaluate_before(r, corunner, resumed=resume_state is not None)
-        window, gpu = _train(r, corunner, engine, ckpt)
-        after = _evaluate_after(r, corunner, bank, before)
+    r = _Run(setup, log, JsonlWriter(out / "metrics.jsonl"), Timeline(JsonlWriter(out / "timeline.jsonl")), stop)
+    corunner = None
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(r.metrics.close)
+            stop.phase = "starting MPS and the engine"
+            _, r.mps_note = start_mps(cfg, stack, log, process_mps, stop)  # before any CUDA context
+            r.device, r.dtype = resolve_device(cfg)
+            r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
+            r.tokenizer = load_tokenizer(setup.model_dir)
+            engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
+            stop.phase = "building the trainer"
+            bank, trainer, trainer_setup_s = _build_trainer(r)
+            stop.phase = "loading the adapters and warming up the engine"
+            corunner, ckpt = _assemble(r, stack, engine, bank, trainer, resume_state)
+            stop.phase = "the evaluation before training"
+            before = _evaluate_before(r, corunner, resumed=resume_state is not None)
+            stop.phase = "training"
+            window, gpu = _train(r, corunner, engine, ckpt)
+            stop.phase = "the evaluation after training"
+            after = _evaluate_after(r, corunner, bank, before)
+            stop.phase = "closing the engine"
+    except Interrupted as e:
+        if corunner is not None:  # the steps every job has completed
+            e.step = min(js.step for js in corunner.jobs.values())
+        raise
     return _summarise(r, engine, bank, trainer, corunner, window, gpu, before, after,
                       trainer_setup_s=trainer_setup_s, wall_s=time.perf_counter() - t_start)
 
@@ -162,7 +230,8 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     if engine_cache is not None and (cfg.experiment.arm not in MPS_ARMS or shared):
         key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, r.dtype, r.device, r.remote)
         engine = engine_cache.get(key, start, exclusive=r.device != "cpu")
-        stack.callback(engine.drop_all)  # the next run starts with no adapters of this one
+        # the next run starts with no adapters of this one; after a stop request no run comes next
+        stack.callback(lambda: None if r.stop.requested else engine.drop_all())
     else:
         if r.device != "cpu":
             release_cuda_cache()
@@ -196,13 +265,14 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     cfg, out, model_dir = r.cfg, r.setup.out, str(r.setup.model_dir)
     scratch = adapter_scratch(out)
     stack.callback(shutil.rmtree, scratch, True)
+    stack.enter_context(r.stop.on_abort(lambda: shutil.rmtree(scratch, True)))  # a second signal
     jobs = {j.name: JobState(j, r.setup.tasks[j.name]) for j in cfg.jobs}
     ckpt = Checkpointer(out, cfg, bank, jobs, cfg.runtime.checkpoint_every, cfg.runtime.checkpoint_keep, r.log,
                         r.timeline)
     if resume_state is not None:
         ckpt.restore(resume_state)
     corunner = CoRunner(cfg, engine, trainer, bank, r.tokenizer, jobs, r.timeline, r.metrics, scratch, model_dir,
-                        r.log, on_step=ckpt.maybe_save)
+                        r.log, on_step=ckpt.maybe_save, stop_request=r.stop)
     for name in jobs:
         v = bank.jobs[name].version
         path = bank.export_peft(name, scratch / name / f"v{v}", model_dir, torch_dtype(r.dtype), fold_scale=True)
@@ -230,7 +300,10 @@ def _evaluate_before(r: _Run, corunner, resumed: bool) -> dict:
 def _train(r: _Run, corunner, engine, ckpt):
     """The configured arm, with the set-up's objects kept out of full GC passes and NVML sampling the
     GPU; the engine's step rate of the run's steps goes into the timeline. A failed engine leaves a
-    checkpoint and a RunFailed that says how to continue. Returns (window, GPU sampler)."""
+    checkpoint and a RunFailed that says how to continue. A stop request ends the arm after the step
+    in progress (deferred: see colora/stopping.py) and leaves a checkpoint of it unless checkpoints
+    are off; an engine failure that comes with a stop request, or within ENGINE_DEATH_GRACE_S before
+    one, is the interruption. Returns (window, GPU sampler)."""
     from .corunner import EngineFailure
     from .gpumon import GpuSampler
     from .heap import frozen_heap
@@ -239,16 +312,23 @@ def _train(r: _Run, corunner, engine, ckpt):
     if steps is not None:
         steps.take()
     try:
-        with frozen_heap(), GpuSampler(r.timeline) as gpu:
-            window = corunner.run()
-        if steps is not None:
-            origin = r.timeline.origin
-            for b in steps.take():
-                r.timeline.add("engine_steps", b.pop("start") - origin, b.pop("end") - origin, **b)
-    except EngineFailure as e:
-        path = ckpt.save_now()
-        raise RunFailed(f"the vLLM engine failed mid-run ({e}); every job's state is saved in "
-                        f"{path}; continue with: colora run --resume {r.setup.out}") from e
+        try:
+            with r.stop.deferred(), frozen_heap(), GpuSampler(r.timeline) as gpu:
+                window = corunner.run()
+        except EngineFailure as e:
+            if not r.stop.requested and not r.stop.wait(ENGINE_DEATH_GRACE_S):
+                path = ckpt.save_now()
+                raise RunFailed(f"the vLLM engine failed mid-run ({e}); every job's state is saved in "
+                                f"{path}; continue with: colora run --resume {r.setup.out}") from e
+            r.log(f"the engine ended with the stop request ({e})")
+            raise Interrupted(r.stop.signal) from None
+    except Interrupted:
+        ckpt.finish()  # the last completed step, unless checkpoints are off or it is saved already
+        raise
+    if steps is not None:
+        origin = r.timeline.origin
+        for b in steps.take():
+            r.timeline.add("engine_steps", b.pop("start") - origin, b.pop("end") - origin, **b)
     ckpt.finish()
     return window, gpu
 

@@ -121,4 +121,4 @@ def main(argv: list[str] | None = None, run_fn: RunFn = run_in_process) -> int:
     except (ConfigError, PreregError, RunError) as e:
         print(f"colora: error: {e}", file=sys.stderr)
         return 2
-    return 1 if any(s == "failed" for s in states.values()) else 0
+    return 1 if any(s in ("failed", "interrupted") for s in states.values()) else 0

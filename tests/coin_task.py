@@ -4,7 +4,10 @@ is even. A random model gets it about half the time, so groups have non-zero adv
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 
 from colora.tasks.base import Draft, ProceduralTask
 
@@ -49,3 +52,49 @@ class HugeReward(CoinFlip):
 
     def reward(self, completion, item) -> float:
         return 1e308 if len(completion) % 2 == 0 else -1e308
+
+
+class Interrupting(CoinFlip):
+    """CoinFlip (the same items and rewards: the same name) that signals the colora run it is in,
+    once per process, where the environment variable COIN_TASK_SIGNAL = "SIGNAL:TARGET:PHASE:STEP[:COUNT]" says:
+    TARGET "self" (this process, as `kill` does) or "group" (its process group, as a terminal's Ctrl-C
+    does); PHASE "generate" (when the step's prompts are drawn, on the engine thread, just before its
+    rollouts are queued) or "train" (at the step's first reward, on the trainer's thread, inside the
+    training step); COUNT signals, 0.2 s apart (2: the second one that exits at once). Without the
+    variable (the uninterrupted reference, a resume) it is CoinFlip."""
+
+    fired = False  # once per process, whichever job gets there first
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        spec = os.environ.get("COIN_TASK_SIGNAL", "")
+        self._spec = spec.split(":") if spec else None
+        self._seeds: list[int] = []  # the train steps' prompt seeds in order: the index is the step
+
+    def sample(self, n, seed, split="train"):
+        items = super().sample(n, seed, split)
+        if split == "train":
+            if seed not in self._seeds:  # the overlap arms draw step 0 twice (once to weigh the groups)
+                self._seeds.append(seed)
+            self._maybe("generate")
+        return items
+
+    def reward(self, completion, item) -> float:
+        self._maybe("train")
+        return super().reward(completion, item)
+
+    def _maybe(self, phase: str) -> None:
+        if self._spec is None or Interrupting.fired:
+            return
+        name, target, at, step, *count = self._spec
+        if at != phase or len(self._seeds) - 1 != int(step):
+            return
+        Interrupting.fired = True
+        sig = getattr(signal, name)
+        for k in range(int(count[0]) if count else 1):
+            if k:
+                time.sleep(0.2)
+            if target == "group":
+                os.killpg(os.getpgrp(), sig)
+            else:
+                os.kill(os.getpid(), sig)

