@@ -18,8 +18,10 @@ tracker, for at most SETTLE_WAIT_S, to unlink what the killed processes left.
 
 Ctrl-C in a terminal sends SIGINT to the whole foreground process group, vLLM's engine processes
 included, and they shut down on it: an engine that dies after a stop request is the interruption,
-not an engine failure (`StopRequest.requested` tells the two apart). A SIGHUP that the process was
-started to ignore (`nohup`) stays ignored.
+not an engine failure (`StopRequest.requested` tells the two apart). colora takes a signal only
+from its default disposition: a handler that the program colora runs in installed (a Ray worker's,
+say) stays, and so does a SIGHUP the process was started to ignore (`nohup`). An ignored SIGINT (a
+background job of a script) is taken all the same: vLLM's processes stop on it whatever colora does.
 """
 
 from __future__ import annotations
@@ -243,10 +245,9 @@ def handling_signals() -> Iterator[StopRequest]:
     previous = {}
     for sig in STOP_SIGNALS:
         old = signal.getsignal(sig)
-        if sig == signal.SIGHUP and old == signal.SIG_IGN:
-            continue  # nohup: the user asked for the run to outlive the terminal
-        previous[sig] = old
-        signal.signal(sig, stop._handle)
+        if old in (signal.SIG_DFL, signal.default_int_handler) or (sig == signal.SIGINT and old == signal.SIG_IGN):
+            previous[sig] = old
+            signal.signal(sig, stop._handle)
     _active = stop
     try:
         yield stop

@@ -268,16 +268,22 @@ with handling_signals() as stop:
     assert "stopping (a second signal exits at once)" in out.stderr
 
 
-def test_nohup_keeps_sighup_ignored():
+def test_only_default_dispositions_are_taken():
+    """nohup's ignored SIGHUP and a handler of the program colora runs in stay; an ignored SIGINT (a
+    background job of a script) is taken, since vLLM's processes stop on it anyway."""
     code = """
 import signal
 signal.signal(signal.SIGHUP, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+host = lambda s, f: None
+signal.signal(signal.SIGTERM, host)
 from colora.stopping import handling_signals
-with handling_signals():
-    print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN, signal.getsignal(signal.SIGTERM) != signal.SIG_DFL)
-print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+with handling_signals() as stop:
+    print(signal.getsignal(signal.SIGHUP) == signal.SIG_IGN, signal.getsignal(signal.SIGTERM) is host,
+          signal.getsignal(signal.SIGINT) == stop._handle)
+print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
 """
-    assert _in_a_child(code).stdout.split() == ["True", "True", "True"]
+    assert _in_a_child(code).stdout.split() == ["True", "True", "True", "True"]
 
 
 def test_a_second_signal_kills_the_children_and_exits_at_once(tmp_path):
@@ -508,3 +514,29 @@ def test_a_stopped_child_gets_sigterm_then_its_group_sigkill(tmp_path):
     assert child.returncode == 143 and mark.exists()
     time.sleep(0.2)
     assert not [p for p in _session(child.pid)], "the child's group outlived it"
+
+
+def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, monkeypatch):
+    """On a second signal the run (an MPS client, about to exit) only sends `quit`; a fake
+    nvidia-cuda-mps-control records the calls."""
+    import colora.mps
+    from colora.mps import MpsDaemon
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo start >> {calls}; else read c; echo "$c" >> {calls}; fi\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
+    for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        monkeypatch.delenv(k, raising=False)  # start() sets them; restored after the test
+    d = MpsDaemon(tmp_path / "mps")
+    d.start()
+    t0 = time.monotonic()
+    d.quit_nowait()
+    assert time.monotonic() - t0 < 1.0 and not d.started
+    while time.monotonic() - t0 < 10 and calls.read_text().split() != ["start", "quit"]:
+        time.sleep(0.05)
+    assert calls.read_text().split() == ["start", "quit"]
+    assert d.stop() == "not started"  # it is not told twice
