@@ -12,8 +12,8 @@ from __future__ import annotations
 
 def assert_same_adamw_state(got: dict, want: dict, rel: float = 1e-5) -> None:
     """got, want: `optimizer.state_dict()`s. Same parameters, same step counts, and exp_avg and
-    exp_avg_sq equal to `rel` of each tensor's largest magnitude (sums in another order differ by
-    ~1e-6 of it in fp32; a 0.01% change of the gradient moves exp_avg by 1e-4)."""
+    exp_avg_sq equal to `rel` of each tensor's largest magnitude (after one fp32 step, sums in
+    another order left them ~1e-6 of it apart; a 0.01% change of the gradient moves exp_avg by 1e-4)."""
     got, want = got["state"], want["state"]
     assert got.keys() == want.keys() and want, (sorted(got), sorted(want))
     for i in want:
