@@ -58,6 +58,11 @@ def params_of(bank, name):
     return {k: (job.A[k].detach().clone(), job.B[k].detach().clone()) for k in job.A}
 
 
+def _states(bank, names) -> dict:
+    """Each job's AdamW state dict, for `assert_same_adamw_state`."""
+    return {j: bank.jobs[j].optimizer.state_dict() for j in names}
+
+
 def test_shared_step_equals_solo_steps(tiny_model_dir):
     vocab = 500
     shared, bank_ab, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=80)
@@ -211,11 +216,13 @@ def test_triton_kernels_give_the_reference_step(tiny_model_dir):
         trainer.cfg = dataclasses.replace(trainer.cfg, logprob_backend=backend)
         bank.lora_backend = backend
         st = trainer.step({"a": fixed_rollouts(JOB_A, 0, 500), "b": fixed_rollouts(JOB_B, 0, 500)})
-        results.append((st, params_of(bank, "a"), params_of(bank, "b")))
-    (s_ref, a_ref, b_ref), (s_tri, a_tri, b_tri) = results
+        results.append((st, params_of(bank, "a"), params_of(bank, "b"), _states(bank, ("a", "b"))))
+    (s_ref, a_ref, b_ref, o_ref), (s_tri, a_tri, b_tri, o_tri) = results
     for j in ("a", "b"):
         assert s_tri[j].loss == pytest.approx(s_ref[j].loss, rel=tol, abs=1e-6)
         assert s_tri[j].grad_norm == pytest.approx(s_ref[j].grad_norm, rel=tol)
+        if device == "cpu":  # the gradients themselves, elementwise (tf32's on the GPU: not measured)
+            assert_same_adamw_state(o_tri[j], o_ref[j], rel=tol)
     if device == "cpu":  # after one Adam step; tf32 noise on the GPU can flip the sign of tiny gradients
         for got, want in ((a_tri, a_ref), (b_tri, b_ref)):
             assert max((got[k][1] - want[k][1]).abs().max().item() for k in want) <= 1e-5
@@ -288,14 +295,16 @@ def test_packed_projections_take_the_same_step(tiny_model_dir, backend, monkeypa
         trainer.cfg = dataclasses.replace(trainer.cfg, logprob_backend=backend)
         bank.lora_backend, bank.pack_projections = backend, packed
         st = trainer.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B, full)})
-        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}))
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}, _states(bank, ("a", "b", "c"))))
     n_layers = AutoConfig.from_pretrained(tiny_model_dir).num_hidden_layers
     # gate/up packed in every layer of every micro-batch's forward; q/k/v fell back (a has no k)
     assert packed_calls and set(packed_calls) == {2} and len(packed_calls) % n_layers == 0
-    (s0, p0), (s1, p1) = results
+    (s0, p0, o0), (s1, p1, o1) = results
     for j in ("a", "b", "c"):
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
+        if device == "cpu":  # the gradients elementwise (tf32's tolerance on the GPU: not measured)
+            assert_same_adamw_state(o1[j], o0[j], rel=1e-4)
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
 
 
@@ -322,12 +331,14 @@ def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch
         bank.lora_backend, bank.pack_projections, bank.base_in_lora = "triton", True, inside
         based.clear()
         st = trainer.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B, full)})
-        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}, list(based)))
-    (s0, p0, b0), (s1, p1, b1) = results
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}, list(based), _states(bank, ("a", "b", "c"))))
+    (s0, p0, b0, o0), (s1, p1, b1, o1) = results
     assert b0 and not any(b0) and all(b1) and len(b1) == len(b0)
     for j in ("a", "b", "c"):
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
+        if device == "cpu":  # the gradients elementwise (tf32's tolerance on the GPU: not measured)
+            assert_same_adamw_state(o1[j], o0[j], rel=1e-4)
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
     check_switch(base_in_lora_from_env, "COLORA_BASE_IN_LORA", {None: True, "0": False, "1": True},
                  bad="on", accepted="'0' or '1'")
@@ -425,11 +436,12 @@ def test_packed_rows_take_the_padded_step(tiny_model_dir, monkeypatch, micro_bat
         counts.append(len(trainer._micro_batches(trainer._sequences(ro), ("a", "b"))))
         trainer.step(ro)
         st = trainer.step({j.name: fixed_rollouts(j, 1, vocab) for j in (JOB_A, JOB_B)})  # KL > 0 once moved
-        results.append((st, {j: params_of(bank, j) for j in ("a", "b")}))
-    (s0, p0), (s1, p1) = results
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b")}, _states(bank, ("a", "b"))))
+    (s0, p0, o0), (s1, p1, o1) = results
     for j in ("a", "b"):
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-5, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-5)
+        assert_same_adamw_state(o1[j], o0[j], rel=1e-4)  # two steps: 3.5e-5 apart measured
         # KL of a barely moved policy (~4e-6): a difference of fp32 log-probs summed in another order
         assert s1[j].kl == pytest.approx(s0[j].kl, rel=1e-5, abs=1e-8)
         assert s1[j].entropy == pytest.approx(s0[j].entropy, rel=1e-5)
