@@ -103,5 +103,5 @@ def test_overlap_two_groups_never_stale(tmp_path, tiny_model_dir, cache):
 def test_dedicated_runs_each_job_alone(tmp_path, tiny_model_dir, cache):
     _, out, summary = _run(tmp_path, tiny_model_dir, cache, "experiment.arm=dedicated")
     spans = [s for s in read_jsonl(out / "timeline.jsonl") if s["phase"] in ("generate", "train")]
-    assert all(len(s["jobs"]) == 1 for s in spans)
+    assert {s["phase"] for s in spans} == {"generate", "train"} and all(len(s["jobs"]) == 1 for s in spans)
     assert len(summary["window"]["windows"]) == 2 and summary["steps_measured"] == 4
