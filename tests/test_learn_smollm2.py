@@ -31,7 +31,7 @@ LEARN = Path(__file__).resolve().parents[1] / "experiments" / "learn_cpu.toml"
 @pytest.fixture
 def smollm2_home(request, tmp_path, monkeypatch) -> None:
     """builtin:smollm2 from the user's colora home if built there, else from temporary ones (above)."""
-    from colora.runner import colora_home
+    from colora.environment import colora_home
     from colora.smollm2 import WHEEL_NAME
 
     if (colora_home() / "models" / "smollm2" / "config.json").is_file():
