@@ -23,7 +23,8 @@ mkdir -p "$OUT" /tmp/colora-shim/colora
 for f in "$ROOT"/colora/*; do ln -sfn "$f" /tmp/colora-shim/colora/; done
 ln -sfn "$ROOT/kernels" /tmp/colora-shim/colora/kernels
 ln -sfn "$ROOT/tasks" /tmp/colora-shim/colora/tasks
-export PYTHONPATH=/tmp/colora-shim:/tmp/colora-site:${PYTHONPATH:-}
+# /tmp/colora-ray: Ray, where scripts/ray-kit.sh installed it (cli run ... --gpus N / --address local)
+export PYTHONPATH=/tmp/colora-shim:/tmp/colora-site:/tmp/colora-ray:${PYTHONPATH:-}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 COLORA_HOME=/tmp/colora-home
 cd "$ROOT"
 LOG="$OUT/$1.log"
