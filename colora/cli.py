@@ -53,7 +53,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config, resolve
     from .runner import run
 
-    if args.gpus != 1 or args.address or (args.resume and (Path(args.resume) / "cluster.json").is_file()):
+    if args.gpus not in (None, 1) or args.address or (args.resume and (Path(args.resume) / "cluster.json").is_file()):
         from .cluster.driver import main_run
 
         return main_run(args, print_jobs=print_jobs, default_out=default_out)
@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--out", help="run directory (default runs/<name>/<arm>-seed<seed>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
-    r.add_argument("--gpus", type=int, default=1, help="co-runners, one GPU each, the jobs spread over them (Ray)")
+    r.add_argument("--gpus", type=int, help="co-runners, one GPU each, the jobs spread over them (Ray; default 1; "
+                                            "with --resume of such a run: at most that many at once, default its own)")
     r.add_argument("--address", help="the Ray cluster: auto (this node's), HOST:PORT, or local (a new one, also "
                                      "with --gpus 1); default: a new one when --gpus is more than 1")
 

@@ -76,6 +76,35 @@ def test_merge_sums_steps_over_gpu_seconds(tiny_model_dir):
     assert m["jobs"]["add2"]["corunner"] == 1 and m["corunners"]["2"]["state"] == "failed"
 
 
+def test_resume_of_a_run_whose_corunners_all_completed_only_merges(tiny_model_dir, tmp_path):
+    """The driver died after its co-runners finished: --resume starts nothing and writes the merge."""
+    from colora.cluster.driver import resume_cluster
+    from colora.runlog import write_json_atomic
+
+    cfg = four_jobs(tiny_model_dir)
+    placement = [["add", "mod"], ["add2", "mod2"]]
+    write_json_atomic(tmp_path / "cluster.json", {"config": cfg.to_dict(), "hash": cfg.hash(), "gpus": 2,
+                                                  "placement": placement})
+    write_json_atomic(tmp_path / "status.json", {"state": "running"})
+    for i, names in enumerate(placement):
+        d = tmp_path / "gpus" / str(i)
+        write_json_atomic(d / "status.json", {"state": "complete"})
+        write_json_atomic(d / "eval.json", {"n": 4, "before": {n: {"accuracy": 0.5} for n in names},
+                                            "after": {n: {"accuracy": 1.0} for n in names}})
+        write_json_atomic(d / "summary.json", {
+            "steps_measured": 6, "seconds_measured": 10.0 * (i + 1), "steps_per_hour": 2160.0 / (i + 1),
+            "engine_start_s": 20.0, "wall_s": 60.0, "device": "cpu", "mps": "-",
+            "jobs": {n: {"status": "done", "reason": "", "steps": 3} for n in names}})
+        write_json_atomic(tmp_path / "gpus" / f"{i}.json", {"pid": 1, "gpu_ids": [str(i)], "started": 100.0,
+                                                            "ended": 160.0, "jobs": names, "dir": str(d)})
+    s = resume_cluster(tmp_path, log=lambda s: None)
+    assert json.loads((tmp_path / "status.json").read_text()) == {"state": "complete"}
+    assert s["steps_measured"] == 12 and s["steps_per_hour"] == pytest.approx(12 / 30 * 3600)
+    assert s["gpu_seconds_held"] == 120.0 and s["corunners"]["1"]["gpu_ids"] == ["1"]
+    assert json.loads((tmp_path / "eval.json").read_text())["after"] == {n: {"accuracy": 1.0} for n in
+                                                                         ("add", "mod", "add2", "mod2")}
+
+
 # -- clean-up -----------------------------------------------------------------------------------------
 def _sleeper(token: str | None) -> subprocess.Popen:
     env = dict(os.environ)

@@ -354,9 +354,9 @@ def resume_cluster(out: str | Path, gpus: int | None = None, address: str | None
         elif d.exists():
             log(f"gpu {i}: no checkpoint; its run starts again (the old one kept as {move_aside(d).name})")
         todo.append(i)
-    n = min(gpus or meta["gpus"], len(todo))
-    if n < 1:
+    if gpus is not None and gpus < 1:
         raise RunError(f"--gpus ({gpus}) must be at least 1")
+    n = min(gpus or meta["gpus"], len(todo))  # 0 when every co-runner had completed: only the merge is left
     log(f"resuming {out}: co-runner(s) {', '.join(map(str, todo))} on {n} GPU(s); "
         f"{len(done)} complete already")
     return _execute(cfg, out, _shares(cfg, out, placement, todo, resume), done, n, address, log, **kw)
@@ -366,7 +366,8 @@ def _execute(cfg: Config, out: Path, shares: list[Share], done: list[Outcome], g
              log: Callable[[str], None], **kw) -> dict:
     write_json_atomic(out / "status.json", {"state": "running"})
     try:
-        outcomes = sorted(done + run_shares(shares, gpus, address, log, **kw), key=lambda o: o.index)
+        ran = run_shares(shares, gpus, address, log, **kw) if shares else []
+        outcomes = sorted(done + ran, key=lambda o: o.index)
     except BaseException as e:
         write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}"})
         raise
@@ -404,9 +405,10 @@ def main_run(args, *, print_jobs: Callable[[dict], None], default_out: Callable[
     from colora.runner import RunError, RunFailed
 
     log = lambda s: print(s, flush=True)  # noqa: E731
-    if args.gpus < 1:
+    if args.gpus is not None and args.gpus < 1:
         raise RunError(f"--gpus ({args.gpus}) must be at least 1")
-    require_ray(f"--gpus {args.gpus}" if args.gpus > 1 else f"--address {args.address}" if args.address else "--resume")
+    require_ray(f"--gpus {args.gpus}" if (args.gpus or 1) > 1 else f"--address {args.address}" if args.address
+                else "--resume")
     if args.resume:
         if args.config or args.set:
             raise SystemExit("colora run --resume DIR takes no CONFIG or --set: the run's own config is used")
@@ -414,15 +416,15 @@ def main_run(args, *, print_jobs: Callable[[dict], None], default_out: Callable[
             raise RunError(f"--resume {args.resume!r} with --gpus/--address: not a run made with --gpus "
                            "(no cluster.json); resume it without them")
         out = Path(args.resume)
-        summary = resume_cluster(out, args.gpus if args.gpus > 1 else None, args.address, log)
+        summary = resume_cluster(out, args.gpus, args.address, log)
     else:
         if not args.config:
             raise SystemExit("colora run: give a CONFIG file or --resume DIR")
         cfg = load_config(args.config, args.set)
         out = Path(args.out) if args.out else default_out(cfg)
         log(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, {len(cfg.jobs)} jobs "
-            f"on {args.gpus} co-runners, config {cfg.hash()}) -> {out}")
-        summary = run_cluster(cfg, out, args.gpus, args.address, log)
+            f"on {args.gpus or 1} co-runner(s), config {cfg.hash()}) -> {out}")
+        summary = run_cluster(cfg, out, args.gpus or 1, args.address, log)
     rate = summary["steps_per_hour"]
     log(f"done: {rate:.0f} steps per device-hour ({summary['aggregate_steps_per_hour']:.0f} over the "
         f"{summary['gpus']} co-runners at once) over {summary['steps_measured']} measured steps; results in {out}"
