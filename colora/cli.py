@@ -2,6 +2,7 @@
 
     colora run CONFIG [--set key=value ...] [--out DIR]     run one experiment (run options: --set runtime.KEY=V)
     colora run --resume DIR                                   continue a run from its last checkpoint
+    colora run CONFIG --gpus N [--address ADDR]               its jobs over N co-runners, one GPU each (Ray)
     colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
     colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
@@ -37,10 +38,24 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
+def print_jobs(summary: dict) -> None:
+    for name, j in summary["jobs"].items():
+        ev = "" if j["eval_before"] is None else f" eval {j['eval_before']:.2f} -> {j['eval_after']:.2f}"
+        print(f"  {name}: {j['status']}{' (' + j['reason'] + ')' if j['reason'] else ''}, {j['steps']} steps{ev}")
+
+
+def default_out(cfg) -> Path:
+    return Path("runs") / cfg.experiment.name / f"{cfg.experiment.arm}-seed{cfg.experiment.seed}"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config
     from .runner import run
 
+    if args.gpus not in (None, 1) or args.address or (args.resume and (Path(args.resume) / "cluster.json").is_file()):
+        from .cluster.driver import main_run
+
+        return main_run(args, print_jobs=print_jobs, default_out=default_out)
     if args.resume:
         from .runner import resume
 
@@ -52,15 +67,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.config:
         raise SystemExit("colora run: give a CONFIG file or --resume DIR")
     cfg = load_config(args.config, args.set)
-    out = Path(args.out) if args.out else Path("runs") / cfg.experiment.name / f"{cfg.experiment.arm}-seed{cfg.experiment.seed}"
+    out = Path(args.out) if args.out else default_out(cfg)
     print(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
           f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}", flush=True)
     summary = run(cfg, out, log=lambda s: print(s, flush=True))
     print(f"done: {summary['steps_per_hour']:.0f} steps per device-hour over {summary['steps_measured']} measured "
           f"steps; engine start {summary['engine_start_s']:.0f}s; results in {out}")
-    for name, j in summary["jobs"].items():
-        ev = "" if j["eval_before"] is None else f" eval {j['eval_before']:.2f} -> {j['eval_after']:.2f}"
-        print(f"  {name}: {j['status']}{' (' + j['reason'] + ')' if j['reason'] else ''}, {j['steps']} steps{ev}")
+    print_jobs(summary)
     return 0
 
 
@@ -123,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--out", help="run directory (default runs/<name>/<arm>-seed<seed>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    r.add_argument("--gpus", type=int, help="co-runners, one GPU each, the jobs spread over them (Ray; default 1; "
+                                            "with --resume of such a run: at most that many at once, default its own)")
+    r.add_argument("--address", help="the Ray cluster: auto (this node's), HOST:PORT, or local (a new one, also "
+                                     "with --gpus 1); default: a new one when --gpus is more than 1")
 
     m = sub.add_parser("model", help="build an offline model directory")
     m.add_argument("kind", choices=["tiny", "qwen3-0.6b-shape", "smollm2"])
