@@ -1,7 +1,7 @@
 """colora's command line.
 
-    colora run CONFIG [--set key=value ...] [--out DIR]     run one experiment (run options: --set runtime.KEY=V)
-    colora run --resume DIR                                   continue a run from its last checkpoint
+    colora run CONFIG [--set key=value ...] [--out DIR] [--verbose]   one experiment (run options: --set runtime.KEY=V)
+    colora run --resume DIR [--verbose]                       continue a run from its last checkpoint
     colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
     colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
@@ -39,28 +39,29 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .runner import run
+    from .output import duration, print_closing, say, session
+    from .runner import resume, run
 
     if args.resume:
-        from .runner import resume
-
         if args.config or args.set:
             raise SystemExit("colora run --resume DIR takes no CONFIG or --set: the run's own config.json is used")
-        summary = resume(Path(args.resume), log=lambda s: print(s, flush=True))
-        print(f"done: {summary['steps_per_hour']:.0f} steps per device-hour after the resume; results in {args.resume}")
+        out = Path(args.resume)
+        with session(args.verbose):
+            say(f"colora: resuming {out}; full log: {out / 'run.log'}")
+            summary = resume(out)
+            say(f"done in {duration(summary['wall_s'])} after the resume; results in {out}")
+            print_closing(summary, out)
         return 0
     if not args.config:
         raise SystemExit("colora run: give a CONFIG file or --resume DIR")
     cfg = load_config(args.config, args.set)
     out = Path(args.out) if args.out else Path("runs") / cfg.experiment.name / f"{cfg.experiment.arm}-seed{cfg.experiment.seed}"
-    print(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
-          f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}", flush=True)
-    summary = run(cfg, out, log=lambda s: print(s, flush=True))
-    print(f"done: {summary['steps_per_hour']:.0f} steps per device-hour over {summary['steps_measured']} measured "
-          f"steps; engine start {summary['engine_start_s']:.0f}s; results in {out}")
-    for name, j in summary["jobs"].items():
-        ev = "" if j["eval_before"] is None else f" eval {j['eval_before']:.2f} -> {j['eval_after']:.2f}"
-        print(f"  {name}: {j['status']}{' (' + j['reason'] + ')' if j['reason'] else ''}, {j['steps']} steps{ev}")
+    with session(args.verbose):
+        say(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
+            f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}; full log: {out / 'run.log'}")
+        summary = run(cfg, out)
+        say(f"done in {duration(summary['wall_s'])} (engine start {summary['engine_start_s']:.0f}s); results in {out}")
+        print_closing(summary, out)
     return 0
 
 
@@ -123,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--out", help="run directory (default runs/<name>/<arm>-seed<seed>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    r.add_argument("--verbose", action="store_true", help="show every log line, vLLM's and other libraries' too "
+                                                          "(run.log in the run directory always has them)")
 
     m = sub.add_parser("model", help="build an offline model directory")
     m.add_argument("kind", choices=["tiny", "qwen3-0.6b-shape", "smollm2"])
