@@ -37,6 +37,7 @@ from rich.text import Text
 _MARK = b"\x00colora-drained\x00"  # written into the pipes by `Session.drain`, never routed
 PENDING_MAX = 4 << 20  # bytes of output kept while no run log is open yet (the newest are kept)
 PLAIN_LINES = 10  # plain progress lines per run (and one at the end), where no live bar is drawn
+PLAIN_LINES_IN_SWEEP = 4  # the same for each run of a sweep, whose own lines say when each run starts and ends
 TAIL_ON_FAILURE = 15  # lines of run.log shown when a run fails at default verbosity
 
 # colora's own lines that the terminal does not show at default verbosity: the per-step line (the
@@ -125,6 +126,7 @@ class Session:
         self._lock = threading.Lock()
         self._sink = None  # the run log that captured output goes to
         self._pending: list[bytes] = []  # captured before any run log opened
+        self._pending_bytes = 0
         self._capture = _Capture(self._route)
         fd = 1 if stream == "stdout" else 2
         self.file = _terminal_file(sys.stdout if fd == 1 else sys.stderr, fd, self._capture.saved[fd])
@@ -162,8 +164,9 @@ class Session:
                 self._sink.write(data)
             else:
                 self._pending.append(data)
-                while sum(map(len, self._pending)) > PENDING_MAX and len(self._pending) > 1:
-                    self._pending.pop(0)
+                self._pending_bytes += len(data)
+                while self._pending_bytes > PENDING_MAX and len(self._pending) > 1:
+                    self._pending_bytes -= len(self._pending.pop(0))
         if self.verbose:
             with contextlib.suppress(OSError):
                 os.write(self._capture.saved[fd], data)
@@ -175,6 +178,7 @@ class Session:
             for chunk in self._pending:
                 f.write(chunk)
             self._pending.clear()
+            self._pending_bytes = 0
             previous, self._sink = self._sink, f
         if previous is not None and previous is not f:
             previous.close()
@@ -362,6 +366,8 @@ class RunOutput:
                 self.first_reward.setdefault(job, float(row["reward"]))
                 self.last_reward[job] = float(row["reward"])
             self._pending_jobs.discard(job)
+            if self.t_train is None:  # a resumed run evaluates nothing first: the rate starts here
+                self.phase, self.t_train, self.done_at_train = "training", time.monotonic(), self.done
             if not self._pending_jobs and "event" not in row:
                 self._show()
 
@@ -395,7 +401,8 @@ class RunOutput:
             return
         if self.done < self._plain_next and self.done < self.total:
             return
-        self._plain_next = self.done + max(1, math.ceil(self.total / PLAIN_LINES))
+        self._plain_next = self.done + max(1, math.ceil(self.total / (PLAIN_LINES_IN_SWEEP if s.in_sweep
+                                                                      else PLAIN_LINES)))
         s.say(f"{'  ' if s.in_sweep else ''}steps {self.done}/{self.total} | {self.rewards()} | "
               f"{duration(time.monotonic() - self.t0)} elapsed, {self.eta()}")
 

@@ -29,6 +29,8 @@ SCRIPT = textwrap.dedent('''
     with output.session(verbose=mode == "verbose", stream="stdout"):
         print("third-party before the first run")
         output.say("colora: the command's header")
+        if mode == "sweep":
+            output.sweep_started(3)
         with output.run_output(out / "run.log", "shared_sync seed 0", ["a", "b"], 2) as r:
             logging.getLogger("vllm").info("vllm's INFO line")
             os.write(2, b"c10d socket warning, written by C code\\n")
@@ -83,6 +85,15 @@ def test_quiet_by_default_and_everything_in_run_log(tmp_path):
     assert "elapsed" in progress[0] and "ETA" in progress[0]
     assert not any(x.startswith("step 1/2 |") for x in lines)
     assert "step 1/2 | a r=0.25" in log and "engine ready" in log  # colora's own lines are in the log too
+
+
+def test_inside_a_sweep_a_run_shows_its_warnings_and_progress_only(tmp_path):
+    p, log = _run(tmp_path, "sweep")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "engine ready (it took 1.0s to start)" not in "\n".join(lines) and "engine ready" in log
+    assert "  warning: something colora chose to say" in lines
+    assert [x.split(" | ")[0] for x in lines if x.strip().startswith("steps ")] == ["  steps 2/4", "  steps 4/4"]
 
 
 def test_verbose_shows_everything_and_the_log_still_has_it(tmp_path):
