@@ -275,7 +275,8 @@ def sweep_started(todo: int) -> None:
 def sweep_progress(done: int, eta: str) -> None:
     s = _current
     if s is not None and s.progress is not None and s._sweep_task is not None:
-        s.progress.update(s._sweep_task, completed=done, info=f"runs done; {eta}")
+        left = next(t.total for t in s.progress.tasks if t.id == s._sweep_task) - done
+        s.progress.update(s._sweep_task, completed=done, info="runs done" + (f"; {eta}" if left else ""))
 
 
 # -- one run ------------------------------------------------------------------------------------
