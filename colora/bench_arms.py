@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=0,
                    help="seconds for the whole benchmark, its shutdown and report included (a run that the "
                         "finished runs' times say would not end in time is not started); 0: none")
+    p.add_argument("--verbose", action="store_true", help="show every log line of every run, vLLM's and other "
+                                                          "libraries' too (each run's run.log always has them)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the report from the run directories already under --runs")
     args = p.parse_args(argv)
@@ -185,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
     failed = False
     if not args.report_only:
-        states = run_plan(cfg, order(cfg, runs), root, record={"config_path": args.config, "overrides": args.set,
-                                                                 "command": command},
-                          children=True, deadline_s=args.deadline or None, verbose=True,
-                          progress=lambda s: print(s, flush=True))
+        from .output import session
+
+        with session(args.verbose, "stdout"):
+            states = run_plan(cfg, order(cfg, runs), root, children=True, deadline_s=args.deadline or None,
+                              verbose=args.verbose,
+                              record={"config_path": args.config, "overrides": args.set, "command": command})
         failed = any(s == "failed" for s in states.values())
     rows = collect(runs, root)
     out = Path(args.out)
