@@ -54,7 +54,8 @@ def plan(cfg: Config, args) -> list[PlannedRun]:
         for k in args.jobs:
             if k != n:  # fewer jobs than overlap.groups: as many groups as jobs, said in the run's config
                 fit = (f"overlap.groups={k}",) if k < cfg.overlap.groups else ()
-                runs += [PlannedRun(arm, seed, f"jobs{k}", jobs=k, set=fit) for arm in args.scale_arms or [args.headline]]
+                runs += [PlannedRun(arm, seed, f"jobs{k}", jobs=k, set=fit)
+                         for arm in args.scale_arms or [args.headline]]
     for spec in args.vary:
         runs += [PlannedRun(args.headline, args.seeds[0], label, jobs=n, set=tuple(sets))
                  for sets, label in vary_runs(spec)]
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, default=0,
                    help="seconds for the whole benchmark, its shutdown and report included (a run that the "
                         "finished runs' times say would not end in time is not started); 0: none")
+    p.add_argument("--verbose", action="store_true", help="show every log line of every run, vLLM's and other "
+                                                          "libraries' too (each run's run.log always has them)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the report from the run directories already under --runs")
     args = p.parse_args(argv)
@@ -186,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
     failed = False
     if not args.report_only:
-        states = run_plan(cfg, order(cfg, runs), root, record={"config_path": args.config, "overrides": args.set,
-                                                                 "command": command},
-                          children=True, deadline_s=args.deadline or None, verbose=True,
-                          progress=lambda s: print(s, flush=True))
+        from .output import session
+
+        with session(args.verbose, "stdout"):
+            states = run_plan(cfg, order(cfg, runs), root, children=True, deadline_s=args.deadline or None,
+                              verbose=args.verbose,
+                              record={"config_path": args.config, "overrides": args.set, "command": command})
         failed = any(s in ("failed", "interrupted") for s in states.values())
     rows = collect(runs, root)
     out = Path(args.out)

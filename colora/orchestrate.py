@@ -1,8 +1,10 @@
 """Many runs of one config: arms x seeds x variations, each in a run directory under one root.
 `colora sweep` and `colora bench arms` plan their runs and hand them to `run_plan`.
 
-Layout: ROOT/<arm>/seed<seed>-<tag>/ is a run directory (colora/runner.py) and its log is beside it
-as seed<seed>-<tag>.log; ROOT/sweep.json lists every run with its state.
+Layout: ROOT/<arm>/seed<seed>-<tag>/ is a run directory (colora/runner.py; its run.log is the full
+log), colora's own lines of it are also beside it as seed<seed>-<tag>.log; ROOT/sweep.json lists
+every run with its state. The terminal shows the runs done with an ETA and each run's progress
+(colora/output.py).
 
 Processes: consecutive planned runs of one kind share a process and its engines (vLLM's start is
 the dominant cost of a short run): "plain" runs (no MPS), or MPS runs of one pair of MPS shares.
@@ -44,9 +46,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import python_m
+from . import output, python_m
 from .config import Config, from_dict, replace, resolve
 from .engine import EngineCache, engine_process, release_cuda_cache
+from .output import duration as _dur
 from .resources import MPS_ARMS, RunError
 from .rundirs import Record, check_existing, estimate, move_aside, resumable, run_state
 from .stopping import Interrupted, handling_signals, on_abort
@@ -147,11 +150,6 @@ def on_gpu(group: ProcessGroup, base: Config) -> bool:
     return torch.cuda.is_available()
 
 
-def _dur(s: float) -> str:
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
 # -- running --------------------------------------------------------------------------------------
 def run_in_process(cfg: Config, out: Path, cache: EngineCache, log: Callable[[str], None], process_mps=None) -> dict:
     from .runner import run
@@ -181,9 +179,14 @@ class _Progress:
         return (f"ETA {_dur(self.done_s / self.n_done * (self.todo - self.n_done))}" if self.n_done
                 else "ETA after the first run")
 
+    def finished(self, secs: float) -> None:
+        """One more run ended (complete or failed) after `secs`; the sweep's bar follows."""
+        self.n_done, self.done_s = self.n_done + 1, self.done_s + secs
+        output.sweep_progress(self.n_done, self.eta())
+
 
 def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, cache: EngineCache, run_fn: RunFn,
-              progress: _Progress, index: dict[str, int], deadline: float | None, verbose: bool = False,
+              progress: _Progress, index: dict[str, int], deadline: float | None,
               resume_fn: ResumeFn = resume_in_process) -> None:
     """Run every run of `runs` that is not complete, in this process: skip complete ones, resume
     interrupted ones from their checkpoint, move other unfinished ones aside, start none the deadline
@@ -217,11 +220,9 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
         aborted = lambda p=p: record.set(p, state="interrupted", error="a second signal: exited at once")  # noqa: E731
         try:
             with open(log_path, "a") as logf, on_abort(aborted):
-                def log(s: str, _f=logf) -> None:
+                def log(s: str, _f=logf) -> None:  # the terminal's share: colora/output.py
                     _f.write(s + "\n")
                     _f.flush()
-                    if verbose:
-                        say(f"  {s}")
 
                 summary = resume_fn(d, cache, log) if resuming else run_fn(cfg, d, cache, log)
         except RunError as e:
@@ -234,11 +235,11 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
         except Exception as e:
             secs = clock() - t
             record.set(p, state="failed", seconds=secs, error=f"{type(e).__name__}: {e}")
-            say(f"{tag}: FAILED after {_dur(secs)}: {type(e).__name__}: {e} (log: {log_path})")
-            progress.n_done, progress.done_s = progress.n_done + 1, progress.done_s + secs
+            say(f"{tag}: FAILED after {_dur(secs)}: {type(e).__name__}: {e} (log: {d / 'run.log'})")
+            progress.finished(secs)
             continue
         secs = clock() - t
-        progress.n_done, progress.done_s = progress.n_done + 1, progress.done_s + secs
+        progress.finished(secs)
         sph = summary.get("steps_per_hour")
         record.set(p, state="complete", seconds=secs, steps_per_hour=sph, error=None)
         rate = f"{sph:.0f} steps/h" if isinstance(sph, (int, float)) else f"steps/h {sph}"
@@ -259,14 +260,14 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
         try:
             daemon.start()
         except MpsUnavailable as e:
-            print(f"MPS unavailable here ({e}); the child decides what to do", flush=True)
+            output.say(f"MPS unavailable here ({e}); the child decides what to do")
             daemon = None
     budget = None if seconds is None else seconds - STOP_TERM_S - STOP_REPORT_S
     from colora.tasks import task_dirs
 
     spec = {"config": base.to_dict(), "root": str(root), "runs": [asdict(p) for p in group.runs],
             "index": index, "total": total, "seconds": budget, "verbose": verbose, "task_dirs": task_dirs()}
-    print(f"== {group.kind} process: {len(group.runs)} runs", flush=True)
+    output.say(f"== {group.kind} process: {len(group.runs)} runs")
     child = subprocess.Popen([*python_m("colora.orchestrate"), json.dumps(spec)], env=group.env(),
                              start_new_session=True)
     try:
@@ -277,7 +278,7 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
         raise
     finally:
         if daemon is not None:
-            print(f"MPS daemon: {daemon.stop()}", flush=True)
+            output.say(f"MPS daemon: {daemon.stop()}")
 
 
 def wait_or_stop(child: subprocess.Popen, deadline: float | None) -> int | str:
@@ -325,7 +326,7 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     from .prereg import lock_hash
 
     root = Path(root)
-    say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
+    say = progress or output.say
     for p in planned:
         p.config(base)  # every config error before any run
     states = check_existing(root, base, planned)
@@ -336,13 +337,14 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     todo = sum(1 for p in planned if states[p.rel] != "complete")
     say(f"sweep: {len(planned)} runs into {root} ({len(planned) - todo} complete already, {todo} to run)")
     prog = _Progress(len(planned), todo, say, clock, t0=clock())
+    output.sweep_started(todo)
     deadline = None if deadline_s is None else prog.t0 + deadline_s
     index = {p.rel: i for i, p in enumerate(planned, 1)}
     cache = EngineCache()
     with handling_signals():
         try:
-            _run_groups(base, planned, root, rec, cache, run_fn, resume_fn, children, use_child, child_fn, prog,
-                        index, deadline, verbose)
+            _run_groups(base, planned, states, root, rec, cache, run_fn, resume_fn, children, use_child, child_fn,
+                        prog, index, deadline, verbose)
         except Interrupted as e:
             rec.reload()
             cut = [p for p in planned if rec.runs.get(p.rel, {}).get("state") == "running"]
@@ -366,10 +368,11 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     return states
 
 
-def _run_groups(base: Config, planned: list[PlannedRun], root: Path, rec: Record, cache: EngineCache, run_fn: RunFn,
-                resume_fn: ResumeFn, children: bool, use_child, child_fn, prog: _Progress, index: dict[str, int],
-                deadline: float | None, verbose: bool) -> None:
-    """The plan's process groups in order: each in a child process or in this one (see run_plan)."""
+def _run_groups(base: Config, planned: list[PlannedRun], states: dict[str, str], root: Path, rec: Record,
+                cache: EngineCache, run_fn: RunFn, resume_fn: ResumeFn, children: bool, use_child, child_fn,
+                prog: _Progress, index: dict[str, int], deadline: float | None, verbose: bool) -> None:
+    """The plan's process groups in order: each in a child process or in this one (see run_plan;
+    `states`: each run's state when the plan began)."""
     clock, say = prog.clock, prog.say
     for group in process_groups(base, planned):
         if children or use_child(group, base):
@@ -386,15 +389,19 @@ def _run_groups(base: Config, planned: list[PlannedRun], root: Path, rec: Record
                 continue
             cache.close()  # the child's runs get the GPU to themselves
             release_cuda_cache()
-            rc = child_fn(base, group, root, index, len(planned), left, verbose)
+            with output.handover():  # the child draws its own progress on the terminal
+                rc = child_fn(base, group, root, index, len(planned), left, verbose)
             rec.reload()
             for p in group.runs:  # a run the child left open: it ended inside it or before it
                 if rec.runs.get(p.rel, {}).get("state") in ("running", "pending"):
                     rec.set(p, state="failed", error=f"its process ended ({rc})")
+            for p in group.runs:
+                if states[p.rel] != "complete" and rec.runs.get(p.rel, {}).get("state") in ("complete", "failed"):
+                    prog.finished(float(rec.runs[p.rel].get("seconds") or 0.0))
             if rc == 2:
                 raise RunError(f"a {group.kind} process refused its runs (bad input); see its output above")
         else:
-            run_group(base, group.runs, root, rec, cache, run_fn, prog, index, deadline, verbose, resume_fn)
+            run_group(base, group.runs, root, rec, cache, run_fn, prog, index, deadline, resume_fn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,24 +432,25 @@ def main(argv: list[str] | None = None) -> int:
     def resume_fn(out, cache, log):
         return resume_in_process(out, cache, log, process_mps=daemon)
 
-    say = lambda s: print(s, flush=True)  # noqa: E731
-    prog = _Progress(spec["total"], len(runs), say, time.monotonic, t0=time.monotonic())
+    prog = _Progress(spec["total"], len(runs), output.say, time.monotonic, t0=time.monotonic())
     deadline = None if spec["seconds"] is None else prog.t0 + spec["seconds"]
     cache = EngineCache()
     with handling_signals():
         try:
-            run_group(base, runs, root, Record(root), cache, run_fn, prog, spec["index"], deadline, spec["verbose"],
-                      resume_fn)
+            with output.session(spec["verbose"], "stdout"):
+                output.sweep_started(len(runs))
+                try:
+                    run_group(base, runs, root, Record(root), cache, run_fn, prog, spec["index"], deadline, resume_fn)
+                finally:
+                    cache.close()
+                    if daemon is not None:
+                        output.say(f"MPS daemon: {daemon.stop()}")
         except RunError as e:
             print(f"colora: error: {e}", file=sys.stderr)
             return 2
         except Interrupted as e:  # the run is recorded as interrupted; the parent says how to continue
             print(f"colora: {e}", file=sys.stderr, flush=True)
             return e.exit_code
-        finally:
-            cache.close()
-            if daemon is not None:
-                print(f"MPS daemon: {daemon.stop()}", flush=True)
     return 0
 
 

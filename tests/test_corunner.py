@@ -50,6 +50,9 @@ class FakeBank:
         self.exports.append((name, dtype))
         return Path(out_dir)
 
+    def job_state(self, name):  # what a failed step keeps of each job (CoRunner.keep_failed_step)
+        return {"job": name}
+
 
 def _corunner(tmp_path):
     cfg = load_config(SMOKE)
@@ -326,30 +329,100 @@ def test_plan_regroup_moves_fewest_jobs_and_only_for_a_real_gain():
     assert plan_regroup([["a", "c"], ["b", "d"]], near, min_gain=0.04) == {"a": 0, "d": 0, "b": 1, "c": 1}
 
 
-class SlowLoadEngine(LoopEngine):
-    """LoopEngine whose adapter loads take a while, as they do on the GPU while the trainer trains."""
+GUARD = 10.0  # seconds: a handshake that waits this long is broken, and the test fails naming it
+
+
+class HandshakeEngine(LoopEngine):
+    """LoopEngine whose first adapter load holds (the load of group 0's adapters after its first
+    step) until the trainer has shown what it does meanwhile: it either starts its next step
+    (HandshakeTrainer sets `go`) or blocks on the co-runner's event for that load (the watched events
+    of `_watch_loaded` set `go`). The load then holds until `ack`, so that a step which started
+    during it sees it still in progress. No sleeps: the order is forced by events."""
+
+    def __init__(self, lengths: dict[str, int]):
+        super().__init__(lengths)
+        self.first_load = True
+        self.loading = False
+        self.load_started, self.go, self.ack = threading.Event(), threading.Event(), threading.Event()
+        self.submitted = {0: threading.Event(), 1: threading.Event()}  # group -> its rollouts are queued
+        self.timeouts: list[str] = []
+
+    def wait(self, event: threading.Event, what: str) -> None:
+        if not event.wait(GUARD):
+            self.timeouts.append(what)
+
+    def submit(self, key, reqs):
+        super().submit(key, reqs)
+        self.submitted[key].set()
 
     def set_adapter(self, job, version, path):
-        time.sleep(0.03)
+        first, self.first_load = self.first_load, False
+        if first:
+            self.loading = True
+            self.load_started.set()
+            self.wait(self.go, "go: the trainer neither stepped nor waited for the load")
+            self.wait(self.ack, "ack")
+            self.loading = False
         return super().set_adapter(job, version, path)
 
 
-class SlowTrainer(VersionTrainer):
+class HandshakeTrainer(VersionTrainer):
+    """Its first step (group 0) waits until group 1's first rollouts are queued in the engine, so
+    that they come back before group 0's adapters load; its second step (group 1) records whether
+    group 0's load was still in progress when it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine: HandshakeEngine | None = None
+        self.calls = 0
+        self.during_load: bool | None = None
+
     def step(self, rollouts):
-        time.sleep(0.03)
+        e, n = self.engine, self.calls
+        self.calls += 1
+        if n == 0:
+            e.wait(e.submitted[1], "group 1's rollouts were never queued")
+        elif n == 1:
+            e.go.set()
+            e.wait(e.load_started, "group 0's adapters never started loading")
+            self.during_load = e.loading
+            e.ack.set()
         return super().step(rollouts)
+
+
+def _watch_loaded(c: CoRunner, on_block) -> None:
+    """Call on_block() when the trainer starts waiting on one of the co-runner's per-group events
+    "this group's adapters are loaded and its rollouts queued" that is not yet set (CoRunner._loaded,
+    where reload-first waits)."""
+
+    class Watched(threading.Event):
+        def wait(self, timeout=None):
+            if not self.is_set():
+                on_block()
+            return super().wait(timeout)
+
+    class Loaded(dict):
+        def __setitem__(self, group, event):
+            super().__setitem__(group, Watched())
+
+    assert isinstance(c._loaded, dict) and not c._loaded
+    c._loaded = Loaded()
 
 
 def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path):
     """No training step starts while a group's adapters are loading (on the H200 loads took twice as
     long during training and paused the other group's decoding); every job still does every step
-    on-policy."""
+    on-policy. Group 0's first load holds until the trainer has either started that step or blocked
+    waiting for the load (events, no timing), so a trainer that does not wait is caught."""
     from colora.runlog import read_jsonl
 
     c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=5",
-                                "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, SlowLoadEngine, SlowTrainer)
+                                "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, HandshakeEngine, HandshakeTrainer)
+    c.trainer.engine = c.engine
+    _watch_loaded(c, lambda: (c.engine.go.set(), c.engine.ack.set()))
     c.run()
     c.metrics.close()
+    assert c.engine.timeouts == []
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("status") == "ok"]
     assert sorted((r["job"], r["step"]) for r in rows) == [(n, k) for n in "abcd" for k in range(5)]
     assert all(r["rollout_versions"] == [r["step"]] for r in rows)  # on-policy
@@ -358,7 +431,7 @@ def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path):
     trains = [s for s in spans if s["phase"] == "train"]
     overlapping = [(t, r) for t in trains for r in loads if t["start"] < r["end"] and r["start"] < t["end"]]
     assert len(loads) >= 8 and len(trains) >= 8
-    assert not overlapping
+    assert c.trainer.during_load is False and not overlapping
 
 
 def test_the_engine_thread_takes_records_and_every_wait_ends(tmp_path):
@@ -380,6 +453,56 @@ def test_the_engine_thread_takes_records_and_every_wait_ends(tmp_path):
     assert not t.is_alive() and dropped == ["a"] and done_q.empty()
     got = c._next(done_q, t)
     assert isinstance(got, Failed) and "ended without a word" in str(got.error)
+
+
+class DroppingEngine(LoopEngine):
+    """LoopEngine that takes adapters out as vLLM does: a dropped job's requests are refused."""
+
+    def __init__(self, lengths: dict[str, int]):
+        super().__init__(lengths)
+        self.dropped: list[tuple[str, str]] = []  # (job, thread that dropped it)
+
+    def drop(self, job):
+        self.loaded.pop(job, None)
+        self.dropped.append((job, threading.current_thread().name))
+
+    def submit(self, key, reqs):
+        gone = sorted({r.job for r in reqs} & {j for j, _ in self.dropped})
+        if gone:
+            raise KeyError(f"job(s) {gone} have no adapter loaded in the engine")
+        super().submit(key, reqs)
+
+
+class FailingTrainer(VersionTrainer):
+    """Job b's loss is not finite at its second step; the other jobs train on."""
+
+    def step(self, rollouts):
+        out = super().step(rollouts)
+        if "b" in out and out["b"].version == 2:
+            out["b"] = JobStepStats(float("nan"), 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 1, failure="loss is not finite")
+        return out
+
+
+def test_a_stopped_jobs_adapter_leaves_the_engine_and_gets_no_more_requests(tmp_path):
+    """Job b fails at its second step in a two-group overlap run: it is stopped with its reason, the
+    engine thread (which owns the engine) takes its adapter out, no later request of it is queued,
+    and the other jobs do every step."""
+    from colora.runlog import read_jsonl
+
+    c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=4",
+                                "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, DroppingEngine, FailingTrainer)
+    c.run()
+    assert c.engine.dropped == [("b", "colora-engine")]
+    assert "b" not in c.engine.loaded and c.engine.loaded  # the others' adapters stay
+    assert c.jobs["b"].status == "stopped" and c.jobs["b"].reason == "loss is not finite" and c.jobs["b"].step == 1
+    assert all(c.jobs[n].status == "done" and c.jobs[n].step == 4 for n in "acd")
+    # outside a run (no engine thread) the co-runner drops the adapter itself
+    c.stop(c.jobs["a"], "stopped by hand")
+    assert c.engine.dropped[-1] == ("a", threading.current_thread().name) and "a" not in c.engine.loaded
+    c.metrics.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if r.get("job") == "b" and r.get("status") == "ok"] == [0]
+    assert [r["reason"] for r in rows if r.get("event") == "stopped"] == ["loss is not finite", "stopped by hand"]
 
 
 # -- a job that learns nothing -----------------------------------------------------------------------

@@ -94,6 +94,31 @@ def test_each_request_uses_its_own_jobs_adapter(engine, bank_model, tmp_path):
         torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
 
 
+def test_a_dropped_adapter_leaves_the_engine(engine, bank_model, tmp_path):
+    """`drop` takes a job's adapter out of colora's table and out of vLLM (a stopped job's adapter
+    must not stay beside the others): the job is no longer served, and the other jobs still are."""
+    from colora.engine import GenRequest
+
+    bank, _ = bank_model
+    v = bank.jobs["b"].version
+    engine.set_adapter("b", v, str(bank.export_peft("b", tmp_path / "b", "tiny")))
+    engine.set_adapter("gone", 5, str(bank.export_peft("b", tmp_path / "gone", "tiny")))
+    lora = engine._adapters["gone"][1].lora_int_id
+    assert engine.version("gone") == 5 and lora in engine.llm.llm_engine.list_loras()
+    req = GenRequest("gone", tuple(range(20, 40)), 3, 1.0, seed=1)
+    assert engine.generate([req])[0].version == 5
+    others = {n: engine.version(n) for n in engine._adapters if n != "gone"}
+    engine.drop("gone")
+    with pytest.raises(KeyError):
+        engine.version("gone")
+    assert lora not in engine.llm.llm_engine.list_loras()
+    with pytest.raises(KeyError, match="'gone' has no adapter"):
+        engine.generate([req])
+    engine.drop("gone")  # dropping twice is harmless
+    assert {n: engine.version(n) for n in others} == others
+    assert engine.generate([GenRequest("b", tuple(range(20, 40)), 3, 1.0, seed=1)])[0].version == v
+
+
 def test_same_seed_same_rollout(engine, bank_model):
     from colora.engine import GenRequest
 

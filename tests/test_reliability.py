@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from colora.checkpoint import Checkpointer, load_latest
 from colora.config import load_config
 from colora.runlog import read_jsonl
+from same_step import assert_same_adamw_state
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.toml"
@@ -220,15 +221,41 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_di
 
 
 @pytest.mark.vllm
-def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_dir):
+def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_dir, monkeypatch):
+    """Two of three jobs fail (a raising reward, a non-finite loss): they stop with their reasons
+    and their adapters leave the engine at once; the third does each step as it does alone: the
+    same loss and gradient norm every step, the same AdamW state and adapter at the end."""
+    from colora.checkpoint import load_latest
+    from colora.engine import RolloutEngine
     from colora.engine import EngineCache
     from colora.runner import run
 
-    base = SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=3", "engine.max_loras=3"]
+    drops, closing = [], []  # (job, during the run, still served or listed by vLLM after the drop)
+    real_drop, real_drop_all = RolloutEngine.drop, RolloutEngine.drop_all
+
+    def drop(self, job):
+        lora = self._adapters[job][1].lora_int_id if job in self._adapters else None
+        real_drop(self, job)
+        drops.append((job, not closing, job in self._adapters or lora in self.llm.llm_engine.list_loras()))
+
+    def drop_all(self):  # the end of a run that shares its engine: every adapter goes
+        closing.append(1)
+        try:
+            real_drop_all(self)
+        finally:
+            closing.pop()
+
+    monkeypatch.setattr(RolloutEngine, "drop", drop)
+    monkeypatch.setattr(RolloutEngine, "drop_all", drop_all)
+    base = SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=3", "engine.max_loras=3",
+                    "runtime.checkpoint_every=1"]
     three = base + ['jobs.0.task="coin_task:Raising"', 'jobs.1.task="coin_task:HugeReward"']
     cfg3 = load_config(SMOKE, three)
     d = cfg3.to_dict()
-    d["jobs"].append({**d["jobs"][1], "name": "healthy", "task": "coin_task:CoinFlip", "learning_rate": 1e-3})
+    # a KL term, so that its loss is not 0 (its completions all run to max_new_tokens: centred advantages
+    # then sum to 0 under grpo_token) and the base model's reference pass runs in the shared batch
+    d["jobs"].append({**d["jobs"][1], "name": "healthy", "task": "coin_task:CoinFlip", "learning_rate": 1e-3,
+                      "kl_coef": 0.05})
     from colora.config import resolve
 
     cfg3 = resolve(d)
@@ -244,6 +271,9 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
     assert s3["jobs"]["healthy"]["status"] == "done" and s3["jobs"]["healthy"]["steps"] == 3
     events = [r for r in read_jsonl(tmp_path / "three" / "metrics.jsonl") if r.get("event") == "stopped"]
     assert {e["job"] for e in events} == {"add", "mod"}
+    # the stopped jobs' adapters left the engine during the run (neither colora nor vLLM serves them)
+    assert sorted(d for d in drops if d[1]) == [("add", True, False), ("mod", True, False)], drops
+    assert {d[0] for d in drops if not d[1]} == {"healthy"} and not any(d[2] for d in drops), drops
     # the failed training step was kept, and running it again by itself fails the same way
     from colora import replay
 
@@ -260,6 +290,18 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
     got = _adapters(tmp_path / "three")["healthy"]
     want = _adapters(tmp_path / "one")["healthy"]
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    # weights after AdamW steps hide gradient errors (tests/same_step.py): loss, norm and moments too
+    steps = {name: sorted((r for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+                           if r.get("job") == "healthy" and r.get("status") == "ok"), key=lambda r: r["step"])
+             for name in ("three", "one")}
+    assert [r["step"] for r in steps["three"]] == [r["step"] for r in steps["one"]] == [0, 1, 2]
+    for a, b in zip(steps["three"], steps["one"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-9), (a["step"], a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a["step"], a["grad_norm"], b["grad_norm"])
+    state = {name: load_latest(tmp_path / name, log=lambda s: None)[1]["jobs"]["healthy"] for name in ("three", "one")}
+    assert state["three"]["step"] == state["one"]["step"] == 3
+    # rel 1e-4: three steps, each summed in another order, left the moments 1.4e-5 apart (measured)
+    assert_same_adamw_state(state["three"]["bank"]["optimizer"], state["one"]["bank"]["optimizer"], rel=1e-4)
 
 
 @pytest.mark.vllm

