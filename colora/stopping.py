@@ -208,6 +208,12 @@ def close_resource_tracker(wait_s: float) -> None:
         time.sleep(0.05)
 
 
+def takes(sig: int, handler) -> bool:
+    """Whether colora takes `sig` from its present `handler`: only from its default disposition (see
+    the module docstring), so a host's handler and nohup's ignored SIGHUP stay."""
+    return handler in (signal.SIG_DFL, signal.default_int_handler)
+
+
 _active: StopRequest | None = None
 
 
@@ -240,7 +246,7 @@ def handling_signals() -> Iterator[StopRequest]:
     previous = {}
     for sig in STOP_SIGNALS:
         old = signal.getsignal(sig)
-        if old in (signal.SIG_DFL, signal.default_int_handler) or (sig == signal.SIGINT and old == signal.SIG_IGN):
+        if takes(sig, old) or (sig == signal.SIGINT and old == signal.SIG_IGN):
             previous[sig] = old
             signal.signal(sig, stop._handle)
     _active = stop

@@ -156,14 +156,49 @@ def test_watcher_reaps_what_a_killed_owner_started(tmp_path):
         reap("tok-owner")
 
 
-def test_sigterm_stops_the_driver_as_ctrl_c_does():
-    from colora.cluster.driver import _sigterm_interrupts
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_stop_the_driver_as_ctrl_c_does(sig):
+    from colora.cluster.driver import _signals_interrupt
 
-    before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt, match="SIGTERM"), _sigterm_interrupts():
-        os.kill(os.getpid(), signal.SIGTERM)
+    before = signal.getsignal(sig)
+    with pytest.raises(KeyboardInterrupt, match=signal.Signals(sig).name), _signals_interrupt():
+        os.kill(os.getpid(), sig)
         time.sleep(5)
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(sig) is before
+
+
+def test_the_driver_leaves_an_ignored_sighup_ignored():
+    """Started under nohup, the driver does not stop on SIGHUP (colora/stopping.py `takes`)."""
+    from colora.cluster.driver import _signals_interrupt
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _signals_interrupt():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_an_interrupted_cluster_run_is_marked_and_says_how_to_continue(monkeypatch, tmp_path, tiny_model_dir):
+    """The co-runners are stopped inside run_shares (test_d); _execute marks status.json
+    interrupted and the Interrupted it raises says how to go on."""
+    import colora.cluster.driver as driver
+    from colora.stopping import Interrupted
+
+    def stopped(*a, **k):
+        raise Interrupted("SIGTERM")
+
+    monkeypatch.setattr(driver, "run_shares", stopped)
+    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"'])
+    shares = driver._shares(cfg, tmp_path, [[j.name] for j in cfg.jobs], [0, 1], set())
+    with pytest.raises(Interrupted) as e:
+        driver._execute(cfg, tmp_path, shares, [], 2, None, lambda s: None)
+    assert e.value.exit_code == 128 + signal.SIGTERM
+    assert str(e.value).endswith(f"continue with: colora run --resume {tmp_path}")
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status == {"state": "interrupted", "signal": "SIGTERM", "resume": f"colora run --resume {tmp_path}"}
 
 
 # -- without Ray --------------------------------------------------------------------------------------
@@ -326,7 +361,8 @@ def test_c_a_killed_corunner_fails_its_jobs_and_resume_finishes_them(reference, 
 @pytest.mark.slow
 def test_d_ctrl_c_stops_every_corunner_and_engine(cluster, tiny_model_dir, tmp_path):
     """`colora run --gpus 2 --address ADDR` (this module's cluster), interrupted once both engines'
-    processes are up: it exits 130 and leaves no co-runner and no engine process."""
+    processes are up: it exits 130, marks the run interrupted, says how to continue, and leaves no
+    co-runner and no engine process."""
     out = tmp_path / "run"
     sets = [x for o in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=50"] for x in ("--set", o)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
@@ -351,7 +387,8 @@ def test_d_ctrl_c_stops_every_corunner_and_engine(cluster, tiny_model_dir, tmp_p
     log = proc.stdout.read()
     assert rc == 130, log[-3000:]
     assert "[gpu 0] co-runner gpu 0 on" in log and "[gpu 1] co-runner gpu 1 on" in log  # the relayed logs
-    assert json.loads((out / "status.json").read_text())["state"] == "failed"
+    assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
+    assert log.rstrip().splitlines()[-1].endswith(f"continue with: colora run --resume {out}"), log[-3000:]
     import psutil
 
     for i in infos:

@@ -7,7 +7,7 @@
 Layout of a run over N co-runners:
 
     cluster.json        the whole config and its hash, and which jobs each co-runner runs
-    status.json         running | failed (the error, each co-runner's state) | complete
+    status.json         running | failed (the error, each co-runner's state) | interrupted | complete
     summary.json        merged (placement.py): every job's outcome, throughput over summed GPU-seconds
     eval.json           every job's eval, merged
     gpus/<i>/           co-runner i's run directory (colora.runner: metrics, timeline, adapters, ...)
@@ -21,10 +21,10 @@ no CUDA here its GPUs are logical (Ray resources) and every co-runner runs on th
 local` does the same and takes the Ray path with one GPU too; `auto` or HOST:PORT joins a cluster.
 
 Failures: a co-runner that dies (killed, out of memory, a GPU error) or whose run fails has its
-jobs marked failed with the reason, and the others go on. Ctrl-C or SIGTERM cancels every run (each
-stops at its next log line and cleans up: engine closed, MPS daemon stopped), kills the co-runners
-still there after `STOP_GRACE_S` (at once on a second Ctrl-C), and stops whatever they had started
-(reaper.py).
+jobs marked failed with the reason, and the others go on. Ctrl-C, SIGTERM or SIGHUP cancels every
+run (each stops at its next log line and cleans up: engine closed, MPS daemon stopped), kills the
+co-runners still there after `STOP_GRACE_S` (at once on a second signal), stops whatever they had
+started (reaper.py), and marks the run interrupted; `colora run --resume DIR` continues it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from . import require_ray
 from .placement import Outcome, job_cost, merge_eval, merge_summaries, place_jobs, share_config
 
 STOP_GRACE_S = 60.0  # a cancelled run's clean-up: the engine's shutdown, MPS's quit (20 s timeout)
-PLACEMENT_TIMEOUT_S = 300.0  # how long to wait for the cluster to free the GPUs asked for
+PLACEMENT_TIMEOUT_S = 300.0  # how long to wait for the cluster to free the GPUs asked for, and a co-runner to start
 OBJECT_STORE_BYTES = 512 * 2**20  # only configs and summaries pass through Ray (Ray's default: 30% of RAM)
 
 
@@ -155,20 +155,30 @@ def _steps_done(out: Path) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts():
-    """SIGTERM raises KeyboardInterrupt here, as Ctrl-C does (main thread only: Python's rule)."""
+def _signals_interrupt():
+    """SIGTERM and SIGHUP raise Interrupted (a KeyboardInterrupt) here, as Ctrl-C does, where colora
+    takes them (colora/stopping.py `takes`: a host's handler and nohup's SIGHUP stay); in the main
+    thread only (Python's rule)."""
+    from colora.stopping import Interrupted, takes
+
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+        raise Interrupted(signal.Signals(signum).name)
 
-    old = signal.signal(signal.SIGTERM, handler)
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        old = signal.getsignal(sig)
+        if takes(sig, old):
+            previous[sig] = old
+            signal.signal(sig, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callable[[str], None] = print, *,
@@ -177,7 +187,7 @@ def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callabl
     share when its run ends); returns their outcomes in the order given."""
     logical = _no_cuda() if logical is None else logical
     outcomes: dict[int, Outcome] = {}
-    with Cluster(gpus, address, log, logical=logical) as cl, _sigterm_interrupts():
+    with Cluster(gpus, address, log, logical=logical) as cl, _signals_interrupt():
         ray = cl.ray
         todo, free = deque(shares), list(range(gpus))
         running: dict = {}  # run ref -> (share, actor, bundle, start, info)
@@ -218,7 +228,7 @@ def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callabl
                 batch.append((share, bundle, actor, actor.describe.remote(), time.time()))
             for share, bundle, actor, ref, t0 in batch:
                 try:
-                    info = ray.get(ref)
+                    info = ray.get(ref, timeout=PLACEMENT_TIMEOUT_S)  # its bundle is reserved: it starts
                 except Exception as e:  # the actor did not start
                     _end(ray, actor, {})
                     outcomes[share.index] = Outcome(share.index, str(share.out), share.jobs,
@@ -364,10 +374,16 @@ def resume_cluster(out: str | Path, gpus: int | None = None, address: str | None
 
 def _execute(cfg: Config, out: Path, shares: list[Share], done: list[Outcome], gpus: int, address: str | None,
              log: Callable[[str], None], **kw) -> dict:
+    from colora.stopping import Interrupted
+
     write_json_atomic(out / "status.json", {"state": "running"})
     try:
         ran = run_shares(shares, gpus, address, log, **kw) if shares else []
         outcomes = sorted(done + ran, key=lambda o: o.index)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP: every co-runner was stopped
+        sig, resume = getattr(e, "signal", "SIGINT"), f"colora run --resume {out}"
+        write_json_atomic(out / "status.json", {"state": "interrupted", "signal": sig, "resume": resume})
+        raise Interrupted(sig, f"interrupted by {sig}; every co-runner stopped; continue with: {resume}") from None
     except BaseException as e:
         write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}"})
         raise
