@@ -201,6 +201,19 @@ def test_an_interrupted_cluster_run_is_marked_and_says_how_to_continue(monkeypat
     assert status == {"state": "interrupted", "signal": "SIGTERM", "resume": f"colora run --resume {tmp_path}"}
 
 
+def test_a_cluster_run_checks_the_splits_before_any_directory(tmp_path, tiny_model_dir):
+    """A size that every co-runner would fail on is refused before cluster.json is written."""
+    pytest.importorskip("ray")
+    from colora.cluster.driver import run_cluster
+    from colora.resources import RunError
+
+    cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "jobs.1.task_options={terms=1, max_operand=2, "
+                              "max_modulus=2}"])
+    with pytest.raises(RunError, match=r"experiment.eval_size \(8\) for job 'mod'"):
+        run_cluster(cfg, tmp_path / "run", 2)
+    assert not (tmp_path / "run").exists()
+
+
 # -- without Ray --------------------------------------------------------------------------------------
 def test_without_ray_one_gpu_runs_as_today_and_more_names_the_extra(monkeypatch, capsys, tiny_model_dir):
     from colora import cli

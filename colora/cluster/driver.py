@@ -300,16 +300,12 @@ def _shares(cfg: Config, out: Path, placement: list[list[str]], which: list[int]
 
 
 def _check_inputs(cfg: Config, log: Callable[[str], None]) -> None:
-    """What would fail every co-runner alike, before any starts: the tasks, the model (a builtin
-    is built here once, not by every co-runner at the same time)."""
-    from colora.resources import RunError, resolve_model
-    from colora.tasks import get_task
+    """What would fail every co-runner alike, before any starts or the run directory is made: the
+    tasks and the sizes of their splits, the model (a builtin is built here once, not by every
+    co-runner at the same time)."""
+    from colora.resources import check_sizes, load_tasks, resolve_model
 
-    for i, j in enumerate(cfg.jobs):
-        try:
-            get_task(j.task, **j.task_options)
-        except Exception as e:
-            raise RunError(f"jobs.{i}.task = {j.task!r} (job {j.name!r}): {e}") from None
+    check_sizes(cfg, load_tasks(cfg.jobs))
     resolve_model(cfg.experiment.model, log)
 
 
