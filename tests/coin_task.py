@@ -57,8 +57,8 @@ class HugeReward(CoinFlip):
 class Interrupting(CoinFlip):
     """CoinFlip (the same items and rewards: the same name) that signals the colora run it is in,
     once per process, where the environment variable COIN_TASK_SIGNAL = "SIGNAL:TARGET:PHASE:STEP[:COUNT]" says:
-    TARGET "self" (this process, as `kill` does) or "group" (its process group, as a terminal's Ctrl-C
-    does); PHASE "generate" (when the step's prompts are drawn, on the engine thread, just before its
+    TARGET "self" (this process, as `kill` does), "group" (its process group, as a terminal's Ctrl-C
+    does) or "parent" (the process that started this one: a benchmark's, whose runs are children); PHASE "generate" (when the step's prompts are drawn, on the engine thread, just before its
     rollouts are queued) or "train" (at the step's first reward, on the trainer's thread, inside the
     training step); COUNT signals, 0.2 s apart (2: the second one that exits at once). Without the
     variable (the uninterrupted reference, a resume) it is CoinFlip."""
@@ -96,5 +96,7 @@ class Interrupting(CoinFlip):
                 time.sleep(0.2)
             if target == "group":
                 os.killpg(os.getpgrp(), sig)
+            elif target == "parent":
+                os.kill(os.getppid(), sig)
             else:
                 os.kill(os.getpid(), sig)

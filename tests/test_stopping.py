@@ -199,41 +199,86 @@ def test_a_second_signal_exits_at_once_and_leaves_no_engine(tmp_path, tiny_model
     print(f"a second SIGTERM: ended {took:.1f}s after the first")
 
 
-# -- a sweep ---------------------------------------------------------------------------------------
+# -- a sweep, a benchmark ---------------------------------------------------------------------------
+def _plan_interrupted(proc: subprocess.Popen, log: Path, root: Path, rel: str, command: str, reference: Path,
+                      steps: tuple[int, ...]) -> dict:
+    """A sweep or a benchmark stopped by SIGTERM in run `rel`'s training: its exit status, the run
+    marked interrupted in sweep.json, the last line, and the run's checkpoint (after one of `steps`
+    steps) the reference's of that step, bit for bit. Returns sweep.json's runs."""
+    text = log.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    runs = {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
+    assert runs[rel]["state"] == "interrupted", runs
+    last = text.strip().splitlines()[-1]
+    assert f"sweep interrupted by SIGTERM in {rel}; continue with: {command}" in last, text[-3000:]
+    status = json.loads((root / rel / "status.json").read_text())
+    assert status["state"] == "interrupted" and status["step"] in steps, status
+    assert status["checkpoint"] == f"checkpoints/step-{status['step']:06d}", status
+    assert _same(_state(root / rel / status["checkpoint"]), _state(reference / status["checkpoint"]))
+    return runs
+
+
+def _plan_resumed(argv: list[str], log: Path, root: Path, rel: str, label: str, reference: Path) -> dict:
+    """The same command again: run `rel` resumes from its checkpoint (not moved aside) and ends with
+    the reference's adapters. Returns sweep.json's runs."""
+    proc = _start(argv, log)
+    _ended(proc, log)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert f"{label}: resuming from its checkpoint" in text, text[-5000:]
+    assert not list(root.glob("*/*.incomplete-*"))
+    assert _max_diff(_adapters(reference), _adapters(root / rel)) == 0.0
+    return {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_an_interrupted_sweep_resumes_its_run_where_it_stopped(tmp_path, tiny_model_dir, reference):
     """`kill` (SIGTERM) inside seed 0's training step 2; seed 0 of shared_sync is the reference's
-    config. Steps 0-2 are saved, bit for bit the reference's; the same command again resumes the run
-    from its checkpoint (not moved aside), ends with the reference's adapters, and runs seed 1."""
+    config. The run is marked interrupted with steps 0-2 saved; the same command again resumes it
+    from its checkpoint, and runs seed 1."""
     root = tmp_path / "sweep"
     argv = ["sweep", str(SMOKE), *_sets(tiny_model_dir), "--arms", "shared_sync", "--seeds", "0", "1",
             "--out", str(root)]
     log = tmp_path / "sweep.log"
     proc = _start(argv, log, "SIGTERM:self:train:2")
     took = _ended(proc, log)
-    text = log.read_text()
-    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
-    runs = {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
-    assert runs["shared_sync/seed0-r0"]["state"] == "interrupted", runs
+    runs = _plan_interrupted(proc, log, root, "shared_sync/seed0-r0", "colora sweep", reference, (3,))
     assert runs["shared_sync/seed1-r0"]["state"] == "pending", runs
-    last = text.strip().splitlines()[-1]
-    assert "sweep interrupted by SIGTERM in shared_sync/seed0-r0; continue with: colora sweep" in last, text[-3000:]
-    run0 = root / "shared_sync" / "seed0-r0"
-    status = json.loads((run0 / "status.json").read_text())
-    assert status["state"] == "interrupted" and status["checkpoint"] == "checkpoints/step-000003", status
-    assert _same(_state(run0 / status["checkpoint"]), _state(reference / status["checkpoint"]))
     print(f"SIGTERM in a sweep: ended {took:.1f}s after it said it was stopping")
-
-    log2 = tmp_path / "sweep2.log"
-    proc = _start(argv, log2)
-    _ended(proc, log2)
-    text = log2.read_text()
-    assert proc.returncode == 0, text[-3000:]
-    assert "seed 0 r0: resuming from its checkpoint" in text and not list(root.glob("*/*.incomplete-*"))
-    runs = {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
+    runs = _plan_resumed(argv, tmp_path / "sweep2.log", root, "shared_sync/seed0-r0", "seed 0 r0", reference)
     assert all(r["state"] == "complete" for r in runs.values()), runs
-    assert _max_diff(_adapters(reference), _adapters(run0)) == 0.0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_interrupted_benchmark_stops_its_child_and_resumes_the_run(tmp_path, tiny_model_dir, reference):
+    """`colora bench arms` runs each batch in a child process of its own session. SIGTERM to the
+    benchmark (`kill`, from the task in the child as its step 1 trains): the benchmark sends the
+    child SIGTERM, the child stops its run, the run is marked interrupted, and nothing the two
+    started is left (found by a tag in their environment, whatever their session). The same command
+    again resumes the run from its checkpoint in a new child."""
+    from colora.cluster.reaper import TOKEN_ENV, tagged
+
+    root, token = tmp_path / "runs", f"stopping-{os.getpid()}-{time.monotonic_ns()}"
+    argv = ["bench", "arms", str(SMOKE), *_sets(tiny_model_dir, "runtime.checkpoint_every=1"), "--seeds", "0",
+            "--arms", "shared_sync", "--headline", "shared_sync", "--runs", str(root), "--out", str(tmp_path / "arms")]
+    os.environ[TOKEN_ENV] = token  # inherited by _start's process and all it starts
+    try:
+        log = tmp_path / "bench.log"
+        proc = _start(argv, log, "SIGTERM:parent:train:1")
+        took = _ended(proc, log)
+        for _ in range(50):  # the child's session, and anything orphaned
+            if not tagged(token):
+                break
+            time.sleep(0.1)
+        assert not tagged(token), [(p.pid, p.name()) for p in tagged(token)]
+    finally:
+        del os.environ[TOKEN_ENV]
+    # the benchmark relays the signal: the child may finish the step after the one it was in
+    _plan_interrupted(proc, log, root, "shared_sync/seed0-main", "colora bench arms", reference, (2, 3))
+    print(f"SIGTERM to a benchmark: ended {took:.1f}s after it said it was stopping")
+    _plan_resumed(argv, tmp_path / "bench2.log", root, "shared_sync/seed0-main", "seed 0 main (2 jobs)", reference)
 
 
 # -- without an engine -----------------------------------------------------------------------------
