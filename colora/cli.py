@@ -103,6 +103,8 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from .bench.trainer import main
     elif args.what == "engine":
         from .bench.engine import main
+    elif args.what == "trl":
+        from .bench.trl_grpo import main
     else:
         from .bench_arms import main
     return main(rest)
@@ -142,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option")
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
-    b.add_argument("what", choices=["kernels", "arms", "trainer", "engine"])
+    b.add_argument("what", choices=["kernels", "arms", "trainer", "engine", "trl"])
     for name in ("sweep", "report", "prereg", "replay-step"):
         sub.add_parser(name, add_help=False)
     return p
