@@ -13,6 +13,8 @@
 #                                           /tmp/colora-runs the run directories come back as runs.tgz;
 #                                           ARMS_NAME=NAME names the report, default arms)
 #   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
+#   bash scripts/h200.sh trl ARGS...        colora bench trl ARGS... --out $OUT/trl (the peer baseline; TRL's
+#                                           wheels from scripts/peer-kit.sh carried as .peer, installed once)
 #   bash scripts/h200.sh cli ARGS...        colora ARGS... (run, sweep, ...; the log is $OUT/cli.log;
 #                                           COLORA_TIMEOUT=S stops it after S seconds)
 set -uo pipefail
@@ -72,6 +74,17 @@ case "$1" in
       python3 -P -m colora.cli model smollm2 "$COLORA_HOME/models/smollm2" \
         --source /tmp/colora-site/colora-models/SmolLM2-135M-Instruct.Q4_1.gguf >> "$LOG" 2>&1
     echo "model smollm2: $?" >> "$LOG"
+    ;;
+  trl)
+    shift
+    if [ ! -f /tmp/colora-peer/.done ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/colora-peer "$ROOT"/.peer/*.whl >> "$LOG" 2>&1 &&
+        touch /tmp/colora-peer/.done || { echo "trl: the peer kit's wheels (.peer) did not install" | tee -a "$LOG"; exit 2; }
+    fi
+    export PYTHONPATH=/tmp/colora-peer:$PYTHONPATH
+    python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" >> "$LOG" 2>&1
+    python3 -m pip list 2>/dev/null | grep -i -E "^(pyarrow|pandas|fsspec|huggingface.hub|accelerate|peft|dill|multiprocess) " >> "$LOG"
+    python3 -P -m colora.cli bench trl "$@" --out "$OUT/trl" >> "$LOG" 2>&1; echo "bench trl: $?" >> "$LOG"
     ;;
   cli)
     shift
