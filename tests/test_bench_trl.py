@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from colora.bench.trl_grpo import _vllm_in_trl_range, accumulation, grpo_config_kwargs
+from colora.bench.trl_grpo import _vllm_in_trl_range, accumulation, grpo_config_kwargs, read_beside
 from colora.cli import main
 from colora.config import load_config
 
@@ -47,7 +47,7 @@ def test_job_settings_map_onto_grpo_config():
     (["--job", "nope"], "--job 'nope' is not a job of"),
     (["--job", "add", "--set", 'jobs.add.response_length="fixed"'], "cannot set response lengths"),
     (["--job", "add", "--steps", "1"], "--steps (1) must exceed experiment.warmup_steps (1)"),
-    (["--job", "add", "--beside", "missing.json"], "--beside 'missing.json': not a `colora bench arms` report"),
+    (["--job", "add", "--beside", "missing.json"], "--beside 'missing.json': not a `colora bench arms` report or a"),
 ])
 def test_bench_trl_refuses_bad_input_before_running(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -55,6 +55,26 @@ def test_bench_trl_refuses_bad_input_before_running(tmp_path, capsys, extra, mes
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_read_beside_takes_bench_arms_reports_and_colora_report_summaries(tmp_path):
+    arms, summary = tmp_path / "arms.json", tmp_path / "summary.json"
+    arms.write_text(json.dumps({"runs": [
+        {"arm": "dedicated", "seed": 4, "label": "main", "jobs": 8, "steps_per_hour": 1000.0,
+         "summary": {"jobs": {"gsm": {"mean_reward": 0.25}}}},
+        {"arm": "mps", "seed": 4, "label": "main", "jobs": 8, "steps_per_hour": 2000.0, "summary": {}}]}))
+    summary.write_text(json.dumps({"jobs": ["add", "gsm"], "runs": [
+        {"arm": "overlap_mps", "seed": 1, "repeat": 0, "steps_per_hour": 3000.0, "train_reward": {"gsm": 0.5}},
+        {"arm": "dedicated", "seed": 1, "repeat": 1, "steps_per_hour": 900.0, "train_reward": {"add": 0.1}},
+        {"arm": "overlap", "seed": 1, "repeat": 0, "steps_per_hour": 2500.0, "train_reward": {}}]}))
+    rows = read_beside([str(arms), str(summary)], "gsm")
+    assert [(r["arm"], r["seed"], r["label"], r["jobs"], r["steps_per_hour"], r["job_mean_reward"]) for r in rows] == [
+        ("dedicated", 4, "main", 8, 1000.0, 0.25), ("overlap_mps", 1, "repeat 0", 2, 3000.0, 0.5),
+        ("dedicated", 1, "repeat 1", 2, 900.0, None)]
+    assert [r["report"] for r in rows] == [str(arms), str(summary), str(summary)]
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a `colora bench arms` report or a `colora report` summary"):
+        read_beside([str(tmp_path / "list.json")], "gsm")
 
 
 def test_bench_trl_refuses_vllm_outside_trls_range(tmp_path, capsys):

@@ -2,11 +2,12 @@
 TRL's GRPOTrainer (vLLM colocated on a GPU), and its optimizer steps per device-hour.
 
     colora bench trl CONFIG --job NAME [--steps N] [--out reports/trl] [--generation auto|vllm|transformers]
-                            [--importance-sampling] [--beside ARMS.json ...] [--set KEY=VALUE ...]
+                            [--importance-sampling] [--beside JSON ...] [--set KEY=VALUE ...]
 
-e.g. `colora bench trl experiments/reference8.toml --job gsm --beside reports/arms.json`: the `gsm` job
-(SmolLM2-135M-Instruct, 8 prompts x 8 samples, up to 256 new tokens) for the config's steps, the
-first `experiment.warmup_steps` excluded from the window as colora excludes its warm-up steps.
+e.g. `colora bench trl experiments/reference8.toml --job gsm --beside reports/reference8/summary.json`:
+the `gsm` job (SmolLM2-135M-Instruct, 8 prompts x 8 samples, up to 256 new tokens) for the config's
+steps, the first `experiment.warmup_steps` excluded from the window as colora excludes its warm-up
+steps.
 The workload must stop at EOS (`response_length = "natural"`, a real model): TRL takes one sampling
 setting for the whole batch, so it cannot draw each response's length as colora's random-weight
 workloads do, and it masks every completion after its first EOS, so a length forced past EOS
@@ -15,7 +16,8 @@ would not be trained as colora trains it. Such a job is refused.
 Writes OUT.json and OUT.md: steps per device-hour over the steady window, each step's wall time,
 reward and mean response length, the phase times TRL itself measures (its `profiling_context`
 blocks: weight sync, generation, the reward function, the loss's forward), and with --beside the
-dedicated and overlap_mps runs of a `colora bench arms` report next to it.
+dedicated and overlap_mps runs of a `colora bench arms` report or a `colora report` summary next
+to it (report and seed named: a run of another session or code version is named as such).
 
 What is the same as colora's run of that job:
 - the model directory, the prompts of every step (the task's `sample(prompts_per_step,
@@ -198,19 +200,31 @@ def step_clock(sync):
 
 
 def read_beside(paths: list[str], job: str) -> list[dict]:
-    """The dedicated and overlap_mps rows of `colora bench arms` reports (OUT.json)."""
+    """The dedicated and overlap_mps runs of `colora bench arms` reports (OUT.json) or of `colora
+    report` summaries (a sweep's summary.json, e.g. reports/reference8/summary.json): arm, seed,
+    label, jobs, steps per device-hour and the job's mean training reward."""
     rows = []
     for p in paths:
         try:
-            runs = json.loads(Path(p).read_text())["runs"]
+            doc = json.loads(Path(p).read_text())
+            runs = doc["runs"]
+            iter(runs)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--beside {p!r}: not a `colora bench arms` report ({type(e).__name__}: {e})") from None
+            raise ValueError(f"--beside {p!r}: not a `colora bench arms` report or a `colora report` summary "
+                             f"({type(e).__name__}: {e})") from None
         for r in runs:
-            if r.get("arm") in BESIDE_ARMS and r.get("steps_per_hour"):
-                s = r.get("summary") or {}
-                rows.append({"report": p, "arm": r["arm"], "seed": r.get("seed"), "label": r.get("label"),
-                             "jobs": r.get("jobs") or len(s.get("jobs", {})), "steps_per_hour": r["steps_per_hour"],
-                             "job_mean_reward": (s.get("jobs", {}).get(job) or {}).get("mean_reward")})
+            if r.get("arm") not in BESIDE_ARMS or not r.get("steps_per_hour"):
+                continue
+            if "summary" in r:  # bench arms: the run's own summary
+                s = r["summary"] or {}
+                jobs = r.get("jobs") or len(s.get("jobs", {}))
+                reward = (s.get("jobs", {}).get(job) or {}).get("mean_reward")
+                label = r.get("label")
+            else:  # colora report: the sweep's jobs, each run's training reward by job
+                jobs, reward = len(doc.get("jobs", [])), (r.get("train_reward") or {}).get(job)
+                label = f"repeat {r.get('repeat', 0)}"
+            rows.append({"report": p, "arm": r["arm"], "seed": r.get("seed"), "label": label, "jobs": jobs,
+                         "steps_per_hour": r["steps_per_hour"], "job_mean_reward": reward})
     return rows
 
 
@@ -255,13 +269,14 @@ def to_markdown(result: dict) -> str:
            f"{result['window']['steps']} steps ({result['window']['seconds']:.1f} s, the first "
            f"{result['warmup_steps']} excluded); median step {result['median_step_s']:.2f} s.", ""]
     if result["beside"]:
-        out += ["| system | arm | seed | jobs | steps per device-hour | x TRL | the job's mean reward |",
-                "|---|---|---|---|---|---|---|",
+        out += ["| system | arm | seed | jobs | steps per device-hour | x TRL | the job's mean reward | from |",
+                "|---|---|---|---|---|---|---|---|",
                 f"| TRL | one job | {result['seed']} | 1 | {result['steps_per_device_hour']:.0f} | 1.00 | "
-                f"{_num(_mean(result['rewards']))} |"]
+                f"{_num(_mean(result['rewards']))} | this run |"]
         for b in result["beside"]:
             out.append(f"| colora | {b['arm']} ({b['label']}) | {b['seed']} | {b['jobs']} | {b['steps_per_hour']:.0f} | "
-                       f"{b['steps_per_hour'] / result['steps_per_device_hour']:.2f} | {_num(b['job_mean_reward'])} |")
+                       f"{b['steps_per_hour'] / result['steps_per_device_hour']:.2f} | {_num(b['job_mean_reward'])} | "
+                       f"`{b['report']}` |")
         out.append("")
     names = list(result["phases"])
     out += ["TRL's own timers per step (seconds; `_prepare_inputs` holds generation and scoring, `compute_loss` "
@@ -327,8 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="TRL's rollouts: vLLM colocated, or transformers' generate; auto: vLLM on CUDA")
     p.add_argument("--importance-sampling", action="store_true",
                    help="TRL's default vLLM importance-sampling correction (off: the same loss as colora's)")
-    p.add_argument("--beside", nargs="*", default=[], metavar="ARMS.json",
-                   help="`colora bench arms` reports whose dedicated and overlap_mps runs go beside TRL's figure")
+    p.add_argument("--beside", nargs="*", default=[], metavar="JSON",
+                   help="`colora bench arms` reports (OUT.json) or `colora report` summaries (summary.json) whose "
+                        "dedicated and overlap_mps runs go beside TRL's figure")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--out", default="reports/trl", help="report path without suffix")
     args = p.parse_args(argv)
