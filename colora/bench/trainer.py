@@ -100,7 +100,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     if args.profile_sources:
         ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, bank.jobs[names[0]].version)
         profile_sources(lambda: trainer.step(ro), args.device, f"{args.out}.sources.txt", impl)
-    del trainer, bank, model
+    trainer = bank = model = None  # frees them before the next implementation loads (the closures hold them)
     if fused:
         from ..fusion import restore_rotary
 

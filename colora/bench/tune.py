@@ -125,7 +125,7 @@ def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float =
               f" us with {combined}" + ("" if graph["default"] is None else
                                        f"; graph {graph['default']:.3f} -> {graph['combined'] or float('nan'):.3f} ms, "
                                        f"bound {bound_s * 1e3:.3f} ms"), flush=True)
-        del x, A, B, dy
+        x = A = B = dy = None  # frees the tensors before the next problem's (the closures hold them)
     return rows
 
 
