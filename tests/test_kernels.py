@@ -996,7 +996,7 @@ def test_compile_check_covers_every_tuning_candidate():
         for kernel in ("shrink", "dy_pass", "expand", "sgrad"):
             mine = [v for v in got if v[0].startswith(f"tune {kernel} R{R} ")]
             assert len(mine) == len(candidates(kernel, quick=False))
-            for (label, fn, types, consts, ones, div, warps, stages), cfg in zip(mine, candidates(kernel, quick=False)):
+            for (_, _, _, consts, _, _, warps, stages), cfg in zip(mine, candidates(kernel, quick=False)):
                 assert (warps, stages) == (cfg["warps"], cfg["stages"])
                 assert all(consts[c] == cfg[k] for k, c in (("block_m", "BLOCK_M"), ("block_k", "BLOCK_K"),
                                                             ("block_n", "BLOCK_N"), ("block_t", "BLOCK_T"),
