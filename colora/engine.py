@@ -3,10 +3,10 @@
 Each job's requests carry that job's adapter. After every optimizer step the trainer exports the
 job's adapter (PEFT format, on tmpfs where there is one) and `set_adapter` loads it into the engine
 under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache blocks by the LoRA id, so KV
-computed under an old version can never be served to a request of the new one (DESIGN.md: an
-in-place reload kept serving the old KV until `reset_prefix_cache()`), and the old version is
-removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
-adapter that produced it; the trainer refuses any other version.
+computed under an old version can never be served to a request of the new one (an in-place reload
+kept serving the old KV until `reset_prefix_cache()`; docs/architecture.md, the contract with every
+job), and the old version is removed at once so it holds no adapter slot. Every result is tagged
+with the (job, version) of the adapter that produced it; the trainer refuses any other version.
 
 Per-request sampling seeds make a run's rollouts a function of its seed.
 
