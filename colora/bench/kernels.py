@@ -1,6 +1,6 @@
 """Benchmark of colora's kernels against their baselines, measured in the same run.
 
-    colora bench kernels --out reports/kernels           (H200: about 3 minutes)
+    colora bench kernels --out runs/bench/kernels        (H200: about 3 minutes)
     colora bench kernels --out /tmp/kbench --quick       (tiny shapes; runs on the CPU interpreter)
 
 First the two ceilings of this device: copy bandwidth (a large device-to-device copy, bytes read
@@ -362,7 +362,7 @@ def to_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="colora bench kernels", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="reports/kernels", help="writes OUT.json and OUT.md")
+    p.add_argument("--out", default="runs/bench/kernels", help="writes OUT.json and OUT.md")
     p.add_argument("--quick", action="store_true", help="tiny shapes (also on the CPU, through the interpreter)")
     p.add_argument("--only", choices=["lora", "add_to", "logsoftmax", "reduce", "tune"], action="append",
                    help="run only these parts (repeatable); 'tune' (colora/bench/tune.py) runs only when named")
