@@ -196,7 +196,7 @@ def ops_by_caller(events, device: str, rows: int = 50) -> str:
                 parents.append(instance_free(p.name))
             p = p.cpu_parent
         stack = tuple(instance_free(s) for s in (e.stack or [])[:8])
-        key = (e.name, str(e.input_shapes)[:120], " < ".join(parents), stack)
+        key = (instance_free(e.name), str(e.input_shapes)[:120], " < ".join(parents), stack)
         row = totals.setdefault(key, [0.0, 0])
         row[0] += us
         row[1] += 1
