@@ -1,6 +1,7 @@
 # The two commands of the README. Everything installs into .venv from the project's own files.
 #   make smoke   install, then run the embedded default experiment (experiments/smoke.toml)
 #   make test    install, then run the test suite (GPU tests skip themselves without CUDA)
+#   make lint    install, then ruff (its rules are in pyproject.toml)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-.PHONY: install smoke test
+.PHONY: install smoke test lint
 install: $(STAMP)
 
 smoke: $(STAMP)
@@ -24,3 +25,6 @@ smoke: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .

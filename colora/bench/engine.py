@@ -1,13 +1,13 @@
 """The rollout engine's decoding alone: how long one engine step takes against the batch size, with
 and without the jobs' adapters and per-request seeds.
 
-    colora bench engine CONFIG [--batches 32 128 256 512] [--tokens 128] [--prompt 64] [--out reports/engine]
+    colora bench engine CONFIG [--batches 32 128 256 512] [--tokens 128] [--prompt 64] [--out runs/bench/engine]
                                [--profile] [--set KEY=VALUE ...]
 
 Why: under overlap a group's generation is the longest phase of its cycle, and it is as long as
 its longest response (256 tokens in the reference workload) times the engine's step time, which
-grows with the requests in flight: on the H200 about 6 ms + 0.02 ms per request in flight in the
-eighth session's overlap_mps run (reports/h200/eighth), against about 2-3 ms that the weights and
+grows with the requests in flight: in overlap_mps on the H200, while no group trains, 6.3-7.8 ms
++ 13-15 us a request in flight (reports/arms_throughput), against about 2-3 ms that the weights and
 KV reads of 300 sequences of a 0.6B model need. This program tells apart what a step costs:
 
 - every request decodes exactly --tokens tokens (min_tokens = max_tokens, EOS ignored), so a batch
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128, help="tokens every request decodes")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     p.add_argument("--profile", action="store_true", help="vLLM's torch profiler around one batch (OUT.profile.txt)")
-    p.add_argument("--out", default="reports/engine", help="report path without suffix")
+    p.add_argument("--out", default="runs/bench/engine", help="report path without suffix")
     args = p.parse_args(argv)
     if min(args.batches) < 1 or args.tokens < 1 or args.prompt < 1:
         p.error("--batches, --tokens and --prompt must be at least 1")

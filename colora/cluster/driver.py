@@ -273,7 +273,7 @@ def _stop(ray, running: dict, grace_s: float, log: Callable[[str], None]) -> Non
         log("interrupted again: killing the co-runners now")
     if refs:
         log(f"{len(refs)} co-runner(s) still running after {grace_s:.0f}s: killed")
-    for share, actor, _, _, info in running.values():
+    for _, actor, _, _, info in running.values():
         _end(ray, actor, info)
 
 
