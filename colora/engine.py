@@ -3,10 +3,10 @@
 Each job's requests carry that job's adapter. After every optimizer step the trainer exports the
 job's adapter (PEFT format, on tmpfs where there is one) and `set_adapter` loads it into the engine
 under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache blocks by the LoRA id, so KV
-computed under an old version can never be served to a request of the new one (DESIGN.md: an
-in-place reload kept serving the old KV until `reset_prefix_cache()`), and the old version is
-removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
-adapter that produced it; the trainer refuses any other version.
+computed under an old version can never be served to a request of the new one (an in-place reload
+kept serving the old KV until `reset_prefix_cache()`; docs/architecture.md, the contract with every
+job), and the old version is removed at once so it holds no adapter slot. Every result is tagged
+with the (job, version) of the adapter that produced it; the trainer refuses any other version.
 
 Per-request sampling seeds make a run's rollouts a function of its seed.
 
@@ -152,7 +152,7 @@ def engine_process(setting: str, arm: str) -> bool:
 
     Why auto: in the overlapping arms vLLM's client threads run Python every engine step while the
     trainer's thread runs its step in the same interpreter; on the H200 overlap_mps ran 5.8% faster
-    with the client apart (reports/h200/eighth). In the sequential arms nothing runs beside the
+    with the client apart (measured at f954d65). In the sequential arms nothing runs beside the
     engine to compete for the interpreter, and the one dedicated run with the client apart had
     unexplained 1.9-3.2 s training steps: the baseline keeps the in-process client."""
     return setting == "on" or (setting == "auto" and arm in OVERLAP_ARMS)
@@ -409,7 +409,7 @@ class EngineCache:
         reserves its `gpu_memory_utilization` of the whole device and vLLM refuses to start when that
         much is not free: on the H200 an overlap run's engine (its client in a process of its own, so
         another key) failed to start beside the cached engine of the run before it and the previous
-        trainer's cached blocks (13 of 140 GiB free; reports/h200/eleventh)."""
+        trainer's cached blocks (13 of 140 GiB free; seen at 55311e3)."""
         eng = self._engines.get(key)
         if eng is not None:
             eng.reused = True

@@ -2,18 +2,12 @@
 overlap (the run option `runtime.engine_process`, "auto"; "on" / "off" force it; see
 `engine.engine_process`).
 
-Measured on the H200 (reports/h200/eighth, one machine, seed 1, overlap_mps, two runs each): 5399
-and 5677 steps/h through this process against 5168 and 5304 in the trainer's (+5.8% on the means;
-the two ranges do not overlap). A group's generation was shorter (3.27-3.51 s median against
-3.60-3.75 s) and the hand-off stayed at 0.00-0.01 s. The dedicated arm run through it had four
-training steps of 1.9-3.2 s against a 0.44 s median with no compile recorded (in-process, same seed
-and machine: at most 0.50 s), not explained: the sequential arms keep the client in-process, so the
-baseline of every ratio is the in-process one. The fifth session's run of an earlier version
-was slower (5242 against 5781): its `poll` waited in the pipe until some batch finished, so a group
-handed to the engine thread waited for the other group's generation (hand-off 0.29-0.63 s); `poll`
-now waits at most POLL_WAIT_S.
+overlap_mps on the H200 made 5399 and 5677 steps/h through this process against 5168 and 5304 in
+the trainer's (seed 1, two runs each, measured at f954d65). The dedicated arm run through it had
+training steps of 1.9-3.2 s against a 0.44 s median, not explained: the sequential arms keep the
+client in-process, so the baseline of every ratio is the in-process one.
 
-On the H200 under MPS (reports/h200/fourth), a group's adapter export on the trainer's thread took
+On the H200 under MPS (measured at 39baa4c), a group's adapter export on the trainer's thread took
 2-4x longer while the other group generated, and an adapter load on the engine thread 5x longer while
 the other group trained. Both threads share the trainer's Python interpreter, and vLLM's client turns
 every engine step into Python work (its output processing for every running sequence) on the engine
@@ -183,8 +177,9 @@ class RemoteEngine:
 
     def poll(self) -> list[tuple[Any, list[GenResult]]]:
         """The batches back since the last call, waiting at most POLL_WAIT_S for one while any is in
-        flight. It waited for the next batch to finish before, so a group handed to the engine thread
-        meanwhile waited for another group's generation (0.29-0.63 s on the H200, fifth session)."""
+        flight, so that a group handed to the engine thread meanwhile does not wait for another
+        group's generation (waiting for the next batch, the hand-off took 0.29-0.63 s on the H200,
+        measured at 4fe85a8)."""
         if self._inflight and not self._done and self._conn.poll(self.POLL_WAIT_S):
             self._take(self._recv())
         while self._inflight and self._conn.poll(0):

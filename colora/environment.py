@@ -2,8 +2,9 @@
 
 colora is configured by its config file and flags (`[runtime]` for how a run executes). The process
 environment is used only where something else reads it from there and nowhere else: vLLM's CPU
-build and its worker start method, the CUDA driver's MPS client settings, and the folder of colora's
-cache (COLORA_HOME, XDG_CACHE_HOME).
+build and its worker start method, the CUDA driver's MPS client settings and visible devices, the
+tag by which a co-runner's reaper finds its processes (colora/cluster/reaper.py), and the folder of
+colora's cache (COLORA_HOME, XDG_CACHE_HOME).
 """
 
 from __future__ import annotations
@@ -77,3 +78,25 @@ def child_env(mps_share: int | None = None) -> dict[str, str]:
     if mps_share is not None:
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mps_share)
     return env
+
+
+COCORUNNER_TAG = "COLORA_CORUNNER"  # inherited by every process a co-runner starts
+
+
+def tag_processes(token: str) -> None:
+    """Mark this process and every process it starts from now on with `token` (read back from
+    /proc/PID/environ by colora/cluster/reaper.py, which kills what a dead co-runner left)."""
+    os.environ[COCORUNNER_TAG] = token
+
+
+def use_gpu(device: str) -> str:
+    """Make `device` (an index or a GPU UUID) the only GPU this process and its children see, before
+    any CUDA context is made; returns it."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = device
+    return device
+
+
+def with_mps_dirs(env: dict[str, str]) -> dict[str, str]:
+    """This process's environment with the MPS pipe and log directories taken from `env` (another
+    process's), for talking to that process's MPS daemon."""
+    return {**os.environ, **{k: env[k] for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY") if k in env}}

@@ -90,7 +90,7 @@ def _adamw_impl(device: torch.device) -> dict:
     """On CUDA torch's fused AdamW: the whole update of a job's adapters in one multi-tensor kernel
     per step, where the foreach implementation queues a dozen multi-tensor ops from the host after
     the backward, while the GPU waits (the optimizer took ~24 ms of host time per job in the H200's
-    profile of an 8-job step: reports/h200/twelfth). Elsewhere the default (per-tensor) loop."""
+    profile of an 8-job step, measured at 1320e01). Elsewhere the default (per-tensor) loop."""
     return {"fused": True} if device.type == "cuda" else {}
 
 
@@ -200,7 +200,7 @@ class AdapterBank:
         other than fp32, A and B are the step's fp32 leaves themselves and `compute` their copies
         in `dtype` (A, B^T), made once per step, for the grouped-LoRA op's `compute=`: it writes the
         gradients in fp32 into the leaves, so no micro-batch casts the adapters forward or their
-        gradients back (the ninth session's H200 profile: a cast and its backward per A and B, 14 a
+        gradients back (an H200 profile at 0f6c006: a cast and its backward per A and B, 14 a
         layer and micro-batch, about 6% of the step's host time). Otherwise A and B are cast to
         `dtype`, differentiably, and `compute` is None."""
         act = self._active
@@ -270,8 +270,8 @@ class AdapterBank:
         params = [job.A[path] for path in job.A] + [job.B[path] for path in job.A]
         # The whole adapter in a few calls, not a few per tensor (196 tensor pairs for Qwen3-0.6B):
         # under overlap every torch call lets vLLM's client threads take the interpreter, and the
-        # export took 0.47-0.89 s for four jobs there against 0.03 s for one alone (reports/h200,
-        # seventh session). One flatten, one cast, one device-to-host copy into a page-locked buffer
+        # export took 0.47-0.89 s for four jobs there against 0.03 s for one alone (measured at
+        # 43d794a). One flatten, one cast, one device-to-host copy into a page-locked buffer
         # kept per job, one write of the file (`write_safetensors`: the flat buffer is the file's body).
         with torch.no_grad():
             flat = torch._utils._flatten_dense_tensors(params)

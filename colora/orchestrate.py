@@ -1,8 +1,10 @@
 """Many runs of one config: arms x seeds x variations, each in a run directory under one root.
 `colora sweep` and `colora bench arms` plan their runs and hand them to `run_plan`.
 
-Layout: ROOT/<arm>/seed<seed>-<tag>/ is a run directory (colora/runner.py) and its log is beside it
-as seed<seed>-<tag>.log; ROOT/sweep.json lists every run with its state.
+Layout: ROOT/<arm>/seed<seed>-<tag>/ is a run directory (colora/runner.py; its run.log is the full
+log), colora's own lines of it are also beside it as seed<seed>-<tag>.log; ROOT/sweep.json lists
+every run with its state. The terminal shows the runs done with an ETA and each run's progress
+(colora/output.py).
 
 Processes: consecutive planned runs of one kind share a process and its engines (vLLM's start is
 the dominant cost of a short run): "plain" runs (no MPS), or MPS runs of one pair of MPS shares.
@@ -36,9 +38,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import python_m
+from . import output, python_m
 from .config import Config, from_dict, replace, resolve
 from .engine import EngineCache, engine_process, release_cuda_cache
+from .output import duration as _dur
 from .resources import MPS_ARMS, RunError
 from .rundirs import Record, check_existing, estimate, move_aside, run_state
 
@@ -137,11 +140,6 @@ def on_gpu(group: ProcessGroup, base: Config) -> bool:
     return torch.cuda.is_available()
 
 
-def _dur(s: float) -> str:
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
 # -- running --------------------------------------------------------------------------------------
 def run_in_process(cfg: Config, out: Path, cache: EngineCache, log: Callable[[str], None], process_mps=None) -> dict:
     from .runner import run
@@ -165,9 +163,14 @@ class _Progress:
         return (f"ETA {_dur(self.done_s / self.n_done * (self.todo - self.n_done))}" if self.n_done
                 else "ETA after the first run")
 
+    def finished(self, secs: float) -> None:
+        """One more run ended (complete or failed) after `secs`; the sweep's bar follows."""
+        self.n_done, self.done_s = self.n_done + 1, self.done_s + secs
+        output.sweep_progress(self.n_done, self.eta())
+
 
 def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, cache: EngineCache, run_fn: RunFn,
-              progress: _Progress, index: dict[str, int], deadline: float | None, verbose: bool = False) -> None:
+              progress: _Progress, index: dict[str, int], deadline: float | None) -> None:
     """Run every run of `runs` that is not complete, in this process: skip complete ones, move
     unfinished ones aside, start none the deadline (on `progress.clock`) would cut. Runs that raise
     are recorded as failed and the others go on; a RunError (bad input, the same for every run)
@@ -196,11 +199,9 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
         t = clock()
         try:
             with open(log_path, "a") as logf:
-                def log(s: str, _f=logf) -> None:
+                def log(s: str, _f=logf) -> None:  # the terminal's share: colora/output.py
                     _f.write(s + "\n")
                     _f.flush()
-                    if verbose:
-                        say(f"  {s}")
 
                 summary = run_fn(cfg, d, cache, log)
         except RunError as e:
@@ -209,11 +210,11 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
         except Exception as e:
             secs = clock() - t
             record.set(p, state="failed", seconds=secs, error=f"{type(e).__name__}: {e}")
-            say(f"{tag}: FAILED after {_dur(secs)}: {type(e).__name__}: {e} (log: {log_path})")
-            progress.n_done, progress.done_s = progress.n_done + 1, progress.done_s + secs
+            say(f"{tag}: FAILED after {_dur(secs)}: {type(e).__name__}: {e} (log: {d / 'run.log'})")
+            progress.finished(secs)
             continue
         secs = clock() - t
-        progress.n_done, progress.done_s = progress.n_done + 1, progress.done_s + secs
+        progress.finished(secs)
         sph = summary.get("steps_per_hour")
         record.set(p, state="complete", seconds=secs, steps_per_hour=sph, error=None)
         rate = f"{sph:.0f} steps/h" if isinstance(sph, (int, float)) else f"steps/h {sph}"
@@ -234,12 +235,12 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
         try:
             daemon.start()
         except MpsUnavailable as e:
-            print(f"MPS unavailable here ({e}); the child decides what to do", flush=True)
+            output.say(f"MPS unavailable here ({e}); the child decides what to do")
             daemon = None
     budget = None if seconds is None else seconds - STOP_TERM_S - STOP_REPORT_S
     spec = {"config": base.to_dict(), "root": str(root), "runs": [asdict(p) for p in group.runs],
             "index": index, "total": total, "seconds": budget, "verbose": verbose}
-    print(f"== {group.kind} process: {len(group.runs)} runs", flush=True)
+    output.say(f"== {group.kind} process: {len(group.runs)} runs")
     child = subprocess.Popen([*python_m("colora.orchestrate"), json.dumps(spec)], env=group.env(),
                              start_new_session=True)
     try:
@@ -250,7 +251,7 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
         raise
     finally:
         if daemon is not None:
-            print(f"MPS daemon: {daemon.stop()}", flush=True)
+            output.say(f"MPS daemon: {daemon.stop()}")
 
 
 def wait_or_stop(child: subprocess.Popen, deadline: float | None) -> int | str:
@@ -291,7 +292,7 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     from .prereg import lock_hash
 
     root = Path(root)
-    say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
+    say = progress or output.say
     for p in planned:
         p.config(base)  # every config error before any run
     states = check_existing(root, base, planned)
@@ -302,6 +303,7 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     todo = sum(1 for p in planned if states[p.rel] != "complete")
     say(f"sweep: {len(planned)} runs into {root} ({len(planned) - todo} complete already, {todo} to run)")
     prog = _Progress(len(planned), todo, say, clock, t0=clock())
+    output.sweep_started(todo)
     deadline = None if deadline_s is None else prog.t0 + deadline_s
     index = {p.rel: i for i, p in enumerate(planned, 1)}
     cache = EngineCache()
@@ -321,15 +323,19 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
                     continue
                 cache.close()  # the child's runs get the GPU to themselves
                 release_cuda_cache()
-                rc = child_fn(base, group, root, index, len(planned), left, verbose)
+                with output.handover():  # the child draws its own progress on the terminal
+                    rc = child_fn(base, group, root, index, len(planned), left, verbose)
                 rec.reload()
                 for p in group.runs:  # a run the child left open: it ended inside it or before it
                     if rec.runs.get(p.rel, {}).get("state") in ("running", "pending"):
                         rec.set(p, state="failed", error=f"its process ended ({rc})")
+                for p in group.runs:
+                    if states[p.rel] != "complete" and rec.runs.get(p.rel, {}).get("state") in ("complete", "failed"):
+                        prog.finished(float(rec.runs[p.rel].get("seconds") or 0.0))
                 if rc == 2:
                     raise RunError(f"a {group.kind} process refused its runs (bad input); see its output above")
             else:
-                run_group(base, group.runs, root, rec, cache, run_fn, prog, index, deadline, verbose)
+                run_group(base, group.runs, root, rec, cache, run_fn, prog, index, deadline)
     except KeyboardInterrupt:
         say("sweep: interrupted; run it again to resume")
         raise
@@ -369,19 +375,21 @@ def main(argv: list[str] | None = None) -> int:
     def run_fn(cfg, out, cache, log):
         return run_in_process(cfg, out, cache, log, process_mps=daemon)
 
-    say = lambda s: print(s, flush=True)  # noqa: E731
-    prog = _Progress(spec["total"], len(runs), say, time.monotonic, t0=time.monotonic())
+    prog = _Progress(spec["total"], len(runs), output.say, time.monotonic, t0=time.monotonic())
     deadline = None if spec["seconds"] is None else prog.t0 + spec["seconds"]
     cache = EngineCache()
     try:
-        run_group(base, runs, root, Record(root), cache, run_fn, prog, spec["index"], deadline, spec["verbose"])
+        with output.session(spec["verbose"], "stdout"):
+            output.sweep_started(len(runs))
+            try:
+                run_group(base, runs, root, Record(root), cache, run_fn, prog, spec["index"], deadline)
+            finally:
+                cache.close()
+                if daemon is not None:
+                    output.say(f"MPS daemon: {daemon.stop()}")
     except RunError as e:
         print(f"colora: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        cache.close()
-        if daemon is not None:
-            print(f"MPS daemon: {daemon.stop()}", flush=True)
     return 0
 
 

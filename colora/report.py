@@ -14,8 +14,12 @@ What is computed (colora.stats has the definitions):
 - learning, per (job, seed) after averaging repeats, arm minus dedicated: final eval accuracy
   (eval.json "after") and mean training reward (the mean of every ok step's mean reward in
   metrics.jsonl, the reference's "mean training reward"); 95% t and bootstrap intervals.
-- gates (the pre-registration's, else the reference study's numbers), PASS/FAIL/NOT EVALUATED for
-  every arm but dedicated, with the numbers behind each.
+- throughput from a short measured window (colora.throughput.short_window: under 30 s or fewer
+  than 5 measured steps per job) is named as such beside the table.
+- with `--prereg` only: the pre-registration's gates, PASS/FAIL/NOT EVALUATED for every arm but
+  dedicated, with the numbers behind each, over the pre-registered seeds; runs of other seeds (a
+  replication on fresh seeds) get a section of their own, their ratios and paired differences
+  computed apart and never pooled into the gates. Without `--prereg` no gate is described or applied.
 
 Writes `report.md` (opening with the command that made it; colora/report_md.py), `summary.json`
 (every number in the report), and PNG figures (colora/report_figures.py): throughput.png,
@@ -43,6 +47,7 @@ from .config import ARMS, ConfigError, from_dict
 from .runlog import read_jsonl, write_json_atomic
 
 METRICS = (("eval_accuracy", "final eval accuracy"), ("train_reward", "mean training reward"))
+DEFAULT_CONF = 0.95  # the intervals' level without a pre-registration
 
 
 class ReportError(ValueError):
@@ -241,9 +246,11 @@ def eval_by_job(runs: list[RunData], arms: list[str]) -> dict:
     return out
 
 
-def analyse(runs: list[RunData], gates: stats.Gates, analysis: dict, expected_seeds: list[int] | None) -> dict:
-    """Every number of the report, keyed by arm and seed (seeds as strings: JSON keys)."""
+def analyse(runs: list[RunData], gates: stats.Gates | None, analysis: dict, expected_seeds: list[int] | None) -> dict:
+    """Every number of the report, keyed by arm and seed (seeds as strings: JSON keys); gates only
+    when `gates` (a pre-registration's) are given."""
     seed = int(analysis.get("bootstrap_seed", 0))
+    conf = gates.conf if gates is not None else DEFAULT_CONF
     arms = [a for a in ARMS if any(r.arm == a for r in runs)]
     sph: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
@@ -252,10 +259,11 @@ def analyse(runs: list[RunData], gates: stats.Gates, analysis: dict, expected_se
     out: dict = {"arms": arms, "seeds": sorted({r.seed for r in runs}),
                  "jobs": sorted({j for r in runs for j in r.eval_after} | {j for r in runs for j in r.reward_mean}),
                  "steps_per_hour": {a: {str(s): v for s, v in mean_sph[a].items()} for a in arms},
-                 "ratio": {}, "ratio_mean": {}, "learning": {}, "gates": {}, "notes": []}
+                 "ratio": {}, "ratio_mean": {}, "learning": {}, "gates": {}, "notes": [], "conf": conf,
+                 "short_windows": short_windows(runs)}
     base = mean_sph.get("dedicated", {})
     aa = {}
-    for s, v in sph.get("dedicated", {}).items():
+    for s in sph.get("dedicated", {}):
         reps = {r.repeat: r.steps_per_hour for r in runs if r.arm == "dedicated" and r.seed == s}
         if 0 in reps and 1 in reps and all(math.isfinite(x) and x > 0 for x in (reps[0], reps[1])):
             aa[s] = stats.aa_spread(reps[0], reps[1])
@@ -268,7 +276,7 @@ def analyse(runs: list[RunData], gates: stats.Gates, analysis: dict, expected_se
     for metric, attr in (("eval_accuracy", "eval_after"), ("train_reward", "reward_mean")):
         r0 = {k: v for k, v in _per_job(runs, "dedicated", attr, 0).items() if k[1] in aa_seeds}
         r1 = {k: v for k, v in _per_job(runs, "dedicated", attr, 1).items() if k[1] in aa_seeds}
-        out["aa"][metric] = _compare(r1, r0, seed, analysis, gates.conf) if r0 and r1 else None
+        out["aa"][metric] = _compare(r1, r0, seed, analysis, conf) if r0 and r1 else None
     for a in arms:
         if a == "dedicated":
             continue
@@ -284,12 +292,28 @@ def analyse(runs: list[RunData], gates: stats.Gates, analysis: dict, expected_se
         learn = {}
         for metric, attr in (("eval_accuracy", "eval_after"), ("train_reward", "reward_mean")):
             av, bv = _per_job(runs, a, attr), _per_job(runs, "dedicated", attr)
-            learn[metric] = _compare(av, bv, seed, analysis, gates.conf) if (set(av) & set(bv)) else None
+            learn[metric] = _compare(av, bv, seed, analysis, conf) if (set(av) & set(bv)) else None
         out["learning"][a] = learn
+        if gates is None:
+            continue
         pick = "t" if gates.interval == "t" else "bootstrap"
         res = stats.evaluate_gates(ratios, aa, _iv((learn["eval_accuracy"] or {}).get(pick)),
                                    _iv((learn["train_reward"] or {}).get(pick)), gates, expected_seeds)
         out["gates"][a] = {"overall": stats.overall(res), "results": [g.to_dict() for g in res]}
+    return out
+
+
+def short_windows(runs: list[RunData]) -> list[dict]:
+    """The runs whose steps per hour come from a window too short to mean much, with why."""
+    from .throughput import short_window
+
+    out = []
+    for r in runs:
+        s = r.summary
+        jobs = len(s.get("jobs") or r.curves or r.eval_after) or 1
+        note = short_window(float(s.get("seconds_measured") or 0.0), int(s.get("steps_measured") or 0), jobs)
+        if note:
+            out.append({"dir": display_path(r.path), "arm": r.arm, "seed": r.seed, "repeat": r.repeat, "note": note})
     return out
 
 
@@ -304,24 +328,26 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
         pre = ["--prereg", prereg_path] if prereg_path else []
         command = shlex.join(["colora", "report", *map(str, paths), *pre, "--out", str(out)])
     runs, warnings = load_runs(paths)
-    gates = pr.gates if pr else stats.Gates()
+    gates = pr.gates if pr else None
     analysis = dict(pr.analysis) if pr else {}
     if bootstrap_seed is not None:
         analysis["bootstrap_seed"] = bootstrap_seed
     prinfo, left_out = None, []
     if pr:
-        # the pre-registered seeds only: later seeds are verification, reported apart, never pooled
+        # the pre-registered seeds only: other seeds are a replication, reported apart, never pooled
         left_out = [r for r in runs if r.seed not in pr.seeds]
         runs = [r for r in runs if r.seed in pr.seeds]
         if left_out:
             warnings.append(f"seeds {sorted({r.seed for r in left_out})} are not pre-registered in {pr.path}: their "
-                            f"{len(left_out)} run(s) are left out; report them separately, without --prereg")
+                            f"{len(left_out)} run(s) are reported apart (Replication on fresh seeds), not pooled "
+                            "into the gates")
         if not runs:
             raise ReportError(f"no run of the pre-registered seeds {list(pr.seeds)} among {', '.join(map(str, paths))}")
         extra = sorted({r.arm for r in runs if r.arm not in pr.arms})
         if extra:
             warnings.append(f"arm(s) {', '.join(extra)} are not pre-registered in {pr.path}: exploratory")
-        bad = [f"{r.arm} seed {r.seed} r{r.repeat} ({r.lock_hash})" for r in runs if r.lock_hash != pr.config_hash]
+        bad = [f"{r.arm} seed {r.seed} r{r.repeat} ({r.lock_hash})" for r in runs + left_out
+               if r.lock_hash != pr.config_hash]
         prinfo = {**pr.header_dict(), "matches": not bad, "mismatched_runs": bad,
                   "left_out_runs": [display_path(r.path) for r in left_out]}
     hashes = sorted({r.lock_hash for r in runs})
@@ -330,6 +356,7 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
                         f"{', '.join(hashes)}); "
                         "see the last column of 'Runs used'")
     res = analyse(runs, gates, analysis, list(pr.seeds) if pr else None)
+    res["replication"] = analyse(left_out, None, analysis, None) if left_out else None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     names = []
@@ -346,24 +373,26 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
         fig_timeline(runs, out / names[-1])
     figures = names
     summary = {"command": command, "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "gates_config": gates.__dict__, "analysis": analysis, "prereg": prinfo, "warnings": warnings,
+               "gates_config": gates.__dict__ if gates else None, "analysis": analysis, "prereg": prinfo,
+               "warnings": warnings,
                "figures": figures, **res,
                "runs": [{"dir": display_path(r.path), "arm": r.arm, "seed": r.seed, "repeat": r.repeat, "lock_hash": r.lock_hash,
                          "steps_per_hour": r.steps_per_hour, "steps_measured": r.summary.get("steps_measured"),
                          "seconds_measured": r.summary.get("seconds_measured"), "eval_accuracy": r.eval_after,
-                         "train_reward": r.reward_mean} for r in runs]}
+                         "train_reward": r.reward_mean} for r in runs + left_out]}
     from .report_md import render
 
-    (out / "report.md").write_text(render(res, runs, command, gates, prinfo, warnings, figures, analysis))
+    (out / "report.md").write_text(render(res, runs + left_out, command, gates, prinfo, warnings, figures, analysis))
     write_json_atomic(out / "summary.json", summary)
     return summary
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colora report", description="Paired statistics and gates over run directories.")
+    p = argparse.ArgumentParser(prog="colora report", description="Ratios, paired differences and figures over run "
+                                "directories; with --prereg, the pre-registration's gates.")
     p.add_argument("runs", nargs="+", help="run directories, directories holding them (a sweep's --out), or "
                                            ".tar.gz archives of them")
-    p.add_argument("--prereg", help="pre-registration whose gates and analysis plan to apply")
+    p.add_argument("--prereg", help="pre-registration whose gates and analysis plan to apply (without it, no gates)")
     p.add_argument("--out", required=True, help="report directory, e.g. reports/NAME")
     p.add_argument("--bootstrap-seed", type=int, help="seed of the bootstrap's numpy Generator (default: the "
                                                       "pre-registration's, else 0)")
@@ -387,4 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"report on {len(s['runs'])} runs in {args.out}/report.md")
     for a, g in s["gates"].items():
         print(f"  {a}: {g['overall']} (" + ", ".join(f"{r['name']} {r['status']}" for r in g["results"]) + ")")
+    for part, res in (("", s), ("replication: ", s.get("replication") or {})):
+        if part or not s["gates"]:
+            for a, m in (res.get("ratio_mean") or {}).items():
+                if m is not None:
+                    seeds = list(res["ratio"][a])
+                    print(f"  {part}{a}: {m:.3f}x dedicated (mean over seed{'s' if len(seeds) > 1 else ''} "
+                          f"{', '.join(seeds)})")
+    if not args.prereg:
+        print("  no gates: none is applied without --prereg")
+    if s["short_windows"]:
+        print(f"  {len(s['short_windows'])} run(s) measured over a window too short to mean much (see the report)")
     return 0

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def _clean(v: Any) -> Any:
@@ -73,15 +73,21 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 class JsonlWriter:
-    def __init__(self, path: str | Path):
+    """Rows appended to a JSONL file, one flushed line each, from any thread. `on_row` sees every
+    row after it is written (the progress display: colora/output.py)."""
+
+    def __init__(self, path: str | Path, on_row: Callable[[dict], None] | None = None):
         self.path = Path(path)
         self._f = open(self.path, "a", buffering=1)
         self._lock = threading.Lock()
+        self.on_row = on_row
 
     def write(self, row: dict) -> None:
         line = json.dumps(_clean(row), sort_keys=True)
         with self._lock:
             self._f.write(line + "\n")
+        if self.on_row is not None:
+            self.on_row(row)
 
     def close(self) -> None:
         self._f.close()

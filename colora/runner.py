@@ -9,6 +9,8 @@ assemble the co-runner, evaluate, train in the configured arm, evaluate again, s
 options (`[runtime]`) are resolved here, once, and passed down. The run directory holds:
 
     config.json      the resolved config and its hash
+    run.log          colora's lines of the run and, in a command's session, everything the process
+                     and its children wrote meanwhile (vLLM, transformers, torch; colora/output.py)
     status.json      running | failed (with the error) | complete
     metrics.jsonl    one row per job per step (train/<job>/... values), plus events
     timeline.jsonl   every phase span (generate, train, reload, eval) with its group and jobs, and the
@@ -44,37 +46,44 @@ class RunFailed(RuntimeError):
     """A run that failed while running (the engine died, say); the message says how to go on."""
 
 
-def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, log: Callable[[str], None] = print,
+def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, log: Callable[[str], None] | None = None,
         engine_cache: EngineCache | None = None, process_mps=None) -> dict:
     """Run one experiment into `out` (or continue it from `resume_state`, a checkpoint's state);
     returns the summary as summary.json holds it. Raises RunError on bad input, RunFailed when the
-    run breaks off. engine_cache: engines kept across the runs of this process; process_mps: the MPS
-    daemon this whole process is a client of (colora/orchestrate.py starts one per MPS process)."""
+    run breaks off. log: also receives colora's lines of the run, which go to run.log and, in a
+    command's session, to the terminal as colora/output.py decides; engine_cache: engines kept across
+    the runs of this process; process_mps: the MPS daemon this whole process is a client of
+    (colora/orchestrate.py starts one per MPS process)."""
     from .checkpoint import rewind_logs
+    from .output import run_output, say
 
     out = Path(out)
-    setup = prepare(cfg, out, resume_state is not None, log)
+    setup = prepare(cfg, out, resume_state is not None, log or say)
     out.mkdir(parents=True, exist_ok=True)
     if resume_state is None:
         write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
     else:
         rewind_logs(out, resume_state)
     write_json_atomic(out / "status.json", {"state": "running"})
-    try:
-        summary = _execute(setup, log, engine_cache, process_mps, resume_state).to_dict()
-    except BaseException as e:
-        write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
-                                                "traceback": traceback.format_exc()})
-        raise
+    exp = cfg.experiment
+    with run_output(out / "run.log", f"{exp.arm} seed {exp.seed}", [j.name for j in cfg.jobs], exp.steps,
+                    log) as shown:
+        try:
+            summary = _execute(setup, shown, engine_cache, process_mps, resume_state).to_dict()
+        except BaseException as e:
+            write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
+                                                    "traceback": traceback.format_exc()})
+            raise
     write_json_atomic(out / "summary.json", summary)
     write_json_atomic(out / "status.json", {"state": "complete"})
     return summary
 
 
-def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
+def resume(out: str | Path, log: Callable[[str], None] | None = None) -> dict:
     """`colora run --resume DIR`: continue a run from its newest sound checkpoint."""
     from .checkpoint import load_latest
     from .config import from_dict
+    from .output import say
 
     out = Path(out)
     if not (out / "config.json").is_file():
@@ -83,12 +92,12 @@ def resume(out: str | Path, log: Callable[[str], None] = print) -> dict:
     if status.get("state") == "complete":
         raise RunError(f"--resume {str(out)!r}: the run is already complete")
     cfg = from_dict(json.loads((out / "config.json").read_text())["config"])
-    found = load_latest(out, log)
+    found = load_latest(out, log or say)
     if found is None:
         raise RunError(f"--resume {str(out)!r}: no usable checkpoint (runtime.checkpoint_every was 0, or the run "
                        "ended before its first); start the run again in a new directory")
     path, state = found
-    log(f"resuming {out} from {path.name}")
+    (log or say)(f"resuming {out} from {path.name}")
     return run(cfg, out, resume_state=state, log=log)
 
 
@@ -111,16 +120,18 @@ class _Run:
         return self.setup.cfg
 
 
-def _execute(setup: Setup, log: Callable[[str], None], engine_cache: EngineCache | None, process_mps,
+def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
              resume_state: dict | None) -> RunSummary:
+    """The run's steps; `shown` (colora/output.py RunOutput) takes its lines and its record's rows."""
     from .models import load_tokenizer
 
     out, cfg = setup.out, setup.cfg
     t_start = time.perf_counter()
-    r = _Run(setup, log, JsonlWriter(out / "metrics.jsonl"), Timeline(JsonlWriter(out / "timeline.jsonl")))
+    r = _Run(setup, shown.log, JsonlWriter(out / "metrics.jsonl", on_row=shown.metric),
+             Timeline(JsonlWriter(out / "timeline.jsonl", on_row=shown.span)))
     with contextlib.ExitStack() as stack:
         stack.callback(r.metrics.close)
-        _, r.mps_note = start_mps(cfg, stack, log, process_mps)  # before any CUDA context
+        _, r.mps_note = start_mps(cfg, stack, r.log, process_mps)  # before any CUDA context
         r.device, r.dtype = resolve_device(cfg)
         r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
         r.tokenizer = load_tokenizer(setup.model_dir)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .config import ARMS, ConfigError, load_config
 from .orchestrate import PlannedRun, RunFn, check_existing, run_in_process, run_plan
+from .output import session
 from .resources import MPS_ARMS, RunError
 
 
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start no run that the finished runs say would not end within SECONDS of the start; "
                         "0: no limit")
     p.add_argument("--dry-run", action="store_true", help="print the plan and each run's state; run nothing")
-    p.add_argument("--verbose", action="store_true", help="also print each run's log lines")
+    p.add_argument("--verbose", action="store_true", help="show every log line of every run, vLLM's and other "
+                                                          "libraries' too (each run's run.log always has them)")
     return p
 
 
@@ -113,8 +115,9 @@ def main(argv: list[str] | None = None, run_fn: RunFn = run_in_process) -> int:
                 print(f"[{i}/{len(planned)}] {p.label} -> {Path(args.out) / p.rel}: {states[p.rel]}")
             return 0
         record = {"config_path": args.config, "overrides": list(args.set), "command": command, "prereg": args.prereg}
-        states = run_plan(base, planned, args.out, record=record, run_fn=run_fn, verbose=args.verbose,
-                          deadline_s=args.deadline or None)
+        with session(args.verbose, "stderr"):
+            states = run_plan(base, planned, args.out, record=record, run_fn=run_fn, verbose=args.verbose,
+                              deadline_s=args.deadline or None)
     except PreregMismatch as e:
         print(f"colora: error: refusing to sweep: {e}", file=sys.stderr)
         return 2

@@ -53,3 +53,20 @@ def gpu_util(gpu, window: dict) -> float | None:
     vals = [(v, s) for v, s in vals if v is not None]
     tot = sum(s for _, s in vals)
     return sum(v * s for v, s in vals) / tot if tot else None
+
+
+# A window's steps per hour is one ratio of two totals; over a few steps one slow step (a compile, a
+# stall) moves it by a large share, and over a few seconds so do the timer and the scheduler. Below
+# either bound a report says that the figure does not mean much (a judgement, not a measurement).
+SHORT_WINDOW_S = 30.0
+SHORT_WINDOW_STEPS = 5  # measured steps per job
+
+
+def short_window(seconds: float, steps: int, jobs: int) -> str | None:
+    """Why a measured window is too short for its steps per hour to mean much, or None."""
+    per_job = steps / max(1, jobs)
+    if seconds >= SHORT_WINDOW_S and per_job >= SHORT_WINDOW_STEPS:
+        return None
+    return (f"measured over {seconds:.1f} s and {per_job:.3g} step{'' if per_job == 1 else 's'} per job: too short "
+            "for the figure to mean much "
+            f"(under {SHORT_WINDOW_S:.0f} s or {SHORT_WINDOW_STEPS} steps per job)")

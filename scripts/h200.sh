@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # colora's GPU work on the benchmark H200, run through the device tool after the vLLM kit is
-# installed (../shared/gpu/README.md). The host has its own torch/Triton/transformers/peft and no
+# installed (docs/gpu-host.md). The host has its own torch/Triton/transformers/peft and no
 # package index: colora is installed there editable from this checkout, without its dependencies
 # (pip install --no-index --no-deps --no-build-isolation -e .; the host's pip 24 and setuptools 81
 # do it), once per checkout. Everything lands in $OUT (what comes back).
@@ -21,7 +21,8 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$OUT"
-export PYTHONPATH=/tmp/colora-site:${PYTHONPATH:-}
+# /tmp/colora-ray: Ray, where scripts/ray-kit.sh installed it (cli run ... --gpus N / --address local)
+export PYTHONPATH=/tmp/colora-site:/tmp/colora-ray:${PYTHONPATH:-}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 COLORA_HOME=/tmp/colora-home
 cd "$ROOT"
 LOG="$OUT/$1.log"

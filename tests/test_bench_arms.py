@@ -233,7 +233,7 @@ def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
 
 
 def test_group_chain_sees_the_engine_idle_while_phase_locked_groups_wait_for_the_trainer():
-    """Generations that end together (the H200's two groups, ninth session): the trainer trains one
+    """Generations that end together (the H200's two groups, seen at 0f6c006): the trainer trains one
     group, then the other, and meanwhile no group generates. Over [0, 8]: generating in [0, 3.2] and
     [4, 8], so the engine is idle 0.8 s (10%); the trainer trains 2 s (25%); group 1 waited 0.8 s."""
     spans = [{"phase": "generate", "group": 0, "start": 0.0, "end": 3.0},

@@ -80,3 +80,14 @@ def test_tasks_show(capsys):
     assert main(["tasks", "show", "countdown", "--n", "2", "--split", "eval"]) == 0
     out = capsys.readouterr().out
     assert out.count("countdown/eval/") == 2
+
+
+def test_help_describes_every_subcommand_in_a_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in ("run", "model", "tasks", "bench", "sweep", "report", "prereg", "replay-step"):
+        at = next(i for i, x in enumerate(lines) if x.split() and x.split()[0] == name)
+        words = lines[at].split()[1:] or lines[at + 1].split()  # a long name puts its description below
+        assert len(words) >= 3, (name, lines[at:at + 2])

@@ -9,6 +9,7 @@ repository: it must stand alone.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -44,9 +45,19 @@ def anchors(md: Path) -> set[str]:
     return {"".join(c for c in h.lower() if c.isalnum() or c in "-_ ").replace(" ", "-") for h in heads}
 
 
+def top_level() -> set[str]:
+    """The repository's top-level entries: those git tracks (a checkout also holds .venv and the run
+    directories `make smoke` writes, which are not the repository's), else every entry."""
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return {p.name for p in ROOT.iterdir()} - {".git"}
+    return {f.split("/")[0] for f in files.splitlines()}
+
+
 def problems(doc: Path, text: str | None = None) -> list[str]:
     """What `doc` (or `text`, read as if it were `doc`) names that does not exist."""
-    top = {p.name for p in ROOT.iterdir()} - {".git"}
+    top = top_level()
     bad = []
 
     def check(ref: str, base: Path) -> None:

@@ -26,39 +26,42 @@ SMOKE = ROOT / "experiments" / "smoke.toml"
 JOBS = ("add", "mod")
 
 
-def write_fake_run(d: Path, arm: str, seed: int, sph: float, acc: dict, rewards: dict, overrides=()) -> None:
-    """The files of a complete run with chosen throughput, eval accuracy and per-step rewards."""
+def write_fake_run(d: Path, arm: str, seed: int, sph: float, acc: dict, rewards: dict, overrides=(),
+                   seconds: float = 60.0, steps: int = 20) -> None:
+    """The files of a complete run with chosen throughput, eval accuracy and per-step rewards (the jobs
+    are the keys of `rewards`; `seconds` and `steps`: the measured window that summary.json states)."""
+    jobs = list(rewards)
     cfg = replace(load_config(SMOKE, list(overrides)), [f"experiment.arm={arm}", f"experiment.seed={seed}"])
     write_json_atomic(d / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
     spans, t, windows = [{"phase": "engine_start", "group": -1, "jobs": [], "start": -30.0, "end": 0.0}], 1.0, []
-    spans.append({"phase": "eval", "group": -1, "jobs": list(JOBS), "start": t, "end": t + 2, "when": "before"})
+    spans.append({"phase": "eval", "group": -1, "jobs": jobs, "start": t, "end": t + 2, "when": "before"})
     t += 2
-    lanes = [[j] for j in JOBS] if arm == "dedicated" else [list(JOBS)]
+    lanes = [[j] for j in jobs] if arm == "dedicated" else [jobs]
     for lane in lanes:
         w0 = t
-        for _ in rewards[JOBS[0]]:
+        for _ in rewards[jobs[0]]:
             for ph, dur in (("generate", 3.0), ("train", 2.0), ("reload", 0.2)):
                 spans.append({"phase": ph, "group": 0, "jobs": lane, "start": t, "end": t + dur})
                 t += dur
-        windows.append({"start": w0, "end": t, "seconds": t - w0, "steps": len(rewards[JOBS[0]]) * len(lane)})
-    spans.append({"phase": "eval", "group": -1, "jobs": list(JOBS), "start": t, "end": t + 2, "when": "after"})
+        windows.append({"start": w0, "end": t, "seconds": t - w0, "steps": len(rewards[jobs[0]]) * len(lane)})
+    spans.append({"phase": "eval", "group": -1, "jobs": jobs, "start": t, "end": t + 2, "when": "after"})
     with open(d / "timeline.jsonl", "w") as f:
         for s in spans:
             f.write(json.dumps(s) + "\n")
     with open(d / "metrics.jsonl", "w") as f:
-        for j in JOBS:
+        for j in jobs:
             for step, r in enumerate(rewards[j]):
                 f.write(json.dumps({"job": j, "step": step, "reward": r, "status": "ok", "group": 0}) + "\n")
                 f.write(json.dumps({"job": j, "event": "reload", "version": step + 1, "seconds": 0.01}) + "\n")
-        f.write(json.dumps({"job": JOBS[0], "step": 99, "reward": 123.0, "status": "stopped"}) + "\n")  # not ok
-    write_json_atomic(d / "eval.json", {"n": 4, "before": {j: {"accuracy": BEFORE[j]} for j in JOBS},
-                                        "after": {j: {"accuracy": acc[j], "n": 4} for j in JOBS}})
+        f.write(json.dumps({"job": jobs[0], "step": 99, "reward": 123.0, "status": "stopped"}) + "\n")  # not ok
+    write_json_atomic(d / "eval.json", {"n": 4, "before": {j: {"accuracy": BEFORE.get(j, 0.25)} for j in jobs},
+                                        "after": {j: {"accuracy": acc[j], "n": 4} for j in jobs}})
     window = ({"steps": sum(w["steps"] for w in windows), "seconds": sum(w["seconds"] for w in windows),
-               "windows": windows} if arm == "dedicated" else {**windows[0], "groups": [list(JOBS)]})
-    write_json_atomic(d / "summary.json", {"arm": arm, "seed": seed, "steps_per_hour": sph, "steps_measured": 4,
-                                           "seconds_measured": 10.0, "device": "cpu", "mps": "not used",
+               "windows": windows} if arm == "dedicated" else {**windows[0], "groups": [jobs]})
+    write_json_atomic(d / "summary.json", {"arm": arm, "seed": seed, "steps_per_hour": sph, "steps_measured": steps,
+                                           "seconds_measured": seconds, "device": "cpu", "mps": "not used",
                                            "engine_start_s": 30.0, "engine_reused": False, "busy_fraction": 0.9,
-                                           "groups": None if arm == "dedicated" else [list(JOBS)], "window": window})
+                                           "groups": None if arm == "dedicated" else [jobs], "window": window})
     write_json_atomic(d / "status.json", {"state": "complete"})
 
 
@@ -74,11 +77,11 @@ FAKE = {
 }
 
 
-def make_fake_sweep(root: Path, fake=FAKE, overrides=()) -> Path:
+def make_fake_sweep(root: Path, fake=FAKE, overrides=(), **window) -> Path:
     runs = []
     for (arm, seed, rep), (sph, acc, rew) in fake.items():
         rel = f"{arm}/seed{seed}-r{rep}"
-        write_fake_run(root / rel, arm, seed, sph, acc, rew, overrides)
+        write_fake_run(root / rel, arm, seed, sph, acc, rew, overrides, **window)
         runs.append({"dir": rel, "arm": arm, "seed": seed, "repeat": rep, "state": "complete"})
     write_json_atomic(root / "sweep.json", {"runs": runs})
     return root
@@ -122,16 +125,13 @@ def test_report_numbers_match_hand_computation(tmp_path):
     assert add == pytest.approx({"before": 0.125, "after": (0.625 + 0.25) / 2, "change": (0.625 + 0.25) / 2 - 0.125})
     assert ebj["shared_sync"]["mod"]["change"] == pytest.approx(0.25 - 0.5)
 
-    # gates: 2.255x and 2.1x >= 2.0; gain 1.18 > 5 x 0.04; accuracy lower bound is far below -0.05
-    g = {r["name"]: r for r in s["gates"]["shared_sync"]["results"]}
-    assert g["throughput"]["status"] == "PASS" and g["throughput"]["value"] == pytest.approx(2.1)
-    assert g["gain_vs_aa"]["status"] == "PASS" and g["gain_vs_aa"]["threshold"] == pytest.approx(0.2)
-    assert g["eval_accuracy"]["status"] == "FAIL" and g["eval_accuracy"]["value"] == pytest.approx(lo)
-    assert s["gates"]["shared_sync"]["overall"] == "FAIL"
-
+    # no pre-registration: no gates described or applied, the numbers still reported
+    assert s["gates"] == {} and s["gates_config"] is None
     md = (tmp_path / "rep" / "report.md").read_text()
     assert any(x.strip().startswith("colora report ") for x in md.splitlines()[:6])  # opens with its command
-    assert f"{2300 / 1020:.3f}x" in md and "**FAIL**" in md and "**PASS**" in md
+    assert f"{2300 / 1020:.3f}x" in md and "## Gates" not in md and "## Result" not in md
+    assert not any(w in md for w in ("PASS", "FAIL", "NOT EVALUATED", "gate:"))
+    assert "applies no gates" in md
     assert "| add | 0.125 -> 0.438 (+0.312) | 0.125 -> 0.500 (+0.375) |" in md
     assert "| rose on | 1 of 2 | 1 of 2 |" in md
     for f in s["figures"]:
@@ -139,10 +139,86 @@ def test_report_numbers_match_hand_computation(tmp_path):
     assert len(s["figures"]) == 4
 
 
+def _prereg(tmp_path: Path, seeds=(1, 2)) -> Path:
+    """A pre-registration of the smoke config (the reference study's gates) over `seeds`."""
+    from colora.prereg import lock
+
+    pr, _, _ = lock(SMOKE, tmp_path / "p.md")
+    text = pr.read_text()
+    assert "seeds = [1, 2, 3]" in text
+    pr.write_text(text.replace("seeds = [1, 2, 3]", f"seeds = {list(seeds)}", 1))
+    return pr
+
+
+def test_report_with_prereg_applies_its_gates(tmp_path, capsys):
+    sweep = make_fake_sweep(tmp_path / "sweep")
+    pr = _prereg(tmp_path)
+    assert report.main([str(sweep), "--prereg", str(pr), "--out", str(tmp_path / "rep")]) == 0
+    assert "shared_sync: FAIL" in capsys.readouterr().out
+    s = json.loads((tmp_path / "rep" / "summary.json").read_text())
+    acc = s["learning"]["shared_sync"]["eval_accuracy"]
+    d = np.array(sorted(x for _, _, x in acc["pairs"]))
+    lo, _ = sps.t.interval(0.95, 3, loc=d.mean(), scale=sps.sem(d))
+    # gates: 2.255x and 2.1x >= 2.0; gain 1.18 > 5 x 0.04; accuracy lower bound is far below -0.05
+    g = {r["name"]: r for r in s["gates"]["shared_sync"]["results"]}
+    assert g["throughput"]["status"] == "PASS" and g["throughput"]["value"] == pytest.approx(2.1)
+    assert g["gain_vs_aa"]["status"] == "PASS" and g["gain_vs_aa"]["threshold"] == pytest.approx(0.2)
+    assert g["eval_accuracy"]["status"] == "FAIL" and g["eval_accuracy"]["value"] == pytest.approx(lo)
+    assert s["gates"]["shared_sync"]["overall"] == "FAIL"
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "## Gates (pre-registered in" in md and "**FAIL**" in md and "**PASS**" in md and "## Result" in md
+    assert s["replication"] is None and "Replication" not in md
+
+
+def test_report_puts_fresh_seeds_in_a_replication_section(tmp_path):
+    fresh = {  # seeds 4 and 5, not pre-registered
+        ("dedicated", 4, 0): (800.0, {"add": 0.5, "mod": 0.25}, {"add": [0.1, 0.2, 0.3], "mod": [0.0, 0.1, 0.2]}),
+        ("shared_sync", 4, 0): (2000.0, {"add": 0.75, "mod": 0.0}, {"add": [0.2, 0.2, 0.5], "mod": [0.0, 0.0, 0.3]}),
+        ("dedicated", 5, 0): (1000.0, {"add": 0.25, "mod": 0.5}, {"add": [0.1, 0.1, 0.1], "mod": [0.2, 0.2, 0.2]}),
+        ("shared_sync", 5, 0): (2500.0, {"add": 0.5, "mod": 0.5}, {"add": [0.3, 0.3, 0.3], "mod": [0.2, 0.4, 0.3]})}
+    pr = _prereg(tmp_path)
+    alone = report.make_report([str(make_fake_sweep(tmp_path / "alone"))], tmp_path / "r0", str(pr), figures=False)
+    both = report.make_report([str(make_fake_sweep(tmp_path / "both", {**FAKE, **fresh}))], tmp_path / "r1", str(pr),
+                              figures=False)
+    # the pre-registered analysis is untouched by the fresh seeds
+    for key in ("seeds", "steps_per_hour", "ratio", "learning", "gates"):
+        assert both[key] == alone[key], key
+    rep = both["replication"]
+    assert rep["seeds"] == [4, 5] and rep["gates"] == {}
+    assert rep["ratio"]["shared_sync"] == pytest.approx({"4": 2000 / 800, "5": 2500 / 1000})
+    pairs = {(j, sd): x for j, sd, x in rep["learning"]["shared_sync"]["eval_accuracy"]["pairs"]}
+    assert pairs == pytest.approx({("add", 4): 0.25, ("mod", 4): -0.25, ("add", 5): 0.25, ("mod", 5): 0.0})
+    rew = {(j, sd): x for j, sd, x in rep["learning"]["shared_sync"]["train_reward"]["pairs"]}
+    assert rew[("mod", 5)] == pytest.approx(0.3 - 0.2)
+    md = (tmp_path / "r1" / "report.md").read_text()
+    section = md.split("## Replication on fresh seeds, not pooled into the gates", 1)[1].split("\n## ", 1)[0]
+    assert "| shared_sync | 2000.0 (2.500x) | 2500.0 (2.500x) | 2.500x |" in section
+    assert "final eval accuracy" in section and "PASS" not in section and "FAIL" not in section
+    assert len(both["runs"]) == len(FAKE) + len(fresh)
+    assert any("reported apart" in w for w in both["warnings"])
+
+
+def test_report_names_short_measured_windows(tmp_path):
+    from colora.throughput import SHORT_WINDOW_S, SHORT_WINDOW_STEPS, short_window
+
+    assert short_window(SHORT_WINDOW_S, 2 * SHORT_WINDOW_STEPS, 2) is None
+    assert "too short" in short_window(SHORT_WINDOW_S - 0.1, 100, 2)
+    assert "too short" in short_window(1000.0, 2 * SHORT_WINDOW_STEPS - 1, 2)
+    toy = make_fake_sweep(tmp_path / "toy", seconds=1.2, steps=4)
+    s = report.make_report([str(toy)], tmp_path / "rep", figures=False)
+    assert len(s["short_windows"]) == len(FAKE) and all("1.2 s" in w["note"] for w in s["short_windows"])
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "Short measured windows" in md and md.count("1.2 (short)") == len(FAKE)
+    fine = report.make_report([str(make_fake_sweep(tmp_path / "fine"))], tmp_path / "rep2", figures=False)
+    assert fine["short_windows"] == [] and "Short measured" not in (tmp_path / "rep2" / "report.md").read_text()
+
+
 def test_report_with_missing_arms_and_no_aa(tmp_path):
     fake = {k: v for k, v in FAKE.items() if k[2] == 0}  # no dedicated repeat: no A/A
     sweep = make_fake_sweep(tmp_path / "sweep", fake)
     s = report.make_report([str(sweep)], tmp_path / "rep", figures=False)
+    assert s["gates"] == {}
+    s = report.make_report([str(sweep)], tmp_path / "rep1", prereg_path=str(_prereg(tmp_path)), figures=False)
     g = {r["name"]: r for r in s["gates"]["shared_sync"]["results"]}
     assert g["gain_vs_aa"]["status"] == "NOT EVALUATED"
     assert "A/A" in g["gain_vs_aa"]["detail"]

@@ -3,13 +3,14 @@ the number of adapters active in it, with and without per-request seeds, and wit
 the step's time goes.
 
     colora bench engine CONFIG [--batches 64 128 256 512] [--adapters 0 1 4 8] [--tokens 128] [--prompt 64]
-                               [--profile] [--profile-steps 16] [--out reports/engine] [--set KEY=VALUE ...]
+                               [--profile] [--profile-steps 16] [--out runs/bench/engine] [--set KEY=VALUE ...]
 
 Why: under overlap a group's generation is the longest phase of its cycle, and it is as long as
-its longest response times the engine's step time, which grows with the requests in flight and
-with the adapters active: in overlap_mps on the H200, 6.3-7.8 ms fixed + 13-15 us a request
-(reports/arms_throughput), several times what the weights' and the KV's reads at ~250 requests
-take. This program tells apart what a step costs:
+its longest response (256 tokens in the reference workload) times the engine's step time, which
+grows with the requests in flight and with the adapters active: in overlap_mps on the H200, while
+no group trains, 6.3-7.8 ms + 13-15 us a request in flight (reports/arms_throughput), against about
+2-3 ms that the weights and KV reads of 300 sequences of a 0.6B model need. This program tells
+apart what a step costs:
 
 - every request decodes exactly --tokens tokens (min_tokens = max_tokens, EOS ignored), so a batch
   holds its size for the whole run; the step time is the median over its steps (the few steps that
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="one more batch per (adapters, batch) under vLLM's torch profiler (OUT.profile.txt)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps each profile records")
-    p.add_argument("--out", default="reports/engine", help="report path without suffix")
+    p.add_argument("--out", default="runs/bench/engine", help="report path without suffix")
     args = p.parse_args(argv)
     if min(args.batches) < 1 or args.tokens < 1 or args.prompt < 1:
         p.error("--batches, --tokens and --prompt must be at least 1")

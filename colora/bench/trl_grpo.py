@@ -1,7 +1,7 @@
 """The peer baseline: one job of a colora experiment run the way a user would without colora, with
 TRL's GRPOTrainer (vLLM colocated on a GPU), and its optimizer steps per device-hour.
 
-    colora bench trl CONFIG --job NAME [--steps N] [--out reports/trl] [--generation auto|vllm|transformers]
+    colora bench trl CONFIG --job NAME [--steps N] [--out runs/bench/trl] [--generation auto|vllm|transformers]
                             [--importance-sampling] [--beside JSON ...] [--set KEY=VALUE ...]
 
 e.g. `colora bench trl experiments/reference8.toml --job gsm --beside reports/reference8/summary.json`:
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="`colora bench arms` reports (OUT.json) or `colora report` summaries (summary.json) whose "
                         "dedicated and overlap_mps runs go beside TRL's figure")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    p.add_argument("--out", default="reports/trl", help="report path without suffix")
+    p.add_argument("--out", default="runs/bench/trl", help="report path without suffix")
     args = p.parse_args(argv)
 
     from ..config import load_config

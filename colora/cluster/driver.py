@@ -1,0 +1,437 @@
+"""The driver: places an experiment's jobs on co-runners, one GPU each, and gathers one run directory.
+
+    colora run CONFIG --gpus N [--address ADDR]      run_cluster
+    colora run --resume DIR [--gpus N] [--address]   resume_cluster
+    run_parallel([(config, out), ...], gpus)         independent runs at once, one GPU each (sweeps)
+
+Layout of a run over N co-runners:
+
+    cluster.json        the whole config and its hash, and which jobs each co-runner runs
+    status.json         running | failed (the error, each co-runner's state) | complete
+    summary.json        merged (placement.py): every job's outcome, throughput over summed GPU-seconds
+    eval.json           every job's eval, merged
+    gpus/<i>/           co-runner i's run directory (colora.runner: metrics, timeline, adapters, ...)
+    gpus/<i>.log        its log;  gpus/<i>.json: where it ran (host, pid, the GPU Ray gave it)
+
+The run directory must be reachable at the same path from every node (one host, or a shared
+filesystem); so must the driver's working directory and Python path, which the co-runners take on.
+
+Without `--address` the driver starts a Ray instance on this machine and stops it at the end; with
+no CUDA here its GPUs are logical (Ray resources) and every co-runner runs on the CPU. `--address
+local` does the same and takes the Ray path with one GPU too; `auto` or HOST:PORT joins a cluster.
+
+Failures: a co-runner that dies (killed, out of memory, a GPU error) or whose run fails has its
+jobs marked failed with the reason, and the others go on. Ctrl-C or SIGTERM cancels every run (each
+stops at its next log line and cleans up: engine closed, MPS daemon stopped), kills the co-runners
+still there after `STOP_GRACE_S` (at once on a second Ctrl-C), and stops whatever they had started
+(reaper.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from colora.config import Config, from_dict
+from colora.runlog import read_jsonl, write_json_atomic
+
+from . import require_ray
+from .placement import Outcome, job_cost, merge_eval, merge_summaries, place_jobs, share_config
+
+STOP_GRACE_S = 60.0  # a cancelled run's clean-up: the engine's shutdown, MPS's quit (20 s timeout)
+PLACEMENT_TIMEOUT_S = 300.0  # how long to wait for the cluster to free the GPUs asked for
+OBJECT_STORE_BYTES = 512 * 2**20  # only configs and summaries pass through Ray (Ray's default: 30% of RAM)
+
+
+@dataclass
+class Share:
+    """One co-runner's run: `cfg` (a Config's dict) into `out`, or its continuation (`resume`)."""
+
+    index: int
+    label: str
+    cfg: dict
+    out: Path
+    resume: bool
+    log: Path  # its log, beside the run directory
+    info: Path  # where it ran, beside the run directory
+    jobs: list[str]
+
+
+class Cluster:
+    """A Ray connection and a placement group of one bundle per GPU (STRICT_PACK when one node has
+    them all, else PACK), as verl's RayResourcePool makes them; released on exit."""
+
+    def __init__(self, gpus: int, address: str | None, log: Callable[[str], None], *, logical: bool):
+        self.want, self.address, self.log, self.logical = gpus, address, log, logical
+        self.ray = require_ray(f"--gpus {gpus}" if address is None else f"--address {address}")
+
+    def __enter__(self) -> "Cluster":
+        ray = self.ray
+        from ray.util.placement_group import placement_group
+
+        self.started = not ray.is_initialized()
+        if self.started:
+            # the co-runners' own logs reach the driver through their log files (run_shares relays
+            # them); vLLM's and Ray's stay in Ray's session logs (/tmp/ray/session_latest/logs)
+            kw = dict(include_dashboard=False, log_to_driver=False)
+            if self.address in (None, "local"):
+                kw["object_store_memory"] = OBJECT_STORE_BYTES
+                if self.logical:
+                    kw["num_gpus"] = self.want
+                    self.log(f"no CUDA here: {self.want} logical GPUs (Ray resources); each co-runner runs on the CPU")
+            ray.init(address=self.address, **kw)
+        res = ray.cluster_resources()
+        have = int(res.get("GPU", 0))
+        if have < self.want:
+            self.close()
+            from colora.resources import RunError
+
+            raise RunError(f"--gpus {self.want}: the Ray cluster has {have} GPU(s)")
+        per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+        self.cpus = int(res.get("CPU", 0) // have)  # each co-runner's share of the CPUs (its OMP threads)
+        bundle = {"GPU": 1, **({"CPU": self.cpus} if self.cpus else {})}
+        strategy = "STRICT_PACK" if per_node >= self.want else "PACK"
+        self.pg = placement_group([dict(bundle) for _ in range(self.want)], strategy=strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            self.close()
+            from colora.resources import RunError
+
+            raise RunError(f"--gpus {self.want}: Ray could not reserve {self.want} bundles of {bundle} "
+                           f"({strategy}) within {PLACEMENT_TIMEOUT_S:.0f}s; free now: {ray.available_resources()}")
+        self.log(f"placement group: {self.want} x {bundle}, {strategy}")
+        return self
+
+    def close(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        pg = getattr(self, "pg", None)
+        if pg is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+            self.pg = None
+        if self.started and self.ray.is_initialized():
+            self.ray.shutdown()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def actor(self, bundle: int, share: Share):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .actor import CoRunnerActor
+
+        return self.ray.remote(CoRunnerActor).options(num_gpus=1, num_cpus=self.cpus, max_restarts=0, max_task_retries=0,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+                           ).remote(share.index, share.label, list(sys.path), os.getcwd())
+
+
+def _reason(e: BaseException) -> str:
+    """One line for why a co-runner's run ended in `e` (a Ray error wrapping the run's own)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and not type(e).__name__.startswith("Actor"):
+        e = cause
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:600]}"
+
+
+def _steps_done(out: Path) -> dict[str, int]:
+    """Each job's finished optimizer steps, from a run directory's metrics."""
+    steps: dict[str, int] = {}
+    for r in read_jsonl(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else ():
+        if r.get("status") == "ok" and "job" in r:
+            steps[r["job"]] = max(steps.get(r["job"], 0), r["step"] + 1)
+    return steps
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM raises KeyboardInterrupt here, as Ctrl-C does (main thread only: Python's rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callable[[str], None] = print, *,
+               logical: bool | None = None, grace_s: float = STOP_GRACE_S) -> list[Outcome]:
+    """Run every share on a co-runner of its own, at most `gpus` at once (a bundle takes the next
+    share when its run ends); returns their outcomes in the order given."""
+    logical = _no_cuda() if logical is None else logical
+    outcomes: dict[int, Outcome] = {}
+    with Cluster(gpus, address, log, logical=logical) as cl, _sigterm_interrupts():
+        ray = cl.ray
+        todo, free = deque(shares), list(range(gpus))
+        running: dict = {}  # run ref -> (share, actor, bundle, start, info)
+        offsets: dict[int, int] = {}  # share -> how much of its log has been relayed
+
+        def relay(share: Share) -> None:  # the co-runner's new log lines, prefixed with its label
+            text = b""
+            with contextlib.suppress(OSError), open(share.log, "rb") as f:
+                f.seek(offsets.get(share.index, 0))
+                text = f.read()
+            end = text.rfind(b"\n") + 1  # whole lines only; a partial one waits for its end
+            offsets[share.index] = offsets.get(share.index, 0) + end
+            for line in text[:end].decode(errors="replace").splitlines():
+                log(f"[{share.label}] {line}")
+
+        def finish(ref) -> None:
+            share, actor, bundle, t0, info = running.pop(ref)
+            relay(share)
+            summary, error = None, None
+            try:
+                summary = ray.get(ref)
+            except Exception as e:  # the run failed, or its co-runner died
+                error = _reason(e)
+                log(f"{share.label}: FAILED: {error}")
+            _end(ray, actor, info)
+            t1 = time.time()
+            write_json_atomic(share.info, {**info, "jobs": share.jobs, "dir": str(share.out), "started": t0,
+                                           "ended": t1, "error": error})
+            outcomes[share.index] = Outcome(share.index, str(share.out), share.jobs, summary, error,
+                                            _steps_done(share.out) if summary is None else {}, t0, t1, info)
+            free.append(bundle)
+
+        def launch() -> None:  # every free bundle takes a share; the actors start side by side
+            batch = []
+            while todo and free:
+                share, bundle = todo.popleft(), free.pop(0)
+                actor = cl.actor(bundle, share)
+                batch.append((share, bundle, actor, actor.describe.remote(), time.time()))
+            for share, bundle, actor, ref, t0 in batch:
+                try:
+                    info = ray.get(ref)
+                except Exception as e:  # the actor did not start
+                    _end(ray, actor, {})
+                    outcomes[share.index] = Outcome(share.index, str(share.out), share.jobs,
+                                                    error=f"co-runner did not start: {_reason(e)}",
+                                                    started=t0, ended=time.time())
+                    free.append(bundle)
+                    continue
+                write_json_atomic(share.info, {**info, "jobs": share.jobs, "dir": str(share.out)})
+                log(f"{share.label}: {', '.join(share.jobs)} on {info['host']} GPU {info['gpu_ids'][0]} "
+                    f"(pid {info['pid']}; log {share.log})")
+                offsets[share.index] = share.log.stat().st_size if share.log.exists() else 0  # a resume appends
+                ref = actor.run.remote(share.cfg, str(share.out), share.resume, str(share.log))
+                running[ref] = (share, actor, bundle, t0, info)
+
+        try:
+            while todo or running:
+                launch()
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0) if running else ([], [])
+                for ref in ready:
+                    finish(ref)
+                for share, *_ in running.values():
+                    relay(share)
+        except BaseException as e:
+            log(f"stopping {len(running)} co-runner(s): {type(e).__name__}{': ' + str(e) if str(e) else ''}")
+            _stop(ray, running, grace_s, log)
+            raise
+    return [outcomes[s.index] for s in shares]
+
+
+def _end(ray, actor, info: dict) -> None:
+    """Kill a co-runner whose run ended (its process is fresh for each run) and what it left."""
+    from .reaper import reap
+
+    with contextlib.suppress(Exception):
+        ray.kill(actor)
+    if info.get("token"):
+        reap(info["token"])
+
+
+def _stop(ray, running: dict, grace_s: float, log: Callable[[str], None]) -> None:
+    """Cancel every run, give them `grace_s` to clean up (a second Ctrl-C cuts it short), then
+    kill the co-runners and stop what they had started."""
+    for ref in running:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref)
+    deadline = time.monotonic() + grace_s
+    refs = list(running)
+    try:
+        while refs and time.monotonic() < deadline:
+            done, refs = ray.wait(refs, num_returns=len(refs), timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+    except KeyboardInterrupt:
+        log("interrupted again: killing the co-runners now")
+    if refs:
+        log(f"{len(refs)} co-runner(s) still running after {grace_s:.0f}s: killed")
+    for _, actor, _, _, info in running.values():
+        _end(ray, actor, info)
+
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# -- a run over N co-runners --------------------------------------------------------------------------
+def _shares(cfg: Config, out: Path, placement: list[list[str]], which: list[int], resume: set[int]) -> list[Share]:
+    return [Share(i, f"gpu {i}", share_config(cfg, placement[i]).to_dict(), out / "gpus" / str(i), i in resume,
+                  out / "gpus" / f"{i}.log", out / "gpus" / f"{i}.json", placement[i]) for i in which]
+
+
+def _check_inputs(cfg: Config, log: Callable[[str], None]) -> None:
+    """What would fail every co-runner alike, before any starts: the tasks, the model (a builtin
+    is built here once, not by every co-runner at the same time)."""
+    from colora.resources import RunError, resolve_model
+    from colora.tasks import get_task
+
+    for i, j in enumerate(cfg.jobs):
+        try:
+            get_task(j.task, **j.task_options)
+        except Exception as e:
+            raise RunError(f"jobs.{i}.task = {j.task!r} (job {j.name!r}): {e}") from None
+    resolve_model(cfg.experiment.model, log)
+
+
+def run_cluster(cfg: Config, out: str | Path, gpus: int, address: str | None = None,
+                log: Callable[[str], None] = print, **kw) -> dict:
+    """Run `cfg` with its jobs spread over `gpus` co-runners into `out`; returns the merged summary."""
+    from colora.resources import RunError
+
+    require_ray(f"--gpus {gpus}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise RunError(f"--out {str(out)!r} already holds files; choose another directory or --resume it")
+    try:
+        placement = place_jobs({j.name: job_cost(j) for j in cfg.jobs}, gpus)
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    _check_inputs(cfg, log)
+    write_json_atomic(out / "cluster.json", {"config": cfg.to_dict(), "hash": cfg.hash(), "gpus": gpus,
+                                             "placement": placement})
+    return _execute(cfg, out, _shares(cfg, out, placement, list(range(gpus)), set()), [], gpus, address, log, **kw)
+
+
+def is_cluster_run(out: str | Path) -> bool:
+    return (Path(out) / "cluster.json").is_file()
+
+
+def resume_cluster(out: str | Path, gpus: int | None = None, address: str | None = None,
+                   log: Callable[[str], None] = print, **kw) -> dict:
+    """Continue a run of `run_cluster`: complete co-runners are kept, the others go on from their
+    newest checkpoint (from the start where they have none, the old directory kept aside), at most
+    `gpus` at once (default: the run's own number); returns the merged summary."""
+    from colora.resources import RunError
+    from colora.rundirs import move_aside, run_state
+
+    out = Path(out)
+    meta = json.loads((out / "cluster.json").read_text())
+    status = json.loads((out / "status.json").read_text()) if (out / "status.json").exists() else {}
+    if status.get("state") == "complete":
+        raise RunError(f"--resume {str(out)!r}: the run is already complete")
+    cfg, placement = from_dict(meta["config"]), meta["placement"]
+    done, todo, resume = [], [], set()
+    for i, names in enumerate(placement):
+        d = out / "gpus" / str(i)
+        if run_state(d) == "complete":
+            info = json.loads((out / "gpus" / f"{i}.json").read_text()) if (out / "gpus" / f"{i}.json").exists() else {}
+            done.append(Outcome(i, str(d), names, json.loads((d / "summary.json").read_text()),
+                                started=info.pop("started", 0.0), ended=info.pop("ended", 0.0),
+                                info={k: v for k, v in info.items() if k not in ("jobs", "dir", "error")}))
+            continue
+        if any((d / "checkpoints").glob("step-*/manifest.json")):
+            resume.add(i)
+        elif d.exists():
+            log(f"gpu {i}: no checkpoint; its run starts again (the old one kept as {move_aside(d).name})")
+        todo.append(i)
+    if gpus is not None and gpus < 1:
+        raise RunError(f"--gpus ({gpus}) must be at least 1")
+    n = min(gpus or meta["gpus"], len(todo))  # 0 when every co-runner had completed: only the merge is left
+    log(f"resuming {out}: co-runner(s) {', '.join(map(str, todo))} on {n} GPU(s); "
+        f"{len(done)} complete already")
+    return _execute(cfg, out, _shares(cfg, out, placement, todo, resume), done, n, address, log, **kw)
+
+
+def _execute(cfg: Config, out: Path, shares: list[Share], done: list[Outcome], gpus: int, address: str | None,
+             log: Callable[[str], None], **kw) -> dict:
+    write_json_atomic(out / "status.json", {"state": "running"})
+    try:
+        ran = run_shares(shares, gpus, address, log, **kw) if shares else []
+        outcomes = sorted(done + ran, key=lambda o: o.index)
+    except BaseException as e:
+        write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}"})
+        raise
+    for o in outcomes:
+        o.dir = str(Path(o.dir).relative_to(out))
+    summary = merge_summaries(cfg, outcomes)
+    evals = [json.loads((out / o.dir / "eval.json").read_text()) for o in outcomes
+             if o.summary is not None and (out / o.dir / "eval.json").exists()]
+    write_json_atomic(out / "eval.json", merge_eval(evals))
+    write_json_atomic(out / "summary.json", summary)
+    failed = {str(o.index): o.error for o in outcomes if o.summary is None}
+    write_json_atomic(out / "status.json", {"state": "failed", "error": f"co-runner(s) failed: {failed}",
+                                            "corunners": {str(o.index): o.state for o in outcomes}}
+                      if failed else {"state": "complete"})
+    return summary
+
+
+def run_parallel(items: list[tuple[Config, str | Path]], gpus: int, address: str | None = None,
+                 log: Callable[[str], None] = print, **kw) -> list[Outcome]:
+    """Independent runs, each on a co-runner of its own, `gpus` at once (a sweep's runs); each
+    run's log is `<out>.log` and where it ran `<out>.corunner.json`, beside it. Returns one Outcome
+    per run in the order given: its summary, or why it failed."""
+    shares = []
+    for k, (cfg, out) in enumerate(items):
+        out = Path(out)
+        shares.append(Share(k, f"run {k}", cfg.to_dict(), out, False, out.with_name(out.name + ".log"),
+                            out.with_name(out.name + ".corunner.json"), [j.name for j in cfg.jobs]))
+    return run_shares(shares, min(gpus, len(shares)), address, log, **kw)
+
+
+# -- the command line (colora.cli hands `colora run` here when it asks for Ray) -------------------------
+def main_run(args, *, print_jobs: Callable[[dict], None], default_out: Callable[[Config], Path]) -> int:
+    """`colora run CONFIG --gpus N [--address A]` and `colora run --resume DIR` of such a run."""
+    from colora.config import load_config
+    from colora.resources import RunError
+    from colora.runner import RunFailed
+
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    if args.gpus is not None and args.gpus < 1:
+        raise RunError(f"--gpus ({args.gpus}) must be at least 1")
+    require_ray(f"--gpus {args.gpus}" if (args.gpus or 1) > 1 else f"--address {args.address}" if args.address
+                else "--resume")
+    if args.resume:
+        if args.config or args.set:
+            raise SystemExit("colora run --resume DIR takes no CONFIG or --set: the run's own config is used")
+        if not is_cluster_run(args.resume):
+            raise RunError(f"--resume {args.resume!r} with --gpus/--address: not a run made with --gpus "
+                           "(no cluster.json); resume it without them")
+        out = Path(args.resume)
+        summary = resume_cluster(out, args.gpus, args.address, log)
+    else:
+        if not args.config:
+            raise SystemExit("colora run: give a CONFIG file or --resume DIR")
+        cfg = load_config(args.config, args.set)
+        out = Path(args.out) if args.out else default_out(cfg)
+        log(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, {len(cfg.jobs)} jobs "
+            f"on {args.gpus or 1} co-runner(s), config {cfg.hash()}) -> {out}")
+        summary = run_cluster(cfg, out, args.gpus or 1, args.address, log)
+    rate = summary["steps_per_hour"]
+    log(f"done: {rate:.0f} steps per device-hour ({summary['aggregate_steps_per_hour']:.0f} over the "
+        f"{summary['gpus']} co-runners at once) over {summary['steps_measured']} measured steps; results in {out}"
+        if math.isfinite(rate) else f"done: no co-runner completed; results in {out}")
+    print_jobs(summary)
+    if summary["failed_corunners"]:
+        raise RunFailed(f"co-runner(s) {', '.join(map(str, summary['failed_corunners']))} failed (their jobs are "
+                        f"marked failed in {out / 'summary.json'}); continue them with: colora run --resume {out}")
+    return 0
