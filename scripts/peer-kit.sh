@@ -1,6 +1,6 @@
 #!/bin/bash
 # Downloads the wheels that the peer baseline (`colora bench trl`, TRL's GRPOTrainer) needs on the
-# benchmark GPU host and that the host lacks, into OUT (default ./.peer, git-ignored; about 2 MB).
+# benchmark GPU host and that the host lacks, into OUT (default ./.peer, git-ignored; three wheels, 1.6 MB).
 #
 # usage: bash scripts/peer-kit.sh [OUT]
 #
