@@ -24,6 +24,10 @@ Deadline: with `deadline_s`, a run starts only if the finished runs say it ends 
 a child still running when the time is nearly up is stopped (SIGTERM to its process group, then
 SIGKILL) so that its shutdown and the report fit. A run not started is recorded as "skipped" and
 runs later when the plan is run again.
+
+With `gpus` above 1 (or a Ray `address`) the runs go to a Ray cluster instead, `gpus` at once, one
+GPU and one fresh process each (colora/cluster/plan.py); the layout, the record, resuming and the
+deadline are as above.
 """
 
 from __future__ import annotations
@@ -283,12 +287,14 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
              run_fn: RunFn = run_in_process, children: bool = False,
              use_child: Callable[[ProcessGroup, Config], bool] = on_gpu, child_fn=run_child_group,
              deadline_s: float | None = None, progress: Callable[[str], None] | None = None,
-             verbose: bool = False, clock: Callable[[], float] = time.monotonic) -> dict[str, str]:
+             verbose: bool = False, clock: Callable[[], float] = time.monotonic, gpus: int = 1,
+             address: str | None = None) -> dict[str, str]:
     """Run every planned run that is not complete yet; returns {rel dir: state} (complete, failed,
     skipped, or missing for a run whose child process ended before it). record: what sweep.json
     says about this invocation (config_path, overrides, command, prereg). children: every group in a
-    child process; else only those `use_child` picks. `run_fn`, `child_fn`, `use_child` and `clock`
-    are injectable for tests."""
+    child process; else only those `use_child` picks. gpus, address: the runs on a Ray cluster,
+    `gpus` at once (see the module docstring). `run_fn`, `child_fn`, `use_child` and `clock` are
+    injectable for tests."""
     from .prereg import lock_hash
 
     root = Path(root)
@@ -307,8 +313,13 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     deadline = None if deadline_s is None else prog.t0 + deadline_s
     index = {p.rel: i for i, p in enumerate(planned, 1)}
     cache = EngineCache()
+    on_cluster = gpus > 1 or address is not None
     try:
-        for group in process_groups(base, planned):
+        if on_cluster:
+            from .cluster.plan import run_on_cluster
+
+            run_on_cluster(base, planned, root, rec, prog, index, deadline, gpus, address)
+        for group in [] if on_cluster else process_groups(base, planned):
             if children or use_child(group, base):
                 if all(run_state(root / p.rel) == "complete" for p in group.runs):
                     for p in group.runs:

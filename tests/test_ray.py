@@ -278,6 +278,40 @@ def test_b_four_jobs_on_two_corunners(reference, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_b_a_sweeps_dedicated_run_goes_in_parts_side_by_side(reference, tmp_path):
+    """`colora sweep --arms dedicated --gpus 2` (run_plan with gpus=2) of the 4-job experiment: two
+    parts of two jobs, one a GPU, at once, merged into the directory a one-GPU run makes. The
+    throughput is the one-GPU quantity (summed steps over summed seconds), and each job's rollouts
+    and adapter equal the one-process shared_sync run's: a job's update is its own in every arm
+    (DESIGN.md, contract 1) and its prompts and sampling seeds derive from (run seed, job, step)."""
+    from colora import orchestrate, sweep
+    from colora.throughput import steps_per_job
+
+    cfg, root, _ = reference
+    out, plan = tmp_path / "sweep", sweep.plan_runs(["dedicated"], [0])
+    assert orchestrate.run_plan(cfg, plan, out, progress=lambda s: None, gpus=2) == {"dedicated/seed0-r0": "complete"}
+    d = out / "dedicated" / "seed0-r0"
+    s = json.loads((d / "summary.json").read_text())
+    parts = s["parts"]
+    assert [p["jobs"] for p in parts] == [["add", "mod"], ["add2", "mod2"]]
+    assert {p["gpu_ids"][0] for p in parts} == {"0", "1"}
+    assert max(p["started"] for p in parts) < min(p["ended"] for p in parts)  # side by side
+    assert sorted(x.name for x in d.iterdir() if x.name != "parts") == \
+        sorted(x.name for x in (root / "ref").iterdir() if x.name != "checkpoints")  # parts keep theirs
+    assert s["arm"] == "dedicated" and s["steps_measured"] == sum(p["steps_measured"] for p in parts) == 12
+    assert s["seconds_measured"] == pytest.approx(sum(p["seconds_measured"] for p in parts))
+    assert s["steps_per_hour"] == pytest.approx(12 / s["seconds_measured"] * 3600)
+    assert steps_per_job(s["window"]) == {"add": 3, "mod": 3, "add2": 3, "mod2": 3}
+    assert json.loads((out / "sweep.json").read_text())["runs"][0]["state"] == "complete"
+    assert "== part 1: add2, mod2 ==" in (out / "dedicated" / "seed0-r0.log").read_text()
+    _equal_to_reference(root, d, ["add", "mod", "add2", "mod2"])
+    lines = []  # again: complete, so nothing starts
+    assert orchestrate.run_plan(cfg, plan, out, progress=lines.append, gpus=2) == {"dedicated/seed0-r0": "complete"}
+    assert "[1/1] dedicated seed 0 r0: complete, skipped" in lines
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_c_a_killed_corunner_fails_its_jobs_and_resume_finishes_them(reference, tmp_path):
     from colora.cluster.driver import resume_cluster, run_cluster
 
