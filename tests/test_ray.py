@@ -283,7 +283,7 @@ def test_b_a_sweeps_dedicated_run_goes_in_parts_side_by_side(reference, tmp_path
     parts of two jobs, one a GPU, at once, merged into the directory a one-GPU run makes. The
     throughput is the one-GPU quantity (summed steps over summed seconds), and each job's rollouts
     and adapter equal the one-process shared_sync run's: a job's update is its own in every arm
-    (DESIGN.md, contract 1) and its prompts and sampling seeds derive from (run seed, job, step)."""
+    (docs/architecture.md, the contract) and its prompts and sampling seeds derive from (run seed, job, step)."""
     from colora import orchestrate, sweep
     from colora.throughput import steps_per_job
 
