@@ -173,6 +173,10 @@ class RuntimeConfig:
     # groups overlap, where it measured 5.8% faster on the H200 (measured at f954d65), and in the
     # trainer's process in the others, whose baseline it keeps.
     engine_process: Literal["auto", "on", "off"] = "auto"
+    # How a new adapter version reaches the engine (colora/adapter_sync.py): memory, through shared
+    # memory that vLLM's worker builds the adapter from; disk, a PEFT directory per version on tmpfs.
+    # auto: memory where it can work (a vLLM it is written against, a writable /dev/shm), else disk.
+    adapter_sync: Literal["auto", "memory", "disk"] = "auto"
 
 
 @dataclass(frozen=True)

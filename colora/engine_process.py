@@ -14,6 +14,10 @@ every engine step into Python work (its output processing for every running sequ
 thread. `RemoteEngine` keeps `RolloutEngine` and that work in a child process; the engine thread of
 the trainer's process only sends a group's adapters and requests and receives its finished batch.
 
+Adapters are exported here, in the trainer's process (`export_adapter`, RolloutEngine's): into shared
+memory that vLLM's worker maps without the bytes passing through the child, or as a PEFT directory
+(colora/adapter_sync.py); the child is sent a segment's name or a directory's path.
+
 Same interface as `RolloutEngine` (the co-runner, evaluation and the runner use either): one thread
 makes every call. Results are the child's `GenResult`s, unchanged (per-request seeds make them the
 same as in-process ones; tested).
@@ -24,8 +28,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
+from . import adapter_sync as sync
+from .adapter_sync import AdapterTensors
 from .config import EngineConfig
 from .engine import GenRequest, GenResult, RolloutEngine, dead_process
 
@@ -79,17 +86,20 @@ class RemoteEngine:
     own_process = True
     generate = RolloutEngine.generate  # submit + poll, the same code as in-process
     decode = RolloutEngine.decode  # texts are decoded here, by the caller's tokenizer
+    export_adapter = RolloutEngine.export_adapter  # here, in the trainer's process
 
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
-                 dtype: str, seed: int, device: str):
+                 dtype: str, seed: int, device: str, adapter_sync: str = "auto"):
         import psutil
 
         from .models import load_tokenizer
 
+        self._proc, self._shared = None, None  # close() works from here on
+        self.adapter_sync, self.adapter_sync_note = sync.resolve(adapter_sync)  # the child's is the same
         ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._conn, child = ctx.Pipe()
         kwargs = dict(model_dir=model_dir, cfg=cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
-                      seed=seed, device=device)
+                      seed=seed, device=device, adapter_sync=self.adapter_sync)
         self._proc = ctx.Process(target=_serve, args=(child, kwargs), name="colora-engine")
         t0 = time.perf_counter()
         self._proc.start()
@@ -102,6 +112,7 @@ class RemoteEngine:
         self.start_seconds = time.perf_counter() - t0
         self._procs = [psutil.Process(p) for p in pids] + [psutil.Process(self._proc.pid)]
         self.tokenizer = load_tokenizer(model_dir)
+        self.model_dir = str(model_dir)
         self.max_model_len = cfg.max_model_len
         self.dtype = dtype
         self.warmed = False
@@ -138,10 +149,17 @@ class RemoteEngine:
         self._done.append((key, results))
 
     # -- RolloutEngine's interface ----------------------------------------------------------------
-    def set_adapter(self, job: str, version: int, path: str) -> float:
-        secs = self._call("set_adapter", job, version, str(path))
+    def set_adapter(self, job: str, version: int, adapter: str | Path | AdapterTensors) -> float:
+        """RolloutEngine.set_adapter in the child; the seconds are this call's, the trip included."""
+        t0 = time.perf_counter()
+        self._call("set_adapter", job, version, adapter if isinstance(adapter, AdapterTensors) else str(adapter))
         self._adapters[job] = version
-        return secs
+        if isinstance(adapter, AdapterTensors) and self._shared is not None:
+            self._shared.mapped(job)
+        return time.perf_counter() - t0
+
+    def loaded_adapters(self) -> set[int]:
+        return self._call("loaded_adapters")
 
     def version(self, job: str) -> int:
         return self._adapters[job]
@@ -149,6 +167,8 @@ class RemoteEngine:
     def drop(self, job: str) -> None:
         if self._adapters.pop(job, None) is not None:
             self._call("drop", job)
+        if self._shared is not None:
+            self._shared.release(job)
 
     def drop_all(self) -> None:
         for job in list(self._adapters):
@@ -194,6 +214,9 @@ class RemoteEngine:
         return dead_process(self._procs)
 
     def close(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.close()
         if self._proc is None:
             return
         proc, self._proc = self._proc, None

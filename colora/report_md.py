@@ -214,6 +214,15 @@ def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> st
             ph = r["phases"]
             cells = [f"{ph[k]['median']:.2f} / {ph[k]['max']:.2f}" if k in ph else "-" for k in PHASES]
             lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
+        synced = [r for r in timed if r["phases"].get("adapter_sync")]
+        if synced:
+            lines += ["", "Adapter sync per adapter version, from the trainer's weights to the engine serving them "
+                      "(its export plus its load, `adapter_sync` in the run's summary), milliseconds:", "",
+                      "| arm | seed | label | adapters by | versions | median | largest |", "|---|---|---|---|---|---|---|"]
+            for r in synced:
+                a = r["phases"]["adapter_sync"]
+                lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {(r['summary'] or {}).get('adapter_sync', '-')} "
+                             f"| {a['n']} | {1e3 * a['median']:.1f} | {1e3 * a['max']:.1f} |")
         chained = [r for r in timed if r["phases"].get("chain")]
         if chained:
             lines += ["", "Each group's chain (means, seconds): the cycle between a group's successive training steps, "

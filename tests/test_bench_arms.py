@@ -158,6 +158,23 @@ def test_phase_stats_count_only_spans_inside_the_window():
     assert "train_outlier_compiles" not in phases.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})
 
 
+def test_adapter_sync_pairs_each_versions_export_with_its_load(tmp_path):
+    """Per adapter version: its export plus its load, paired by the version's name across spans; a
+    version exported before the window or not yet loaded is left out. The report shows them."""
+    spans = [{"phase": "export", "start": 0.5, "end": 0.6, "adapter_seconds": {"a@v1": 0.01, "b@v1": 0.02}},
+             {"phase": "reload", "start": 1.5, "end": 1.6, "adapter_seconds": {"a@v1": 0.03, "b@v1": 0.05}},
+             {"phase": "export", "start": 2.0, "end": 2.1, "adapter_seconds": {"a@v2": 0.01}},
+             {"phase": "reload", "start": 3.0, "end": 3.1, "adapter_seconds": {"a@v2": 0.02}},
+             {"phase": "export", "start": 4.0, "end": 4.1, "adapter_seconds": {"b@v2": 0.04}},
+             {"phase": "reload", "start": 5.0, "end": 5.1},  # a timeline without per-adapter times
+             {"phase": "train", "start": 4.5, "end": 5.0}]
+    assert sorted(phases.adapter_sync_times(spans)) == pytest.approx([0.03, 0.04, 0.07])
+    st = phases.phase_stats(spans, {"start": 1.0, "end": 10.0, "seconds": 9.0})
+    # a@v2 only: v1's exports were before the window, b@v2 is not loaded
+    assert st["adapter_sync"] == {"n": 1, "median": pytest.approx(0.03), "max": pytest.approx(0.03)}
+    assert "| 1 | 30.0 | 30.0 |" in _report(tmp_path, "overlap", st)
+
+
 def _report(tmp_path, arm: str, phases: dict) -> str:
     """The Markdown report of one run of `arm` (seed 1 of the smoke config) with these phase stats."""
     cfg = load_config(SMOKE)
