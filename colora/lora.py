@@ -256,7 +256,7 @@ class AdapterBank:
         with scale 1 (see export_peft). The whole adapter in a few calls, not a few per tensor (196
         tensor pairs for Qwen3-0.6B): under overlap every torch call lets vLLM's client threads take
         the interpreter, and the export took 0.47-0.89 s for four jobs there against 0.03 s for one
-        alone (reports/h200, seventh session)."""
+        alone (measured at 43d794a)."""
         job = self.jobs[name]
         names = [f"base_model.model.{path}.lora_A.weight" for path in job.A] + \
                 [f"base_model.model.{path}.lora_B.weight" for path in job.A]

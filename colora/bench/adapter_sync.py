@@ -1,7 +1,7 @@
 """Adapter sync per adapter, from the trainer's weights to an engine serving them: in memory against
 from disk, in one engine.
 
-    colora bench adapter-sync CONFIG [--rounds 11] [--decoding 64] [--out reports/adapter_sync]
+    colora bench adapter-sync CONFIG [--rounds 11] [--decoding 64] [--out runs/bench/adapter_sync]
                                      [--set KEY=VALUE ...]
 
 One engine, started as `colora run` starts it for CONFIG (its model, dtype, device and engine
@@ -73,7 +73,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=11, help="rounds, the first of them a warm-up (default 11)")
     p.add_argument("--decoding", type=int, default=64, help="requests decoding during the loads of the "
                                                             "'decoding' condition (default 64)")
-    p.add_argument("--out", default="reports/adapter_sync", help="report path without suffix")
+    p.add_argument("--out", default="runs/bench/adapter_sync", help="report path without suffix")
     args = p.parse_args(argv)
     if args.rounds < 2:
         p.error(f"--rounds ({args.rounds}) must be at least 2: the first is a warm-up")
