@@ -18,24 +18,28 @@ Disk is the fallback where the in-memory path cannot work (`memory_unsupported` 
 logs it): a vLLM other than the versions this module is written against (`TESTED_VLLM`: the worker
 internals it uses differ between versions, and an unknown one is not guessed at), a machine without
 a writable /dev/shm, an engine started with another worker extension (`engine_args`), and, per
-version, a /dev/shm too full to hold a job's segment (`export` then writes that version to disk).
+version, a /dev/shm too full to hold a job's segment (`RolloutEngine.export_adapter` then writes that
+version to disk).
 An engine started for "memory" loads PEFT directories as well; one started for "disk" refuses an
 in-memory adapter. Both modes give vLLM the same tensors (the engine's dtype, the LoRA scale folded
-into B), so runs are the same either way (tests/test_engine.py).
+into B): the log-probs are the same either way (tests/test_engine.py), and so are a run's rollouts
+(tests/test_engine_process.py).
 
 The bytes cross up to three processes (the trainer's, the engine client's under
 `runtime.engine_process`, vLLM's engine core where the worker is) and are copied twice: into the
 segment (from the trainer's device) and out of it (to the engine's device). The segment's file is
-unlinked once the worker has mapped it, so a killed run leaves nothing in /dev/shm. CUDA IPC would
+unlinked once the worker has mapped it, so a killed run leaves at most an empty folder in /dev/shm. CUDA IPC would
 skip both copies on a GPU; it is not used, as it cannot be exercised without a GPU and its
 behaviour under MPS is not measured. The adapter the worker builds lives on the engine's device
 (about 20 MB per loaded version for Qwen3-0.6B at rank 16 in bf16), where vLLM's disk loader keeps
 it in pinned host memory.
 
 Every vLLM-internal name used is used here and only here: the worker's `model_runner.lora_manager`
-(vLLM's LRUCacheWorkerLoRAManager) with its `_adapter_manager`, `_lora_model_cls`, `_load_adapter`,
-`device`, `vocab_size`, `lora_config` and `max_position_embeddings`; `PEFTHelper`; and the
-WeightsMapper method its loader applies to LoRA names, which differs between the versions.
+(vLLM's LRUCacheWorkerLoRAManager) with its `add_adapter`, `list_adapters`, `_load_adapter`,
+`_lora_model_cls`, `device`, `vocab_size`, `lora_config` and `max_position_embeddings`, and its
+`_adapter_manager`'s `model`, `supported_lora_modules` and `packed_modules_mapping`; `PEFTHelper`;
+and the WeightsMapper method its loader applies to LoRA names, which differs between the versions.
+All of them are in vLLM 0.26 and 0.32 alike.
 """
 
 from __future__ import annotations
