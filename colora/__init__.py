@@ -1,4 +1,4 @@
-"""colora: many customers' LoRA GRPO jobs on one GPU (see README.md and DESIGN.md)."""
+"""colora: many customers' LoRA GRPO jobs on one GPU (see README.md and docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Benchmark every arm of one workload on one GPU, each beside the dedicated baseline of its seed.
+"""Benchmark every arm of one workload on a GPU, each beside the dedicated baseline of its seed.
 
-    colora bench arms experiments/reference8_throughput.toml --seeds 1 2 3 --out reports/arms
+    colora bench arms experiments/reference8_throughput.toml --seeds 1 2 3 --out runs/bench/arms
 
 The runs are made by colora/orchestrate.py, each process group in a child process of its own with one
 engine (vLLM's start is 80-160 s on the H200): the runs without MPS (dedicated, shared_sync, overlap)
@@ -15,6 +15,22 @@ headline arm once per value of a config key or run option (the tuning sweep); `-
 runs it once with several settings together. Runs take no checkpoints unless `--set
 runtime.checkpoint_every=N` asks for them: a benchmark measures steps per hour, and a run that is
 cut is run again whole.
+
+Like with like: every arm runs the config's steps and warm-up, so each measured window covers the
+same steps of every job (from the step after the warm-up to the last; `throughput.steps_per_job`,
+in the per-run table). A job's first training steps at new shapes can stall (0.65-1.11 s against a
+median of 0.32 s on the H200, issue 33); measured over as many steps as the shared arms, such a
+stall weighs on the dedicated figure as little as on theirs. Warming every shape before the window
+instead would cost less device time but cannot be made sure of: a job's packed token count changes
+every step, and which sizes make a kernel or a graph compile again is for Triton and Dynamo to
+decide (colora/compilewatch.py), so no warm-up can list them. The report gives each main run's
+throughput a second time with each job's first `--steady-from` - 1 steps out as well (measured
+again from the same run's step times, `throughput.remeasure`), so the difference the first steps
+make is known.
+
+`--gpus N` runs the benchmark's runs N at once on a Ray cluster, one GPU each, each in a process
+of its own, and a dedicated run's jobs each on a GPU of its own at once (colora/cluster/plan.py);
+its throughput is the same quantity as on one GPU (steps summed over GPU-seconds summed).
 
 Writes OUT.json (every run's summary and the ratios), OUT.md (tables that open with the command,
 colora/report_md.py) and OUT_timeline.png (one run per arm, colora/report_figures.py), and the run
@@ -47,9 +63,7 @@ def plan(cfg: Config, args) -> list[PlannedRun]:
     n = len(cfg.jobs)
     runs = []
     for seed in args.seeds:
-        for arm in args.arms:
-            ded = (f"experiment.steps={args.dedicated_steps}",) if arm == "dedicated" and args.dedicated_steps else ()
-            runs.append(PlannedRun(arm, seed, "main", jobs=n, set=ded))
+        runs += [PlannedRun(arm, seed, "main", jobs=n) for arm in args.arms]
     for seed in args.seeds:
         for k in args.jobs:
             if k != n:  # fewer jobs than overlap.groups: as many groups as jobs, said in the run's config
@@ -108,11 +122,14 @@ def batches(cfg: Config, runs: list[PlannedRun]) -> list[ProcessGroup]:
     return process_groups(cfg, order(cfg, runs))
 
 
-def collect(runs: list[PlannedRun], root: Path) -> list[dict]:
+def collect(runs: list[PlannedRun], root: Path, steady_from: int = 0) -> list[dict]:
     """One row per planned run: its summary (None before it finished), its phase statistics
-    (colora/phases.py), its steps per hour and the ratio to its seed's dedicated main run."""
+    (colora/phases.py), its steps per hour and the ratio to its seed's dedicated main run, the steps
+    of each job its window counts, and (`steady_from` past the warm-up) the same two figures with
+    each job's first `steady_from` - 1 steps out ("steady"; None where the summary kept no step ends)."""
     from .phases import phase_stats
     from .runlog import read_jsonl
+    from .throughput import remeasure, steps_per_job, throughput
 
     rows = []
     for r in runs:
@@ -120,18 +137,22 @@ def collect(runs: list[PlannedRun], root: Path) -> list[dict]:
         s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None
         tl = d / "timeline.jsonl"
         phases = phase_stats(read_jsonl(tl), s["window"]) if s and s.get("window") and tl.exists() else {}
+        w = (s or {}).get("window") or {}
+        again = remeasure(w, steady_from - 1) if w and steady_from > 1 else None
         rows.append({"arm": r.arm, "seed": r.seed, "jobs": r.jobs, "set": list(r.set), "label": r.tag, "dir": r.rel,
-                     "summary": s, "phases": phases})
-    base = {r["seed"]: r["summary"]["steps_per_hour"] for r in rows
-            if r["arm"] == "dedicated" and r["label"] == "main" and r["summary"]}
+                     "summary": s, "phases": phases, "steps_per_job": steps_per_job(w),
+                     "steady_steps_per_hour": throughput(again) if again and again["seconds"] > 0 else None})
     for r in rows:
-        s = r["summary"]
-        r["steps_per_hour"] = s["steps_per_hour"] if s else None
-        r["ratio"] = (s["steps_per_hour"] / base[r["seed"]]) if s and r["seed"] in base else None
+        r["steps_per_hour"] = r["summary"]["steps_per_hour"] if r["summary"] else None
+    for key, ratio in (("steps_per_hour", "ratio"), ("steady_steps_per_hour", "steady_ratio")):
+        base = {r["seed"]: r[key] for r in rows
+                if r["arm"] == "dedicated" and r["label"] == "main" and r[key] is not None}
+        for r in rows:
+            r[ratio] = r[key] / base[r["seed"]] if r[key] is not None and r["seed"] in base else None
     return rows
 
 
-def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None:
+def write_report(rows: list[dict], out: Path, command: str, cfg: Config, steady_from: int = 0) -> None:
     """OUT.json (every row, the summaries without their windows) and OUT.md (`report_md.arms_tables`)."""
     from .report_md import arms_tables
 
@@ -140,7 +161,7 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config) -> None
             {"summary": {k: v for k, v in (r["summary"] or {}).items() if k != "window"}} for r in rows]
     (out.with_suffix(".json")).write_text(json.dumps({"command": command, "config_hash": cfg.hash(), "runs": slim},
                                                      indent=2, default=str))
-    out.with_suffix(".md").write_text(arms_tables(rows, command, cfg))
+    out.with_suffix(".md").write_text(arms_tables(rows, command, cfg, steady_from))
 
 
 def draw_timeline(rows: list[dict], root: Path, path: Path) -> None:
@@ -168,9 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-arms", nargs="*", default=[], choices=list(ARMS),
                    help="arms run at each --jobs count (default: the headline arm)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--dedicated-steps", type=int, default=0, metavar="N",
-                   help="steps per job of the dedicated baseline (default: the config's); the report says so")
-    p.add_argument("--out", default="reports/arms", help="report path without suffix")
+    p.add_argument("--steady-from", type=int, default=5, metavar="STEP",
+                   help="the report also gives each run's throughput from this step of each job on (its first "
+                        "STEP-1 steps out, measured again from the same run); 0: not")
+    p.add_argument("--gpus", type=int, default=1, help="runs at once, one GPU each, on a Ray cluster (the "
+                                                       "dedicated arm's jobs each on its own GPU); default 1: as one GPU")
+    p.add_argument("--address", help="the Ray cluster for --gpus: auto, HOST:PORT, or local (a new one); "
+                                      "default: a new one when --gpus is more than 1")
+    p.add_argument("--out", default="runs/bench/arms", help="report path without suffix")
     p.add_argument("--runs", default="runs/bench", help="where the run directories go")
     p.add_argument("--deadline", type=float, default=0,
                    help="seconds for the whole benchmark, its shutdown and report included (a run that the "
@@ -186,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(cfg, args)
     except ValueError as e:
         p.error(str(e))
+    if args.gpus < 1:
+        p.error(f"--gpus ({args.gpus}) must be at least 1")
+    if args.steady_from < 0:
+        p.error(f"--steady-from ({args.steady_from}) must be a step (1 or more), or 0 for none")
+    if not args.report_only and (args.gpus > 1 or args.address):
+        from .cluster import require_ray
+
+        require_ray(f"--gpus {args.gpus}" if args.gpus > 1 else f"--address {args.address}")
     command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
     failed = False
     if not args.report_only:
@@ -193,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
 
         with session(args.verbose, "stdout"):
             states = run_plan(cfg, order(cfg, runs), root, children=True, deadline_s=args.deadline or None,
-                              verbose=args.verbose,
+                              verbose=args.verbose, gpus=args.gpus, address=args.address,
                               record={"config_path": args.config, "overrides": args.set, "command": command})
         failed = any(s in ("failed", "interrupted") for s in states.values())
-    rows = collect(runs, root)
+    rows = collect(runs, root, args.steady_from)
     out = Path(args.out)
-    write_report(rows, out, command, cfg)
+    write_report(rows, out, command, cfg, args.steady_from)
     draw_timeline(rows, root, out.with_name(out.name + "_timeline.png"))
     print(out.with_suffix(".md").read_text())
     return 1 if failed else 0

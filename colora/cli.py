@@ -7,7 +7,8 @@
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
     colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
     colora bench kernels [...] | colora bench trainer [...] | colora bench arms CONFIG --seeds 1 2 3
-    colora bench engine CONFIG [--batches ...]
+    colora bench engine CONFIG [--adapters K ...] [--profile] | colora bench trl CONFIG --job NAME
+    colora bench adapter-sync CONFIG [--rounds 11]           adapter export + load per adapter, memory and disk
     colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR [--deadline S]
     colora report RUNS... [--prereg FILE] --out reports/NAME
     colora prereg lock CONFIG --out prereg/NAME.md | colora prereg check PREREG CONFIG
@@ -119,6 +120,10 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from .bench.trainer import main
     elif args.what == "engine":
         from .bench.engine import main
+    elif args.what == "trl":
+        from .bench.trl_grpo import main
+    elif args.what == "adapter-sync":
+        from .bench.adapter_sync import main
     else:
         from .bench_arms import main
     return main(rest)
@@ -164,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--seed", type=int, default=0)
     ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option")
 
-    b = sub.add_parser("bench", help="GPU benchmarks: kernels, trainer, engine, arms")
-    b.add_argument("what", choices=["kernels", "arms", "trainer", "engine"])
+    b = sub.add_parser("bench", help="GPU benchmarks: kernels, trainer, engine, adapter-sync, arms, trl")
+    b.add_argument("what", choices=["kernels", "arms", "trainer", "engine", "adapter-sync", "trl"])
     for name, (_, about) in PASSTHROUGH.items():
         sub.add_parser(name, add_help=False, help=about)
     return p

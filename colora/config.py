@@ -173,6 +173,10 @@ class RuntimeConfig:
     # groups overlap, where it measured 5.8% faster on the H200 (measured at f954d65), and in the
     # trainer's process in the others, whose baseline it keeps.
     engine_process: Literal["auto", "on", "off"] = "auto"
+    # How a new adapter version reaches the engine (colora/adapter_sync.py): memory, through shared
+    # memory that vLLM's worker builds the adapter from; disk, a PEFT directory per version on tmpfs.
+    # auto: memory where it can work (a vLLM it is written against, a writable /dev/shm), else disk.
+    adapter_sync: Literal["auto", "memory", "disk"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -477,7 +481,7 @@ def resolve(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The config of a TOML file, with `--set` overrides. The file's folder is where the modules of
     its import-path tasks (`task = "mytasks:MyTask"`) are looked for, after the installed packages
-    (colora/tasks/registry.py)."""
+    (tasks/registry.py)."""
     from colora.tasks import add_task_dirs
 
     p = Path(path)

@@ -26,7 +26,7 @@ group whose next rollouts it then joins, so it is never in flight twice and stay
 Reload first: after queueing a trained group, the trainer waits for the engine to load that group's
 new adapters before it trains the next group. A load pauses the engine's decoding of the other group
 and, run during a training step, takes about twice as long; overlap_mps made 11-20% more job-steps
-per hour with this wait than without (reports/h200/tenth and eleventh, reload_first.txt).
+per hour with this wait than without (H200, measured at 0e15773 and 55311e3).
 
 The trainer (main thread) and the engine thread exchange small records through two queues
 (colora/handoff.py). Every wait on a queue has a timeout, after which it looks at whether the other
@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from . import compilewatch, grpo
+from .adapter_sync import AdapterTensors
 from .config import OVERLAP_ARMS, Config, JobConfig
 from .engine import GenRequest, GenResult, RolloutEngine
 from .grouping import plan_regroup, request_tokens, split_groups
@@ -80,7 +81,7 @@ class JobState:
     status: str = "running"  # running | done | stopped
     reason: str = ""
     step_ends: list[float] = field(default_factory=list)  # timeline time at the end of each step
-    pending: tuple[int, Path] | None = None  # exported adapter version waiting to be loaded
+    pending: tuple[int, Path | AdapterTensors] | None = None  # exported adapter version waiting to be loaded
 
     @property
     def name(self) -> str:
@@ -102,7 +103,7 @@ def response_length(job: JobConfig, seed: int) -> int | None:
 class CoRunner:
     def __init__(self, cfg: Config, engine: RolloutEngine, trainer: MultiJobTrainer, bank: AdapterBank,
                  tokenizer, jobs: dict[str, JobState], timeline: Timeline, metrics: JsonlWriter,
-                 adapter_root: Path, base_model: str, log: Callable[[str], None] = print,
+                 adapter_root: Path, log: Callable[[str], None] = print,
                  on_step: Callable[[], None] | None = None, stop_request: StopRequest | None = None):
         self.cfg = cfg
         self.engine = engine
@@ -112,8 +113,7 @@ class CoRunner:
         self.jobs = jobs
         self.timeline = timeline
         self.metrics = metrics
-        self.adapter_root = adapter_root
-        self.base_model = base_model
+        self.adapter_root = adapter_root  # where adapters that go by disk are written
         self.log = log
         self.on_step = on_step  # checkpoint hook, called on the main thread after each group step
         self.stop_request = stop_request or StopRequest()  # set by a signal (colora/stopping.py)
@@ -155,22 +155,25 @@ class CoRunner:
         todo = [self.jobs[n] for n in names if self.jobs[n].pending is not None]
         if not todo:
             return
-        with self.shipping(), self.timeline.span("reload", group=group, jobs=tuple(j.name for j in todo)):
+        with self.shipping(), self.timeline.span("reload", group=group, jobs=tuple(j.name for j in todo),
+                                                 adapter_seconds={}) as span:
             for js in todo:
-                version, path = js.pending
+                version, adapter = js.pending
                 js.pending = None
-                secs = self.engine.set_adapter(js.name, version, str(path))
-                self.metrics.write({"job": js.name, "event": "reload", "version": version, "seconds": secs})
-                old = path.parent / f"v{version - 1}"
-                if old.exists():
+                secs = self.engine.set_adapter(js.name, version, adapter)
+                span["adapter_seconds"][f"{js.name}@v{version}"] = round(secs, 6)
+                via = "disk" if isinstance(adapter, Path) else "memory"
+                self.metrics.write({"job": js.name, "event": "reload", "version": version, "seconds": secs, "via": via})
+                old = adapter.parent / f"v{version - 1}" if via == "disk" else None
+                if old is not None and old.exists():
                     shutil.rmtree(old, ignore_errors=True)
 
     @contextlib.contextmanager
     def shipping(self):
         """One adapter transfer at a time: the trainer's export of one group and the engine's load of
-        another. On the H200 under MPS, run at once, each took 1-3 s instead of 0.1-0.3 s (reports/
-        h200/fourth). The wait gives up if the engine dies meanwhile (its thread may never let go) or
-        a stop is requested."""
+        another. On the H200 under MPS, run at once, each took 1-3 s instead of 0.1-0.3 s (measured at
+        39baa4c). The wait gives up if the engine dies meanwhile (its thread may never let go) or a
+        stop is requested."""
         while not self._ship_lock.acquire(timeout=0.5):
             why = self.engine.dead()
             if why:
@@ -328,16 +331,18 @@ class CoRunner:
                      "reward may not depend on the completion)")
 
     def export_adapters(self, exports: list[tuple[JobState, int]], group: int, groups: list[int]) -> None:
-        """Write the engine's copy of each new adapter version (in the engine's dtype, its scale folded
-        into B: see AdapterBank.export_peft); the engine thread loads it before the job's next rollouts."""
+        """Make the engine's copy of each new adapter version (`engine.export_adapter`: into shared
+        memory or as a PEFT directory, colora/adapter_sync.py); the engine thread loads it before the
+        job's next rollouts. The export and reload spans time each version (`adapter_seconds`)."""
         if not exports:  # every job of the step stopped
             return
-        dtype = getattr(torch, self.engine.dtype)
-        with self.shipping(), self.timeline.span("export", group=group, groups=groups,
-                                                 jobs=tuple(js.name for js, _ in exports)):
+        with self.shipping(), self.timeline.span("export", group=group, groups=groups, adapter_seconds={},
+                                                 jobs=tuple(js.name for js, _ in exports)) as span:
             for js, version in exports:
-                js.pending = (version, self.bank.export_peft(js.name, self.adapter_root / js.name / f"v{version}",
-                                                             self.base_model, dtype, fold_scale=True))
+                t0 = time.perf_counter()
+                js.pending = (version, self.engine.export_adapter(self.bank, js.name,
+                                                                  self.adapter_root / js.name / f"v{version}"))
+                span["adapter_seconds"][f"{js.name}@v{version}"] = round(time.perf_counter() - t0, 6)
 
     def stop(self, js: JobState, reason: str) -> None:
         """Stop one job: recorded with its reason, its adapter taken out of the shared engine (a

@@ -1,9 +1,10 @@
 """The rollout engine: one `vllm.LLM` serving every job's current LoRA adapter.
 
 Each job's requests carry that job's adapter. After every optimizer step the trainer exports the
-job's adapter (PEFT format, on tmpfs where there is one) and `set_adapter` loads it into the engine
-under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache blocks by the LoRA id, so KV
-computed under an old version can never be served to a request of the new one (DESIGN.md: an
+job's adapter (`export_adapter`: into shared memory that vLLM's worker reads, or as a PEFT directory
+on tmpfs; colora/adapter_sync.py says which where) and `set_adapter` loads it into the engine under a
+new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache blocks by the LoRA id, so KV
+computed under an old version can never be served to a request of the new one (docs/architecture.md: an
 in-place reload kept serving the old KV until `reset_prefix_cache()`), and the old version is
 removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
 adapter that produced it; the trainer refuses any other version.
@@ -21,9 +22,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
+from . import adapter_sync as sync
 from . import environment
+from .adapter_sync import AdapterTensors
 from .config import OVERLAP_ARMS, EngineConfig
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -152,7 +156,7 @@ def engine_process(setting: str, arm: str) -> bool:
 
     Why auto: in the overlapping arms vLLM's client threads run Python every engine step while the
     trainer's thread runs its step in the same interpreter; on the H200 overlap_mps ran 5.8% faster
-    with the client apart (reports/h200/eighth). In the sequential arms nothing runs beside the
+    with the client apart (measured at f954d65). In the sequential arms nothing runs beside the
     engine to compete for the interpreter, and the one dedicated run with the client apart had
     unexplained 1.9-3.2 s training steps: the baseline keeps the in-process client."""
     return setting == "on" or (setting == "auto" and arm in OVERLAP_ARMS)
@@ -162,8 +166,12 @@ class RolloutEngine:
     own_process = False  # the client runs in this process (engine_process.RemoteEngine: in its own)
 
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
-                 dtype: str, seed: int, device: str, engine_args: dict[str, Any] | None = None):
-        """engine_args: more of vLLM's engine arguments, over colora's (benchmarks: its profiler)."""
+                 dtype: str, seed: int, device: str, adapter_sync: str = "auto",
+                 engine_args: dict[str, Any] | None = None):
+        """adapter_sync: how new adapter versions reach the engine, `runtime.adapter_sync`'s values
+        (colora/adapter_sync.py). engine_args: more of vLLM's engine arguments, over colora's
+        (benchmarks: its profiler); another worker extension among them leaves adapters on disk."""
+        self.adapter_sync, self.adapter_sync_note = sync.resolve(adapter_sync)  # before vLLM starts
         environment.prepare_vllm(device)
         from vllm import LLM
 
@@ -198,17 +206,29 @@ class RolloutEngine:
             kwargs["max_num_seqs"] = cfg.max_num_seqs
         if cfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        if self.adapter_sync == "memory":
+            kwargs["worker_extension_cls"] = sync.EXTENSION
         kwargs.update(engine_args or {})
+        if self.adapter_sync == "memory" and kwargs["worker_extension_cls"] != sync.EXTENSION:
+            self.adapter_sync, self.adapter_sync_note = "disk", "the engine runs another worker extension"
         import psutil
 
         before = {p.pid for p in psutil.Process().children()}
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
+        if self.adapter_sync == "memory":
+            why = next((w for w in self.llm.collective_rpc("colora_adapter_sync") if w), "")
+            if why:  # the worker's vLLM is not this process's: say so rather than guess at it
+                self.close()
+                raise sync.AdapterSyncUnsupported(f"vLLM's worker: in-memory adapter sync cannot work: {why}")
         # vLLM's engine core runs in a process of its own (a direct child). A call into a dead one can
         # wait forever (seen: add_lora after the engine core was killed), so colora watches it.
         self._procs = [p for p in psutil.Process().children() if p.pid not in before]
         self.tokenizer = self.llm.get_tokenizer()
+        self.model_dir = str(model_dir)
+        self._shared: sync.SharedAdapters | None = None  # made at the first in-memory export
+        self._from_memory: set[str] = set()  # jobs whose adapter the worker built from a segment
         self.max_model_len = cfg.max_model_len
         self.dtype = dtype
         self.warmed = False  # set by `warm_up`
@@ -222,17 +242,51 @@ class RolloutEngine:
         self.steps = StepRate()  # engine steps per time bucket: how fast decoding went, and when
         self._waited = _time_waits(self.llm.llm_engine.engine_core)  # seconds steps waited for the core
 
-    def set_adapter(self, job: str, version: int, path: str) -> float:
-        """Load `path` as `job`'s adapter `version` now (not lazily at the next request) and drop the
-        previous version. Returns the seconds it took."""
+    def export_adapter(self, bank, job: str, out_dir: str | Path) -> Path | AdapterTensors:
+        """The engine's copy of `job`'s current adapter, for `set_adapter`, in the engine's dtype with
+        the LoRA scale folded into B (see AdapterBank.export_peft): written into the job's
+        shared-memory segment, or as a PEFT directory `out_dir` with adapter_sync "disk" and where
+        /dev/shm cannot hold the segment. Runs on the trainer's thread (its device copy belongs with
+        the trainer's work) and touches nothing of vLLM's, so it may run while the engine thread
+        uses the engine."""
+        import torch
+
+        dtype = getattr(torch, self.dtype)
+        if self.adapter_sync == "memory":
+            if self._shared is None:
+                self._shared = sync.SharedAdapters()
+            try:
+                return self._shared.write(bank, job, dtype, self.model_dir)
+            except sync.ShmFull as e:
+                self.adapter_sync_note = f"version {bank.jobs[job].version} of {job} went by disk: {e}"
+        return bank.export_peft(job, out_dir, self.model_dir, dtype, fold_scale=True)
+
+    def set_adapter(self, job: str, version: int, adapter: str | Path | AdapterTensors) -> float:
+        """Load `adapter` (`export_adapter`'s, or any PEFT directory) as `job`'s adapter `version` now
+        (not lazily at the next request), under a LoRA name and id of its own, and drop the previous
+        version. Returns the seconds it took."""
         from vllm.lora.request import LoRARequest
 
         t0 = time.perf_counter()
-        req = LoRARequest(f"{job}@v{version}", self._next_id, str(path))
-        self._next_id += 1
         engine = self.llm.llm_engine
-        if not engine.add_lora(req):
-            raise RuntimeError(f"vLLM refused adapter {req.lora_name} from {path}")
+        if isinstance(adapter, AdapterTensors):
+            if self.adapter_sync != "memory":
+                raise ValueError(f"{job}: an in-memory adapter for an engine whose adapters go by disk "
+                                 f"({self.adapter_sync_note})")
+            if (adapter.job, adapter.version) != (job, version):
+                raise ValueError(f"adapter of {adapter.job} v{adapter.version} given as {job} v{version}")
+            req = LoRARequest(f"{job}@v{version}", self._next_id, sync.in_memory_path(job, version))
+            self._next_id += 1
+            ok = sync.add_lora(self.llm, req, adapter)
+            self._from_memory.add(job)
+        else:
+            req = LoRARequest(f"{job}@v{version}", self._next_id, str(adapter))
+            self._next_id += 1
+            ok = engine.add_lora(req)
+        if not ok:
+            raise RuntimeError(f"vLLM refused adapter {req.lora_name} from {adapter}")
+        if isinstance(adapter, AdapterTensors) and self._shared is not None:
+            self._shared.mapped(job)  # in-process: the worker has it mapped now
         old = self._adapters.get(job)
         self._adapters[job] = (version, req)
         if old is not None:
@@ -299,10 +353,19 @@ class RolloutEngine:
     def version(self, job: str) -> int:
         return self._adapters[job][0]
 
+    def loaded_adapters(self) -> set[int]:
+        """The LoRA ids vLLM holds (every version it has not removed)."""
+        return set(self.llm.llm_engine.list_loras())
+
     def drop(self, job: str) -> None:
         old = self._adapters.pop(job, None)
         if old is not None:
             self.llm.llm_engine.remove_lora(old[1].lora_int_id)
+        if job in self._from_memory:
+            self._from_memory.discard(job)
+            sync.release(self.llm, job)
+        if self._shared is not None:
+            self._shared.release(job)
 
     def drop_all(self) -> None:
         for job in list(self._adapters):
@@ -381,6 +444,9 @@ class RolloutEngine:
             r.text = t
 
     def close(self) -> None:
+        shared, self._shared = getattr(self, "_shared", None), None
+        if shared is not None:
+            shared.close()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
@@ -409,7 +475,7 @@ class EngineCache:
         reserves its `gpu_memory_utilization` of the whole device and vLLM refuses to start when that
         much is not free: on the H200 an overlap run's engine (its client in a process of its own, so
         another key) failed to start beside the cached engine of the run before it and the previous
-        trainer's cached blocks (13 of 140 GiB free; reports/h200/eleventh)."""
+        trainer's cached blocks (13 of 140 GiB free; seen at 55311e3)."""
         eng = self._engines.get(key)
         if eng is not None:
             eng.reused = True

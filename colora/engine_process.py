@@ -2,23 +2,21 @@
 overlap (the run option `runtime.engine_process`, "auto"; "on" / "off" force it; see
 `engine.engine_process`).
 
-Measured on the H200 (reports/h200/eighth, one machine, seed 1, overlap_mps, two runs each): 5399
-and 5677 steps/h through this process against 5168 and 5304 in the trainer's (+5.8% on the means;
-the two ranges do not overlap). A group's generation was shorter (3.27-3.51 s median against
-3.60-3.75 s) and the hand-off stayed at 0.00-0.01 s. The dedicated arm run through it had four
-training steps of 1.9-3.2 s against a 0.44 s median with no compile recorded (in-process, same seed
-and machine: at most 0.50 s), not explained: the sequential arms keep the client in-process, so the
-baseline of every ratio is the in-process one. The fifth session's run of an earlier version
-was slower (5242 against 5781): its `poll` waited in the pipe until some batch finished, so a group
-handed to the engine thread waited for the other group's generation (hand-off 0.29-0.63 s); `poll`
-now waits at most POLL_WAIT_S.
+overlap_mps on the H200 made 5399 and 5677 steps/h through this process against 5168 and 5304 in
+the trainer's (seed 1, two runs each, measured at f954d65). The dedicated arm run through it had
+training steps of 1.9-3.2 s against a 0.44 s median, not explained: the sequential arms keep the
+client in-process, so the baseline of every ratio is the in-process one.
 
-On the H200 under MPS (reports/h200/fourth), a group's adapter export on the trainer's thread took
+On the H200 under MPS (measured at 39baa4c), a group's adapter export on the trainer's thread took
 2-4x longer while the other group generated, and an adapter load on the engine thread 5x longer while
 the other group trained. Both threads share the trainer's Python interpreter, and vLLM's client turns
 every engine step into Python work (its output processing for every running sequence) on the engine
 thread. `RemoteEngine` keeps `RolloutEngine` and that work in a child process; the engine thread of
 the trainer's process only sends a group's adapters and requests and receives its finished batch.
+
+Adapters are exported here, in the trainer's process (`export_adapter`, RolloutEngine's): into shared
+memory that vLLM's worker maps without the bytes passing through the child, or as a PEFT directory
+(colora/adapter_sync.py); the child is sent a segment's name or a directory's path.
 
 Same interface as `RolloutEngine` (the co-runner, evaluation and the runner use either): one thread
 makes every call. Results are the child's `GenResult`s, unchanged (per-request seeds make them the
@@ -40,8 +38,11 @@ import signal
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
+from . import adapter_sync as sync
+from .adapter_sync import AdapterTensors
 from .config import EngineConfig
 from .engine import GenRequest, GenResult, RolloutEngine, dead_process
 
@@ -112,19 +113,22 @@ class RemoteEngine:
     own_process = True
     generate = RolloutEngine.generate  # submit + poll, the same code as in-process
     decode = RolloutEngine.decode  # texts are decoded here, by the caller's tokenizer
+    export_adapter = RolloutEngine.export_adapter  # here, in the trainer's process
 
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
-                 dtype: str, seed: int, device: str):
+                 dtype: str, seed: int, device: str, adapter_sync: str = "auto"):
         import psutil
 
         from .models import load_tokenizer
 
+        self._proc, self._shared = None, None  # close() works from here on
+        self.adapter_sync, self.adapter_sync_note = sync.resolve(adapter_sync)  # the child's is the same
         ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._closing = threading.Event()  # set by close(): a wait in another thread gives up
         self._procs = []
         self._conn, child = ctx.Pipe()
         kwargs = dict(model_dir=model_dir, cfg=cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
-                      seed=seed, device=device)
+                      seed=seed, device=device, adapter_sync=self.adapter_sync)
         self._proc = ctx.Process(target=_serve, args=(child, kwargs), name="colora-engine")
         t0 = time.perf_counter()
         self._proc.start()
@@ -142,6 +146,7 @@ class RemoteEngine:
         self.start_seconds = time.perf_counter() - t0
         self._procs = [psutil.Process(p) for p in pids] + [psutil.Process(self._proc.pid)]
         self.tokenizer = load_tokenizer(model_dir)
+        self.model_dir = str(model_dir)
         self.max_model_len = cfg.max_model_len
         self.dtype = dtype
         self.warmed = False
@@ -184,10 +189,17 @@ class RemoteEngine:
         self._done.append((key, results))
 
     # -- RolloutEngine's interface ----------------------------------------------------------------
-    def set_adapter(self, job: str, version: int, path: str) -> float:
-        secs = self._call("set_adapter", job, version, str(path))
+    def set_adapter(self, job: str, version: int, adapter: str | Path | AdapterTensors) -> float:
+        """RolloutEngine.set_adapter in the child; the seconds are this call's, the trip included."""
+        t0 = time.perf_counter()
+        self._call("set_adapter", job, version, adapter if isinstance(adapter, AdapterTensors) else str(adapter))
         self._adapters[job] = version
-        return secs
+        if isinstance(adapter, AdapterTensors) and self._shared is not None:
+            self._shared.mapped(job)
+        return time.perf_counter() - t0
+
+    def loaded_adapters(self) -> set[int]:
+        return self._call("loaded_adapters")
 
     def version(self, job: str) -> int:
         return self._adapters[job]
@@ -195,6 +207,8 @@ class RemoteEngine:
     def drop(self, job: str) -> None:
         if self._adapters.pop(job, None) is not None:
             self._call("drop", job)
+        if self._shared is not None:
+            self._shared.release(job)
 
     def drop_all(self) -> None:
         for job in list(self._adapters):
@@ -223,8 +237,9 @@ class RemoteEngine:
 
     def poll(self) -> list[tuple[Any, list[GenResult]]]:
         """The batches back since the last call, waiting at most POLL_WAIT_S for one while any is in
-        flight. It waited for the next batch to finish before, so a group handed to the engine thread
-        meanwhile waited for another group's generation (0.29-0.63 s on the H200, fifth session)."""
+        flight, so that a group handed to the engine thread meanwhile does not wait for another
+        group's generation (waiting for the next batch, the hand-off took 0.29-0.63 s on the H200,
+        measured at 4fe85a8)."""
         if self._inflight and not self._done and self._conn.poll(self.POLL_WAIT_S):
             self._take(self._recv())
         while self._inflight and self._conn.poll(0):
@@ -241,6 +256,9 @@ class RemoteEngine:
     def close(self) -> None:
         """Ask the child to close its engine and wait for it (CLOSE_WAIT_S for its reply, then as long
         for its exit), else kill its process group."""
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.close()
         if self._proc is None:
             return
         proc, self._proc = self._proc, None

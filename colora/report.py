@@ -263,7 +263,7 @@ def analyse(runs: list[RunData], gates: stats.Gates | None, analysis: dict, expe
                  "short_windows": short_windows(runs)}
     base = mean_sph.get("dedicated", {})
     aa = {}
-    for s, v in sph.get("dedicated", {}).items():
+    for s in sph.get("dedicated", {}):
         reps = {r.repeat: r.steps_per_hour for r in runs if r.arm == "dedicated" and r.seed == s}
         if 0 in reps and 1 in reps and all(math.isfinite(x) and x > 0 for x in (reps[0], reps[1])):
             aa[s] = stats.aa_spread(reps[0], reps[1])

@@ -161,39 +161,27 @@ def render(res: dict, runs: list[RunData], command: str, gates: stats.Gates | No
     return "\n".join(L) + "\n"
 
 
-def arms_tables(rows: list[dict], command: str, cfg) -> str:
+def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> str:
     """The arms benchmark's report (colora/bench_arms.py): steps per device-hour and the ratio to the
     seed's dedicated run per arm, the job-count and tuning runs, and per run its engine, phase times,
     group chains and the engine's decoding while a group trains and while none does
-    (colora/phases.py)."""
+    (colora/phases.py); with `steady_from`, the main runs' figures from that step of each job on too."""
     from .compilewatch import describe
     from .config import ARMS
     from .phases import PHASES
 
     seeds = sorted({r["seed"] for r in rows})
     arms = [a for a in ARMS if any(r["arm"] == a and r["label"] == "main" for r in rows)]
-    ded_steps = sorted({x.split("=", 1)[1] for r in rows if r["arm"] == "dedicated" for x in r["set"]
-                        if x.startswith("experiment.steps=")})
-    ded_note = "".join(f"; dedicated runs: {n} steps per job (a steady per-job loop; set apart to fit the device "
-                       "time)" for n in ded_steps)
     lines = [f"# Arms benchmark: {cfg.experiment.name}", "", "```", command, "```", "",
              f"Config hash `{cfg.hash()}`; model `{cfg.experiment.model}`; {len(cfg.jobs)} jobs; "
-             f"{cfg.experiment.steps} steps of which {cfg.experiment.warmup_steps} warm-up (not measured){ded_note}.", "",
-             "Steps per device-hour (ratio to the same seed's dedicated baseline):", "",
-             "| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ratio |",
-             "|---|" + "---|" * (len(seeds) + 1)]
-    for a in arms:
-        cells, ratios = [], []
-        for s in seeds:
-            r = next((r for r in rows if r["arm"] == a and r["seed"] == s and r["label"] == "main"), None)
-            if r is None or r["steps_per_hour"] is None:
-                cells.append("-")
-                continue
-            cells.append(f"{r['steps_per_hour']:.0f} ({r['ratio']:.3f}x)" if r["ratio"] else f"{r['steps_per_hour']:.0f}")
-            if r["ratio"]:
-                ratios.append(r["ratio"])
-        mean = f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"
-        lines.append(f"| {a} | " + " | ".join(cells) + f" | {mean} |")
+             f"{cfg.experiment.steps} steps of which {cfg.experiment.warmup_steps} warm-up (not measured), in every arm.",
+             "", "Steps per device-hour (ratio to the same seed's dedicated baseline):", ""]
+    lines += _arm_table(rows, arms, seeds, "steps_per_hour", "ratio")
+    if steady_from and any(r.get("steady_steps_per_hour") is not None for r in rows):
+        lines += ["", f"The same runs measured from step {steady_from} of each job on (each job's first "
+                  f"{steady_from - 1} steps out, where a job's first steps at new shapes can stall; measured again "
+                  "from the same runs' step times):", ""]
+        lines += _arm_table(rows, arms, seeds, "steady_steps_per_hour", "steady_ratio")
     extra = [r for r in rows if r["label"] != "main"]
     if extra:
         lines += ["", "Job-count scaling and tuning (baseline: the seed's dedicated run of the base workload):", "",
@@ -204,16 +192,16 @@ def arms_tables(rows: list[dict], command: str, cfg) -> str:
                          f"{_fmt(r['steps_per_hour'], 0)} | {_fmt(r['ratio'], 3)} | "
                          f"{_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
     lines += ["", "Per run: phase times and engine start (reported apart from throughput):", "",
-              "| arm | seed | label | engine start s | engine and trainer | measured steps | measured s | busy "
-              "| GPU util | MPS |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| arm | seed | label | engine start s | engine and trainer | measured steps | steps a job | measured s "
+              "| busy | GPU util | MPS |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["summary"] or {}
         lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {_fmt(s.get('engine_start_s'), 0)}"
                      f"{' (reused)' if s.get('engine_reused') else ''} | "
                      f"{'client in its own process' if s.get('engine_process') else 'client in-process'}"
                      f"{', packed rows' if s.get('packed_rows') else ''} | "
-                     f"{s.get('steps_measured', '-')} | "
+                     f"{s.get('steps_measured', '-')} | {_per_job(r.get('steps_per_job') or {})} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "
                      f"{_fmt(s.get('gpu_util'))} | {s.get('mps', '-')} |")
     timed = [r for r in rows if r.get("phases")]
@@ -226,6 +214,15 @@ def arms_tables(rows: list[dict], command: str, cfg) -> str:
             ph = r["phases"]
             cells = [f"{ph[k]['median']:.2f} / {ph[k]['max']:.2f}" if k in ph else "-" for k in PHASES]
             lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | " + " | ".join(cells) + " |")
+        synced = [r for r in timed if r["phases"].get("adapter_sync")]
+        if synced:
+            lines += ["", "Adapter sync per adapter version, from the trainer's weights to the engine serving them "
+                      "(its export plus its load, `adapter_sync` in the run's summary), milliseconds:", "",
+                      "| arm | seed | label | adapters by | versions | median | largest |", "|---|---|---|---|---|---|---|"]
+            for r in synced:
+                a = r["phases"]["adapter_sync"]
+                lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {(r['summary'] or {}).get('adapter_sync', '-')} "
+                             f"| {a['n']} | {1e3 * a['median']:.1f} | {1e3 * a['max']:.1f} |")
         chained = [r for r in timed if r["phases"].get("chain")]
         if chained:
             lines += ["", "Each group's chain (means, seconds): the cycle between a group's successive training steps, "
@@ -278,6 +275,32 @@ def arms_tables(rows: list[dict], command: str, cfg) -> str:
                              + f" in the measured window against a median of {r['phases']['train']['median']:.2f} s "
                              "(a compile or a stall); its steps per hour include them.")
     return "\n".join(lines) + "\n"
+
+
+def _arm_table(rows: list[dict], arms: list[str], seeds: list[int], key: str, ratio: str) -> list[str]:
+    """One row per arm of the main runs: `key` per seed with its `ratio` beside, and the mean ratio."""
+    lines = ["| arm | " + " | ".join(f"seed {s}" for s in seeds) + " | mean ratio |", "|---|" + "---|" * (len(seeds) + 1)]
+    for a in arms:
+        cells, ratios = [], []
+        for s in seeds:
+            r = next((r for r in rows if r["arm"] == a and r["seed"] == s and r["label"] == "main"), None)
+            if r is None or r.get(key) is None:
+                cells.append("-")
+                continue
+            cells.append(f"{r[key]:.0f} ({r[ratio]:.3f}x)" if r.get(ratio) else f"{r[key]:.0f}")
+            if r.get(ratio):
+                ratios.append(r[ratio])
+        mean = f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"
+        lines.append(f"| {a} | " + " | ".join(cells) + f" | {mean} |")
+    return lines
+
+
+def _per_job(counts: dict[str, int]) -> str:
+    """A window's steps a job: one number where every job has it, else the range."""
+    if not counts:
+        return "-"
+    lo, hi = min(counts.values()), max(counts.values())
+    return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 def _share(v: float | None) -> str:

@@ -172,6 +172,7 @@ class Setup:
     out: Path
     model_dir: Path
     tasks: dict
+    adapter_sync: str = "disk"  # runtime.adapter_sync resolved: "memory" or "disk"
 
 
 def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], None] = print,
@@ -182,8 +183,23 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     check_sizes(cfg, tasks)
     check_out_dir(out, resume)
     check_mps(cfg, process_mps)
+    sync = resolve_adapter_sync(cfg, log)
     model_dir = resolve_model(cfg.experiment.model, log)
-    return Setup(cfg, out, model_dir, tasks)
+    return Setup(cfg, out, model_dir, tasks, sync)
+
+
+def resolve_adapter_sync(cfg: Config, log: Callable[[str], None]) -> str:
+    """runtime.adapter_sync resolved (colora/adapter_sync.py): "memory" where it cannot work is a
+    RunError; "auto" says why it goes by disk where it does."""
+    from .adapter_sync import AdapterSyncUnsupported, resolve
+
+    try:
+        mode, why = resolve(cfg.runtime.adapter_sync)
+    except AdapterSyncUnsupported as e:
+        raise RunError(str(e)) from None
+    if mode == "disk" and cfg.runtime.adapter_sync == "auto":
+        log(f"adapters go to the engine by disk: {why}")
+    return mode
 
 
 def adapter_scratch(out: Path) -> Path:

@@ -239,10 +239,11 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
         else:
             from .engine import RolloutEngine as Engine
         return Engine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
-                      dtype=r.dtype, seed=cfg.experiment.seed, device=r.device)
+                      dtype=r.dtype, seed=cfg.experiment.seed, device=r.device, adapter_sync=setup.adapter_sync)
 
     if engine_cache is not None and (cfg.experiment.arm not in MPS_ARMS or shared):
-        key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, r.dtype, r.device, r.remote)
+        key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, r.dtype, r.device, r.remote,
+               setup.adapter_sync)
         engine = engine_cache.get(key, start, exclusive=r.device != "cpu")
         # the next run starts with no adapters of this one; after a stop request no run comes next
         stack.callback(lambda: None if r.stop.requested else engine.drop_all())
@@ -276,8 +277,8 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     from .checkpoint import Checkpointer
     from .corunner import CoRunner, JobState
 
-    cfg, out, model_dir = r.cfg, r.setup.out, str(r.setup.model_dir)
-    scratch = adapter_scratch(out)
+    cfg, out = r.cfg, r.setup.out
+    scratch = adapter_scratch(out)  # for adapters that go by disk
     stack.callback(shutil.rmtree, scratch, True)
     stack.enter_context(r.stop.on_abort(lambda: shutil.rmtree(scratch, True)))  # a second signal
     jobs = {j.name: JobState(j, r.setup.tasks[j.name]) for j in cfg.jobs}
@@ -285,12 +286,11 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
                         r.timeline)
     if resume_state is not None:
         ckpt.restore(resume_state)
-    corunner = CoRunner(cfg, engine, trainer, bank, r.tokenizer, jobs, r.timeline, r.metrics, scratch, model_dir,
+    corunner = CoRunner(cfg, engine, trainer, bank, r.tokenizer, jobs, r.timeline, r.metrics, scratch,
                         r.log, on_step=ckpt.maybe_save, stop_request=r.stop)
     for name in jobs:
         v = bank.jobs[name].version
-        path = bank.export_peft(name, scratch / name / f"v{v}", model_dir, torch_dtype(r.dtype), fold_scale=True)
-        engine.set_adapter(name, v, str(path))
+        engine.set_adapter(name, v, engine.export_adapter(bank, name, scratch / name / f"v{v}"))
     if not engine.warmed:  # once per engine: its compiled kernels stay for every later run
         with r.timeline.span("engine_warmup"):
             secs = engine.warm_up(cfg.experiment.seed)
@@ -380,7 +380,7 @@ def _summarise(r: _Run, engine, bank, trainer, corunner, window: dict, gpu, befo
         experiment=exp.name, arm=exp.arm, seed=exp.seed, config_hash=cfg.hash(), code_version=code_version(),
         runtime=dataclasses.asdict(cfg.runtime), model=str(r.setup.model_dir), device=r.device, dtype=r.dtype,
         mps=r.mps_note, engine_start_s=engine.start_seconds, engine_reused=engine.reused,
-        engine_process=engine.own_process, packed_rows=trainer.packed,
+        engine_process=engine.own_process, adapter_sync=engine.adapter_sync, packed_rows=trainer.packed,
         trainer_setup_s=trainer_setup_s, trainer_sm_count=sms, steps_measured=window["steps"],
         seconds_measured=window["seconds"], steps_per_hour=throughput(window), groups=window.get("groups"),
         busy_fraction=busy(r.timeline.spans, window), gpu_util=gpu_util(gpu, window), wall_s=wall_s,

@@ -44,6 +44,7 @@ class RunSummary:
     engine_start_s: float  # reported apart from the throughput
     engine_reused: bool  # the engine of an earlier run in this process (no start)
     engine_process: bool  # the engine's client ran in a process of its own
+    adapter_sync: str  # how adapter versions reached the engine: memory or disk (colora/adapter_sync.py)
     packed_rows: bool  # the trainer packed each micro-batch's sequences into one row
     trainer_setup_s: float
     trainer_sm_count: int | None  # the SMs the trainer's CUDA context sees (fewer under an MPS share)

@@ -2,13 +2,15 @@
 
     colora sweep CONFIG --seeds 1 2 3 [--arms dedicated shared_sync ...] [--repeats N]
                  [--aa-seeds 1] [--set key=value ...] [--prereg FILE] --out DIR [--deadline S]
-                 [--dry-run] [--verbose]
+                 [--gpus N [--address ADDR]] [--dry-run] [--verbose]
 
 Layout: `DIR/<arm>/seed<seed>-r<repeat>/` is a run directory (colora.runner), its log is beside it
 as `seed<seed>-r<repeat>.log`, and `DIR/sweep.json` lists every run with its state. The runs are
 made by colora/orchestrate.py: resumable (complete runs skipped, unfinished ones moved aside and run
 again), MPS runs on a GPU in processes of their own, `--deadline` starting no run that the finished
-ones say would not end in time.
+ones say would not end in time. With `--gpus N` (the `ray` extra) N runs go at once on a Ray
+cluster, one GPU each, and a dedicated run's jobs each on a GPU of its own, side by side
+(colora/cluster/plan.py); the directories, sweep.json and the report are the same.
 
 Order: seed by seed, and within a seed repeat by repeat and arm by arm, the MPS arms after the others
 (consecutive MPS runs share a process), so slow drift of the machine falls on every arm alike rather
@@ -74,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline", type=float, default=0, metavar="SECONDS",
                    help="start no run that the finished runs say would not end within SECONDS of the start; "
                         "0: no limit")
+    p.add_argument("--gpus", type=int, default=1, help="runs at once, one GPU each, on a Ray cluster (the dedicated "
+                                                       "arm's jobs each on its own GPU); default 1: one after another")
+    p.add_argument("--address", help="the Ray cluster for --gpus: auto (this node's), HOST:PORT, or local (a new one, "
+                                     "also with --gpus 1); default: a new one when --gpus is more than 1")
     p.add_argument("--dry-run", action="store_true", help="print the plan and each run's state; run nothing")
     p.add_argument("--verbose", action="store_true", help="show every log line of every run, vLLM's and other "
                                                           "libraries' too (each run's run.log always has them)")
@@ -105,6 +111,8 @@ def main(argv: list[str] | None = None, run_fn: RunFn = run_in_process) -> int:
         repeats = args.repeats if args.repeats is not None else (pr.repeats if pr else 1)
         aa = args.aa_seeds if args.aa_seeds is not None else ([s for s in pr.aa_seeds if s in seeds] if pr else [])
         planned = plan_runs(arms, seeds, repeats, aa)
+        if args.gpus < 1:
+            raise ConfigError(f"--gpus ({args.gpus}) must be at least 1")
         if pr is not None:
             extra = [f"arm {a}" for a in arms if a not in pr.arms] + [f"seed {s}" for s in seeds if s not in pr.seeds]
             if extra:
@@ -114,10 +122,14 @@ def main(argv: list[str] | None = None, run_fn: RunFn = run_in_process) -> int:
             for i, p in enumerate(planned, 1):
                 print(f"[{i}/{len(planned)}] {p.label} -> {Path(args.out) / p.rel}: {states[p.rel]}")
             return 0
+        if args.gpus > 1 or args.address:
+            from .cluster import require_ray
+
+            require_ray(f"--gpus {args.gpus}" if args.gpus > 1 else f"--address {args.address}")
         record = {"config_path": args.config, "overrides": list(args.set), "command": command, "prereg": args.prereg}
         with session(args.verbose, "stderr"):
             states = run_plan(base, planned, args.out, record=record, run_fn=run_fn, verbose=args.verbose,
-                              deadline_s=args.deadline or None)
+                              deadline_s=args.deadline or None, gpus=args.gpus, address=args.address)
     except PreregMismatch as e:
         print(f"colora: error: refusing to sweep: {e}", file=sys.stderr)
         return 2

@@ -14,20 +14,42 @@ from .runlog import busy_fraction
 def measure_window(step_ends: dict[str, list[float]], t0: float, warmup: int) -> dict:
     """Steady-state window over each job's step end times (timeline seconds): from the moment every
     job has finished `warmup` steps (t0 if none) to the last step's end; counts the job-steps that
-    ended inside it."""
-    ends = {n: e for n, e in step_ends.items() if e}
+    ended inside it. The window keeps its inputs (`t0`, `ends`, `warmup`), so that `remeasure` can
+    measure it again with another warm-up."""
+    ends = {n: list(e) for n, e in step_ends.items() if e}
     if not ends:
-        return {"steps": 0, "seconds": 0.0, "start": t0, "end": t0}
+        return {"steps": 0, "seconds": 0.0, "start": t0, "end": t0, "t0": t0, "ends": {}, "warmup": warmup}
     start = t0 if warmup == 0 else max((e[warmup - 1] if len(e) >= warmup else e[-1]) for e in ends.values())
     end = max(e[-1] for e in ends.values())
     steps = sum(1 for e in ends.values() for t in e if start < t <= end) if warmup else sum(len(e) for e in ends.values())
-    return {"steps": steps, "seconds": end - start, "start": start, "end": end}
+    return {"steps": steps, "seconds": end - start, "start": start, "end": end, "t0": t0, "ends": ends,
+            "warmup": warmup}
 
 
 def combine_windows(windows: list[dict]) -> dict:
     """Dedicated arm: each job alone; steps and seconds add up (one GPU per job, summed)."""
     return {"steps": sum(w["steps"] for w in windows), "seconds": sum(w["seconds"] for w in windows),
             "windows": windows}
+
+
+def remeasure(window: dict, warmup: int) -> dict | None:
+    """The same run's window measured with another warm-up, from the step ends it kept; None for a
+    window that kept none (summaries written before windows kept them)."""
+    ws = window.get("windows", [window])
+    if any("ends" not in w for w in ws):
+        return None
+    again = [measure_window(w["ends"], w["t0"], warmup) for w in ws]
+    return combine_windows(again) if "windows" in window else {**again[0], "groups": window.get("groups")}
+
+
+def steps_per_job(window: dict) -> dict[str, int]:
+    """How many of each job's steps the window counts (`measure_window`'s rule); {} for a window that
+    kept no step ends."""
+    out: dict[str, int] = {}
+    for w in window.get("windows", [window]):
+        for n, e in w.get("ends", {}).items():
+            out[n] = sum(1 for t in e if w["start"] < t <= w["end"]) if w.get("warmup") else len(e)
+    return out
 
 
 def throughput(window: dict) -> float:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # colora's GPU work on the benchmark H200, run through the device tool after the vLLM kit is
-# installed (../shared/gpu/README.md). The host has its own torch/Triton/transformers/peft and no
+# installed (docs/gpu-host.md). The host has its own torch/Triton/transformers/peft and no
 # package index: colora is installed there editable from this checkout, without its dependencies
 # (pip install --no-index --no-deps --no-build-isolation -e .; the host's pip 24 and setuptools 81
 # do it), once per checkout. Everything lands in $OUT (what comes back).
@@ -8,11 +8,16 @@
 #   bash scripts/h200.sh kernels            GPU kernel tests, kernel benchmark, trainer-step benchmark
 #   bash scripts/h200.sh tests              the GPU tests of the kernels and the trainer
 #   bash scripts/h200.sh trainer ARGS...    colora bench trainer ARGS... --out $OUT/trainer_step
-#   bash scripts/h200.sh engine ARGS...     colora bench engine ARGS... --out $OUT/engine (step time by batch)
+#   bash scripts/h200.sh engine ARGS...     colora bench engine ARGS... --out $OUT/engine/report (step time by
+#                                           batch and active adapters; with --profile the breakdown): a
+#                                           report folder, report.md/.json/.png/.profile.txt
 #   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline; with --runs
 #                                           /tmp/colora-runs the run directories come back as runs.tgz;
-#                                           ARMS_NAME=NAME names the report, default arms)
+#                                           ARMS_NAME=NAME names the report, default arms; its JSON is
+#                                           also kept in /tmp/colora-reports for a later call's trl --beside)
 #   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
+#   bash scripts/h200.sh trl ARGS...        colora bench trl ARGS... --out $OUT/trl/report (the peer baseline;
+#                                           TRL's wheels from scripts/peer-kit.sh carried as .peer, installed once)
 #   bash scripts/h200.sh cli ARGS...        colora ARGS... (run, sweep, ...; the log is $OUT/cli.log;
 #                                           COLORA_TIMEOUT=S stops it after S seconds)
 set -uo pipefail
@@ -58,11 +63,12 @@ case "$1" in
     ;;
   engine)
     shift
-    python3 -P -m colora.cli bench engine "$@" --out "$OUT/engine" >> "$LOG" 2>&1; echo "bench engine: $?" >> "$LOG"
+    python3 -P -m colora.cli bench engine "$@" --out "$OUT/engine/report" >> "$LOG" 2>&1; echo "bench engine: $?" >> "$LOG"
     ;;
   arms)
     shift
     python3 -P -m colora.cli bench arms "$@" --out "$OUT/${ARMS_NAME:-arms}" >> "$LOG" 2>&1; echo "bench arms: $?" >> "$LOG"
+    mkdir -p /tmp/colora-reports && cp "$OUT/${ARMS_NAME:-arms}.json" /tmp/colora-reports/ 2>/dev/null
     # the run directories (timelines, metrics, logs; not the adapters), when --runs /tmp/colora-runs
     [ -d /tmp/colora-runs ] && tar czf "$OUT/runs.tgz" --exclude=adapters --exclude=.adapters \
       --exclude=checkpoints -C /tmp colora-runs
@@ -73,6 +79,17 @@ case "$1" in
       python3 -P -m colora.cli model smollm2 "$COLORA_HOME/models/smollm2" \
         --source /tmp/colora-site/colora-models/SmolLM2-135M-Instruct.Q4_1.gguf >> "$LOG" 2>&1
     echo "model smollm2: $?" >> "$LOG"
+    ;;
+  trl)
+    shift
+    if [ ! -f /tmp/colora-peer/.done ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/colora-peer "$ROOT"/.peer/*.whl >> "$LOG" 2>&1 &&
+        touch /tmp/colora-peer/.done || { echo "trl: the peer kit's wheels (.peer) did not install" | tee -a "$LOG"; exit 2; }
+    fi
+    export PYTHONPATH=/tmp/colora-peer:$PYTHONPATH
+    python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" >> "$LOG" 2>&1
+    python3 -m pip list 2>/dev/null | grep -i -E "^(pyarrow|pandas|fsspec|huggingface.hub|accelerate|peft|dill|multiprocess) " >> "$LOG"
+    python3 -P -m colora.cli bench trl "$@" --out "$OUT/trl/report" >> "$LOG" 2>&1; echo "bench trl: $?" >> "$LOG"
     ;;
   cli)
     shift

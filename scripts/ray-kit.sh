@@ -3,7 +3,7 @@
 # manylinux2014, about 79 MB) split into parts of at most 45 MiB, one folder per part (a transfer to
 # the host carries 64 MiB, the working tree included). The host already has Ray's dependencies
 # (msgpack, protobuf, grpcio, aiohttp, PyYAML, filelock, click, requests, psutil; jsonschema comes
-# with the vLLM kit, ../shared/gpu/README.md).
+# with the vLLM kit, docs/gpu-host.md).
 #
 #   bash scripts/ray-kit.sh [OUT] [--wheel FILE] [--part-size BYTES]
 #       here: download the wheel (cached in ~/.cache/colora-ray-kit; --wheel: split FILE instead)

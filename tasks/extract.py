@@ -120,11 +120,10 @@ def _latex_numbers(span: str) -> str:
 def last_number(span: str) -> Fraction | None:
     """The last number in `span` as an exact fraction ("1,234" -> 1234, "$5." -> 5, "-3" -> -3,
     "42 apples" -> 42); None when there is none or it is longer than MAX_NUMBER_DIGITS."""
-    last = None
-    for last in _NUMBER_RE.finditer(_latex_numbers(tail(span))):
-        pass
-    if last is None:
+    found = list(_NUMBER_RE.finditer(_latex_numbers(tail(span))))
+    if not found:
         return None
+    last = found[-1]
     return _to_fraction(last.group(1), last.group(2), last.group(3))
 
 

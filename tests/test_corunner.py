@@ -12,7 +12,7 @@ import pytest
 
 from colora.config import load_config
 from colora.corunner import CoRunner, EngineFailure, Generated, JobState
-from colora.engine import GenRequest, GenResult
+from colora.engine import GenRequest, GenResult, RolloutEngine
 from colora.runlog import JsonlWriter, Timeline
 from colora.trainer import JobStepStats
 
@@ -21,6 +21,9 @@ SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 
 class FakeEngine:
     dtype = "bfloat16"
+    model_dir = "base"
+    adapter_sync = "disk"  # RolloutEngine.export_adapter then writes a PEFT directory (FakeBank's)
+    export_adapter = RolloutEngine.export_adapter
 
     def __init__(self, runner_ref: list):
         self.ref = runner_ref
@@ -60,7 +63,7 @@ def _corunner(tmp_path):
     engine, bank = FakeEngine(ref), FakeBank(ref)
     jobs = {j.name: JobState(j, task=None) for j in cfg.jobs}
     c = CoRunner(cfg, engine, trainer=None, bank=bank, tokenizer=None, jobs=jobs, timeline=Timeline(),
-                 metrics=JsonlWriter(tmp_path / "metrics.jsonl"), adapter_root=tmp_path, base_model="base",
+                 metrics=JsonlWriter(tmp_path / "metrics.jsonl"), adapter_root=tmp_path,
                  log=lambda m: None)
     ref.append(c)
     return c, engine, bank
@@ -78,6 +81,9 @@ def test_export_and_reload_each_hold_the_shipping_lock(tmp_path):
     assert [(j, v) for j, v, _ in engine.loads] == [(n, 1) for n in names]
     assert all(c.jobs[n].pending is None for n in names)
     assert [s["phase"] for s in c.timeline.spans] == ["export", "reload"]
+    for s in c.timeline.spans:  # each span times every adapter version it moved
+        assert set(s["adapter_seconds"]) == {f"{n}@v1" for n in names}
+        assert all(secs >= 0 for secs in s["adapter_seconds"].values())
 
 
 def test_shipping_is_one_at_a_time_and_gives_up_when_the_engine_dies(tmp_path):
@@ -179,7 +185,7 @@ def test_groups_are_balanced_by_the_tokens_of_each_jobs_actual_requests(tmp_path
 
     jobs = {j.name: JobState(j, task=get_task(j.task, **dict(j.task_options))) for j in cfg.jobs}
     c = CoRunner(cfg, FakeEngine([]), trainer=None, bank=None, tokenizer=Tok(), jobs=jobs, timeline=Timeline(),
-                 metrics=JsonlWriter(tmp_path / "metrics.jsonl"), adapter_root=tmp_path, base_model="base",
+                 metrics=JsonlWriter(tmp_path / "metrics.jsonl"), adapter_root=tmp_path,
                  log=lambda m: None)
     seen = []
     monkeypatch.setattr(c, "run_groups", lambda groups: seen.append([list(g) for g in groups]))
@@ -196,6 +202,9 @@ class LoopEngine:
     tagged with the adapter version loaded for its job, each job's completions of a set length."""
 
     dtype = "bfloat16"
+    model_dir = "base"
+    adapter_sync = "disk"
+    export_adapter = RolloutEngine.export_adapter
 
     def __init__(self, lengths: dict[str, int]):
         self.lengths, self.loaded, self.queue = lengths, {}, []
@@ -266,7 +275,7 @@ def _loop_runner(tmp_path, overrides: list[str], lengths: dict[str, int], engine
     ref: list = []
     c = CoRunner(cfg, (engine_cls or LoopEngine)(lengths), (trainer_cls or VersionTrainer)(), FakeBank(ref),
                  ThreeTokens(), {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(),
-                 JsonlWriter(tmp_path / "metrics.jsonl"), tmp_path, "base", log=lambda m: None)
+                 JsonlWriter(tmp_path / "metrics.jsonl"), tmp_path, log=lambda m: None)
     ref.append(c)
     return c
 

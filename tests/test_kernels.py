@@ -580,7 +580,7 @@ def test_dy_pass_fuses_where_the_rule_says():
     big = 256 * num_sms(torch.device(DEV))
     assert pays(64, 16, 40, 24) and pays(big, 32, 40, 24) and pays(64, 16, 40, 24, torch.float32)
     assert pays(big, 64, 24, 40) and pays(big, 48, 24, 24) and pays(big, 64, 24, 40, torch.float16)
-    assert pays(big, 64, 40, 24)  # dx wider than dy: it pays since the twentieth session's measurements
+    assert pays(big, 64, 40, 24)  # dx wider than dy: it pays (measured at 8e23cbf)
     assert not pays(big - 2, 64, 24, 40)  # 64-row tiles
     assert not pays(big, 64, 24, 40, torch.float32)  # the fp32 pass would spill
     assert not pays(big, 128, 24, 40)
@@ -996,7 +996,7 @@ def test_compile_check_covers_every_tuning_candidate():
         for kernel in ("shrink", "dy_pass", "expand", "sgrad"):
             mine = [v for v in got if v[0].startswith(f"tune {kernel} R{R} ")]
             assert len(mine) == len(candidates(kernel, quick=False))
-            for (label, fn, types, consts, ones, div, warps, stages), cfg in zip(mine, candidates(kernel, quick=False)):
+            for (_, _, _, consts, _, _, warps, stages), cfg in zip(mine, candidates(kernel, quick=False)):
                 assert (warps, stages) == (cfg["warps"], cfg["stages"])
                 assert all(consts[c] == cfg[k] for k, c in (("block_m", "BLOCK_M"), ("block_k", "BLOCK_K"),
                                                             ("block_n", "BLOCK_N"), ("block_t", "BLOCK_T"),

@@ -1,12 +1,12 @@
 """colora.kernels on the GPU at realistic shapes, against the float64 reference.
 
     pytest tests/test_kernels_gpu.py -m gpu -q -rA
-    COLORA_KERNEL_TEST_LOG=reports/kernels/gpu_tests.jsonl pytest tests/test_kernels_gpu.py -m gpu -q
+    COLORA_KERNEL_TEST_LOG=runs/kernels/gpu_tests.jsonl pytest tests/test_kernels_gpu.py -m gpu -q
 
 Qwen3-0.6B projection shapes, 1-32 jobs with mixed ranks 8/16/64 (and 0), empty segments, every
 dtype; int64 offsets past 2^31 elements; the selective log-softmax over the real 151,936 vocab. With
-COLORA_KERNEL_TEST_LOG set, every comparison appends its measured error to that JSON-lines file (the
-committed record of the sweep).
+COLORA_KERNEL_TEST_LOG set, every comparison appends its measured error to that JSON-lines file (a
+record of the sweep for a report).
 """
 
 from __future__ import annotations

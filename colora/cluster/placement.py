@@ -6,7 +6,7 @@ it. Jobs are placed longest-first on the least-loaded co-runner that has room, K
 a co-runner at most, so the co-runners' cycles are about equally long and none holds more adapters
 than the others need.
 
-Throughput over several GPUs keeps the one-GPU definition (DESIGN.md): optimizer steps summed over
+Throughput over several GPUs keeps the one-GPU definition (docs/architecture.md): optimizer steps summed over
 jobs per GPU-hour, here summed steps over summed GPU-seconds of the co-runners' measured windows, so
 the figure of N co-runners compares with one GPU's as it is; `aggregate_steps_per_hour` is the
 cluster's rate with every co-runner running at once (the sum of their rates).
