@@ -173,8 +173,9 @@ def test_without_ray_one_gpu_runs_as_today_and_more_names_the_extra(monkeypatch,
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     ran = []
-    monkeypatch.setattr(colora.runner, "run", lambda cfg, out, log: ran.append(out) or {
-        "steps_per_hour": 1.0, "steps_measured": 1, "engine_start_s": 1.0, "jobs": {}})
+    monkeypatch.setattr(colora.runner, "run", lambda cfg, out, log=None: ran.append(out) or {
+        "steps_per_hour": 1.0, "steps_measured": 1, "engine_start_s": 1.0, "wall_s": 1.0, "jobs": {}})
+    monkeypatch.setattr("colora.output.print_closing", lambda summary, run_dir: None)  # no run directory here
     base = [str(SMOKE), "--set", f'experiment.model="{tiny_model_dir}"']
     assert cli.main(["run", *base, "--out", "/tmp/never-written"]) == 0 and ran == [Path("/tmp/never-written")]
     for extra in (["--gpus", "2"], ["--address", "auto"]):
