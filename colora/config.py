@@ -381,8 +381,9 @@ def _check(cfg: Config) -> None:
         r = j.response_length
         need(r.median >= 1, f"{p}.response_length.median", r.median, "must be at least 1")
         need(r.sigma >= 0, f"{p}.response_length.sigma", r.sigma, "must be at least 0")
-        need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
-             f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
+        if r.dist == "lognormal":  # the only length draw that reads min
+            need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
+                 f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
     if g.max_lora_rank:
         top = max(j.lora_rank for j in cfg.jobs)
         need(g.max_lora_rank >= top, "engine.max_lora_rank", g.max_lora_rank,
