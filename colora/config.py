@@ -385,8 +385,9 @@ def _check(cfg: Config) -> None:
         r = j.response_length
         need(r.median >= 1, f"{p}.response_length.median", r.median, "must be at least 1")
         need(r.sigma >= 0, f"{p}.response_length.sigma", r.sigma, "must be at least 0")
-        need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
-             f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
+        if r.dist == "lognormal":  # the only length draw that reads min
+            need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
+                 f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
     need(not g.max_loras or g.max_loras >= len(cfg.jobs), "engine.max_loras", g.max_loras,
          f"must be at least the number of jobs ({len(cfg.jobs)}), or 0 for that many")
     if e.arm in OVERLAP_ARMS:  # the arms that split the jobs into groups (a group holds at least one)

@@ -43,6 +43,12 @@ QWEN3_06B_SHAPE = dict(
 )
 
 TINY_SHAPE = dict(
+    # Weights of std 0.1 rather than Qwen3's 0.02: with 0.02 the tied 128-wide embedding caps every
+    # logit near 0.02 * 128 = 2.6 whatever the LoRA layers do (the final RMSNorm fixes the hidden
+    # state's length), so no policy can put more than ~3% on one token of 512 and nothing learns.
+    # With 0.1 the random model still samples broadly (entropy ~5.5 of ln 512 = 6.2 nats a token)
+    # and LoRA can make it certain.
+    initializer_range=0.1,
     hidden_size=128,
     intermediate_size=256,
     num_hidden_layers=2,

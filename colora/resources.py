@@ -21,7 +21,9 @@ from .config import Config, JobConfig
 from .environment import colora_home
 
 MPS_ARMS = ("mps", "overlap_mps")
-BUILTIN_MODELS = ("tiny", "qwen3-0.6b-shape", "smollm2")
+# builtin:NAME -> its folder in colora's model cache. The folder names the builder's revision, so a
+# changed builder builds afresh instead of serving a cache the old one made.
+BUILTIN_MODELS = {"tiny": "tiny-r2", "qwen3-0.6b-shape": "qwen3-0.6b-shape", "smollm2": "smollm2"}
 
 
 class RunError(RuntimeError):
@@ -41,7 +43,7 @@ def resolve_model(spec: str, log: Callable[[str], None] = print) -> Path:
     if name not in BUILTIN_MODELS:
         raise RunError(f"experiment.model = {spec!r}: unknown builtin; accepted: "
                        + ", ".join(f"builtin:{n}" for n in BUILTIN_MODELS))
-    out = colora_home() / "models" / name
+    out = colora_home() / "models" / BUILTIN_MODELS[name]
     if (out / "config.json").exists():
         return out
     log(f"building {spec} into {out} (once)")

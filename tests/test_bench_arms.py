@@ -318,7 +318,7 @@ def test_group_chain_says_how_long_a_group_waited_for_the_trainer():
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
     cfg = load_config(SMOKE)
     jobs = orchestrate.scaled_jobs(cfg, 5)
-    assert [j["name"] for j in jobs] == ["add", "mod", "add-1", "mod-1", "add-2"]
+    assert [j["name"] for j in jobs] == ["count", "mod", "count-1", "mod-1", "count-2"]
     assert [j["task"] for j in jobs] == [cfg.jobs[k % 2].task for k in range(5)]
     assert len(orchestrate.with_jobs(cfg, 3).jobs) == 3
 

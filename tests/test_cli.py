@@ -27,9 +27,11 @@ def _fails(capsys, argv, *needles):
     ("experiment.stepz=3", ["unknown key", "experiment.stepz", "steps"]),
     ("jobs.0.samples_per_prompt=1", ["jobs.0.samples_per_prompt", "(1)", "at least 2"]),
     ("experiment.arm=fast", ["experiment.arm", "'fast'", "overlap_mps"]),
-    ("jobs.add.lora_rank=-4", ["jobs.0.lora_rank", "(-4)"]),
-    ("jobs.nobody.lora_rank=4", ["no job named 'nobody'", "add, mod"]),
+    ("jobs.count.lora_rank=-4", ["jobs.0.lora_rank", "(-4)"]),
+    ("jobs.nobody.lora_rank=4", ["no job named 'nobody'", "count, mod"]),
     ("jobs.0.task=no_such_task", ["jobs.0.task", "no_such_task", "registered"]),
+    # only lognormal lengths read min: the smoke config's natural lengths leave it at 8 over 2 tokens
+    ('jobs.0.response_length.dist="lognormal"', ["jobs.0.response_length.min", "(8)", "max_new_tokens (2)"]),
     ('experiment.model="/nonexistent/model"', ["experiment.model", "/nonexistent/model", "does not exist"]),
     ("experiment.model=builtin:huge", ["builtin:huge", "builtin:tiny"]),
     # checked before the engine starts: data sizes against the splits, groups and adapter slots against

@@ -49,15 +49,15 @@ def test_check_matches_and_allows_per_run_keys(locked, capsys):
 
 def test_editing_a_locked_setting_fails_and_names_it(locked, capsys):
     cfg_path, pr, _, _ = locked
-    cfg_path.write_text(cfg_path.read_text().replace("learning_rate = 5e-4", "learning_rate = 6e-4"))
+    cfg_path.write_text(cfg_path.read_text().replace("grad_clip = 0.5", "grad_clip = 0.4"))
     assert prereg.main(["check", str(pr), str(cfg_path)]) == 1
     err = capsys.readouterr().err
-    assert "jobs.mod.learning_rate: locked 0.0005, here 0.0006" in err and "1 setting(s)" in err
+    assert "jobs.mod.grad_clip: locked 0.5, here 0.4" in err and "1 setting(s)" in err
 
     assert prereg.main(["check", str(pr), str(SMOKE), "--set", "engine.max_model_len=256",
-                        "--set", "jobs.add.lora_rank=4"]) == 1
+                        "--set", "jobs.count.lora_rank=4"]) == 1
     err = capsys.readouterr().err
-    assert "engine.max_model_len: locked 512, here 256" in err and "jobs.add.lora_rank: locked 8, here 4" in err
+    assert "engine.max_model_len: locked 512, here 256" in err and "jobs.count.lora_rank: locked 8, here 4" in err
 
 
 def test_added_job_and_default_change_are_named(locked):

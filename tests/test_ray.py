@@ -30,7 +30,7 @@ def four_jobs(model_dir, *extra: str):
     """smoke.toml's two jobs and a renamed copy of each (different names: different prompts and seeds)."""
     cfg = load_config(SMOKE, SMALL + [f'experiment.model="{model_dir}"', *extra])
     d = cfg.to_dict()
-    d["jobs"] += [dict(d["jobs"][0], name="add2"), dict(d["jobs"][1], name="mod2")]
+    d["jobs"] += [dict(d["jobs"][0], name="count2"), dict(d["jobs"][1], name="mod2")]
     return from_dict(d)
 
 
@@ -62,8 +62,8 @@ def test_merge_sums_steps_over_gpu_seconds(tiny_model_dir):
                 "engine_start_s": 20.0, "wall_s": 50.0, "device": "cpu", "mps": "-",
                 "jobs": {j: {"status": "done", "reason": "", "steps": 3} for j in jobs}}
 
-    outs = [Outcome(0, "gpus/0", ["add", "mod"], summ(["add", "mod"], 6, 30.0), started=0.0, ended=60.0),
-            Outcome(1, "gpus/1", ["add2"], summ(["add2"], 3, 10.0), started=0.0, ended=40.0),
+    outs = [Outcome(0, "gpus/0", ["count", "mod"], summ(["count", "mod"], 6, 30.0), started=0.0, ended=60.0),
+            Outcome(1, "gpus/1", ["count2"], summ(["count2"], 3, 10.0), started=0.0, ended=40.0),
             Outcome(2, "gpus/2", ["mod2"], error="ActorDiedError: killed", steps_done={"mod2": 1}, started=5.0, ended=25.0)]
     m = merge_summaries(cfg, outs)
     assert m["steps_measured"] == 9 and m["seconds_measured"] == 40.0
@@ -73,7 +73,7 @@ def test_merge_sums_steps_over_gpu_seconds(tiny_model_dir):
     assert m["jobs"]["mod2"] == {"status": "failed", "reason": "co-runner 2 failed: ActorDiedError: killed", "steps": 1,
                                  "version": None, "mean_reward": None, "eval_before": None, "eval_after": None,
                                  "corunner": 2}
-    assert m["jobs"]["add2"]["corunner"] == 1 and m["corunners"]["2"]["state"] == "failed"
+    assert m["jobs"]["count2"]["corunner"] == 1 and m["corunners"]["2"]["state"] == "failed"
 
 
 def test_resume_of_a_run_whose_corunners_all_completed_only_merges(tiny_model_dir, tmp_path):
@@ -82,7 +82,7 @@ def test_resume_of_a_run_whose_corunners_all_completed_only_merges(tiny_model_di
     from colora.runlog import write_json_atomic
 
     cfg = four_jobs(tiny_model_dir)
-    placement = [["add", "mod"], ["add2", "mod2"]]
+    placement = [["count", "mod"], ["count2", "mod2"]]
     write_json_atomic(tmp_path / "cluster.json", {"config": cfg.to_dict(), "hash": cfg.hash(), "gpus": 2,
                                                   "placement": placement})
     write_json_atomic(tmp_path / "status.json", {"state": "running"})
@@ -102,7 +102,7 @@ def test_resume_of_a_run_whose_corunners_all_completed_only_merges(tiny_model_di
     assert s["steps_measured"] == 12 and s["steps_per_hour"] == pytest.approx(12 / 30 * 3600)
     assert s["gpu_seconds_held"] == 120.0 and s["corunners"]["1"]["gpu_ids"] == ["1"]
     assert json.loads((tmp_path / "eval.json").read_text())["after"] == {n: {"accuracy": 1.0} for n in
-                                                                         ("add", "mod", "add2", "mod2")}
+                                                                         ("count", "mod", "count2", "mod2")}
 
 
 # -- clean-up -----------------------------------------------------------------------------------------
@@ -312,14 +312,14 @@ def test_b_four_jobs_on_two_corunners(reference, tmp_path):
     s = run_cluster(cfg, out, 2, log=lambda s: None)
     assert json.loads((out / "status.json").read_text()) == {"state": "complete"}
     placement = json.loads((out / "cluster.json").read_text())["placement"]
-    assert placement == [["add", "mod"], ["add2", "mod2"]]  # equal costs: two a GPU, ties by name
+    assert placement == [["count", "mod"], ["count2", "mod2"]]  # equal costs: two a GPU, ties by name
     assert {s["corunners"][i]["gpu_ids"][0] for i in "01"} == {"0", "1"}
     assert all(j["status"] == "done" and j["steps"] == 3 for j in s["jobs"].values()) and len(s["jobs"]) == 4
     per = [json.loads((out / "gpus" / i / "summary.json").read_text()) for i in "01"]
     assert s["steps_measured"] == sum(p["steps_measured"] for p in per) == 12
     assert s["steps_per_hour"] == pytest.approx(12 / sum(p["seconds_measured"] for p in per) * 3600)
     ev = json.loads((out / "eval.json").read_text())
-    assert set(ev["before"]) == set(ev["after"]) == {"add", "mod", "add2", "mod2"}
+    assert set(ev["before"]) == set(ev["after"]) == {"count", "mod", "count2", "mod2"}
     for i, names in enumerate(placement):
         _equal_to_reference(root, out / "gpus" / str(i), names)
 

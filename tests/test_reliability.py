@@ -48,20 +48,20 @@ def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, tiny_model_dir)
     cfg = load_config(SMOKE)
     bank = AdapterBank("cpu", "torch")
     inject_lora(load_base_model(tiny_model_dir, torch.float32, "cpu"), bank)
-    bank.add_job("add", 8, 16.0, ("q_proj",), 0, 1e-3)
+    bank.add_job("count", 8, 16.0, ("q_proj",), 0, 1e-3)
     bank.add_job("mod", 8, 16.0, ("q_proj",), 0, 1e-3)
-    jobs = {"add": _Job(2), "mod": _Job(2)}
+    jobs = {"count": _Job(2), "mod": _Job(2)}
     ck = Checkpointer(tmp_path, cfg, bank, jobs, every=1, keep=3, log=lambda s: None)
     ck.save_now()
-    bank.jobs["add"].version = 7
-    jobs["add"].step = jobs["mod"].step = 4
+    bank.jobs["count"].version = 7
+    jobs["count"].step = jobs["mod"].step = 4
     newest = ck.save_now()
     assert load_latest(tmp_path, log=lambda s: None)[0] == newest
     state = newest / "state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # torn write
     said = []
     path, st = load_latest(tmp_path, log=said.append)
-    assert path.name == "step-000002" and st["jobs"]["add"]["step"] == 2
+    assert path.name == "step-000002" and st["jobs"]["count"]["step"] == 2
     assert "step-000004" in said[0] and "truncated" in said[0]
 
 
@@ -217,7 +217,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_di
     a, b = _adapters(tmp_path / "full"), _adapters(tmp_path / "killed")
     assert _max_diff(a, b) == 0.0, "resumed adapters must equal the uninterrupted run's bit for bit"
     rows = [r for r in read_jsonl(tmp_path / "killed" / "metrics.jsonl") if r.get("status") == "ok"]
-    assert sorted((r["job"], r["step"]) for r in rows) == [(j, s) for j in ("add", "mod") for s in range(4)]
+    assert sorted((r["job"], r["step"]) for r in rows) == [(j, s) for j in ("count", "mod") for s in range(4)]
 
 
 @pytest.mark.vllm
@@ -266,13 +266,13 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
         run(cfg1, tmp_path / "one", engine_cache=cache, log=lambda s: None)
     finally:
         cache.close()
-    assert s3["jobs"]["add"]["status"] == "stopped" and "ZeroDivisionError" in s3["jobs"]["add"]["reason"]
+    assert s3["jobs"]["count"]["status"] == "stopped" and "ZeroDivisionError" in s3["jobs"]["count"]["reason"]
     assert s3["jobs"]["mod"]["status"] == "stopped" and "not finite" in s3["jobs"]["mod"]["reason"]
     assert s3["jobs"]["healthy"]["status"] == "done" and s3["jobs"]["healthy"]["steps"] == 3
     events = [r for r in read_jsonl(tmp_path / "three" / "metrics.jsonl") if r.get("event") == "stopped"]
-    assert {e["job"] for e in events} == {"add", "mod"}
+    assert {e["job"] for e in events} == {"count", "mod"}
     # the stopped jobs' adapters left the engine during the run (neither colora nor vLLM serves them)
-    assert sorted(d for d in drops if d[1]) == [("add", True, False), ("mod", True, False)], drops
+    assert sorted(d for d in drops if d[1]) == [("count", True, False), ("mod", True, False)], drops
     assert {d[0] for d in drops if not d[1]} == {"healthy"} and not any(d[2] for d in drops), drops
     # the failed training step was kept, and running it again by itself fails the same way
     from colora import replay
@@ -296,7 +296,8 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
              for name in ("three", "one")}
     assert [r["step"] for r in steps["three"]] == [r["step"] for r in steps["one"]] == [0, 1, 2]
     for a, b in zip(steps["three"], steps["one"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-9), (a["step"], a["loss"], b["loss"])
+        # the loss is kl_coef x a KL of ~1e-3: fp32 log-probs summed in another order move it by ~2e-9
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-8), (a["step"], a["loss"], b["loss"])
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a["step"], a["grad_norm"], b["grad_norm"])
     state = {name: load_latest(tmp_path / name, log=lambda s: None)[1]["jobs"]["healthy"] for name in ("three", "one")}
     assert state["three"]["step"] == state["one"]["step"] == 3

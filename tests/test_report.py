@@ -23,7 +23,7 @@ from colora.stats import _BOOTSTRAP_RNG_KW as _RNG_KW
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.toml"
-JOBS = ("add", "mod")
+JOBS = ("count", "mod")
 
 
 def write_fake_run(d: Path, arm: str, seed: int, sph: float, acc: dict, rewards: dict, overrides=(),
@@ -65,15 +65,15 @@ def write_fake_run(d: Path, arm: str, seed: int, sph: float, acc: dict, rewards:
     write_json_atomic(d / "status.json", {"state": "complete"})
 
 
-BEFORE = {"add": 0.125, "mod": 0.5}  # eval accuracy before training, every run (the base model)
+BEFORE = {"count": 0.125, "mod": 0.5}  # eval accuracy before training, every run (the base model)
 
 # Chosen numbers: (arm, seed, repeat) -> steps/h, eval accuracy per job, rewards per step per job
 FAKE = {
-    ("dedicated", 1, 0): (1000.0, {"add": 0.50, "mod": 0.25}, {"add": [0.1, 0.3, 0.5], "mod": [0.0, 0.2, 0.1]}),
-    ("dedicated", 1, 1): (1040.0, {"add": 0.75, "mod": 0.25}, {"add": [0.2, 0.3, 0.4], "mod": [0.1, 0.1, 0.1]}),
-    ("dedicated", 2, 0): (900.0, {"add": 0.25, "mod": 0.50}, {"add": [0.0, 0.1, 0.2], "mod": [0.3, 0.3, 0.6]}),
-    ("shared_sync", 1, 0): (2300.0, {"add": 0.75, "mod": 0.25}, {"add": [0.2, 0.4, 0.6], "mod": [0.1, 0.1, 0.1]}),
-    ("shared_sync", 2, 0): (1890.0, {"add": 0.25, "mod": 0.25}, {"add": [0.1, 0.1, 0.1], "mod": [0.3, 0.5, 0.4]}),
+    ("dedicated", 1, 0): (1000.0, {"count": 0.50, "mod": 0.25}, {"count": [0.1, 0.3, 0.5], "mod": [0.0, 0.2, 0.1]}),
+    ("dedicated", 1, 1): (1040.0, {"count": 0.75, "mod": 0.25}, {"count": [0.2, 0.3, 0.4], "mod": [0.1, 0.1, 0.1]}),
+    ("dedicated", 2, 0): (900.0, {"count": 0.25, "mod": 0.50}, {"count": [0.0, 0.1, 0.2], "mod": [0.3, 0.3, 0.6]}),
+    ("shared_sync", 1, 0): (2300.0, {"count": 0.75, "mod": 0.25}, {"count": [0.2, 0.4, 0.6], "mod": [0.1, 0.1, 0.1]}),
+    ("shared_sync", 2, 0): (1890.0, {"count": 0.25, "mod": 0.25}, {"count": [0.1, 0.1, 0.1], "mod": [0.3, 0.5, 0.4]}),
 }
 
 
@@ -100,7 +100,7 @@ def test_report_numbers_match_hand_computation(tmp_path):
 
     # eval accuracy pairs (job, seed), dedicated averaged over repeats on seed 1
     acc = s["learning"]["shared_sync"]["eval_accuracy"]
-    want = {("add", 1): 0.75 - 0.625, ("add", 2): 0.0, ("mod", 1): 0.0, ("mod", 2): 0.25 - 0.5}
+    want = {("count", 1): 0.75 - 0.625, ("count", 2): 0.0, ("mod", 1): 0.0, ("mod", 2): 0.25 - 0.5}
     assert {(j, sd): d for j, sd, d in acc["pairs"]} == pytest.approx(want)
     d = np.array([want[k] for k in sorted(want)])
     lo, hi = sps.t.interval(0.95, 3, loc=d.mean(), scale=sps.sem(d))
@@ -110,19 +110,19 @@ def test_report_numbers_match_hand_computation(tmp_path):
 
     # training reward: mean over ok steps only (the stopped row's 123.0 is not counted)
     rew = {(j, sd): x for j, sd, x in s["learning"]["shared_sync"]["train_reward"]["pairs"]}
-    ded_add_1 = (np.mean([0.1, 0.3, 0.5]) + np.mean([0.2, 0.3, 0.4])) / 2
-    assert rew[("add", 1)] == pytest.approx(np.mean([0.2, 0.4, 0.6]) - ded_add_1)
+    ded_count_1 = (np.mean([0.1, 0.3, 0.5]) + np.mean([0.2, 0.3, 0.4])) / 2
+    assert rew[("count", 1)] == pytest.approx(np.mean([0.2, 0.4, 0.6]) - ded_count_1)
     assert rew[("mod", 2)] == pytest.approx(0.4 - 0.4)
 
     # A/A learning: dedicated r1 - r0 on seed 1
     aa = {(j, sd): x for j, sd, x in s["aa"]["eval_accuracy"]["pairs"]}
-    assert aa == pytest.approx({("add", 1): 0.25, ("mod", 1): 0.0})
+    assert aa == pytest.approx({("count", 1): 0.25, ("mod", 1): 0.0})
 
     # eval before -> after per job: repeats averaged per seed, then seeds
     ebj = s["eval_by_job"]
-    add = dict(ebj["dedicated"]["add"])
-    assert add.pop("seeds") == [1, 2]
-    assert add == pytest.approx({"before": 0.125, "after": (0.625 + 0.25) / 2, "change": (0.625 + 0.25) / 2 - 0.125})
+    count = dict(ebj["dedicated"]["count"])
+    assert count.pop("seeds") == [1, 2]
+    assert count == pytest.approx({"before": 0.125, "after": (0.625 + 0.25) / 2, "change": (0.625 + 0.25) / 2 - 0.125})
     assert ebj["shared_sync"]["mod"]["change"] == pytest.approx(0.25 - 0.5)
 
     # no pre-registration: no gates described or applied, the numbers still reported
@@ -132,7 +132,7 @@ def test_report_numbers_match_hand_computation(tmp_path):
     assert f"{2300 / 1020:.3f}x" in md and "## Gates" not in md and "## Result" not in md
     assert not any(w in md for w in ("PASS", "FAIL", "NOT EVALUATED", "gate:"))
     assert "applies no gates" in md
-    assert "| add | 0.125 -> 0.438 (+0.312) | 0.125 -> 0.500 (+0.375) |" in md
+    assert "| count | 0.125 -> 0.438 (+0.312) | 0.125 -> 0.500 (+0.375) |" in md
     assert "| rose on | 1 of 2 | 1 of 2 |" in md
     for f in s["figures"]:
         assert (tmp_path / "rep" / f).stat().st_size > 10_000, f
@@ -172,10 +172,10 @@ def test_report_with_prereg_applies_its_gates(tmp_path, capsys):
 
 def test_report_puts_fresh_seeds_in_a_replication_section(tmp_path):
     fresh = {  # seeds 4 and 5, not pre-registered
-        ("dedicated", 4, 0): (800.0, {"add": 0.5, "mod": 0.25}, {"add": [0.1, 0.2, 0.3], "mod": [0.0, 0.1, 0.2]}),
-        ("shared_sync", 4, 0): (2000.0, {"add": 0.75, "mod": 0.0}, {"add": [0.2, 0.2, 0.5], "mod": [0.0, 0.0, 0.3]}),
-        ("dedicated", 5, 0): (1000.0, {"add": 0.25, "mod": 0.5}, {"add": [0.1, 0.1, 0.1], "mod": [0.2, 0.2, 0.2]}),
-        ("shared_sync", 5, 0): (2500.0, {"add": 0.5, "mod": 0.5}, {"add": [0.3, 0.3, 0.3], "mod": [0.2, 0.4, 0.3]})}
+        ("dedicated", 4, 0): (800.0, {"count": 0.5, "mod": 0.25}, {"count": [0.1, 0.2, 0.3], "mod": [0.0, 0.1, 0.2]}),
+        ("shared_sync", 4, 0): (2000.0, {"count": 0.75, "mod": 0.0}, {"count": [0.2, 0.2, 0.5], "mod": [0.0, 0.0, 0.3]}),
+        ("dedicated", 5, 0): (1000.0, {"count": 0.25, "mod": 0.5}, {"count": [0.1, 0.1, 0.1], "mod": [0.2, 0.2, 0.2]}),
+        ("shared_sync", 5, 0): (2500.0, {"count": 0.5, "mod": 0.5}, {"count": [0.3, 0.3, 0.3], "mod": [0.2, 0.4, 0.3]})}
     pr = _prereg(tmp_path)
     alone = report.make_report([str(make_fake_sweep(tmp_path / "alone"))], tmp_path / "r0", str(pr), figures=False)
     both = report.make_report([str(make_fake_sweep(tmp_path / "both", {**FAKE, **fresh}))], tmp_path / "r1", str(pr),
@@ -187,7 +187,7 @@ def test_report_puts_fresh_seeds_in_a_replication_section(tmp_path):
     assert rep["seeds"] == [4, 5] and rep["gates"] == {}
     assert rep["ratio"]["shared_sync"] == pytest.approx({"4": 2000 / 800, "5": 2500 / 1000})
     pairs = {(j, sd): x for j, sd, x in rep["learning"]["shared_sync"]["eval_accuracy"]["pairs"]}
-    assert pairs == pytest.approx({("add", 4): 0.25, ("mod", 4): -0.25, ("add", 5): 0.25, ("mod", 5): 0.0})
+    assert pairs == pytest.approx({("count", 4): 0.25, ("mod", 4): -0.25, ("count", 5): 0.25, ("mod", 5): 0.0})
     rew = {(j, sd): x for j, sd, x in rep["learning"]["shared_sync"]["train_reward"]["pairs"]}
     assert rew[("mod", 5)] == pytest.approx(0.3 - 0.2)
     md = (tmp_path / "r1" / "report.md").read_text()

@@ -113,9 +113,9 @@ def test_refuses_a_complete_run_of_another_config(tmp_path, capsys):
     base = [str(SMOKE), "--seeds", "1", "--arms", "dedicated", "--out", str(out)]
     assert sweep.main(base, run_fn=FakeRunner()) == 0
     fake = FakeRunner()
-    assert sweep.main(base + ["--set", "experiment.steps=3", "--set", "jobs.add.lora_rank=4"], run_fn=fake) == 2
+    assert sweep.main(base + ["--set", "experiment.steps=3", "--set", "jobs.count.lora_rank=4"], run_fn=fake) == 2
     err = capsys.readouterr().err
-    assert "another config" in err and "jobs.add.lora_rank" in err and fake.calls == []
+    assert "another config" in err and "jobs.count.lora_rank" in err and fake.calls == []
 
 
 def test_prereg_refuses_a_changed_config_and_runs_nothing(tmp_path, capsys):

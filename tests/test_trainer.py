@@ -188,7 +188,9 @@ def test_nonfinite_job_is_not_stepped_and_others_are(tiny_model_dir):
     assert st["b"].grad_norm == pytest.approx(alone.grad_norm, rel=1e-6)
     assert_same_adamw_state(bank.jobs["b"].optimizer.state_dict(), bank_b.jobs["b"].optimizer.state_dict())
     got, want = params_of(bank, "b"), params_of(bank_b, "b")
-    assert max((got[k][1] - want[k][1]).abs().max().item() for k in got) <= 1e-6
+    # weights within 1% of one AdamW step (about lr an element): lr * g / (sqrt(g^2) + eps) of a
+    # gradient near 0 moves with fp32 sums in another order (1.3e-6 measured, lr 5e-4)
+    assert max((got[k][1] - want[k][1]).abs().max().item() for k in got) <= 0.01 * JOB_B.learning_rate
 
 
 def test_diverged_adapter_is_stopped_before_export(tiny_model_dir):
@@ -434,6 +436,7 @@ def test_packed_rows_take_the_padded_step(tiny_model_dir, micro_batch_tokens):
         st = trainer.step({j.name: fixed_rollouts(j, 1, vocab) for j in (JOB_A, JOB_B)})  # KL > 0 once moved
         results.append((st, {j: params_of(bank, j) for j in ("a", "b")}, _states(bank, ("a", "b"))))
     (s0, p0, o0), (s1, p1, o1) = results
+    lr = {j.name: j.learning_rate for j in (JOB_A, JOB_B)}
     for j in ("a", "b"):
         assert s1[j].loss == pytest.approx(s0[j].loss, rel=1e-5, abs=1e-7)
         assert s1[j].grad_norm == pytest.approx(s0[j].grad_norm, rel=1e-5)
@@ -441,7 +444,8 @@ def test_packed_rows_take_the_padded_step(tiny_model_dir, micro_batch_tokens):
         # KL of a barely moved policy (~4e-6): a difference of fp32 log-probs summed in another order
         assert s1[j].kl == pytest.approx(s0[j].kl, rel=1e-5, abs=1e-8)
         assert s1[j].entropy == pytest.approx(s0[j].entropy, rel=1e-5)
-        assert max((p1[j][k][i] - p0[j][k][i]).abs().max().item() for k in p0[j] for i in (0, 1)) <= 1e-6
+        # weights within 1% of one AdamW step (1.4e-6 measured, lr 5e-4 and 1e-3)
+        assert max((p1[j][k][i] - p0[j][k][i]).abs().max().item() for k in p0[j] for i in (0, 1)) <= 0.01 * lr[j]
     assert s0["b"].kl > 0
     assert counts == ([3, 2] if micro_batch_tokens == 100 else [1, 1])  # at 100 tokens the padding took one more
 
