@@ -20,7 +20,7 @@ from colora.summary import JobSummary, RunSummary
 from colora.throughput import combine_windows, measure_window, steps_per_job, throughput
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
-STEP_S = {"add": 1.5, "mod": 2.0}  # a job's step (generate 1 s, then train) in the fake runs
+STEP_S = {"count": 1.5, "mod": 2.0}  # a job's step (generate 1 s, then train) in the fake runs
 
 
 def fake_run(cfg, out: Path, log: Path, error: str | None) -> dict | None:
@@ -113,7 +113,7 @@ def _argv(out: Path, *extra: str) -> list[str]:
 def test_a_dedicated_run_in_parts_becomes_a_one_gpu_runs_directory(tmp_path, monkeypatch, tiny_model_dir):
     from colora.report import find_run_dirs, load_run
 
-    fake = FakeCluster(fail={("shared_sync", 1, "add")})
+    fake = FakeCluster(fail={("shared_sync", 1, "count")})
     monkeypatch.setattr(driver, "run_shares", fake)
     out = tmp_path / "sw"
     argv = _argv(out, "--set", f'experiment.model="{tiny_model_dir}"')
@@ -138,24 +138,24 @@ def test_a_dedicated_run_in_parts_becomes_a_one_gpu_runs_directory(tmp_path, mon
     s = json.loads((ded / "summary.json").read_text())
     # the one-GPU quantity: steps 2-3 of each job over their windows' seconds, summed
     assert s["steps_measured"] == 4 and s["seconds_measured"] == pytest.approx(2 * 1.5 + 2 * 2.0)
-    assert s["steps_per_hour"] == pytest.approx(4 / 7.0 * 3600) and steps_per_job(s["window"]) == {"add": 2, "mod": 2}
-    assert list(s["jobs"]) == ["add", "mod"] and s["engine_start_s"] == 2.0
+    assert s["steps_per_hour"] == pytest.approx(4 / 7.0 * 3600) and steps_per_job(s["window"]) == {"count": 2, "mod": 2}
+    assert list(s["jobs"]) == ["count", "mod"] and s["engine_start_s"] == 2.0
     assert [p["gpu_ids"] for p in s["parts"]] == [["0"], ["1"]] and s["wall_s"] == pytest.approx(1012.0 - 1000.0)
-    # the parts laid end to end: mod's engine start begins where add's last step ended (4.5 s)
+    # the parts laid end to end: mod's engine start begins where count's last step ended (4.5 s)
     spans = read_jsonl(ded / "timeline.jsonl")
     starts = [sp for sp in spans if sp["phase"] == "engine_start"]
     assert [(sp["start"], sp["end"]) for sp in starts] == [(-2.0, 0.0), (4.5, 6.5)]
     assert [w["start"] for w in s["window"]["windows"]] == [1.5, 8.5]
-    assert [r["job"] for r in read_jsonl(ded / "metrics.jsonl")] == ["add"] * 3 + ["mod"] * 3
-    assert set(json.loads((ded / "eval.json").read_text())["after"]) == {"add", "mod"}
+    assert [r["job"] for r in read_jsonl(ded / "metrics.jsonl")] == ["count"] * 3 + ["mod"] * 3
+    assert set(json.loads((ded / "eval.json").read_text())["after"]) == {"count", "mod"}
     assert "== part 1: mod on node GPU 1 ==" in (ded / "run.log").read_text()
     log = (out / "dedicated" / "seed1-r0.log").read_text()
-    assert "== part 0: add ==\nfake run of add" in log and "== part 1: mod ==\nfake run of mod" in log
+    assert "== part 0: count ==\nfake run of count" in log and "== part 1: mod ==\nfake run of mod" in log
     assert not (ded / "parts" / "0.log").exists()
     # the report finds the one run and reads it as a dedicated run of both jobs
     assert find_run_dirs([out]) == [ded.resolve()]
     run = load_run(ded)
-    assert run.arm == "dedicated" and set(run.curves) == {"add", "mod"} and run.eval_after == {"add": 0.5, "mod": 0.5}
+    assert run.arm == "dedicated" and set(run.curves) == {"count", "mod"} and run.eval_after == {"count": 0.5, "mod": 0.5}
 
     # again: the complete run is skipped, the failed one moved aside and run again
     again = FakeCluster()
@@ -172,7 +172,7 @@ def test_a_dedicated_run_in_parts_becomes_a_one_gpu_runs_directory(tmp_path, mon
 
 
 def test_a_failed_part_fails_its_run(tmp_path, monkeypatch, tiny_model_dir):
-    monkeypatch.setattr(driver, "run_shares", FakeCluster(fail={("dedicated", 1, "add")}))
+    monkeypatch.setattr(driver, "run_shares", FakeCluster(fail={("dedicated", 1, "count")}))
     out = tmp_path / "sw"
     lines = []
     cfg = load_config(SMOKE, ["experiment.steps=2", f'experiment.model="{tiny_model_dir}"'])
@@ -200,7 +200,7 @@ def test_the_deadline_on_the_cluster(tmp_path, monkeypatch, tiny_model_dir):
                       "dedicated/seed2-r0": "skipped", "shared_sync/seed2-r0": "skipped"}
     rec = {r["dir"]: r for r in json.loads((tmp_path / "a" / "sweep.json").read_text())["runs"]}
     assert rec["dedicated/seed1-r0"]["error"] == "stopped at the deadline"
-    assert "fake run of add" in (tmp_path / "a" / "dedicated" / "seed1-r0.log").read_text()  # its parts' logs
+    assert "fake run of count" in (tmp_path / "a" / "dedicated" / "seed1-r0.log").read_text()  # its parts' logs
 
     ticks = iter(range(0, 10_000, 100))  # every look at the clock: 100 s later
     fake = FakeCluster()

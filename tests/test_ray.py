@@ -341,7 +341,7 @@ def test_b_a_sweeps_dedicated_run_goes_in_parts_side_by_side(reference, tmp_path
     d = out / "dedicated" / "seed0-r0"
     s = json.loads((d / "summary.json").read_text())
     parts = s["parts"]
-    assert [p["jobs"] for p in parts] == [["add", "mod"], ["add2", "mod2"]]
+    assert [p["jobs"] for p in parts] == [["count", "mod"], ["count2", "mod2"]]
     assert {p["gpu_ids"][0] for p in parts} == {"0", "1"}
     assert max(p["started"] for p in parts) < min(p["ended"] for p in parts)  # side by side
     assert sorted(x.name for x in d.iterdir() if x.name != "parts") == \
@@ -349,10 +349,10 @@ def test_b_a_sweeps_dedicated_run_goes_in_parts_side_by_side(reference, tmp_path
     assert s["arm"] == "dedicated" and s["steps_measured"] == sum(p["steps_measured"] for p in parts) == 12
     assert s["seconds_measured"] == pytest.approx(sum(p["seconds_measured"] for p in parts))
     assert s["steps_per_hour"] == pytest.approx(12 / s["seconds_measured"] * 3600)
-    assert steps_per_job(s["window"]) == {"add": 3, "mod": 3, "add2": 3, "mod2": 3}
+    assert steps_per_job(s["window"]) == {"count": 3, "mod": 3, "count2": 3, "mod2": 3}
     assert json.loads((out / "sweep.json").read_text())["runs"][0]["state"] == "complete"
-    assert "== part 1: add2, mod2 ==" in (out / "dedicated" / "seed0-r0.log").read_text()
-    _equal_to_reference(root, d, ["add", "mod", "add2", "mod2"])
+    assert "== part 1: count2, mod2 ==" in (out / "dedicated" / "seed0-r0.log").read_text()
+    _equal_to_reference(root, d, ["count", "mod", "count2", "mod2"])
     lines = []  # again: complete, so nothing starts
     assert orchestrate.run_plan(cfg, plan, out, progress=lines.append, gpus=2) == {"dedicated/seed0-r0": "complete"}
     assert "[1/1] dedicated seed 0 r0: complete, skipped" in lines
