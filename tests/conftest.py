@@ -35,6 +35,18 @@ def pytest_collection_modifyitems(config, items):
                 it.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Each test starts from the environment the session started with: what a library sets at import
+    (TRL's `import trl` sets VLLM_LOGGING_LEVEL=ERROR, which silenced vLLM in every `colora` process
+    a later test started) or a test sets by hand stays within that test."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random tiny Qwen3 with its byte-level BPE tokenizer (fp32), built once per session."""

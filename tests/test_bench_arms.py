@@ -65,7 +65,7 @@ def test_every_arm_runs_the_configs_steps_and_the_report_gives_the_steady_figure
     assert by["shared_sync"]["steady_ratio"] == pytest.approx((6 / 1.2) / 1.0)
     bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg, steady_from=3)
     md = (tmp_path / "rep.md").read_text()
-    assert "3 steps of which 1 warm-up (not measured), in every arm." in md
+    assert "24 steps of which 1 warm-up (not measured), in every arm." in md
     assert "| shared_sync | 10286 (4.286x) | 4.286x |" in md
     assert "measured from step 3 of each job on (each job's first 2 steps out" in md
     assert "| shared_sync | 18000 (5.000x) | 5.000x |" in md
@@ -371,8 +371,8 @@ def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
         assert r["ratio"] == pytest.approx(summaries[k]["steps_per_hour"] / base)
     # steps 2 and 3 of every job in every arm (warm-up 1), and again step 3 alone
     assert by[("dedicated", "main")]["steps_per_job"] == by[("shared_sync", "main")]["steps_per_job"] == \
-        {"add": 2, "mod": 2}
-    assert by[("shared_sync", "jobs3")]["steps_per_job"] == {"add": 2, "mod": 2, "add-1": 2}
+        {"count": 2, "mod": 2}
+    assert by[("shared_sync", "jobs3")]["steps_per_job"] == {"count": 2, "mod": 2, "count-1": 2}
     assert all(r["steady_steps_per_hour"] > 0 and r["steady_ratio"] > 0 for r in by.values())
     assert sum(not s["engine_reused"] for s in summaries.values()) == 1  # one engine for the batch
     # --report-only: the same report again from the run directories, nothing run

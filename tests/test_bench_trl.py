@@ -28,14 +28,14 @@ def test_job_settings_map_onto_grpo_config():
     cfg = load_config(SMOKE, ['jobs.mod.loss="dr_grpo"', "jobs.mod.kl_coef=0.05"])
     job = cfg.job("mod")
     kw = grpo_config_kwargs(cfg, job, 5, "cuda", "bfloat16", 2, True, False, "/tmp/x")
-    assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] == 16  # 4 prompts x 4 samples
-    assert (kw["num_generations"], kw["num_iterations"], kw["max_completion_length"]) == (4, 1, 24)
+    assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] == 128  # 16 prompts x 8 samples
+    assert (kw["num_generations"], kw["num_iterations"], kw["max_completion_length"]) == (8, 1, 2)
     assert (kw["loss_type"], kw["scale_rewards"], kw["beta"]) == ("dr_grpo", "none", 0.05)
-    assert (kw["learning_rate"], kw["max_grad_norm"], kw["lr_scheduler_type"]) == (5e-4, 0.5, "constant")
+    assert (kw["learning_rate"], kw["max_grad_norm"], kw["lr_scheduler_type"]) == (1e-2, 0.5, "constant")
     assert kw["optim"] == "adamw_torch_fused" and kw["bf16"] and not kw["gradient_checkpointing"]
     assert kw["vllm_mode"] == "colocate" and kw["vllm_importance_sampling_correction"] is False
     assert kw["vllm_gpu_memory_utilization"] == 0.3 and kw["vllm_max_model_length"] == 512
-    cpu = grpo_config_kwargs(cfg, cfg.job("add"), 5, "cpu", "float32", 1, False, False, "/tmp/x")
+    cpu = grpo_config_kwargs(cfg, cfg.job("count"), 5, "cpu", "float32", 1, False, False, "/tmp/x")
     assert cpu["loss_type"] == "grpo" and cpu["scale_rewards"] == "group" and cpu["use_cpu"]
     assert not any(k.startswith("vllm_") for k in cpu)
     trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[peer]')")
@@ -45,9 +45,9 @@ def test_job_settings_map_onto_grpo_config():
 
 @pytest.mark.parametrize("extra, message", [
     (["--job", "nope"], "--job 'nope' is not a job of"),
-    (["--job", "add", "--set", 'jobs.add.response_length="fixed"'], "cannot set response lengths"),
-    (["--job", "add", "--steps", "1"], "--steps (1) must exceed experiment.warmup_steps (1)"),
-    (["--job", "add", "--beside", "missing.json"], "--beside 'missing.json': not a `colora bench arms` report or a"),
+    (["--job", "count", "--set", 'jobs.count.response_length="fixed"'], "cannot set response lengths"),
+    (["--job", "count", "--steps", "1"], "--steps (1) must exceed experiment.warmup_steps (1)"),
+    (["--job", "count", "--beside", "missing.json"], "--beside 'missing.json': not a `colora bench arms` report or a"),
 ])
 def test_bench_trl_refuses_bad_input_before_running(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -82,7 +82,7 @@ def test_bench_trl_refuses_vllm_outside_trls_range(tmp_path, capsys):
     if why is None:
         pytest.skip("this machine's vLLM is one TRL supports")
     with pytest.raises(SystemExit) as e:
-        main(["bench", "trl", SMOKE, "--job", "add", "--generation", "vllm", "--out", str(tmp_path / "r")])
+        main(["bench", "trl", SMOKE, "--job", "count", "--generation", "vllm", "--out", str(tmp_path / "r")])
     assert e.value.code == 2 and why in capsys.readouterr().err
 
 

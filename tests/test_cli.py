@@ -37,12 +37,12 @@ def _fails(capsys, argv, *needles):
     # checked before the engine starts: data sizes against the splits, groups and adapter slots against
     # the jobs, task options
     (["jobs.0.task=gsm8k", f'jobs.0.task_options={{path="{GSM8K}"}}', "experiment.eval_size=3"],
-     ["experiment.eval_size (3)", "eval split of job 'add'", "2 items", "at most 2"]),
+     ["experiment.eval_size (3)", "eval split of job 'count'", "2 items", "at most 2"]),
     (["jobs.0.task=gsm8k", f'jobs.0.task_options={{path="{GSM8K}"}}', "experiment.eval_size=0",
       "jobs.0.prompts_per_step=11"],
      ["jobs.0.prompts_per_step (11)", "train split", "10 items"]),
     ("jobs.1.task_options={terms=1, max_operand=2, max_modulus=2}",  # a procedural task's tiny eval split
-     ["experiment.eval_size (8)", "job 'mod'", "too small"]),
+     ["experiment.eval_size (32)", "job 'mod'", "too small"]),
     ("jobs.1.task_options={max_modulus=1}", ["jobs.1.task", "modular", "max_modulus (1)"]),
     (["experiment.arm=overlap", "overlap.groups=5"], ["overlap.groups (5)", "number of jobs (2)", "overlap"]),
     ("engine.max_loras=1", ["engine.max_loras (1)", "number of jobs (2)"]),

@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.toml"
 SMALL = ['jobs.*.task="coin_task:CoinFlip"', "jobs.*.task_options={}", "experiment.steps=3", "experiment.warmup_steps=0",
          "experiment.eval_size=4", "jobs.*.prompts_per_step=2", "jobs.*.samples_per_prompt=3", "jobs.*.max_new_tokens=8",
-         "engine.gpu_memory_utilization=0.12", "runtime.checkpoint_every=1"]
+         "engine.gpu_memory_utilization=0.12", "runtime.checkpoint_every=1",
+         # smoke.toml's 1e-2 makes AdamW turn fp32 summation-order noise in gradient elements near its eps
+         # into adapter differences of ~2e-5 after 3 steps (the grad norms still agree to 1e-7): the
+         # adapter tolerance below is for an ordinary learning rate
+         "jobs.*.learning_rate=5e-4"]
 
 
 def four_jobs(model_dir, *extra: str):
@@ -209,7 +213,7 @@ def test_a_cluster_run_checks_the_splits_before_any_directory(tmp_path, tiny_mod
 
     cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "jobs.1.task_options={terms=1, max_operand=2, "
                               "max_modulus=2}"])
-    with pytest.raises(RunError, match=r"experiment.eval_size \(8\) for job 'mod'"):
+    with pytest.raises(RunError, match=r"experiment.eval_size \(32\) for job 'mod'"):
         run_cluster(cfg, tmp_path / "run", 2)
     assert not (tmp_path / "run").exists()
 
@@ -296,6 +300,7 @@ def _equal_to_reference(root: Path, run: Path, jobs: list[str]) -> None:
         mine, ref = _rows(run, job), _rows(root / "ref", job)
         keys = ("step", "reward", "response_len", "rollout_versions", "reward_std")
         assert [{k: r[k] for k in keys} for r in mine] == [{k: r[k] for k in keys} for r in ref], job
+        assert [r["grad_norm"] for r in mine] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5), job
         a, b = _adapter(run / "adapters" / job), _adapter(root / "ref" / "adapters" / job)
         assert a.keys() == b.keys()
         for k in a:

@@ -173,7 +173,7 @@ def test_sigterm_while_the_adapters_load_then_resume_runs_it_from_the_start(tmp_
 def test_ctrl_c_in_an_overlap_run_with_the_engine_client_apart(tmp_path, tiny_model_dir):
     """The overlap arm: the engine's client in a process of its own (its own process group, so the
     terminal's SIGINT reaches the trainer's process only), a group generating while another trains;
-    the signal comes inside job add's step 1, which finishes."""
+    the signal comes inside job count's step 1, which finishes."""
     d, log = tmp_path / "run", tmp_path / "run.log"
     proc = _start(["run", str(SMOKE), *_sets(tiny_model_dir, "experiment.arm=overlap"), "--out", str(d)], log,
                   "SIGINT:group:train:1")
@@ -181,7 +181,7 @@ def test_ctrl_c_in_an_overlap_run_with_the_engine_client_apart(tmp_path, tiny_mo
     status = _interrupted(d, proc, log, "SIGINT")
     assert status["phase"] == "training" and status["checkpoint"] is not None, status
     steps = json.loads((d / status["checkpoint"] / "manifest.json").read_text())["steps"]
-    assert steps["add"] == 2 and steps["mod"] in (1, 2), steps
+    assert steps["count"] == 2 and steps["mod"] in (1, 2), steps
     print(f"Ctrl-C in overlap: ended {took:.1f}s after it said it was stopping")
 
 
@@ -432,16 +432,17 @@ def test_outside_the_main_thread_no_handler_is_installed():
 
 
 # -- the co-runner's stop, with the fake engine and trainer of test_corunner (no vLLM) --------------
-def _engine_threads() -> list:
+def _engine_threads() -> set:
+    """The engine threads alive now (an earlier test's engine stuck in a dead engine may leave one)."""
     import threading
 
-    return [t for t in threading.enumerate() if t.name == "colora-engine" and t.is_alive()]
+    return {t for t in threading.enumerate() if t.name == "colora-engine" and t.is_alive()}
 
 
 def test_a_stop_request_in_a_training_step_ends_the_loop_after_that_step(tmp_path):
     from test_corunner import VersionTrainer, _loop_runner
 
-    stop = StopRequest()
+    stop, before = StopRequest(), _engine_threads()
 
     class AskingTrainer(VersionTrainer):
         def step(self, rollouts):
@@ -456,7 +457,7 @@ def test_a_stop_request_in_a_training_step_ends_the_loop_after_that_step(tmp_pat
         c.run()
     assert c.jobs["a"].step == 3 and c.jobs["b"].step in (2, 3, 4)  # a's step 2 finished; nothing after it
     time.sleep(0.1)
-    assert not _engine_threads()
+    assert not _engine_threads() - before
 
 
 def test_a_stop_request_wakes_the_wait_for_rollouts_that_never_come(tmp_path):
@@ -469,6 +470,7 @@ def test_a_stop_request_wakes_the_wait_for_rollouts_that_never_come(tmp_path):
             time.sleep(0.01)
             return []
 
+    before = _engine_threads()
     c = _loop_runner(tmp_path, ["experiment.steps=3"], {"a": 20}, engine_cls=Stuck)
     c.stop_request = stop = StopRequest()
     threading.Timer(0.3, stop.request, ("SIGINT",)).start()
@@ -477,7 +479,7 @@ def test_a_stop_request_wakes_the_wait_for_rollouts_that_never_come(tmp_path):
         c.run()
     assert time.monotonic() - t0 < 3.0 and c.jobs["a"].step == 0
     time.sleep(0.1)
-    assert not _engine_threads()
+    assert not _engine_threads() - before
 
 
 @pytest.mark.parametrize("asked", [True, False])

@@ -136,15 +136,16 @@ def test_an_import_path_task_beside_its_config_file(tmp_path, monkeypatch, task_
     mod, helper = f"echo_task_{tmp_path.name}", f"echo_key_{tmp_path.name}"
     (cfg_dir / f"{mod}.py").write_text(_MODULE_BESIDE.format(helper=helper))
     (cfg_dir / f"{helper}.py").write_text('KEY = "k"\n')
-    toml = SMOKE.read_text().replace('task = "addition"', f'task = "{mod}:Echo"').replace(
-        "task_options = { digits = 1 }", "")
+    toml = SMOKE.read_text().replace('task = "counting"', f'task = "{mod}:Echo"').replace(
+        "task_options = { length = 2, vocab = 3 }", "")
+    assert f'task = "{mod}:Echo"' in toml and "vocab = 3" not in toml
     (cfg_dir / "exp.toml").write_text(toml)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     cfg = load_config(cfg_dir / "exp.toml")
     tasks = load_tasks(cfg.jobs)
-    assert tasks["add"].sample(1, 0)[0].meta["key"].startswith("k")
+    assert tasks["count"].sample(1, 0)[0].meta["key"].startswith("k")
     assert str(cfg_dir.resolve()) in task_dirs.task_dirs()
 
 
