@@ -80,6 +80,10 @@ def test_shared_step_equals_solo_steps(tiny_model_dir):
         for x, y in ((st["a"], sa), (st["b"], sb)):
             assert x.loss == pytest.approx(y.loss, rel=1e-5, abs=1e-7)
             assert x.grad_norm == pytest.approx(y.grad_norm, rel=1e-5)
+        if step == 0:  # the moments of one step are the gradient itself: equal to summation order
+            for name, solo_bank in (("a", bank_a), ("b", bank_b)):
+                assert_same_adamw_state(bank_ab.jobs[name].optimizer.state_dict(),
+                                        solo_bank.jobs[name].optimizer.state_dict())
     assert max(clip_a) < 1.0, "job a's clipping must be active for this test to mean anything"
     assert min(clip_b) == 1.0, "job b's clipping must stay inactive"
     assert st["b"].kl > 0  # the KL term ran for b
@@ -92,11 +96,14 @@ def test_shared_step_equals_solo_steps(tiny_model_dir):
         assert bank_ab.jobs[name].version == 3
     moved = max((params_of(bank_ab, "a")[k][1] - start[k][1]).abs().max().item() for k in start)
     assert moved > 0, "training did not change job a's adapter"
-    # Same optimizer state too: step counts and moments (which carry the gradients themselves).
+    # Same optimizer state after three steps too: step counts and moments. Looser than after one: AdamW's
+    # first update is about lr * g / (|g| + eps), so where a gradient element is near eps the summation
+    # order's noise moves the adapter, and the next steps' gradients with it (job b's moments came out
+    # 4e-5 of their largest apart on an AVX-512 machine, 1e-6 after one step).
     for name, solo_bank in (("a", bank_a), ("b", bank_b)):
         want = solo_bank.jobs[name].optimizer.state_dict()
         assert all(float(s["step"]) == 3 for s in want["state"].values())
-        assert_same_adamw_state(bank_ab.jobs[name].optimizer.state_dict(), want)
+        assert_same_adamw_state(bank_ab.jobs[name].optimizer.state_dict(), want, rel=1e-4)
 
 
 @pytest.mark.parametrize("loss", ["grpo_seq", "grpo_token", "dr_grpo"])
