@@ -51,7 +51,8 @@ def default_out(cfg) -> Path:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .output import duration, print_closing, say, session
+    from .closing import print_closing
+    from .output import duration, say, session
     from .runner import resume, run
 
     if args.gpus not in (None, 1) or args.address or (args.resume and (Path(args.resume) / "cluster.json").is_file()):

@@ -2,7 +2,8 @@
 
     colora run CONFIG [--verbose] | colora sweep ... [--verbose] | colora bench arms ... [--verbose]
 
-Each of these commands opens one `session` for its process. While it is open, the process's file
+Each of these commands opens one `session` for its process, and so does each co-runner's run on
+Ray (colora/cluster/actor.py). While it is open, the process's file
 descriptors 1 and 2 are pipes that colora reads, so everything written there goes to the run.log of
 the run in progress: vLLM's, transformers', torch's and Triton's logs and warnings, third-party
 progress bars ("Loading weights", GGUF conversion), the C++ runtime's messages (c10d), and the
@@ -31,20 +32,16 @@ from typing import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.text import Text
 
 _MARK = b"\x00colora-drained\x00"  # written into the pipes by `Session.drain`, never routed
 PENDING_MAX = 4 << 20  # bytes of output kept while no run log is open yet (the newest are kept)
-PLAIN_LINES = 10  # plain progress lines per run (and one at the end), where no live bar is drawn
 PLAIN_LINES_IN_SWEEP = 4  # the same for each run of a sweep, whose own lines say when each run starts and ends
-TAIL_ON_FAILURE = 15  # lines of run.log shown when a run fails at default verbosity
 
-# colora's own lines that the terminal does not show at default verbosity: the per-step line (the
-# bar shows it), and chatty notes that run.log keeps.
-_HIDDEN = re.compile(r"^((step|groups [\d,]+) \d+/\d+ \||checkpoint \S+ written|regrouping )")
 # the lines shown even inside a sweep (where a run's milestones are left to its log)
-_WARNING = re.compile(r"^(warning|job \S+ stopped|kept what|checkpoint \S+ is unusable)", re.IGNORECASE)
+WARNING = re.compile(r"^(warning|job \S+ stopped|kept what|checkpoint \S+ is unusable)", re.IGNORECASE)
+# a training step's line ("step 3/24 | a r=0.50 b r=0.25 | gen 0.1s train 0.2s"): step, steps, rewards
+_STEP_LINE = re.compile(r"^(?:step|groups [\d,]+) (\d+)/(\d+) \| (.*?)(?: \| |$)")
 
 
 def duration(s: float) -> str:
@@ -142,6 +139,7 @@ class Session:
             self.progress.start()
         self.in_sweep = False
         self._sweep_task: TaskID | None = None
+        self._elsewhere: dict[str, TaskID | int] = {}  # a run in another process: its bar, or its next plain line's step
         self._drained: dict[int, threading.Event] = {}
 
     def drain(self, timeout_s: float = 2.0) -> None:
@@ -183,6 +181,10 @@ class Session:
         if previous is not None and previous is not f:
             previous.close()
 
+    def logs_into(self, f) -> bool:
+        """Whether captured output goes to `f` now."""
+        return self._sink is f
+
     def write_log(self, f, data: bytes) -> None:
         """A line of colora's own into a run log, between the captured chunks."""
         with self._lock:
@@ -190,6 +192,22 @@ class Session:
 
     def say(self, line: str, style: str | None = None) -> None:
         self.console.print(Text(line, style=style or ""))
+
+    def step_elsewhere(self, label: str, step: int, steps: int, info: str) -> None:
+        """A training step of a run in another process: its own bar, or a plain line every quarter of it."""
+        if self.progress is not None:
+            task = self._elsewhere.get(label)
+            if task is None:
+                task = self._elsewhere[label] = self.progress.add_task(label, total=steps, info=info)
+            self.progress.update(task, completed=step, total=steps, info=info)
+        elif step >= self._elsewhere.get(label, 0) or step == steps:
+            self._elsewhere[label] = step + max(1, math.ceil(steps / PLAIN_LINES_IN_SWEEP))
+            self.say(f"  [{label}] step {step}/{steps} | {info}")
+
+    def ended_elsewhere(self, label: str) -> None:
+        task = self._elsewhere.pop(label, None)
+        if self.progress is not None and task is not None:
+            self.progress.remove_task(task)
 
     @contextlib.contextmanager
     def handover(self) -> Iterator[None]:
@@ -275,6 +293,16 @@ def say_at_once(line: str, exiting: bool = False) -> None:
             os.write(s.file.fileno(), b"\n" + data)
 
 
+def current() -> Session | None:
+    """This process's open session, if any."""
+    return _current
+
+
+def console() -> Console:
+    """The session's console, else one on stdout."""
+    return _current.console if _current is not None else Console(file=sys.stdout, soft_wrap=True, highlight=False)
+
+
 @contextlib.contextmanager
 def handover() -> Iterator[None]:
     """See `Session.handover`; nothing to do without a session."""
@@ -313,242 +341,21 @@ def log_into(path: Path) -> None:
 
 def run_line(label: str, line: str) -> None:
     """A line of a run that goes on in another process (a co-runner's, relayed from its log): shown
-    as a run inside a sweep shows its own, warnings only unless --verbose; nothing without a session
-    (the run's log has it)."""
+    as a run inside a sweep shows its own (its progress, its warnings; every line with --verbose);
+    nothing without a session (the run's log has it)."""
     s = _current
     if s is None:
         return
+    step = _STEP_LINE.match(line)
     if s.verbose:
         s.say(f"[{label}] {line}")
-    elif _WARNING.match(line):
+    elif step:
+        s.step_elsewhere(label, int(step[1]), int(step[2]), step[3])
+    elif WARNING.match(line):
         s.say(f"  [{label}] {line}", style="yellow")
 
 
-# -- one run ------------------------------------------------------------------------------------
-class RunOutput:
-    """One run's log file, its progress and the lines of it the terminal shows. `log` is colora's
-    line sink for the run; `metric` and `span` receive every row of metrics.jsonl and
-    timeline.jsonl as it is written (colora/runlog.py JsonlWriter's `on_row`), from any thread."""
-
-    def __init__(self, path: Path, label: str, jobs: list[str], steps: int, log: Callable[[str], None] | None):
-        self.path = Path(path)
-        self.file = open(self.path, "ab", buffering=0)
-        self.session = _current
-        self.caller_log = log
-        self.label = label
-        self.steps = steps
-        self.job_step = {j: 0 for j in jobs}
-        self.first_reward: dict[str, float] = {}
-        self.last_reward: dict[str, float] = {}
-        self.stopped: set[str] = set()
-        self._pending_jobs: set[str] = set()
-        self._lock = threading.Lock()
-        self.t0 = time.monotonic()
-        self.t_train: float | None = None  # when training began (after the first evaluation)
-        self.done_at_train = 0
-        self.phase = "starting"
-        self._plain_next = 0  # the job-steps count at which the next plain line is due
-        self._task: TaskID | None = None
-        s = self.session
-        if s is not None:
-            s.open_log(self.file)
-            if s.progress is not None:
-                self._task = s.progress.add_task(label, total=self.total, info=self.phase)
-
-    # the counts
-    @property
-    def done(self) -> int:
-        return sum(self.job_step.values())
-
-    @property
-    def total(self) -> int:
-        """Job-steps of the run: every running job's steps, a stopped job's as far as it got."""
-        return sum(n if j in self.stopped else self.steps for j, n in self.job_step.items())
-
-    def eta(self) -> str:
-        if self.done >= self.total:
-            return "training done"
-        if self.t_train is None or self.done <= self.done_at_train:
-            return "ETA after the first step"
-        rate = (self.done - self.done_at_train) / max(1e-9, time.monotonic() - self.t_train)
-        return f"ETA {duration((self.total - self.done) / rate)}"
-
-    def rewards(self) -> str:
-        """Each job's latest step's mean reward ("-" before its first step)."""
-        def one(j: str) -> str:
-            if j in self.stopped:
-                return "stopped"
-            return format(self.last_reward[j], ".2f") if j in self.last_reward else "-"
-
-        return " ".join(f"{j} {one(j)}" for j in self.job_step)
-
-    # colora's lines
-    def log(self, line: str) -> None:
-        data = (line + "\n").encode("utf-8", "replace")
-        s = self.session
-        if s is not None:
-            s.write_log(self.file, data)
-        else:
-            self.file.write(data)
-        if self.caller_log is not None:
-            self.caller_log(line)
-        if s is None:
-            return
-        if s.verbose:
-            s.say(line)
-        elif _WARNING.match(line) or not (_HIDDEN.match(line) or s.in_sweep):
-            s.say(("  " if s.in_sweep else "") + line, style="yellow" if _WARNING.match(line) else None)
-
-    # the rows of the run's record
-    def metric(self, row: dict) -> None:
-        with self._lock:
-            job = row.get("job")
-            if job not in self.job_step:
-                return
-            if row.get("status") == "stopped":
-                self.stopped.add(job)
-            elif row.get("status") == "ok" and "reward" in row and "event" not in row:
-                self.job_step[job] = int(row["step"]) + 1
-                self.first_reward.setdefault(job, float(row["reward"]))
-                self.last_reward[job] = float(row["reward"])
-            self._pending_jobs.discard(job)
-            if self.t_train is None:  # a resumed run evaluates nothing first: the rate starts here
-                self.phase, self.t_train, self.done_at_train = "training", time.monotonic(), self.done
-            if not self._pending_jobs and "event" not in row:
-                self._show()
-
-    def span(self, row: dict) -> None:
-        with self._lock:
-            phase, when = row.get("phase"), row.get("when")
-            if phase == "train":
-                self._pending_jobs = set(row.get("jobs") or ())
-            elif phase in ("engine_start", "engine_warmup"):
-                self.phase = "warming up" if phase == "engine_start" else "evaluating before training"
-            elif phase == "eval" and when == "before":
-                self.phase, self.t_train, self.done_at_train = "training", time.monotonic(), self.done
-            elif phase == "eval" and when == "after":
-                self.phase = "finishing"
-            else:
-                return
-            if self._task is not None:
-                self._update_bar()
-
-    def _update_bar(self) -> None:
-        info = self.phase if self.phase != "training" else f"{self.rewards()}  {self.eta()}"
-        self.session.progress.update(self._task, completed=self.done, total=self.total, info=info)
-
-    def _show(self) -> None:
-        """After each training step of a group: the bar, or a plain line every tenth of the run."""
-        s = self.session
-        if s is None:
-            return
-        if self._task is not None:
-            self._update_bar()
-            return
-        if self.done < self._plain_next and self.done < self.total:
-            return
-        self._plain_next = self.done + max(1, math.ceil(self.total / (PLAIN_LINES_IN_SWEEP if s.in_sweep
-                                                                      else PLAIN_LINES)))
-        s.say(f"{'  ' if s.in_sweep else ''}steps {self.done}/{self.total} | {self.rewards()} | "
-              f"{duration(time.monotonic() - self.t0)} elapsed, {self.eta()}")
-
-    def close(self, failed: bool) -> None:
-        s = self.session
-        if s is not None and s.progress is not None and self._task is not None:
-            s.progress.remove_task(self._task)
-            s.progress.refresh()  # else the next line printed redraws the bar's last frame
-        if failed and s is not None and not s.verbose:
-            s.drain()
-            s.say(f"the run failed; the last lines of its log ({self.path}):", style="red")
-            for line in tail(self.path, TAIL_ON_FAILURE):
-                s.say("  " + line)
-        if s is None or s._sink is not self.file:  # the session keeps its last log for what follows
-            self.file.close()
-
-
-def tail(path: Path, n: int) -> list[str]:
-    """The last `n` non-empty lines of a text file (a progress bar's carriage returns split lines)."""
-    try:
-        text = Path(path).read_bytes()[-(200 * n + 4096):].decode("utf-8", "replace")
-    except OSError:
-        return []
-    return [x for x in re.split(r"[\r\n]+", text) if x.strip()][-n:]
-
-
-@contextlib.contextmanager
-def run_output(path: Path, label: str, jobs: list[str], steps: int,
-               log: Callable[[str], None] | None = None) -> Iterator[RunOutput]:
-    """One run's output (RunOutput) while the block runs; on an exception (but a stop by a signal)
-    the terminal gets the log's last lines."""
-    out = RunOutput(path, label, jobs, steps, log)
-    try:
-        yield out
-    except KeyboardInterrupt:  # a stop (colora/stopping.py): the run's own lines say how to go on
-        out.close(failed=False)
-        raise
-    except BaseException:
-        out.close(failed=True)
-        raise
-    out.close(failed=False)
-
-
-# -- the closing table --------------------------------------------------------------------------
-def closing_rows(summary: dict, rows: list[dict]) -> list[dict]:
-    """Per job: status, steps, first and last step's mean reward (metrics.jsonl's ok rows), eval
-    accuracy before and after (summary.json)."""
-    out = []
-    for name, j in summary["jobs"].items():
-        rs = sorted((r["step"], r["reward"]) for r in rows
-                    if r.get("job") == name and r.get("status") == "ok" and "reward" in r and "event" not in r)
-        out.append({"job": name, "status": j["status"], "reason": j.get("reason") or "", "steps": j["steps"],
-                    "reward_first": rs[0][1] if rs else None, "reward_last": rs[-1][1] if rs else None,
-                    "eval_before": j.get("eval_before"), "eval_after": j.get("eval_after")})
-    return out
-
-
-def _pair(a: float | None, b: float | None) -> str:
-    return "-" if a is None and b is None else f"{_num(a)} -> {_num(b)}"
-
-
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
-def closing_table(summary: dict, rows: list[dict]) -> tuple[Table, list[str]]:
-    """The table a run ends with (see `closing_rows`), its last row the run's steps per device-hour,
-    and the lines under it: what the columns hold, why a job stopped, whether the window was too
-    short for the steps per hour to mean much."""
-    from rich import box
-
-    from .throughput import short_window
-
-    t = Table(title=f"{summary['experiment']}: {summary['arm']}, seed {summary['seed']}", title_justify="left",
-              box=box.SIMPLE_HEAD, show_edge=False)
-    for col in ("job", "status", "steps", "reward", "eval", "steps/h"):
-        t.add_column(col, justify="left" if col in ("job", "status") else "right", no_wrap=True)
-    cr = closing_rows(summary, rows)
-    for r in cr:
-        t.add_row(r["job"], r["status"], str(r["steps"]), _pair(r["reward_first"], r["reward_last"]),
-                  _pair(r["eval_before"], r["eval_after"]), "")
-    sph = summary.get("steps_per_hour")
-    t.add_row("all jobs", "", str(sum(r["steps"] for r in cr)), "", "",
-              f"{sph:.0f}" if isinstance(sph, (int, float)) and math.isfinite(sph) else "-", end_section=True)
-    lines = ["reward: the mean reward of the first -> last step; eval: held-out accuracy before -> after training; "
-             f"steps/h: optimizer steps per device-hour summed over jobs, over the {summary.get('steps_measured')} "
-             f"job-steps measured in {summary.get('seconds_measured') or 0:.1f} s after the warm-up"]
-    lines += [f"{r['job']} stopped: {r['reason']}" for r in cr if r["reason"]]
-    note = short_window(summary.get("seconds_measured") or 0.0, summary.get("steps_measured") or 0, len(cr))
-    if note:
-        lines.append(f"steps/h {note}")
-    return t, lines
-
-
-def print_closing(summary: dict, run_dir: Path) -> None:
-    """The closing table of a finished run, from its summary and metrics, on the console."""
-    from .runlog import read_jsonl
-
-    table, lines = closing_table(summary, read_jsonl(Path(run_dir) / "metrics.jsonl"))
-    console = _current.console if _current is not None else Console(file=sys.stdout, soft_wrap=True, highlight=False)
-    console.print(table)
-    for line in lines:
-        console.print(Text(line))
+def run_ended(label: str) -> None:
+    """The run in another process that `run_line` showed as `label` has ended: its bar goes."""
+    if _current is not None:
+        _current.ended_elsewhere(label)

@@ -70,7 +70,8 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
     from colora.tasks import task_dirs
 
     from .checkpoint import rewind_logs
-    from .output import run_output, say
+    from .output import say
+    from .progress import run_output
 
     out = Path(out)
     with handling_signals() as stop:
@@ -186,7 +187,7 @@ class _Run:
 
 def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
              resume_state: dict | None, stop: StopRequest) -> RunSummary:
-    """The run's steps; `shown` (colora/output.py RunOutput) takes its lines and its record's rows;
+    """The run's steps; `shown` (colora/progress.py RunOutput) takes its lines and its record's rows;
     `stop.phase` names the step in progress (status.json of an interrupted run)."""
     from .models import load_tokenizer
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from colora import output
+from colora import closing, progress
 
 SCRIPT = textwrap.dedent('''
     import logging, os, subprocess, sys
     from pathlib import Path
     from tqdm import tqdm
-    from colora import output
+    from colora import output, progress
 
     out, mode = Path(sys.argv[1]), sys.argv[2]
     logging.basicConfig(level=logging.INFO)  # a library's handler on stderr, as vLLM's is
@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
         output.say("colora: the command's header")
         if mode == "sweep":
             output.sweep_started(3)
-        with output.run_output(out / "run.log", "shared_sync seed 0", ["a", "b"], 2) as r:
+        with progress.run_output(out / "run.log", "shared_sync seed 0", ["a", "b"], 2) as r:
             logging.getLogger("vllm").info("vllm's INFO line")
             os.write(2, b"c10d socket warning, written by C code\\n")
             subprocess.run([sys.executable, "-c", "import sys; print('engine core stdout'); "
@@ -131,7 +131,7 @@ def test_a_run_stopped_by_a_signal_is_no_failure(tmp_path):
 
 def test_without_a_session_run_log_holds_colora_lines_and_the_caller_gets_them(tmp_path, capfd):
     said = []
-    with output.run_output(tmp_path / "run.log", "x", ["a"], 1, log=said.append) as r:
+    with progress.run_output(tmp_path / "run.log", "x", ["a"], 1, log=said.append) as r:
         r.log("engine ready")
         r.metric({"job": "a", "step": 0, "reward": 1.0, "status": "ok"})
     assert said == ["engine ready"]
@@ -152,13 +152,13 @@ ROWS = [{"job": "add", "step": 0, "reward": 0.1, "status": "ok"}, {"job": "add",
 
 
 def test_closing_table_numbers_are_the_summary_and_metrics(tmp_path):
-    rows = output.closing_rows(SUMMARY, ROWS)
+    rows = closing.closing_rows(SUMMARY, ROWS)
     assert rows == [
         {"job": "add", "status": "done", "reason": "", "steps": 3, "reward_first": 0.1, "reward_last": 0.6,
          "eval_before": 0.125, "eval_after": 0.5},
         {"job": "mod", "status": "stopped", "reason": "loss is nan", "steps": 1, "reward_first": 0.2,
          "reward_last": 0.2, "eval_before": 0.25, "eval_after": None}]
-    table, notes = output.closing_table(SUMMARY, ROWS)
+    table, notes = closing.closing_table(SUMMARY, ROWS)
     console = Console(width=80, record=True, file=open(tmp_path / "t.txt", "w"))
     console.print(table)
     text = console.export_text()
@@ -193,3 +193,36 @@ def test_colora_run_is_short_quiet_and_keeps_the_full_log(tmp_path, tiny_model_d
         row = next(x for x in shown if f" {name} " in x and "->" in x)
         assert f"{j['eval_before']:.2f} -> {j['eval_after']:.2f}" in row and f" {j['steps']} " in row
     assert any("all jobs" in x and f"{summary['steps_per_hour']:.0f}" in x for x in shown)
+
+
+ELSEWHERE = textwrap.dedent('''
+    import sys
+    from colora import output
+
+    with output.session(verbose=sys.argv[1] == "verbose", stream="stdout"):
+        output.sweep_started(2)
+        for step in range(1, 9):
+            output.run_line("ded", f"step {step}/8 | a r=0.{step}0 | gen 0.1s train 0.2s")
+            if step == 3:
+                output.run_line("ded", "warning: a job warned")
+                output.run_line("ded", "engine ready (it took 1.0s to start)")
+        output.run_ended("ded")
+        output.run_line("mps", "groups 0,1 2/2 | b r=0.50 | gen 0.1s train 0.2s")
+''')
+
+
+@pytest.mark.parametrize("mode", ["quiet", "verbose"])
+def test_a_run_in_another_process_shows_its_progress_and_warnings(tmp_path, mode):
+    """The lines of a co-runner's log relayed to a parallel sweep's terminal (output.run_line): its
+    steps every quarter of the run and at its end, its warnings, nothing else; every line with --verbose."""
+    script = tmp_path / "elsewhere.py"
+    script.write_text(ELSEWHERE)
+    p = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    if mode == "verbose":
+        assert "[ded] engine ready (it took 1.0s to start)" in lines and "[ded] step 2/8 | a r=0.20 | gen 0.1s train 0.2s" in lines
+        assert len(lines) == 11
+        return
+    assert lines == [f"  [ded] step {n}/8 | a r=0.{n}0" for n in (1, 3)] + ["  [ded] warning: a job warned"] + \
+        [f"  [ded] step {n}/8 | a r=0.{n}0" for n in (5, 7, 8)] + ["  [mps] step 2/2 | b r=0.50"]

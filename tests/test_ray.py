@@ -283,6 +283,8 @@ def test_a_sweeps_runs_go_in_parallel(reference):
     assert ref.summary["steps_measured"] == 12 and other.summary["steps_measured"] == 2
     assert json.loads((root / "ref.corunner.json").read_text())["pid"] == ref.info["pid"]
     assert "co-runner run 0" in (root / "ref.log").read_text()
+    log = (root / "ref" / "run.log").read_text()
+    assert "INFO" in log and "vllm" in log.lower()  # the engine's own logging, in the run's log
 
 
 def _equal_to_reference(root: Path, run: Path, jobs: list[str]) -> None:

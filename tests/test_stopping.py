@@ -365,10 +365,10 @@ def test_what_a_signal_says_reaches_the_terminal_and_the_run_log_in_quiet_output
     log = tmp_path / "run.log"
     code = f"""
 import os, signal, time
-from colora import output
+from colora import output, progress
 from colora.stopping import handling_signals
 with output.session(False, "stdout"), handling_signals() as stop:
-    with output.run_output({str(log)!r}, "r", ["a"], 1), stop.deferred():
+    with progress.run_output({str(log)!r}, "r", ["a"], 1), stop.deferred():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGTERM)

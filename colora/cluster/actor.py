@@ -78,14 +78,17 @@ class CoRunnerActor:
         return self.info
 
     def run(self, cfg: dict, out: str, resume: bool, log_path: str) -> dict:
-        """One colora run into `out` (`resume`: from its newest checkpoint); returns its summary."""
+        """One colora run into `out` (`resume`: from its newest checkpoint); returns its summary.
+        Inside an output session, as in `colora run`: what this process and the engine processes it
+        starts write to 1 and 2 (vLLM's logs) goes to the run's run.log, not to Ray's worker logs."""
+        from colora import output
         from colora.config import from_dict
         from colora.runner import resume as resume_run
         from colora.runner import run
 
         self._thread = threading.get_ident()
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "a") as f:
+        with open(log_path, "a") as f, output.session(stream="stderr"):
             log = self._logger(f)
             log(f"co-runner {self.label} on {self.info['host']} (pid {os.getpid()}, GPU {self.info['gpu_ids'][0]})")
             if resume:

@@ -16,8 +16,9 @@ The rest is run_plan's, as on one GPU: the layout (ROOT/<arm>/<run>/ and its log
 sweep.json, complete runs skipped and unfinished ones moved aside and run again, `--deadline`
 (a run starts only if the finished runs say it ends in time; at the deadline the runs still going
 are stopped), and the report. ROOT/ray.log keeps what Ray printed in this process. The terminal
-gets each run's start and end with its GPU, the warnings of its log (output.run_line) and the
-sweep's bar; each run's own lines are in its log beside its directory.
+gets each run's start and end with its GPU, its progress and warnings (output.run_line: a bar per
+run on a terminal, a line every quarter of it elsewhere) and the sweep's bar; each run's own lines
+are in its log beside its directory, and what its processes printed (vLLM's logs) in its run.log.
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def run_on_cluster(base: Config, planned: list, root: Path, record: Record, prog
 
     def ended(o: Outcome) -> None:
         r = owner[o.index]
+        output.run_ended(next(s.label for s in r.shares if s.index == o.index))
         r.outcomes[o.index] = o
         if r.state == "refused" or len(r.outcomes) < len(r.shares):
             if o.error and r.state != "refused":
