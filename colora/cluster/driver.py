@@ -97,7 +97,8 @@ class Cluster:
         self.started = not ray.is_initialized()
         if self.started:
             # the co-runners' own logs reach the driver through their log files (run_shares relays
-            # them); vLLM's and Ray's stay in Ray's session logs (/tmp/ray/session_latest/logs)
+            # them), what their processes print goes to each run's run.log (actor.py), and Ray's own
+            # lines stay in Ray's session logs (/tmp/ray/session_latest/logs)
             kw = dict(include_dashboard=False, log_to_driver=False)
             if self.address in (None, "local"):
                 kw["object_store_memory"] = OBJECT_STORE_BYTES
