@@ -611,3 +611,44 @@ def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, 
         time.sleep(0.05)
     assert calls.read_text().split() == ["start", "quit"]
     assert d.stop() == "not started"  # it is not told twice
+
+
+@pytest.mark.parametrize("arm", ["shared_sync", "overlap"])
+def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm):
+    """Repeated to catch races: a real SIGINT at 16 moments spread over a run's first steps (fake engine
+    and a trainer whose step takes a few ms, in this process, under handling_signals and deferred as
+    colora/runner.py runs them). Each run raises Interrupted within a second; every step the trainer
+    made is counted and logged, none is half done; no rollout was stale (VersionTrainer refuses one)
+    and the engine thread is gone."""
+    import threading
+
+    from colora.runlog import read_jsonl
+    from test_corunner import VersionTrainer, _loop_runner
+
+    class SlowTrainer(VersionTrainer):
+        def step(self, rollouts):
+            time.sleep(0.004)
+            return super().step(rollouts)
+
+    overrides = [f"experiment.arm={arm}", "experiment.steps=500"] + (["overlap.groups=2"] if arm == "overlap" else [])
+    for i in range(16):
+        before, d = _engine_threads(), tmp_path / str(i)
+        d.mkdir()
+        c = _loop_runner(d, overrides, {"a": 20, "b": 20}, trainer_cls=SlowTrainer)
+        with handling_signals() as stop:
+            c.stop_request = stop
+            timer = threading.Timer(0.005 + 0.01 * i, os.kill, (os.getpid(), signal.SIGINT))
+            t0 = time.monotonic()
+            timer.start()
+            with pytest.raises(Interrupted, match="SIGINT"), stop.deferred():
+                c.run()
+            took = time.monotonic() - t0
+            timer.join()
+        c.metrics.close()
+        assert took < 0.005 + 0.01 * i + 1.0, (i, took)
+        rows = [r for r in read_jsonl(d / "metrics.jsonl") if r.get("status") == "ok" and "reward" in r]
+        for name, job in c.jobs.items():
+            assert job.step == c.trainer.version.get(name, 0) < 500, (i, name, job.step, c.trainer.version)
+            assert sorted(r["step"] for r in rows if r["job"] == name) == list(range(job.step)), (i, name)
+        time.sleep(0.05)
+        assert not _engine_threads() - before, i
