@@ -614,7 +614,7 @@ def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, 
 
 
 @pytest.mark.parametrize("arm", ["shared_sync", "overlap"])
-def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm):
+def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm, request):
     """Repeated to catch races: a real SIGINT at 16 moments spread over a run's first steps (fake engine
     and a trainer whose step takes a few ms, in this process, under handling_signals and deferred as
     colora/runner.py runs them). Each run raises Interrupted within a second; every step the trainer
@@ -631,11 +631,15 @@ def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm):
             return super().step(rollouts)
 
     overrides = [f"experiment.arm={arm}", "experiment.steps=500"] + (["overlap.groups=2"] if arm == "overlap" else [])
+    # SIGINT at its default disposition, whatever an earlier test's library left (colora takes it only then)
+    old_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, old_sigint))
     for i in range(16):
         before, d = _engine_threads(), tmp_path / str(i)
         d.mkdir()
         c = _loop_runner(d, overrides, {"a": 20, "b": 20}, trainer_cls=SlowTrainer)
         with handling_signals() as stop:
+            assert signal.getsignal(signal.SIGINT) == stop._handle
             c.stop_request = stop
             timer = threading.Timer(0.005 + 0.01 * i, os.kill, (os.getpid(), signal.SIGINT))
             t0 = time.monotonic()
