@@ -617,7 +617,7 @@ def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, 
 def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm, request):
     """Repeated to catch races: a real SIGINT at 16 moments spread over a run's first steps (fake engine
     and a trainer whose step takes a few ms, in this process, under handling_signals and deferred as
-    colora/runner.py runs them). Each run raises Interrupted within a second; every step the trainer
+    colora/runner.py runs them). Each run raises Interrupted (in milliseconds); every step the trainer
     made is counted and logged, none is half done; no rollout was stale (VersionTrainer refuses one)
     and the engine thread is gone."""
     import threading
@@ -649,7 +649,7 @@ def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm, 
             took = time.monotonic() - t0
             timer.join()
         c.metrics.close()
-        assert took < 0.005 + 0.01 * i + 1.0, (i, took)
+        assert took < 10.0, (i, took)  # bounded: a wait the stop does not wake would hang here (it takes ms)
         rows = [r for r in read_jsonl(d / "metrics.jsonl") if r.get("status") == "ok" and "reward" in r]
         for name, job in c.jobs.items():
             assert job.step == c.trainer.version.get(name, 0) < 500, (i, name, job.step, c.trainer.version)
