@@ -41,7 +41,7 @@ PLAIN_LINES_IN_SWEEP = 4  # the same for each run of a sweep, whose own lines sa
 # the lines shown even inside a sweep (where a run's milestones are left to its log)
 WARNING = re.compile(r"^(warning|job \S+ stopped|kept what|checkpoint \S+ is unusable)", re.IGNORECASE)
 # a training step's line ("step 3/24 | a r=0.50 b r=0.25 | gen 0.1s train 0.2s"): step, steps, rewards
-_STEP_LINE = re.compile(r"^(?:step|groups [\d,]+) (\d+)/(\d+) \| (.*?)(?: \| |$)")
+STEP_LINE = re.compile(r"^(?:step|groups [\d,]+) (\d+)/(\d+) \| (.*?)(?: \| |$)")
 
 
 def duration(s: float) -> str:
@@ -346,7 +346,7 @@ def run_line(label: str, line: str) -> None:
     s = _current
     if s is None:
         return
-    step = _STEP_LINE.match(line)
+    step = STEP_LINE.match(line)
     if s.verbose:
         s.say(f"[{label}] {line}")
     elif step:

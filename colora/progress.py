@@ -23,9 +23,9 @@ from . import output
 
 PLAIN_LINES = 10  # plain progress lines per run (and one at the end), where no live bar is drawn
 TAIL_ON_FAILURE = 15  # lines of run.log shown when a run fails at default verbosity
-# colora's own lines that the terminal does not show at default verbosity: the per-step line (the
-# bar shows it), and chatty notes that run.log keeps.
-_HIDDEN = re.compile(r"^((step|groups [\d,]+) \d+/\d+ \||checkpoint \S+ written|regrouping )")
+# colora's own lines that the terminal does not show at default verbosity: the per-step line
+# (output.STEP_LINE: the bar shows it), and chatty notes that run.log keeps.
+_CHATTY = re.compile(r"^(checkpoint \S+ written|regrouping )")
 
 
 class RunOutput:
@@ -99,7 +99,7 @@ class RunOutput:
             return
         if s.verbose:
             s.say(line)
-        elif output.WARNING.match(line) or not (_HIDDEN.match(line) or s.in_sweep):
+        elif output.WARNING.match(line) or not (output.STEP_LINE.match(line) or _CHATTY.match(line) or s.in_sweep):
             s.say(("  " if s.in_sweep else "") + line, style="yellow" if output.WARNING.match(line) else None)
 
     # the rows of the run's record

@@ -37,9 +37,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _environment_as_it_was():
-    """Each test starts from the environment the session started with: what a library sets at import
-    (TRL's `import trl` sets VLLM_LOGGING_LEVEL=ERROR, which silenced vLLM in every `colora` process
-    a later test started) or a test sets by hand stays within that test."""
+    """What a test changes in os.environ is undone after it: a library's setting at import (TRL's
+    `import trl` sets VLLM_LOGGING_LEVEL=ERROR, which silenced vLLM in every `colora` process a later
+    test started) or a test's own stays within that test. Session fixtures' settings stay."""
     saved = dict(os.environ)
     yield
     if os.environ != saved:
