@@ -52,7 +52,11 @@ rm -rf "$SITE"/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so "$SITE"/vllm/_moe_C_stab
   "$SITE"/vllm/_qutlass_C.abi3.so "$SITE"/vllm/third_party/fmha_sm100 "$SITE"/vllm/third_party/deep_gemm
 rm -rf "$OUT" && mkdir -p "$OUT"
 tar cf - -C "$SITE" . | xz -6 -T0 > "$OUT/kit.tar.xz"
-( cd "$OUT" && split -b 48M -d -a 1 kit.tar.xz part. && rm kit.tar.xz )
+# COLORA_KIT_PARTS=N splits the kit into N equal parts instead (the SmolLM2 kit in 3 parts of 62.1 MB fits
+# three transfers beside a checkout of under 5 MB)
+size=48M
+[ -n "${COLORA_KIT_PARTS:-}" ] && size=$(( ($(stat -c %s "$OUT/kit.tar.xz") + COLORA_KIT_PARTS - 1) / COLORA_KIT_PARTS ))
+( cd "$OUT" && split -b "$size" -d -a 1 kit.tar.xz part. && rm kit.tar.xz )
 n=$(ls "$OUT"/part.* | wc -l)
 sum=$(cat "$OUT"/part.* | sha256sum | cut -d' ' -f1)
 i=0
