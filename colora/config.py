@@ -23,10 +23,11 @@ import hashlib
 import json
 import re
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, ClassVar, Literal
+
+from colora.tables import ConfigError, build
 
 ARMS = ("dedicated", "shared_sync", "overlap", "mps", "overlap_mps")
 OVERLAP_ARMS = ("overlap", "overlap_mps")  # the arms whose groups generate while another trains
@@ -35,10 +36,6 @@ OVERLAP_ARMS = ("overlap", "overlap_mps")  # the arms whose groups generate whil
 LOSSES = ("grpo_seq", "grpo_token", "dr_grpo")
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-class ConfigError(ValueError):
-    """A config problem; the message names the key, the value and what is accepted."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +48,7 @@ class ResponseLength:
     real rollouts are; `fixed` uses `max_new_tokens`.
     """
 
+    SHORTHAND: ClassVar[str] = "dist"  # `response_length = "fixed"` stands for `{dist = "fixed"}`
     dist: Literal["natural", "fixed", "lognormal"] = "natural"  # how each response's length is set (above)
     median: int = 96  # lognormal: the median length in tokens
     sigma: float = 0.6  # lognormal: the standard deviation of log(length)
@@ -240,78 +238,6 @@ def _to_jsonable(obj: Any) -> Any:
     return obj
 
 
-def _accepts(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if dataclasses.is_dataclass(tp):
-        return "a table with keys " + ", ".join(f.name for f in dataclasses.fields(tp))
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}.get(
-        tp, str(tp).replace("typing.", "")
-    )
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check `value` against the annotation `tp`; the only conversion is int -> float."""
-    origin = get_origin(tp)
-    bad = ConfigError(f"{key} = {value!r} is not valid: expected {_accepts(tp)}")
-    if origin is Literal:
-        if value not in get_args(tp):
-            raise bad
-        return value
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, str) and tp is ResponseLength:  # shorthand: response_length = "fixed"
-            value = {"dist": value}
-        if not isinstance(value, dict):
-            raise bad
-        return _build(tp, value, key)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        args = get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{key} = {value!r} is not valid: expected {len(args)} values")
-        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise bad
-        return value
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise bad
-        return dict(value)
-    raise TypeError(f"unsupported annotation {tp!r} for {key}")
-
-
-def _build(cls: type, raw: dict, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(raw) - set(names))
-    if unknown:
-        where = prefix or "the top level"
-        raise ConfigError(f"unknown key {prefix + '.' if prefix else ''}{unknown[0]} in {where}; accepted: {', '.join(names)}")
-    kwargs = {k: _coerce(f"{prefix}.{k}" if prefix else k, v, hints[k]) for k, v in raw.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as e:  # a required field is missing
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs]
-        raise ConfigError(f"{prefix or 'config'} is missing required key(s): {', '.join(missing)}") from e
-
-
 def _check(cfg: Config) -> None:
     """Cross-field and range checks. Each message names the key, the value and what is accepted."""
 
@@ -463,7 +389,7 @@ def resolve(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     if unknown:
         raise ConfigError(f"unknown key {unknown[0]!r} at the top level; accepted: {', '.join(sorted(allowed))}"
                           f"{_hint(unknown[0])}")
-    sections = {name: _build(cls, raw.get(name, {}) or {}, name) for name, cls in _SECTIONS.items()}
+    sections = {name: build(cls, raw.get(name, {}) or {}, name) for name, cls in _SECTIONS.items()}
     defaults = raw.get("job_defaults", {}) or {}
     if not isinstance(defaults, dict):
         raise ConfigError("job_defaults must be a table")
@@ -473,7 +399,7 @@ def resolve(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     jobs = []
     for i, j in enumerate(jobs_raw):
         merged = {**defaults, **j}
-        jobs.append(_build(JobConfig, merged, f"jobs.{i}"))
+        jobs.append(build(JobConfig, merged, f"jobs.{i}"))
     cfg = Config(jobs=tuple(jobs), **sections)
     _check(cfg)
     return cfg
