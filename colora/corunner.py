@@ -40,7 +40,6 @@ reaches vLLM's processes too).
 from __future__ import annotations
 
 import contextlib
-import math
 import queue
 import shutil
 import threading
@@ -61,12 +60,12 @@ from .grouping import plan_regroup, request_tokens, split_groups
 from .handoff import Drop, EngineFailure, Failed, Generate, Generated, Stop
 from .lora import AdapterBank
 from .replay import keep_failed_step
+from .rollouts import Prompts, score, step_requests
 from .runlog import JsonlWriter, Timeline
-from .seeding import derive_seed
 from .stopping import StopRequest
 from .summary import NO_SIGNAL_STEPS
 from .throughput import combine_windows, measure_window
-from .trainer import JobFailure, MultiJobTrainer, Rollout
+from .trainer import JobFailure, MultiJobTrainer
 
 QUEUE_WAIT_S = 0.5  # the longest a thread waits on its queue before it looks at the other side
 JOIN_WAIT_S = 60.0  # the longest the trainer waits for the engine thread to end after a Stop
@@ -88,18 +87,6 @@ class JobState:
         return self.cfg.name
 
 
-def response_length(job: JobConfig, seed: int) -> int | None:
-    """The fixed length of one response for workloads that set lengths (None: stop at EOS)."""
-    spec = job.response_length
-    if spec.dist == "natural":
-        return None
-    if spec.dist == "fixed":
-        return job.max_new_tokens
-    rng = np.random.default_rng(seed)
-    n = int(round(math.exp(rng.normal(math.log(spec.median), spec.sigma))))
-    return max(spec.min, min(job.max_new_tokens, n))
-
-
 class CoRunner:
     def __init__(self, cfg: Config, engine: RolloutEngine, trainer: MultiJobTrainer, bank: AdapterBank,
                  tokenizer, jobs: dict[str, JobState], timeline: Timeline, metrics: JsonlWriter,
@@ -109,7 +96,7 @@ class CoRunner:
         self.engine = engine
         self.trainer = trainer
         self.bank = bank
-        self.tok = tokenizer
+        self.prompts = Prompts(tokenizer)  # the jobs' prompts as token ids, each once
         self.jobs = jobs
         self.timeline = timeline
         self.metrics = metrics
@@ -117,7 +104,6 @@ class CoRunner:
         self.log = log
         self.on_step = on_step  # checkpoint hook, called on the main thread after each group step
         self.stop_request = stop_request or StopRequest()  # set by a signal (colora/stopping.py)
-        self._prompt_cache: dict[tuple, list[int]] = {}
         self._submit_q: queue.Queue | None = None  # set while the engine thread runs
         self._queued_at: dict[int, float] = {}  # group -> when it was handed to the engine thread
         self._ship_lock = threading.Lock()  # see `shipping`
@@ -128,27 +114,8 @@ class CoRunner:
         self._flat: dict[str, int] = {}  # job -> steps in a row whose groups all had equal rewards
 
     # -- prompts and requests ------------------------------------------------------------------
-    def prompt_ids(self, messages: tuple[dict, ...]) -> list[int]:
-        key = tuple((m["role"], m["content"]) for m in messages)
-        ids = self._prompt_cache.get(key)
-        if ids is None:
-            text = self.tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-            ids = self.tok(text, add_special_tokens=False).input_ids
-            self._prompt_cache[key] = ids
-        return ids
-
     def step_requests(self, js: JobState, step: int) -> tuple[list, list[GenRequest]]:
-        jc, seed = js.cfg, self.cfg.experiment.seed
-        items = js.task.sample(jc.prompts_per_step, derive_seed(seed, jc.name, step, "prompts"), "train")
-        reqs = []
-        for p, item in enumerate(items):
-            ids = tuple(self.prompt_ids(item.messages))
-            for s in range(jc.samples_per_prompt):
-                sseed = derive_seed(seed, jc.name, step, "sample", p, s)
-                n = response_length(jc, sseed)
-                reqs.append(GenRequest(jc.name, ids, n or jc.max_new_tokens, jc.temperature, jc.top_p, sseed,
-                                       min_tokens=n or 0, ignore_eos=n is not None, tag=(p, s)))
-        return items, reqs
+        return step_requests(js.task, js.cfg, self.cfg.experiment.seed, step, self.prompts)
 
     # -- the engine side (engine thread) ---------------------------------------------------------
     def load_pending(self, names: list[str], group: int) -> None:
@@ -235,27 +202,6 @@ class CoRunner:
             done_q.put(Failed(err))
 
     # -- the trainer side (main thread) ----------------------------------------------------------
-    def score(self, js: JobState, items: list, results: list[GenResult]) -> list[Rollout]:
-        """Rewards and group-relative advantages; any failure of the job's reward is a JobFailure."""
-        jc = js.cfg
-        rewards = np.zeros((jc.prompts_per_step, jc.samples_per_prompt))
-        for r in results:
-            p, s = r.request.tag
-            try:
-                rew = float(js.task.reward(r.text, items[p]))
-                if jc.format_reward_weight:
-                    rew += jc.format_reward_weight * float(js.task.format_reward(r.text, items[p]))
-            except Exception as e:  # a customer's reward code: isolate, never crash the others
-                raise JobFailure(jc.name, f"reward function raised {type(e).__name__}: {e}") from e
-            if not math.isfinite(rew):
-                raise JobFailure(jc.name, f"reward is not finite ({rew}) for item {items[p].id}")
-            rewards[p, s] = rew
-        adv = grpo.group_advantages(torch.tensor(rewards, dtype=torch.float64), std_normalize=jc.loss != "dr_grpo")
-        return [Rollout(jc.name, r.version, list(r.request.prompt_ids), r.completion_ids, r.logprobs,
-                        r.request.tag[0], float(rewards[r.request.tag]), float(adv[r.request.tag]),
-                        r.finish_reason, r.text)
-                for r in results]
-
     def train_task(self, ready: list[Generated], progress: str) -> None:
         """One shared optimizer step for every job of the ready groups (each job's own update)."""
         gen, t_gen, group_of = {}, {}, {}
@@ -269,7 +215,7 @@ class CoRunner:
             js = self.jobs[name]
             self.engine.decode(results)
             try:
-                rollouts[name] = self.score(js, items, results)
+                rollouts[name] = score(js.task, js.cfg, items, results)
                 rewards[name] = float(np.mean([r.reward for r in rollouts[name]]))
             except JobFailure as f:
                 self.stop(js, f.reason)

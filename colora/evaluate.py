@@ -23,7 +23,7 @@ def evaluate(corunner, names: list[str], n: int, run_seed: int, max_new_tokens: 
         items[name] = its
         budget = max_new_tokens or js.cfg.max_new_tokens
         for i, it in enumerate(its):
-            reqs.append(GenRequest(name, tuple(corunner.prompt_ids(it.messages)), budget, 0.0, tag=i))
+            reqs.append(GenRequest(name, tuple(corunner.prompts.ids(it.messages)), budget, 0.0, tag=i))
     results = corunner.engine.generate(reqs)
     out: dict[str, dict] = {name: {"n": n, "items": [], "errors": 0} for name in names}
     for r in results:

@@ -129,7 +129,7 @@ def engine_rate(spans: list[dict]) -> dict:
     Under MPS the trainer's kernels share the GPU with the engine's; this says what that costs the
     decoding. With `waiting` (timelines that record each step's wait for the engine core): the
     median share of step time spent waiting for the core, high where the GPU bounds the decoding,
-    low where the client's Python in this process does (see engine.StepRate). {} when the timeline
+    low where the client's Python in this process does (see steprate.StepRate). {} when the timeline
     has no engine steps."""
     trains = [(s["start"], s["end"]) for s in spans if s["phase"] == "train"]
     split: dict[str, list[tuple[float, float, float | None, int]]] = {"training": [], "not_training": []}

@@ -227,7 +227,7 @@ def test_warm_up_goes_through_every_adapter_and_changes_nothing(engine, bank_mod
 
 
 def test_step_rate_buckets_steps_by_when_they_ended():
-    from colora.engine import StepRate
+    from colora.steprate import StepRate
 
     r = StepRate(bucket=0.5)
     r.record(0.1, 0.2, 4, wait=0.05)
@@ -242,7 +242,7 @@ def test_step_rate_buckets_steps_by_when_they_ended():
 
 
 def test_the_wait_for_the_engine_core_is_timed_and_the_output_handed_on():
-    from colora.engine import _time_waits
+    from colora.steprate import time_waits
 
     class Core:
         def get_output(self, timeout=None):
@@ -250,6 +250,6 @@ def test_the_wait_for_the_engine_core_is_timed_and_the_output_handed_on():
             return ("outputs", timeout)
 
     core = Core()
-    waited = _time_waits(core)
+    waited = time_waits(core)
     assert core.get_output(timeout=3) == ("outputs", 3) and core.get_output() == ("outputs", None)
     assert waited[0] >= 0.02  # two calls of at least 10 ms each (a lower bound, not a speed)

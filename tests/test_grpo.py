@@ -57,13 +57,12 @@ def test_advantages_refuse_a_group_of_one():
         group_advantages(torch.tensor([1.0, 0.0]))  # 1-d: which samples form a group is unknown
 
 
-def test_a_dr_grpo_job_is_not_std_normalised_and_the_others_are(tmp_path):
-    """The co-runner scores a dr_grpo job with centred rewards only (Dr. GRPO drops the division by
-    the group's std), and grpo_seq / grpo_token jobs with the std-normalised advantage."""
+def test_a_dr_grpo_job_is_not_std_normalised_and_the_others_are():
+    """A job's step is scored with centred rewards only for dr_grpo (Dr. GRPO drops the division by
+    the group's std), and with the std-normalised advantage for grpo_seq / grpo_token jobs."""
     from colora.config import load_config, resolve
-    from colora.corunner import CoRunner, JobState
     from colora.engine import GenRequest, GenResult
-    from colora.runlog import JsonlWriter, Timeline
+    from colora.rollouts import score
 
     d = load_config(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml").to_dict()
     d["jobs"] = [{**d["jobs"][0], "name": loss, "loss": loss, "prompts_per_step": 1, "samples_per_prompt": 4}
@@ -71,14 +70,13 @@ def test_a_dr_grpo_job_is_not_std_normalised_and_the_others_are(tmp_path):
     cfg = resolve(d)
     rewards = [0.0, 0.0, 0.0, 3.0]  # REWARDS' group 2: centred -0.75 x3, 2.25; std 1.5
     task = SimpleNamespace(reward=lambda text, item: float(text))
-    c = CoRunner(cfg, None, None, None, None, {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(),
-                 JsonlWriter(tmp_path / "m.jsonl"), tmp_path, log=lambda m: None)
     items = [SimpleNamespace(id=0)]
+    jobs = {j.name: j for j in cfg.jobs}
     for name, want in (("grpo_seq", [-0.5, -0.5, -0.5, 1.5]), ("grpo_token", [-0.5, -0.5, -0.5, 1.5]),
                        ("dr_grpo", [-0.75, -0.75, -0.75, 2.25])):
         results = [GenResult(GenRequest(name, (1, 2), 4, 1.0, tag=(0, s)), 0, [3], [-0.1], str(r), "stop")
                    for s, r in enumerate(rewards)]
-        got = [r.advantage for r in c.score(c.jobs[name], items, results)]
+        got = [r.advantage for r in score(task, jobs[name], items, results)]
         assert got == pytest.approx(want, rel=1e-5), name
 
 

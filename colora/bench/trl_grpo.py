@@ -125,16 +125,15 @@ def lora_kwargs(job) -> dict:
 
 
 def step_items(task, job, seed: int, steps: int) -> list[list]:
-    """Each step's prompts, as colora's runner samples them (corunner.step_requests)."""
-    from ..seeding import derive_seed
+    """Each step's prompts, as colora's runner samples them (colora/rollouts.py)."""
+    from ..rollouts import step_items as items_of
 
-    return [task.sample(job.prompts_per_step, derive_seed(seed, job.name, step, "prompts"), "train")
-            for step in range(steps)]
+    return [items_of(task, job, seed, step) for step in range(steps)]
 
 
 def prompt_tokens(tok, items: list[list]) -> tuple[bool, int]:
     """(TRL's prompt tokens equal colora's for every prompt, the longest prompt in tokens). colora
-    renders the chat template to text and tokenizes it without special tokens (corunner.prompt_ids);
+    renders the chat template to text and tokenizes it without special tokens (rollouts.Prompts);
     TRL tokenizes through apply_chat_template(tokenize=True)."""
     same, longest = True, 0
     for it in (it for step in items for it in step):
