@@ -153,10 +153,9 @@ class Session:
             ev.wait(max(0.0, deadline - time.monotonic()))
 
     def _route(self, fd: int, data: bytes) -> None:
-        if _MARK in data:
+        marked = _MARK in data
+        if marked:
             data = data.replace(_MARK, b"")
-            if fd in self._drained:
-                self._drained[fd].set()
         with self._lock:
             if self._sink is not None:
                 self._sink.write(data)
@@ -168,6 +167,8 @@ class Session:
         if self.verbose:
             with contextlib.suppress(OSError):
                 os.write(self._capture.saved[fd], data)
+        if marked and fd in self._drained:  # only now: what came with the mark is routed
+            self._drained[fd].set()
 
     def open_log(self, f) -> None:
         """Captured output goes to `f` (a binary file) from now on; what came before any log, too.

@@ -226,3 +226,24 @@ def test_a_run_in_another_process_shows_its_progress_and_warnings(tmp_path, mode
         return
     assert lines == [f"  [ded] step {n}/8 | a r=0.{n}0" for n in (1, 3)] + ["  [ded] warning: a job warned"] + \
         [f"  [ded] step {n}/8 | a r=0.{n}0" for n in (5, 7, 8)] + ["  [mps] step 2/2 | b r=0.50"]
+
+
+def test_a_drain_returns_only_after_what_came_with_its_mark_is_in_the_log():
+    """The mark that `Session.drain` writes often arrives in one read with the output before it (the
+    failed run's last traceback line): the drain is done only once that output is in the log."""
+    import threading
+    import types
+
+    from colora import output
+
+    log = []
+
+    class Done(threading.Event):
+        def set(self):
+            assert b"".join(log) == b"the traceback a library printed\n", "drained before the output was routed"
+            super().set()
+
+    session = types.SimpleNamespace(_lock=threading.Lock(), _sink=types.SimpleNamespace(write=log.append),
+                                    verbose=False, _drained={2: Done()})
+    output.Session._route(session, 2, b"the traceback a library printed\n" + output._MARK)
+    assert session._drained[2].is_set() and b"".join(log) == b"the traceback a library printed\n"
