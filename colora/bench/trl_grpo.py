@@ -135,10 +135,11 @@ def prompt_tokens(tok, items: list[list]) -> tuple[bool, int]:
     """(TRL's prompt tokens equal colora's for every prompt, the longest prompt in tokens). colora
     renders the chat template to text and tokenizes it without special tokens (rollouts.Prompts);
     TRL tokenizes through apply_chat_template(tokenize=True)."""
-    same, longest = True, 0
+    from ..rollouts import Prompts
+
+    prompts, same, longest = Prompts(tok), True, 0
     for it in (it for step in items for it in step):
-        text = tok.apply_chat_template(list(it.messages), tokenize=False, add_generation_prompt=True)
-        ours = tok(text, add_special_tokens=False).input_ids
+        ours = prompts.ids(it.messages)
         theirs = tok.apply_chat_template(list(it.messages), tokenize=True, add_generation_prompt=True,
                                          return_dict=True)["input_ids"]
         same &= list(ours) == list(theirs)
