@@ -320,8 +320,8 @@ class AdapterBank:
         """Everything needed to resume the job exactly: parameters, AdamW state, version."""
         job = self.jobs[name]
         return {
-            "A": {k: v.detach().cpu().clone() for k, v in job.A.items()},
-            "B": {k: v.detach().cpu().clone() for k, v in job.B.items()},
+            "A": _cpu_copy(job.A),
+            "B": _cpu_copy(job.B),
             "version": job.version,
             # copies on the CPU, as A and B: the state dict holds the optimizer's live tensors (on the
             # GPU), and loading it into another optimizer on the same device would share them

@@ -285,6 +285,7 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     jobs = {j.name: JobState(j, r.setup.tasks[j.name]) for j in cfg.jobs}
     ckpt = Checkpointer(out, cfg, bank, jobs, cfg.runtime.checkpoint_every, cfg.runtime.checkpoint_keep, r.log,
                         r.timeline)
+    stack.callback(ckpt.close)  # a write in flight lands before the run's status names its checkpoint
     if resume_state is not None:
         ckpt.restore(resume_state)
     corunner = CoRunner(cfg, engine, trainer, bank, r.tokenizer, jobs, r.timeline, r.metrics, scratch,

@@ -41,15 +41,20 @@ class _Job:
         self.step, self.status, self.reason = step, "running", ""
 
 
-def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, tiny_model_dir):
+def _two_job_bank(tiny_model_dir):
     from colora.lora import AdapterBank, inject_lora
     from colora.models import load_base_model
 
-    cfg = load_config(SMOKE)
     bank = AdapterBank("cpu", "torch")
     inject_lora(load_base_model(tiny_model_dir, torch.float32, "cpu"), bank)
     bank.add_job("count", 8, 16.0, ("q_proj",), 0, 1e-3)
     bank.add_job("mod", 8, 16.0, ("q_proj",), 0, 1e-3)
+    return bank
+
+
+def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, tiny_model_dir):
+    cfg = load_config(SMOKE)
+    bank = _two_job_bank(tiny_model_dir)
     jobs = {"count": _Job(2), "mod": _Job(2)}
     ck = Checkpointer(tmp_path, cfg, bank, jobs, every=1, keep=3, log=lambda s: None)
     ck.save_now()
@@ -63,6 +68,75 @@ def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, tiny_model_dir)
     path, st = load_latest(tmp_path, log=said.append)
     assert path.name == "step-000002" and st["jobs"]["count"]["step"] == 2
     assert "step-000004" in said[0] and "truncated" in said[0]
+
+
+def test_a_periodic_checkpoint_is_written_in_the_background_from_the_state_at_its_step(tmp_path, tiny_model_dir,
+                                                                                      monkeypatch):
+    """maybe_save returns while its checkpoint is still being written, the checkpoint holds the state
+    of the step it was taken at (not what training changed meanwhile), the line that says it is
+    written comes from the trainer's thread, and finish() waits for it instead of writing it again."""
+    import threading
+
+    from colora import checkpoint
+
+    cfg = load_config(SMOKE)
+    bank = _two_job_bank(tiny_model_dir)
+    jobs = {"count": _Job(1), "mod": _Job(1)}
+    said = []
+    ck = Checkpointer(tmp_path, cfg, bank, jobs, every=1, keep=3, log=said.append)
+    gate, real_save, writers = threading.Event(), checkpoint.save, []
+
+    def gated_save(*a, **kw):
+        writers.append(threading.current_thread())
+        assert gate.wait(30)
+        return real_save(*a, **kw)
+
+    monkeypatch.setattr(checkpoint, "save", gated_save)
+    ck.last = 0
+    before = {k: v.detach().clone() for k, v in bank.jobs["count"].A.items()}
+    ck.maybe_save()  # returns with the write held at the gate
+    assert writers and writers[0] is not threading.main_thread()
+    assert not list((tmp_path / "checkpoints").glob("step-*")) and said == []
+    with torch.no_grad():  # the next step changes the adapter while the write is in flight
+        for v in bank.jobs["count"].A.values():
+            v.add_(1.0)
+    gate.set()
+    assert ck.finish() is None  # waited for step 1's write: nothing left to save
+    assert len(said) == 1 and said[0].startswith("checkpoint step-000001 written"), said
+    path, state = load_latest(tmp_path, log=lambda s: None)
+    assert path.name == "step-000001"
+    saved = state["jobs"]["count"]["bank"]["A"]
+    assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in before)
+
+
+def test_a_failed_background_write_raises_at_the_next_checkpoint_and_keeps_the_previous(tmp_path, tiny_model_dir,
+                                                                                       monkeypatch):
+    from colora import checkpoint
+    from colora.checkpoint import CheckpointError
+
+    cfg = load_config(SMOKE)
+    bank = _two_job_bank(tiny_model_dir)
+    jobs = {"count": _Job(1), "mod": _Job(1)}
+    said = []
+    ck = Checkpointer(tmp_path, cfg, bank, jobs, every=1, keep=3, log=said.append)
+    ck.last = 0
+    ck.maybe_save()
+    ck.wait()
+    assert said[-1].startswith("checkpoint step-000001 written")
+
+    def full_disk(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save", full_disk)
+    jobs["count"].step = jobs["mod"].step = 2
+    ck.maybe_save()  # the write fails in the background: the step goes on
+    with pytest.raises(CheckpointError, match=r"step-000002 .*could not be written.*No space left on device"):
+        ck.finish()
+    assert load_latest(tmp_path, log=lambda s: None)[0].name == "step-000001"
+    jobs["count"].step = jobs["mod"].step = 3
+    ck.maybe_save()
+    ck.close()  # at the end of a run the failure is logged, not raised
+    assert "step-000003" in said[-1] and "No space left on device" in said[-1]
 
 
 def test_rewind_keeps_old_logs_and_drops_rows_after_the_checkpoint(tmp_path):
