@@ -52,7 +52,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save(root: Path, tag: int, state: dict, keep: int) -> Path:
-    """Write checkpoint `tag` under root/checkpoints atomically; keep the newest `keep`."""
+    """Write checkpoint `tag` under root/checkpoints atomically; keep the newest `keep` and remove
+    what a killed write left (a hidden temporary folder)."""
     ckpts = root / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
     final = ckpts / f"step-{tag:06d}"
@@ -77,6 +78,8 @@ def save(root: Path, tag: int, state: dict, keep: int) -> Path:
         raise
     for old in sorted(ckpts.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for torn in ckpts.glob(".step-*"):  # a write a killed process left half done (one write at a time)
+        shutil.rmtree(torn, ignore_errors=True)
     return final
 
 

@@ -57,7 +57,9 @@ def test_damaged_checkpoint_falls_back_to_the_previous(tmp_path, tiny_model_dir)
     bank = _two_job_bank(tiny_model_dir)
     jobs = {"count": _Job(2), "mod": _Job(2)}
     ck = Checkpointer(tmp_path, cfg, bank, jobs, every=1, keep=3, log=lambda s: None)
+    (tmp_path / "checkpoints" / ".step-000001.killed").mkdir(parents=True)  # a write a killed run left
     ck.save_now()
+    assert not list((tmp_path / "checkpoints").glob(".step-*"))
     bank.jobs["count"].version = 7
     jobs["count"].step = jobs["mod"].step = 4
     newest = ck.save_now()
