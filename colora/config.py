@@ -164,7 +164,8 @@ class RuntimeConfig:
     summary.json."""
 
     # Optimizer steps between checkpoints (of the slowest running job), plus one when training ends,
-    # so that a killed run continues with `colora run --resume DIR`; 0: no checkpoints.
+    # so that a killed run continues with `colora run --resume DIR`; 0: no checkpoints. The periodic
+    # ones are written in the background while training goes on.
     checkpoint_every: int = 5
     checkpoint_keep: int = 2  # the newest checkpoints kept
     # The engine's client in a process of its own (colora/engine_process.py). auto: in the arms whose
