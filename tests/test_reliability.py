@@ -86,10 +86,11 @@ def test_a_periodic_checkpoint_is_written_in_the_background_from_the_state_at_it
     jobs = {"count": _Job(1), "mod": _Job(1)}
     said = []
     ck = Checkpointer(tmp_path, cfg, bank, jobs, every=1, keep=3, log=said.append)
-    gate, real_save, writers = threading.Event(), checkpoint.save, []
+    gate, entered, real_save, writers = threading.Event(), threading.Event(), checkpoint.save, []
 
     def gated_save(*a, **kw):
         writers.append(threading.current_thread())
+        entered.set()
         assert gate.wait(30)
         return real_save(*a, **kw)
 
@@ -97,7 +98,7 @@ def test_a_periodic_checkpoint_is_written_in_the_background_from_the_state_at_it
     ck.last = 0
     before = {k: v.detach().clone() for k, v in bank.jobs["count"].A.items()}
     ck.maybe_save()  # returns with the write held at the gate
-    assert writers and writers[0] is not threading.main_thread()
+    assert entered.wait(30) and writers[0] is not threading.main_thread()
     assert not list((tmp_path / "checkpoints").glob("step-*")) and said == []
     with torch.no_grad():  # the next step changes the adapter while the write is in flight
         for v in bank.jobs["count"].A.values():
