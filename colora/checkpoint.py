@@ -124,7 +124,7 @@ class Checkpointer:
         trainer's thread) and a "checkpoint_write" span per background write."""
         self.out, self.cfg, self.bank, self.jobs, self.log = out, cfg, bank, jobs, log
         self.every, self.keep, self.timeline = every, keep, timeline
-        self.last = min((js.step for js in jobs.values()), default=0)
+        self.last = self._step()
         self._writer: threading.Thread | None = None
         self._result: tuple[int, Path | BaseException, float] | None = None  # the last write's, until logged
 
@@ -133,13 +133,17 @@ class Checkpointer:
                 "jobs": {n: {"bank": self.bank.job_state(n), "step": js.step, "status": js.status,
                              "reason": js.reason} for n, js in self.jobs.items()}}
 
+    def _step(self) -> int:
+        """The steps every job has completed: a checkpoint's tag."""
+        return min((js.step for js in self.jobs.values()), default=0)
+
     def _span(self, phase: str):
         return self.timeline.span(phase) if self.timeline is not None else contextlib.nullcontext()
 
     def save_now(self) -> Path:
         """The checkpoint of every job's state now, on disk when it returns."""
         self.wait()
-        tag = min(js.step for js in self.jobs.values())
+        tag = self._step()
         with self._span("checkpoint"):
             path = save(self.out, tag, self.state(), self.keep)
         self.last = tag
@@ -157,7 +161,7 @@ class Checkpointer:
         if not live or min(live) < self.last + self.every:
             return
         self.wait()
-        tag = min(js.step for js in self.jobs.values())
+        tag = self._step()
         with self._span("checkpoint"):
             state = self.state()  # copies on the CPU: the next steps do not change them
         self.last = tag
@@ -200,7 +204,7 @@ class Checkpointer:
         self.wait()
         if self.every <= 0:
             return None
-        tag = min(js.step for js in self.jobs.values())
+        tag = self._step()
         latest = self.out / "checkpoints" / f"step-{tag:06d}"
         return None if tag == self.last and latest.exists() else self.save_now()
 
@@ -214,7 +218,7 @@ class Checkpointer:
             st = state["jobs"][name]
             self.bank.load_job_state(name, st["bank"])
             js.step, js.status, js.reason = st["step"], st["status"], st["reason"]
-        self.last = min(js.step for js in self.jobs.values())
+        self.last = self._step()
 
 
 def rewind_logs(out: Path, state: dict) -> None:
