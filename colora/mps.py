@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -42,9 +43,8 @@ _claimed: dict[str, int] = {}
 
 
 def _cuda_initialized() -> bool:
-    import torch
-
-    return torch.cuda.is_initialized()
+    torch = sys.modules.get("torch")  # a process that never imported torch made no context through it
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def _cuda_available() -> bool:
@@ -140,11 +140,18 @@ class MpsDaemon:
         return _claimed["sms"]
 
     def stop(self) -> str:
-        """Send `quit` (with a timeout), restore the environment. Returns what happened."""
+        """Send `quit`, restore the environment. Returns what happened. The daemon quits once its
+        clients are gone: where this process is one (its CUDA context exists, as in a run's process),
+        `quit` is sent without waiting for it (waiting would only end at the timeout); otherwise it
+        waits up to `quit_timeout` seconds."""
         if not self.owner:
             return "left to its owner"
         if not self.started:
             return "not started"
+        if _cuda_initialized():
+            self.quit_nowait()
+            environment.restore(self._saved_env)
+            return "quit sent (it exits once this process, its last client, does)"
         self.started = False
         outcome = "quit"
         try:

@@ -613,6 +613,42 @@ def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, 
     assert d.stop() == "not started"  # it is not told twice
 
 
+def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, monkeypatch):
+    """The daemon quits only once its clients are gone: a process with a CUDA context (a run's)
+    sends `quit` and goes on at once, one without waits for the reply (here, up to its timeout). A
+    fake nvidia-cuda-mps-control answers `quit` only after 3 s, as the real one does while a client lives."""
+    import colora.mps
+    from colora.mps import MpsDaemon
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo start >> {calls}; '
+                    f'else read c; echo "$c" >> {calls}; sleep 3; fi\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
+    for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    for client, expect in ((True, "quit sent"), (False, "quit timed out after 0.5s")):
+        monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: client)
+        calls.write_text("")
+        d = MpsDaemon(tmp_path / "mps", quit_timeout=0.5)
+        d.start()
+        assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps" / "pipe")
+        t0 = time.monotonic()
+        outcome = d.stop()
+        took = time.monotonic() - t0
+        assert outcome.startswith(expect), outcome
+        assert took < 0.4 if client else 0.5 <= took < 2.5
+        assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # the environment is restored either way
+        while time.monotonic() - t0 < 10 and calls.read_text().split() != ["start", "quit"]:
+            time.sleep(0.05)
+        assert calls.read_text().split() == ["start", "quit"]
+        assert d.stop() == "not started"
+
+
 @pytest.mark.parametrize("arm", ["shared_sync", "overlap"])
 def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm, request):
     """Repeated to catch races: a real SIGINT at 16 moments spread over a run's first steps (fake engine
