@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,28 @@ def _environment_as_it_was():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture
+def fake_mps_control(tmp_path, monkeypatch):
+    """A factory for a fake nvidia-cuda-mps-control on PATH, with MPS reported available: it records
+    `start PIPE_DIR` for `-d` and each command it reads, answering a command only after `reply_after`
+    seconds (the real one answers `quit` once the daemon's clients are gone). Returns the record's path."""
+    import colora.mps
+
+    def make(reply_after: float = 0) -> Path:
+        calls = tmp_path / "mps-calls"
+        fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
+        fake.parent.mkdir(exist_ok=True)
+        fake.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {calls}; '
+                        f'else read cmd; echo "$cmd" >> {calls}; sleep {reply_after}; fi\n')
+        fake.chmod(0o755)
+        calls.write_text("")
+        monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+        monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
+        return calls
+
+    return make
 
 
 @pytest.fixture(scope="session")

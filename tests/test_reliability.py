@@ -154,19 +154,11 @@ def test_rewind_keeps_old_logs_and_drops_rows_after_the_checkpoint(tmp_path):
 
 
 # -- MPS -------------------------------------------------------------------------------------------
-def test_mps_daemon_is_stopped_after_a_failing_run(tmp_path, tiny_model_dir, monkeypatch):
+def test_mps_daemon_is_stopped_after_a_failing_run(tmp_path, tiny_model_dir, monkeypatch, fake_mps_control):
     """A fake nvidia-cuda-mps-control records its calls; the run fails after the daemon started."""
     import colora.engine
-    import colora.mps
 
-    log = tmp_path / "mps.log"
-    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo "start $CUDA_MPS_PIPE_DIRECTORY" >> {log}; '
-                    f'else read cmd; echo "$cmd" >> {log}; fi\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
+    log = fake_mps_control()
 
     def boom(*a, **k):
         assert os.environ.get("CUDA_MPS_PIPE_DIRECTORY"), "the engine must start inside the daemon's environment"

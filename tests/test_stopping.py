@@ -586,54 +586,34 @@ def test_a_stopped_child_gets_sigterm_then_its_group_sigkill(tmp_path):
     assert not [p for p in _session(child.pid)], "the child's group outlived it"
 
 
-def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, monkeypatch):
+def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, fake_mps_control):
     """On a second signal the run (an MPS client, about to exit) only sends `quit`; a fake
     nvidia-cuda-mps-control records the calls."""
-    import colora.mps
     from colora.mps import MpsDaemon
 
-    calls = tmp_path / "calls"
-    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo start >> {calls}; else read c; echo "$c" >> {calls}; fi\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
-    for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):  # start() sets them, quit_nowait keeps
-        monkeypatch.setenv(k, "")  # them: monkeypatch records their absence and removes them after the test
-        monkeypatch.delenv(k)
+    calls = fake_mps_control()
     d = MpsDaemon(tmp_path / "mps")
     d.start()
     t0 = time.monotonic()
     d.quit_nowait()
     assert time.monotonic() - t0 < 1.0 and not d.started
-    while time.monotonic() - t0 < 10 and calls.read_text().split() != ["start", "quit"]:
+    while time.monotonic() - t0 < 10 and len(calls.read_text().splitlines()) < 2:
         time.sleep(0.05)
-    assert calls.read_text().split() == ["start", "quit"]
+    assert [c.split()[0] for c in calls.read_text().splitlines()] == ["start", "quit"]
     assert d.stop() == "not started"  # it is not told twice
 
 
-def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, monkeypatch):
+def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, monkeypatch, fake_mps_control):
     """The daemon quits only once its clients are gone: a process with a CUDA context (a run's)
-    sends `quit` and goes on at once, one without waits for the reply (here, up to its timeout). A
+    sends `quit` and goes on at once, one without waits for the reply (here, up to its timeout). The
     fake nvidia-cuda-mps-control answers `quit` only after 3 s, as the real one does while a client lives."""
     import colora.mps
     from colora.mps import MpsDaemon
 
-    calls = tmp_path / "calls"
-    fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
-    fake.parent.mkdir()
-    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-d" ]; then echo start >> {calls}; '
-                    f'else read c; echo "$c" >> {calls}; sleep 3; fi\n')
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
-    for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
-        monkeypatch.setenv(k, "")
-        monkeypatch.delenv(k)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     for client, expect in ((True, "quit sent"), (False, "quit timed out after 0.5s")):
         monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: client)
-        calls.write_text("")
+        calls = fake_mps_control(reply_after=3)
         d = MpsDaemon(tmp_path / "mps", quit_timeout=0.5)
         d.start()
         assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps" / "pipe")
@@ -641,11 +621,11 @@ def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, m
         outcome = d.stop()
         took = time.monotonic() - t0
         assert outcome.startswith(expect), outcome
-        assert took < 0.4 if client else 0.5 <= took < 2.5
+        assert took < 1.0 if client else 0.5 <= took < 2.5  # the fake's reply comes after 3 s
         assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # the environment is restored either way
-        while time.monotonic() - t0 < 10 and calls.read_text().split() != ["start", "quit"]:
+        while time.monotonic() - t0 < 10 and len(calls.read_text().splitlines()) < 2:
             time.sleep(0.05)
-        assert calls.read_text().split() == ["start", "quit"]
+        assert [c.split()[0] for c in calls.read_text().splitlines()] == ["start", "quit"]
         assert d.stop() == "not started"
 
 
