@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -43,8 +42,9 @@ _claimed: dict[str, int] = {}
 
 
 def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")  # a process that never imported torch made no context through it
-    return torch is not None and torch.cuda.is_initialized()
+    import torch
+
+    return torch.cuda.is_initialized()
 
 
 def _cuda_available() -> bool:
@@ -141,14 +141,14 @@ class MpsDaemon:
 
     def stop(self) -> str:
         """Send `quit`, restore the environment. Returns what happened. The daemon quits once its
-        clients are gone: where this process is one (its CUDA context exists, as in a run's process),
-        `quit` is sent without waiting for it (waiting would only end at the timeout); otherwise it
-        waits up to `quit_timeout` seconds."""
+        clients are gone: where this process is one (it made its CUDA context through `claim`, as a
+        run's process does), `quit` is sent without waiting for it (waiting would only end at the
+        timeout); otherwise it waits up to `quit_timeout` seconds."""
         if not self.owner:
             return "left to its owner"
         if not self.started:
             return "not started"
-        if _cuda_initialized():
+        if _claimed:
             self.quit_nowait()
             environment.restore(self._saved_env)
             return "quit sent (it exits once this process, its last client, does)"

@@ -604,15 +604,16 @@ def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, 
 
 
 def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, monkeypatch, fake_mps_control):
-    """The daemon quits only once its clients are gone: a process with a CUDA context (a run's)
-    sends `quit` and goes on at once, one without waits for the reply (here, up to its timeout). The
+    """The daemon quits only once its clients are gone: a process that made its CUDA context under it
+    (a run's, through claim) sends `quit` and goes on at once, another waits for the reply (here, up
+    to its timeout). The
     fake nvidia-cuda-mps-control answers `quit` only after 3 s, as the real one does while a client lives."""
     import colora.mps
     from colora.mps import MpsDaemon
 
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     for client, expect in ((True, "quit sent"), (False, "quit timed out after 0.5s")):
-        monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: client)
+        monkeypatch.setattr(colora.mps, "_claimed", {"percentage": 100, "sms": 132} if client else {})
         calls = fake_mps_control(reply_after=3)
         d = MpsDaemon(tmp_path / "mps", quit_timeout=0.5)
         d.start()
