@@ -606,8 +606,8 @@ def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, 
 def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, monkeypatch, fake_mps_control):
     """The daemon quits only once its clients are gone: a process that made its CUDA context under it
     (a run's, through claim) sends `quit` and goes on at once, another waits for the reply (here, up
-    to its timeout). The
-    fake nvidia-cuda-mps-control answers `quit` only after 3 s, as the real one does while a client lives."""
+    to its timeout). The fake nvidia-cuda-mps-control answers `quit` only after 3 s, as the real one
+    does while a client lives."""
     import colora.mps
     from colora.mps import MpsDaemon
 
@@ -622,7 +622,7 @@ def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, m
         outcome = d.stop()
         took = time.monotonic() - t0
         assert outcome.startswith(expect), outcome
-        assert took < 1.0 if client else 0.5 <= took < 2.5  # the fake's reply comes after 3 s
+        assert took < 2.0 if client else 0.5 <= took < 3.0  # not waited for / cut at 0.5 s: the reply takes 3 s
         assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ  # the environment is restored either way
         while time.monotonic() - t0 < 10 and len(calls.read_text().splitlines()) < 2:
             time.sleep(0.05)

@@ -111,30 +111,21 @@ def _measure(engine, batch: int, tokens: int, prompts: list[tuple[int, ...]], jo
 
 
 def _measure_split(engines: list, batch: int, tokens: int, prompts, jobs: list) -> dict:
-    """The batch split over the engines (engine i: every len(engines)-th of `jobs` from the i-th, or
-    one of them where there are fewer jobs than engines, and its share of the requests), decoded at once, one thread an engine: tokens a second over the
-    slowest engine's wall time, and each engine's median step."""
-    import threading
+    """The batch split over the engines, decoded at once, one thread an engine: engine i serves every
+    len(engines)-th of `jobs` from the i-th (one of them where there are fewer jobs than engines)
+    and decodes its share of the requests. Tokens a second over the slowest engine's wall time, and
+    each engine's median step."""
+    from concurrent.futures import ThreadPoolExecutor
 
     n = len(engines)
     sizes = [batch // n + (i < batch % n) for i in range(n)]
-    parts: list[dict | BaseException | None] = [None] * n
 
-    def one(i: int) -> None:
-        try:
-            parts[i] = _measure(engines[i], sizes[i], tokens, prompts, (jobs[i::n] or [jobs[i % len(jobs)]]) if jobs[0] else jobs,
-                                True)
-        except BaseException as e:  # noqa: BLE001  # re-raised in the caller's thread
-            parts[i] = e
+    def one(i: int) -> dict:
+        mine = (jobs[i::n] or [jobs[i % len(jobs)]]) if jobs[0] else jobs
+        return _measure(engines[i], sizes[i], tokens, prompts, mine, True)
 
-    threads = [threading.Thread(target=one, args=(i,), name=f"colora-bench-core-{i}") for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for part in parts:
-        if isinstance(part, BaseException):
-            raise part
+    with ThreadPoolExecutor(n, thread_name_prefix="colora-bench-core") as pool:
+        parts = list(pool.map(one, range(n)))  # an engine's failure is raised here
     wall = max(part["wall_s"] for part in parts)
     return {"batch": batch, "adapters": 0 if jobs[0] is None else len(jobs), "cores": n, "sizes": sizes,
             "ms_per_step": [part["ms_per_step"] for part in parts], "wall_s": wall,
