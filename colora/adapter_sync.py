@@ -7,10 +7,12 @@ Two modes (`runtime.adapter_sync`; "auto", the default, takes "memory" where it 
   the segment's name, the tensors' names and shapes and the PEFT config (`LLM.collective_rpc`, a few
   KB). The worker, through the extension `AdapterSync` below, copies the segment to its device in
   one copy, builds the adapter with vLLM's `LoRAModel.from_lora_tensors` and adds it through vLLM's
-  own add path (LRU eviction, slot activation), under the name and id that `RolloutEngine.set_adapter`
+  own add path (LRU eviction, slot activation), under the name and id that `RolloutEngine.set_adapters`
   gives every version (`<job>@v<version>`, a new id each time: vLLM keys prefix-cache blocks by the
   LoRA, so a new version never meets KV computed under an old one). No safetensors file is written
-  or parsed, and nothing is pinned or copied per tensor.
+  or parsed, and nothing is pinned or copied per tensor. A group's new versions go in one call,
+  which also removes their previous versions (`add_loras`): a call into the engine core waits for
+  its step in progress, and one wait serves them all.
 - "disk": a PEFT directory per version (`AdapterBank.export_peft`, on tmpfs where there is one) and
   vLLM's `add_lora` from its path.
 
@@ -34,7 +36,7 @@ behaviour under MPS is not measured. The adapter the worker builds lives on the 
 (about 20 MB per loaded version for Qwen3-0.6B at rank 16 in bf16), where vLLM's disk loader keeps
 it in pinned host memory.
 
-Every vLLM-internal name used is used here and only here: the worker's `model_runner.lora_manager`
+Every vLLM-internal name used is used here and only here: the worker's `remove_lora` and `model_runner.lora_manager`
 (vLLM's LRUCacheWorkerLoRAManager) with its `add_adapter`, `list_adapters`, `_load_adapter`,
 `_lora_model_cls`, `device`, `vocab_size`, `lora_config` and `max_position_embeddings`, and its
 `_adapter_manager`'s `model`, `supported_lora_modules` and `packed_modules_mapping`; `PEFTHelper`;
@@ -205,10 +207,16 @@ class SharedAdapters:
 
 
 # -- the engine's side (vLLM's client) ------------------------------------------------------------
-def add_lora(llm, lora_request, adapter: AdapterTensors) -> bool:
-    """Have every worker of `llm` build `adapter` as `lora_request` (its name and id)."""
-    return all(llm.collective_rpc("colora_add_lora", args=(lora_request.lora_name, lora_request.lora_int_id,
-                                                            adapter.spec())))
+def add_loras(llm, loads: list[tuple[object, AdapterTensors, int | None]]) -> list[str]:
+    """Have every worker of `llm` build each (lora_request, adapter, id to remove) in one call into the
+    engine core, removing the previous version's id (None: none) once the new one is in. One call,
+    however many adapters: each call waits for the engine core's step in progress to end (a few ms
+    on the H200 while the engine decodes), so a group's versions and their removals share one wait.
+    Returns per load '' or why a worker refused it (a refused load removes nothing)."""
+    items = [[req.lora_name, req.lora_int_id, adapter.spec(), -1 if old is None else old]
+             for req, adapter, old in loads]
+    per_worker = llm.collective_rpc("colora_add_loras", args=(items,))
+    return [next((w[i] for w in per_worker if w[i]), "") for i in range(len(items))]
 
 
 def release(llm, job: str) -> None:
@@ -231,8 +239,21 @@ class AdapterSync:
         """'' once this worker runs the extension in a vLLM it is written against, else why not."""
         return memory_unsupported()
 
-    def colora_add_lora(self, lora_name: str, lora_int_id: int, spec: dict) -> bool:
-        return _add_lora(self, lora_name, lora_int_id, spec)
+    def colora_add_loras(self, items: list) -> list[str]:
+        """items: [lora_name, lora_int_id, spec, id to remove or -1]; per item '' or why it failed."""
+        out = []
+        for lora_name, lora_int_id, spec, old in items:
+            try:
+                if not _add_lora(self, lora_name, lora_int_id, spec):
+                    out.append(f"{lora_name}: vLLM's add_adapter refused it")
+                    continue
+            except Exception as e:  # noqa: BLE001  (one refused version must not hide the others' results)
+                out.append(f"{lora_name}: {type(e).__name__}: {e}")
+                continue
+            if old >= 0:
+                self.remove_lora(old)  # the worker's own remove path, as LLMEngine.remove_lora reaches it
+            out.append("")
+        return out
 
     def colora_release_segment(self, job: str) -> None:
         self.__dict__.get("_colora_segments", {}).pop(job, None)

@@ -2,8 +2,8 @@
 
 Each job's requests carry that job's adapter. After every optimizer step the trainer exports the
 job's adapter (`export_adapter`: into shared memory that vLLM's worker reads, or as a PEFT directory
-on tmpfs; colora/adapter_sync.py says which where) and `set_adapter` loads it into the engine under a
-new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache blocks by the LoRA id, so KV
+on tmpfs; colora/adapter_sync.py says which where) and `set_adapters` loads a group's new versions
+into the engine, each under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache blocks by the LoRA id, so KV
 computed under an old version can never be served to a request of the new one (docs/architecture.md: an
 in-place reload kept serving the old KV until `reset_prefix_cache()`), and the old version is
 removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
@@ -102,16 +102,17 @@ def plain_token_ids(tokenizer, limit: int = 32768):
     return np.array([i for i in range(min(len(tokenizer), limit)) if i not in special])
 
 
-def engine_process(setting: str, arm: str) -> bool:
+def engine_process(setting: str, arm: str, instances: int = 1) -> bool:
     """Whether the engine's client runs in a process of its own (colora/engine_process.py), from the
-    run option `runtime.engine_process`: "on", "off", or "auto" for the arms whose groups overlap.
+    run option `runtime.engine_process`: "on", "off", or "auto" for the arms whose groups overlap;
+    always with several engines (`engine.instances`, colora/engine_pool.py).
 
     Why auto: in the overlapping arms vLLM's client threads run Python every engine step while the
     trainer's thread runs its step in the same interpreter; on the H200 overlap_mps ran 5.8% faster
     with the client apart (measured at f954d65). In the sequential arms nothing runs beside the
     engine to compete for the interpreter, and the one dedicated run with the client apart had
     unexplained 1.9-3.2 s training steps: the baseline keeps the in-process client."""
-    return setting == "on" or (setting == "auto" and arm in OVERLAP_ARMS)
+    return setting == "on" or instances > 1 or (setting == "auto" and arm in OVERLAP_ARMS)
 
 
 class RolloutEngine:
@@ -214,35 +215,54 @@ class RolloutEngine:
         return bank.export_peft(job, out_dir, self.model_dir, dtype, fold_scale=True)
 
     def set_adapter(self, job: str, version: int, adapter: str | Path | AdapterTensors) -> float:
-        """Load `adapter` (`export_adapter`'s, or any PEFT directory) as `job`'s adapter `version` now
-        (not lazily at the next request), under a LoRA name and id of its own, and drop the previous
-        version. Returns the seconds it took."""
+        """`set_adapters` of one adapter."""
+        return self.set_adapters([(job, version, adapter)])
+
+    def set_adapters(self, loads: list[tuple[str, int, str | Path | AdapterTensors]]) -> float:
+        """Load each (job, version, adapter) now (not lazily at the next request), every version under
+        a LoRA name and id of its own, and drop each job's previous version. Adapters from shared
+        memory (`export_adapter`'s) go in one call into the engine core that also removes their
+        previous versions; PEFT directories through vLLM's add_lora and remove_lora. Returns the
+        seconds the whole call took. A refused adapter is a RuntimeError naming it, raised after the
+        others are in (the job keeps its previous version)."""
         from vllm.lora.request import LoRARequest
 
         t0 = time.perf_counter()
         engine = self.llm.llm_engine
-        if isinstance(adapter, AdapterTensors):
-            if self.adapter_sync != "memory":
-                raise ValueError(f"{job}: an in-memory adapter for an engine whose adapters go by disk "
-                                 f"({self.adapter_sync_note})")
-            if (adapter.job, adapter.version) != (job, version):
-                raise ValueError(f"adapter of {adapter.job} v{adapter.version} given as {job} v{version}")
-            req = LoRARequest(f"{job}@v{version}", self._next_id, sync.in_memory_path(job, version))
+        memory, disk = [], []
+        for job, version, adapter in loads:
+            if isinstance(adapter, AdapterTensors):
+                if self.adapter_sync != "memory":
+                    raise ValueError(f"{job}: an in-memory adapter for an engine whose adapters go by disk "
+                                     f"({self.adapter_sync_note})")
+                if (adapter.job, adapter.version) != (job, version):
+                    raise ValueError(f"adapter of {adapter.job} v{adapter.version} given as {job} v{version}")
+            path = sync.in_memory_path(job, version) if isinstance(adapter, AdapterTensors) else str(adapter)
+            req = LoRARequest(f"{job}@v{version}", self._next_id, path)
             self._next_id += 1
-            ok = sync.add_lora(self.llm, req, adapter)
-            self._from_memory.add(job)
-        else:
-            req = LoRARequest(f"{job}@v{version}", self._next_id, str(adapter))
-            self._next_id += 1
-            ok = engine.add_lora(req)
-        if not ok:
-            raise RuntimeError(f"vLLM refused adapter {req.lora_name} from {adapter}")
-        if isinstance(adapter, AdapterTensors) and self._shared is not None:
-            self._shared.mapped(job)  # in-process: the worker has it mapped now
-        old = self._adapters.get(job)
-        self._adapters[job] = (version, req)
-        if old is not None:
-            engine.remove_lora(old[1].lora_int_id)
+            (memory if isinstance(adapter, AdapterTensors) else disk).append((job, version, adapter, req))
+        refused = []
+        if memory:
+            old = [self._adapters[j][1].lora_int_id if j in self._adapters else None for j, _, _, _ in memory]
+            errors = sync.add_loras(self.llm, [(req, a, o) for (_, _, a, req), o in zip(memory, old)])
+            for (job, version, _, req), why in zip(memory, errors):
+                if why:
+                    refused.append(why)
+                    continue
+                self._from_memory.add(job)
+                if self._shared is not None:
+                    self._shared.mapped(job)  # in-process: the worker has it mapped now
+                self._adapters[job] = (version, req)
+        for job, version, adapter, req in disk:
+            if not engine.add_lora(req):
+                refused.append(f"vLLM refused adapter {req.lora_name} from {adapter}")
+                continue
+            old = self._adapters.get(job)
+            self._adapters[job] = (version, req)
+            if old is not None:
+                engine.remove_lora(old[1].lora_int_id)
+        if refused:
+            raise RuntimeError("; ".join(refused))
         return time.perf_counter() - t0
 
     def warm_up(self, seed: int = 0) -> float:

@@ -28,11 +28,12 @@ class FakeEngine:
     def __init__(self, runner_ref: list):
         self.ref = runner_ref
         self.why = ""
-        self.loads = []
+        self.loads, self.calls = [], 0
 
-    def set_adapter(self, job, version, path):
+    def set_adapters(self, loads):
         assert self.ref[0]._ship_lock.locked(), "an adapter was loaded outside `shipping`"
-        self.loads.append((job, version, path))
+        self.loads += loads
+        self.calls += 1
         return 0.0
 
     def dead(self):
@@ -79,6 +80,7 @@ def test_export_and_reload_each_hold_the_shipping_lock(tmp_path):
     assert all(c.jobs[n].pending == (1, tmp_path / n / "v1") for n in names)
     c.load_pending(names, group=0)
     assert [(j, v) for j, v, _ in engine.loads] == [(n, 1) for n in names]
+    assert engine.calls == 1, "a group's versions go to the engine in one call"
     assert all(c.jobs[n].pending is None for n in names)
     assert [s["phase"] for s in c.timeline.spans] == ["export", "reload"]
     for s in c.timeline.spans:  # each span times every adapter version it moved
@@ -209,8 +211,9 @@ class LoopEngine:
     def __init__(self, lengths: dict[str, int]):
         self.lengths, self.loaded, self.queue = lengths, {}, []
 
-    def set_adapter(self, job, version, path):
-        self.loaded[job] = version
+    def set_adapters(self, loads):
+        for job, version, _ in loads:
+            self.loaded[job] = version
         return 0.0
 
     def submit(self, key, reqs):
@@ -364,7 +367,7 @@ class HandshakeEngine(LoopEngine):
         super().submit(key, reqs)
         self.submitted[key].set()
 
-    def set_adapter(self, job, version, path):
+    def set_adapters(self, loads):
         first, self.first_load = self.first_load, False
         if first:
             self.loading = True
@@ -372,7 +375,7 @@ class HandshakeEngine(LoopEngine):
             self.wait(self.go, "go: the trainer neither stepped nor waited for the load")
             self.wait(self.ack, "ack")
             self.loading = False
-        return super().set_adapter(job, version, path)
+        return super().set_adapters(loads)
 
 
 class HandshakeTrainer(VersionTrainer):

@@ -136,9 +136,39 @@ def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, bank
             given.add(lora.lora_int_id)
             assert engine.loaded_adapters() == {engine._adapters[n][1].lora_int_id for n in engine._adapters}
     held = engine._adapters["a"][1]
-    with pytest.raises(Exception, match=f"LoRA id {held.lora_int_id} is loaded already"):
-        adapter_sync.add_lora(engine.llm, LoRARequest("a@again", held.lora_int_id, "/x"),
-                              engine.export_adapter(bank, "a", tmp_path / "unused"))
+    errors = adapter_sync.add_loras(engine.llm, [(LoRARequest("a@again", held.lora_int_id, "/x"),
+                                                  engine.export_adapter(bank, "a", tmp_path / "unused"), None)])
+    assert f"LoRA id {held.lora_int_id} is loaded already" in errors[0]
+    assert engine.loaded_adapters() == {engine._adapters[n][1].lora_int_id for n in engine._adapters}
+
+
+def test_a_groups_versions_load_in_one_call_and_the_old_ones_leave(engine, bank_model, tmp_path):
+    """`set_adapters` with two jobs' new versions from memory: one call into the engine core, which
+    also removes their previous versions; each request then samples from its job's new weights."""
+    from colora.engine import GenRequest
+
+    bank, model = bank_model
+    for name, seed in (("a", 31), ("b", 32)):  # a previous version of each to be replaced
+        _randomize(bank, name, seed)
+        engine.set_adapter(name, bank.jobs[name].version, engine.export_adapter(bank, name, tmp_path / "unused"))
+    calls = []
+    inner = engine.llm.collective_rpc
+    engine.llm.collective_rpc = lambda *a, **k: calls.append(a[0]) or inner(*a, **k)
+    try:
+        loads = []
+        for name, seed in (("a", 33), ("b", 34)):
+            _randomize(bank, name, seed)
+            loads.append((name, bank.jobs[name].version, engine.export_adapter(bank, name, tmp_path / "unused")))
+        assert engine.set_adapters(loads) > 0
+    finally:
+        engine.llm.collective_rpc = inner
+    assert calls == ["colora_add_loras"], "one call loads both versions and removes their predecessors"
+    assert engine.loaded_adapters() == {engine._adapters[n][1].lora_int_id for n in ("a", "b")}
+    prompt = tuple(range(40, 80))
+    for res in engine.generate([GenRequest(n, prompt, 5, 1.0, seed=3) for n in ("a", "b")]):
+        assert res.version == bank.jobs[res.request.job].version
+        want = _trainer_logprobs(bank, model, res.request.job, prompt, res.completion_ids)
+        torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
 
 
 def test_each_request_uses_its_own_jobs_adapter(engine, bank_model, tmp_path):
