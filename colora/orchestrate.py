@@ -199,20 +199,20 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
     RunError (bad input, the same for every run) stops the plan, and so does an interruption (the run
     recorded as interrupted)."""
     clock, say = progress.clock, progress.say
-    engines: set[bool] = set()  # the client kinds whose engine this process has started
+    engines: set = set()  # (client kind, engine settings) of the engines this process has started
     for p in runs:
         tag, d, cfg = f"[{index[p.rel]}/{progress.total}] {p.label}", root / p.rel, p.config(base)
         if run_state(d) == "complete":
             say(f"{tag}: complete, skipped")
             continue
-        apart = engine_process(cfg.runtime.engine_process, p.arm)
-        need = estimate(p, len(cfg.jobs), root, apart not in engines)
+        engine = (engine_process(cfg.runtime.engine_process, p.arm, cfg.engine.instances), cfg.engine)
+        need = estimate(p, len(cfg.jobs), root, engine not in engines)
         if deadline is not None and (clock() >= deadline or (need is not None and clock() + need > deadline)):
             say(f"{tag}: not started, it needs about {_dur(need or 0.0)} and the deadline comes in "
                 f"{_dur(max(0.0, deadline - clock()))}")
             record.set(p, state="skipped", error="the deadline would cut it")
             continue
-        engines.add(apart)
+        engines.add(engine)
         resuming = d.exists() and resumable(d, cfg.hash())
         if d.exists() and not resuming:
             say(f"{tag}: unfinished run moved aside to {move_aside(d).name}; running it again")
