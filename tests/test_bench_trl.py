@@ -38,6 +38,12 @@ def test_job_settings_map_onto_grpo_config():
     cpu = grpo_config_kwargs(cfg, cfg.job("count"), 5, "cpu", "float32", 1, False, False, "/tmp/x")
     assert cpu["loss_type"] == "grpo" and cpu["scale_rewards"] == "group" and cpu["use_cpu"]
     assert not any(k.startswith("vllm_") for k in cpu)
+    assert "generation_kwargs" not in kw and "generation_kwargs" not in cpu  # natural lengths: TRL's own sampling
+    fixed = load_config(SMOKE, ['jobs.mod.response_length="fixed"']).job("mod")  # every response max_new_tokens long
+    assert grpo_config_kwargs(cfg, fixed, 5, "cuda", "bfloat16", 2, True, False, "/x")["generation_kwargs"] == {
+        "min_tokens": 2, "ignore_eos": True}
+    assert grpo_config_kwargs(cfg, fixed, 5, "cpu", "float32", 1, False, False, "/x")["generation_kwargs"] == {
+        "min_new_tokens": 2}
     trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[peer]')")
     fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     assert set(kw) <= fields and set(cpu) <= fields  # every argument is one of GRPOConfig's
@@ -45,7 +51,7 @@ def test_job_settings_map_onto_grpo_config():
 
 @pytest.mark.parametrize("extra, message", [
     (["--job", "nope"], "--job 'nope' is not a job of"),
-    (["--job", "count", "--set", 'jobs.count.response_length="fixed"'], "cannot set response lengths"),
+    (["--job", "count", "--set", 'jobs.count.response_length={dist="lognormal",min=1}'], "draws each response's length"),
     (["--job", "count", "--steps", "1"], "--steps (1) must exceed experiment.warmup_steps (1)"),
     (["--job", "count", "--beside", "missing.json"], "--beside 'missing.json': not a `colora bench arms` report or a"),
 ])
@@ -97,14 +103,15 @@ def test_bench_trl_runs_two_steps_on_the_tiny_model(tmp_path, tiny_model_dir):
         {"arm": "shared_sync", "seed": 0, "label": "main", "jobs": 2, "steps_per_hour": 2000.0, "summary": {}}]}))
     out = tmp_path / "trl"
     assert main(["bench", "trl", SMOKE, "--job", "mod", "--steps", "2", "--set", f'experiment.model="{tiny_model_dir}"',
-                 "--beside", str(arms), "--out", str(out)]) == 0
+                 "--set", 'jobs.mod.response_length="fixed"', "--beside", str(arms), "--out", str(out)]) == 0
     r = json.loads(out.with_suffix(".json").read_text())
     assert r["generation"] == "transformers generate" and not r["grpo_config"]["use_vllm"]
     assert r["prompts_match_colora"] and r["prompt_ids_match_colora"]  # colora's prompts, in colora's order
     assert (r["steps"], r["warmup_steps"], len(r["step_seconds"]), len(r["rewards"])) == (2, 1, 2, 2)
     assert r["window"]["steps"] == 1 and r["window"]["seconds"] > 0
     assert r["steps_per_device_hour"] == pytest.approx(3600 / r["window"]["seconds"])
-    assert all(0 <= x <= 1 for x in r["rewards"]) and all(0 < n <= 24 for n in r["mean_lengths"])
+    assert all(0 <= x <= 1 for x in r["rewards"])
+    assert r["mean_lengths"] == [r["max_new_tokens"]] * 2  # fixed lengths: no response stops early
     for phase in ("_prepare_inputs", "transformers.generate", "mod_reward", "compute_loss"):
         assert len(r["phases"][phase]) == 2 and r["phase_medians"][phase] >= 0, phase
     assert r["phases"]["transformers.generate"][1] <= r["phases"]["_prepare_inputs"][1] <= r["step_seconds"][1]

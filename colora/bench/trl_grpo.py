@@ -8,10 +8,12 @@ e.g. `colora bench trl experiments/reference8.toml --job gsm --beside reports/re
 the `gsm` job (SmolLM2-135M-Instruct, 8 prompts x 8 samples, up to 256 new tokens) for the config's
 steps, the first `experiment.warmup_steps` excluded from the window as colora excludes its warm-up
 steps.
-The workload must stop at EOS (`response_length = "natural"`, a real model): TRL takes one sampling
-setting for the whole batch, so it cannot draw each response's length as colora's random-weight
-workloads do, and it masks every completion after its first EOS, so a length forced past EOS
-would not be trained as colora trains it. Such a job is refused.
+The job's responses stop at EOS (`response_length = "natural"`, a real model) or all run to
+max_new_tokens (`"fixed"`, e.g. the random-weight throughput workload with `--set
+jobs.*.response_length=fixed`): TRL then samples with EOS suppressed until max_new_tokens (vLLM's
+min_tokens and ignore_eos, transformers' min_new_tokens), as colora's engine does, so no completion
+holds an EOS for TRL to mask after. A job whose lengths are drawn per request (`"lognormal"`) is
+refused: TRL takes one sampling setting for the whole batch.
 
 Writes OUT.json and OUT.md: steps per device-hour over the steady window, each step's wall time,
 reward and mean response length, the phase times TRL itself measures (its `profiling_context`
@@ -112,6 +114,9 @@ def grpo_config_kwargs(cfg, job, steps: int, device: str, dtype: str, accum: int
         model_init_kwargs={"dtype": dtype},
         use_vllm=use_vllm,
     )
+    if job.response_length.dist == "fixed":  # every response max_new_tokens long (module docstring)
+        n_new = job.max_new_tokens
+        kw["generation_kwargs"] = {"min_tokens": n_new, "ignore_eos": True} if use_vllm else {"min_new_tokens": n_new}
     if use_vllm:
         kw.update(vllm_mode="colocate", vllm_gpu_memory_utilization=cfg.engine.gpu_memory_utilization,
                   vllm_max_model_length=cfg.engine.max_model_len,
@@ -357,9 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.job not in names:
         p.error(f"--job {args.job!r} is not a job of {args.config} (its jobs: {', '.join(names)})")
     job = cfg.job(args.job)
-    if job.response_length.dist != "natural":
-        p.error(f"job {job.name!r} has response_length.dist = {job.response_length.dist!r}: TRL stops at EOS and "
-                "cannot set response lengths; run a job with natural lengths (a real model)")
+    if job.response_length.dist == "lognormal":
+        p.error(f"job {job.name!r} draws each response's length (response_length.dist = 'lognormal'): TRL takes "
+                "one sampling setting for the whole batch; set jobs.*.response_length=fixed (every response "
+                "max_new_tokens long) or run a job with natural lengths (a real model)")
     steps = args.steps or cfg.experiment.steps
     warmup = cfg.experiment.warmup_steps
     if steps <= warmup:
