@@ -112,7 +112,7 @@ def order(cfg: Config, runs: list[PlannedRun]) -> list[PlannedRun]:
 
     def client_apart(r: PlannedRun) -> bool:
         c = r.config(cfg)
-        return engine_process(c.runtime.engine_process, c.experiment.arm, c.engine.instances)
+        return engine_process(c.runtime.engine_process, c.experiment.arm)
 
     return [r for k in keys for r in sorted((r for r in runs if mps_shares(r.config(cfg)) == k), key=client_apart)]
 

@@ -121,9 +121,6 @@ class EngineConfig:
     max_loras: int = 0  # adapter slots; 0: the number of jobs (more lets runs of other sizes share the engine)
     cudagraph_sizes: tuple[int, ...] = ()  # CUDA-graph batch sizes to capture; []: vLLM's default
     logprobs: bool = True  # return each sampled token's log-prob (diagnostics: clip_frac, logprob_gap)
-    # vLLM engines on the device, each its engine core and client in processes of their own, sharing
-    # gpu_memory_utilization; every batch's requests are dealt over them (colora/engine_pool.py)
-    instances: int = 1
 
 
 @dataclass(frozen=True)
@@ -267,7 +264,6 @@ def _check(cfg: Config) -> None:
     need(all(s >= 1 for s in g.cudagraph_sizes), "engine.cudagraph_sizes", list(g.cudagraph_sizes),
          "must be positive batch sizes")
     need(g.max_lora_rank >= 0, "engine.max_lora_rank", g.max_lora_rank, "must be at least 0 (0: derived from the jobs)")
-    need(1 <= g.instances <= 16, "engine.instances", g.instances, "must be an integer from 1 to 16")
     t = cfg.trainer
     need(t.micro_batch_tokens >= 16, "trainer.micro_batch_tokens", t.micro_batch_tokens, "must be at least 16")
     need(t.logprob_chunk >= 1, "trainer.logprob_chunk", t.logprob_chunk, "must be at least 1")
@@ -281,8 +277,6 @@ def _check(cfg: Config) -> None:
     need(r.checkpoint_every >= 0, "runtime.checkpoint_every", r.checkpoint_every,
          "must be at least 0 (0: no checkpoints)")
     need(r.checkpoint_keep >= 1, "runtime.checkpoint_keep", r.checkpoint_keep, "must be at least 1")
-    need(g.instances == 1 or r.engine_process != "off", "runtime.engine_process", r.engine_process,
-         f"cannot be 'off' with engine.instances = {g.instances}: every engine's client runs in a process of its own")
 
     need(len(cfg.jobs) >= 1, "jobs", [], "must list at least one [[jobs]] table")
     seen: set[str] = set()

@@ -3,10 +3,10 @@
 Each job's requests carry that job's adapter. After every optimizer step the trainer exports the
 job's adapter (`export_adapter`: into shared memory that vLLM's worker reads, or as a PEFT directory
 on tmpfs; colora/adapter_sync.py says which where) and `set_adapters` loads a group's new versions
-into the engine, each under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache blocks by the LoRA id, so KV
-computed under an old version can never be served to a request of the new one (docs/architecture.md: an
-in-place reload kept serving the old KV until `reset_prefix_cache()`), and the old version is
-removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
+into the engine, each under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache
+blocks by the LoRA id, so KV computed under an old version can never be served to a request of the
+new one (docs/architecture.md: an in-place reload kept serving the old KV until
+`reset_prefix_cache()`), and the old version is removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
 adapter that produced it; the trainer refuses any other version.
 
 Per-request sampling seeds make a run's rollouts a function of its seed.
@@ -102,17 +102,16 @@ def plain_token_ids(tokenizer, limit: int = 32768):
     return np.array([i for i in range(min(len(tokenizer), limit)) if i not in special])
 
 
-def engine_process(setting: str, arm: str, instances: int = 1) -> bool:
+def engine_process(setting: str, arm: str) -> bool:
     """Whether the engine's client runs in a process of its own (colora/engine_process.py), from the
-    run option `runtime.engine_process`: "on", "off", or "auto" for the arms whose groups overlap;
-    always with several engines (`engine.instances`, colora/engine_pool.py).
+    run option `runtime.engine_process`: "on", "off", or "auto" for the arms whose groups overlap.
 
     Why auto: in the overlapping arms vLLM's client threads run Python every engine step while the
     trainer's thread runs its step in the same interpreter; on the H200 overlap_mps ran 5.8% faster
     with the client apart (measured at f954d65). In the sequential arms nothing runs beside the
     engine to compete for the interpreter, and the one dedicated run with the client apart had
     unexplained 1.9-3.2 s training steps: the baseline keeps the in-process client."""
-    return setting == "on" or instances > 1 or (setting == "auto" and arm in OVERLAP_ARMS)
+    return setting == "on" or (setting == "auto" and arm in OVERLAP_ARMS)
 
 
 class RolloutEngine:

@@ -172,14 +172,7 @@ class RemoteEngine:
 
     def _call(self, op: str, *args):
         """Send a command and wait for its reply; batches that finish meanwhile are kept for poll()."""
-        self._send(op, *args)
-        return self._reply(op)
-
-    def _send(self, op: str, *args) -> None:
         self._conn.send((op, *args))
-
-    def _reply(self, op: str):
-        """The reply to the command `op` sent last (engine_pool.EnginePool sends to every engine first)."""
         while True:
             msg = self._recv()
             if msg[0] == "reply":
@@ -202,21 +195,12 @@ class RemoteEngine:
     def set_adapters(self, loads: list[tuple[str, int, str | Path | AdapterTensors]]) -> float:
         """RolloutEngine.set_adapters in the child; the seconds are this call's, the trip included."""
         t0 = time.perf_counter()
-        self._call("set_adapters", self.payload(loads))
-        self.loaded(loads)
-        return time.perf_counter() - t0
-
-    @staticmethod
-    def payload(loads: list) -> list:
-        """`loads` as the child takes them: a directory as its path, an in-memory adapter as it is."""
-        return [(j, v, a if isinstance(a, AdapterTensors) else str(a)) for j, v, a in loads]
-
-    def loaded(self, loads: list) -> None:
-        """Book `loads` as loaded in the child (its reply said so)."""
+        self._call("set_adapters", [(j, v, a if isinstance(a, AdapterTensors) else str(a)) for j, v, a in loads])
         for job, version, adapter in loads:
             self._adapters[job] = version
             if isinstance(adapter, AdapterTensors) and self._shared is not None:
                 self._shared.mapped(job)
+        return time.perf_counter() - t0
 
     def loaded_adapters(self) -> set[int]:
         return self._call("loaded_adapters")
@@ -255,12 +239,12 @@ class RemoteEngine:
 
     POLL_WAIT_S = 0.002  # the longest poll() waits for a batch: the caller then looks for new work
 
-    def poll(self, wait: float = POLL_WAIT_S) -> list[tuple[Any, list[GenResult]]]:
-        """The batches back since the last call, waiting at most `wait` seconds for one while any is in
+    def poll(self) -> list[tuple[Any, list[GenResult]]]:
+        """The batches back since the last call, waiting at most POLL_WAIT_S for one while any is in
         flight, so that a group handed to the engine thread meanwhile does not wait for another
         group's generation (waiting for the next batch, the hand-off took 0.29-0.63 s on the H200,
         measured at 4fe85a8)."""
-        if wait and self._inflight and not self._done and self._conn.poll(wait):
+        if self._inflight and not self._done and self._conn.poll(self.POLL_WAIT_S):
             self._take(self._recv())
         while self._inflight and self._conn.poll(0):
             self._take(self._recv())

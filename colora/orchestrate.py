@@ -205,7 +205,7 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
         if run_state(d) == "complete":
             say(f"{tag}: complete, skipped")
             continue
-        engine = (engine_process(cfg.runtime.engine_process, p.arm, cfg.engine.instances), cfg.engine)
+        engine = (engine_process(cfg.runtime.engine_process, p.arm), cfg.engine)  # --vary engine.* starts another
         need = estimate(p, len(cfg.jobs), root, engine not in engines)
         if deadline is not None and (clock() >= deadline or (need is not None and clock() + need > deadline)):
             say(f"{tag}: not started, it needs about {_dur(need or 0.0)} and the deadline comes in "

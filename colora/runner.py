@@ -202,7 +202,7 @@ def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
             stop.phase = "starting MPS and the engine"
             _, r.mps_note = start_mps(cfg, stack, r.log, process_mps, stop)  # before any CUDA context
             r.device, r.dtype = resolve_device(cfg)
-            r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm, cfg.engine.instances)
+            r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
             r.tokenizer = load_tokenizer(setup.model_dir)
             engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
             stop.phase = "building the trainer"
@@ -233,15 +233,14 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     max_loras = cfg.engine.max_loras or len(cfg.jobs)  # at least the jobs (config.py checks)
 
     def start():
-        from .engine_pool import start_engine
-
-        n = cfg.engine.instances
-        r.log(f"starting {f'{n} engines' if n > 1 else 'the engine'} on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs"
-              + (", each client in a process of its own" if n > 1 else ", its client in a process of its own"
-                 if r.remote else ""))
-        return start_engine(str(setup.model_dir), cfg.engine, remote=r.remote, max_loras=max_loras,
-                            max_lora_rank=max_rank, dtype=r.dtype, seed=cfg.experiment.seed, device=r.device,
-                            adapter_sync=setup.adapter_sync)
+        r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs"
+              + (", its client in a process of its own" if r.remote else ""))
+        if r.remote:
+            from .engine_process import RemoteEngine as Engine
+        else:
+            from .engine import RolloutEngine as Engine
+        return Engine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
+                      dtype=r.dtype, seed=cfg.experiment.seed, device=r.device, adapter_sync=setup.adapter_sync)
 
     if engine_cache is not None and (cfg.experiment.arm not in MPS_ARMS or shared):
         key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, r.dtype, r.device, r.remote,

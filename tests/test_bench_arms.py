@@ -485,3 +485,31 @@ def test_the_plan_starts_no_run_its_deadline_would_cut(tmp_path):
                                   progress=lambda s: None)
     assert started == ["shared_sync", "overlap"]  # the next call runs them; finished runs are skipped
     assert set(states.values()) == {"complete"}
+
+
+def test_a_run_with_other_engine_settings_is_estimated_with_an_engine_start(tmp_path):
+    """`--vary engine.*` starts a new engine in the process: its estimate counts one, while a run with
+    the engine settings of one the process started does not. The clock is fake: each run takes 10 s of
+    it and says it took 60 (its wall time, which the estimates go by)."""
+    cfg = load_config(SMOKE)
+    root = tmp_path / "runs"
+    done = orchestrate.PlannedRun("dedicated", 1, "main", jobs=2)
+    _finished(root, done, cfg, 100.0, 50.0, False)  # 50 s + a 50 s engine start
+    runs = [done, orchestrate.PlannedRun("shared_sync", 1, "main", jobs=2),
+            orchestrate.PlannedRun("shared_sync", 1, "vary:engine.enable_prefix_caching=false", jobs=2,
+                                   set=("engine.enable_prefix_caching=false",)),
+            orchestrate.PlannedRun("shared_sync", 2, "main", jobs=2)]
+    now, started = [0.0], []
+
+    def fake_run(c, out, cache, log):
+        started.append((c.experiment.seed, c.engine.enable_prefix_caching))
+        now[0] += 10.0
+        return _finished(out.parent.parent, next(p for p in runs if out == out.parent.parent / p.rel), cfg,
+                         60.0, 0.0, True)
+
+    # 105 s: the first shared_sync run needs 50 + a 50 s start at t=0; at t=10 the varied one needs 60 + 50
+    # (120 > 105) and is skipped; the seed-2 run shares the first one's engine: 60 s, ends by t=70
+    states = orchestrate.run_plan(cfg, runs, root, run_fn=fake_run, deadline_s=105.0, clock=lambda: now[0],
+                                  progress=lambda s: None)
+    assert started == [(1, True), (2, True)]
+    assert states["shared_sync/seed1-vary-engine.enable_prefix_caching-false"] == "skipped"

@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     from ..adapter_sync import memory_unsupported
     from ..config import load_config
     from ..engine import GenRequest, engine_process, plain_token_ids
-    from ..engine_pool import start_engine
     from ..resources import RunError, adapter_scratch, resolve_device, resolve_model, start_mps, torch_dtype
     from ..runlog import write_report
     from ..trainer import build_trainer
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         raise RunError(f"in-memory adapter sync cannot work here ({why}): nothing to compare")
     model_dir = resolve_model(cfg.experiment.model)
     device, dtype = resolve_device(cfg)
-    remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm, cfg.engine.instances)
+    remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
     max_loras = cfg.engine.max_loras or len(cfg.jobs)
     if max_loras < len(cfg.jobs):
         raise RunError(f"engine.max_loras ({max_loras}) must be at least the number of jobs ({len(cfg.jobs)})")
@@ -151,9 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         _, mps_note = start_mps(cfg, stack, print, None)  # before any CUDA context, as a run does
         scratch = adapter_scratch(Path(args.out).parent)
         stack.callback(shutil.rmtree, scratch, True)
-        engine = start_engine(str(model_dir), cfg.engine, remote=remote, max_loras=max_loras,
-                              max_lora_rank=max(j.lora_rank for j in cfg.jobs), dtype=dtype, seed=cfg.experiment.seed,
-                              device=device, adapter_sync="memory")
+        if remote:
+            from ..engine_process import RemoteEngine as Engine
+        else:
+            from ..engine import RolloutEngine as Engine
+        engine = Engine(str(model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max(j.lora_rank for j in cfg.jobs),
+                        dtype=dtype, seed=cfg.experiment.seed, device=device, adapter_sync="memory")
         stack.callback(engine.close)  # before the MPS daemon stops (registered after it)
         bank, _ = build_trainer(cfg, model_dir, device, torch_dtype(dtype), engine.tokenizer.pad_token_id)
         g = torch.Generator(device=device).manual_seed(cfg.experiment.seed)
