@@ -20,7 +20,7 @@ def test_bench_engine_measures_every_combination(tmp_path, tiny_model_dir):
     out = tmp_path / "engine"
     assert main(["bench", "engine", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--batches", "2", "5",
                  "--adapters", "0", "1", "2", "--tokens", "8", "--prompt", "8", "--profile", "--profile-steps", "3",
-                 "--cores", "2", "--out", str(out)]) == 0
+                 "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     rows = result["rows"]
     assert {(r["adapters"], r["seeded"], r["batch"]) for r in rows} == {
@@ -42,15 +42,7 @@ def test_bench_engine_measures_every_combination(tmp_path, tiny_model_dir):
         assert sum(s["host_families"].values()) == pytest.approx(s["step_ms"])  # the step thread's time, all of it
         assert s["host_families"]["operators"] > 0 and s["host_top"][0]["ms_per_step"] > 0
         assert any(r["name"].startswith("gpu_model_runner: ") for r in s["ranges"]), s["ranges"]  # vLLM's scopes: on
-    # each seeded batch again over two engines at once: every request decoded (else _measure raises), split 3 + 2
-    split = result["split_rows"]
-    assert result["cores"] == 2 and [(r["adapters"], r["batch"]) for r in split] == [
-        (k, b) for k in (0, 1, 2) for b in (2, 5)]
-    for r in split:
-        assert r["sizes"] == ([1, 1] if r["batch"] == 2 else [3, 2]) and len(r["ms_per_step"]) == 2
-        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 8 / r["wall_s"]) and min(r["ms_per_step"]) > 0
     md = out.with_suffix(".md").read_text()
-    assert "## One engine core against 2" in md and "| 2 | 5 |" in md
     assert "| 2 | yes | 5 |" in md and "| none | no | 2 |" in md and "per request, us" in md
     assert "Arm shared_sync: MPS not used" in md and "| 1 | 5 | 3 |" in md  # a profile row
     assert "### Host time on the step thread" in md and "No GPU events in the traces" in md
@@ -84,10 +76,3 @@ def test_bench_engine_refuses_a_batch_longer_than_the_engine_holds(tmp_path, cap
     assert e.value.code == 2
     assert "--prompt + --tokens (564) exceed engine.max_model_len (512)" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
-
-
-def test_bench_engine_refuses_more_cores_than_the_smallest_batch(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["bench", "engine", SMOKE, "--batches", "2", "8", "--cores", "3", "--out", str(tmp_path / "e")])
-    assert e.value.code == 2
-    assert "--cores 3: must be at least 1 and at most the smallest batch (2)" in capsys.readouterr().err

@@ -3,7 +3,7 @@ the number of adapters active in it, with and without per-request seeds, and wit
 the step's time goes.
 
     colora bench engine CONFIG [--batches 64 128 256 512] [--adapters 0 1 4 8] [--tokens 128] [--prompt 64]
-                               [--cores N] [--profile] [--profile-steps 16] [--out runs/bench/engine]
+                               [--profile] [--profile-steps 16] [--out runs/bench/engine]
                                [--set KEY=VALUE ...]
 
 Why: under overlap a group's generation is the longest phase of its cycle, and it is as long as
@@ -25,11 +25,6 @@ apart what a step costs:
   sampler;
 - `waiting`: the share of the wall time the engine's client spent waiting for the engine core's
   output (high: the core bounds the step, its GPU work or its Python; low: the client's Python);
-- --cores N: each seeded batch again split over N engines at once (N engine-core processes, under
-  the arm's MPS daemon where it has one; engine i serves the i-th of every N active adapters and
-  decodes its share of the batch), beside the one engine's row with the whole batch: where one
-  engine core's host work per request bounds the step, N cores make up to N times the tokens a
-  second until the GPU bounds them (reports/engine_profile found the host bounding);
 - --profile: one more seeded batch per (K, batch) under vLLM's torch profiler in the engine-core
   process (its `profiler_config`, an engine argument in vLLM 0.26 and 0.32 alike; vLLM's step
   ranges on, VLLM_CUSTOM_SCOPES_FOR_PROFILING=1, in the timed rows too), recording
@@ -110,28 +105,6 @@ def _measure(engine, batch: int, tokens: int, prompts: list[tuple[int, ...]], jo
             "waiting": (engine.waited - w0) / wall}
 
 
-def _measure_split(engines: list, batch: int, tokens: int, prompts, jobs: list) -> dict:
-    """The batch split over the engines, decoded at once, one thread an engine: engine i serves every
-    len(engines)-th of `jobs` from the i-th (one of them where there are fewer jobs than engines)
-    and decodes its share of the requests. Tokens a second over the slowest engine's wall time, and
-    each engine's median step."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    n = len(engines)
-    sizes = [batch // n + (i < batch % n) for i in range(n)]
-
-    def one(i: int) -> dict:
-        mine = (jobs[i::n] or [jobs[i % len(jobs)]]) if jobs[0] else jobs
-        return _measure(engines[i], sizes[i], tokens, prompts, mine, True)
-
-    with ThreadPoolExecutor(n, thread_name_prefix="colora-bench-core") as pool:
-        parts = list(pool.map(one, range(n)))  # an engine's failure is raised here
-    wall = max(part["wall_s"] for part in parts)
-    return {"batch": batch, "adapters": 0 if jobs[0] is None else len(jobs), "cores": n, "sizes": sizes,
-            "ms_per_step": [part["ms_per_step"] for part in parts], "wall_s": wall,
-            "tokens_per_s": batch * tokens / wall}
-
-
 def _profiler_config(prof_dir: Path, tokens: int, steps: int) -> dict:
     """vLLM's torch profiler in the engine core, started at the `delay_iterations`-th worker step
     after start_profile (tokens/4: the batch's prefill is before it) and stopped after
@@ -173,8 +146,6 @@ def main(argv: list[str] | None = None) -> int:
                         "base model alone (default: 0 and every job)")
     p.add_argument("--tokens", type=int, default=128, help="tokens every request decodes")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
-    p.add_argument("--cores", type=int, default=1, metavar="N",
-                   help="also decode each seeded batch split over N engines at once, beside one engine")
     p.add_argument("--profile", action="store_true",
                    help="one more batch per (adapters, batch) under vLLM's torch profiler (OUT.profile.txt)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps each profile records")
@@ -182,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.batches) < 1 or args.tokens < 1 or args.prompt < 1:
         p.error("--batches, --tokens and --prompt must be at least 1")
-    if args.cores < 1 or (args.cores > 1 and min(args.batches) < args.cores):
-        p.error(f"--cores {args.cores}: must be at least 1 and at most the smallest batch ({min(args.batches)})")
     if args.profile and not (2 <= args.profile_steps and args.tokens // 4 + args.profile_steps + 3 <= args.tokens):
         p.error(f"--profile-steps {args.profile_steps}: must be at least 2 and fit in --tokens ({args.tokens}) after "
                 f"the first tokens/4: at most {args.tokens - args.tokens // 4 - 3}")
@@ -241,14 +210,6 @@ def main(argv: list[str] | None = None) -> int:
                     r = _measure(engine, batch, args.tokens, prompts, active[k], seeded)
                     print(json.dumps(r), flush=True)
                     rows.append(r)
-        split_rows = []
-        if args.cores > 1:  # the other engines start without the profiler: their rows are timed only
-            engines = [engine] + [start(None) for _ in range(args.cores - 1)]
-            for k in counts:
-                for batch in args.batches:
-                    r = _measure_split(engines, batch, args.tokens, prompts, active[k])
-                    print(json.dumps(r), flush=True)
-                    split_rows.append(r)
         profiles, texts = [], []
         if args.profile:
             for k in counts:
@@ -272,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": cfg.experiment.model, "dtype": dtype, "engine_start_s": engine.start_seconds,
             "arm": cfg.experiment.arm, "mps": mps_note, "max_loras": max_loras,
             "jobs": names, "ranks": [j.lora_rank for j in cfg.jobs], "tokens": args.tokens, "prompt": args.prompt,
-            "rows": rows, "fits": [], "profiles": profiles, "cores": args.cores, "split_rows": split_rows,
+            "rows": rows, "fits": [], "profiles": profiles,
             "profile_steps": args.profile_steps if args.profile else None,
             "profile_delay": _profiler_config(prof_dir, args.tokens, 0)["delay_iterations"] if args.profile else None,
         }

@@ -80,31 +80,11 @@ def to_markdown(result: dict, figure: str | None) -> str:
     out += _table(["active adapters", "per-request seeds", "fixed ms", "per request, us"],
                   [[_k(f["adapters"]), "yes" if f["seeded"] else "no", f"{f['fixed_ms']:.2f}",
                     _ms(f["per_request_us"], 1)] for f in result["fits"]])
-    if result.get("split_rows"):
-        out += _split_section(result)
     if figure:
         out += ["", f"![step time, kernel and host families]({figure})"]
     if result.get("profiles"):
         out += _profile_sections(result)
     return "\n".join(out) + "\n"
-
-
-def _split_section(result: dict) -> list[str]:
-    """One engine with the whole seeded batch against the same batch split over N engines at once."""
-    one = {(r["adapters"], r["batch"]): r for r in result["rows"] if r["seeded"]}
-    n = result["cores"]
-    out = ["", f"## One engine core against {n}", "",
-           f"Each seeded batch again, split over {n} engines decoding at once (engine i serves every {n}th active "
-           f"adapter from the i-th and its share of the requests): tokens a second over the slowest engine's time, "
-           f"against the one engine's row above.", ""]
-    rows = []
-    for r in result["split_rows"]:
-        base = one[(r["adapters"], r["batch"])]
-        rows.append([_k(r["adapters"]), str(r["batch"]), f"{base['tokens_per_s']:.0f}", f"{r['tokens_per_s']:.0f}",
-                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}", f"{base['ms_per_step']:.2f}",
-                     " / ".join(f"{ms:.2f}" for ms in r["ms_per_step"])])
-    return out + _table(["active adapters", "batch", "tokens/s, 1 engine", f"tokens/s, {n} engines", "ratio",
-                         "ms per step, 1 engine", f"ms per step, each of {n}"], rows)
 
 
 def _profile_sections(result: dict) -> list[str]:
