@@ -6,8 +6,9 @@ on tmpfs; colora/adapter_sync.py says which where) and `set_adapters` loads a gr
 into the engine, each under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache
 blocks by the LoRA id, so KV computed under an old version can never be served to a request of the
 new one (docs/architecture.md: an in-place reload kept serving the old KV until
-`reset_prefix_cache()`), and the old version is removed at once so it holds no adapter slot. Every result is tagged with the (job, version) of the
-adapter that produced it; the trainer refuses any other version.
+`reset_prefix_cache()`), and the old version is removed at once so it holds no adapter slot. Every
+result is tagged with the (job, version) of the adapter that produced it; the trainer refuses any
+other version.
 
 Per-request sampling seeds make a run's rollouts a function of its seed.
 
@@ -230,16 +231,16 @@ class RolloutEngine:
         engine = self.llm.llm_engine
         memory, disk = [], []
         for job, version, adapter in loads:
-            if isinstance(adapter, AdapterTensors):
-                if self.adapter_sync != "memory":
-                    raise ValueError(f"{job}: an in-memory adapter for an engine whose adapters go by disk "
-                                     f"({self.adapter_sync_note})")
-                if (adapter.job, adapter.version) != (job, version):
-                    raise ValueError(f"adapter of {adapter.job} v{adapter.version} given as {job} v{version}")
-            path = sync.in_memory_path(job, version) if isinstance(adapter, AdapterTensors) else str(adapter)
+            in_memory = isinstance(adapter, AdapterTensors)
+            if in_memory and self.adapter_sync != "memory":
+                raise ValueError(f"{job}: an in-memory adapter for an engine whose adapters go by disk "
+                                 f"({self.adapter_sync_note})")
+            if in_memory and (adapter.job, adapter.version) != (job, version):
+                raise ValueError(f"adapter of {adapter.job} v{adapter.version} given as {job} v{version}")
+            path = sync.in_memory_path(job, version) if in_memory else str(adapter)
             req = LoRARequest(f"{job}@v{version}", self._next_id, path)
             self._next_id += 1
-            (memory if isinstance(adapter, AdapterTensors) else disk).append((job, version, adapter, req))
+            (memory if in_memory else disk).append((job, version, adapter, req))
         refused = []
         if memory:
             old = [self._adapters[j][1].lora_int_id if j in self._adapters else None for j, _, _, _ in memory]

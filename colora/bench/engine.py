@@ -188,17 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             stack.enter_context(mock.patch.dict(os.environ, {"VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"}))
         _, mps_note = start_mps(cfg, stack, print, None)  # before any CUDA context, as a run does
         paths = _adapters(cfg, model_dir, dtype, scratch)
-        def start(engine_args: dict | None) -> RolloutEngine:
-            engine = RolloutEngine(str(model_dir), cfg.engine, max_loras=max_loras,
-                                   max_lora_rank=max(j.lora_rank for j in cfg.jobs), dtype=dtype,
-                                   seed=cfg.experiment.seed, device=device, engine_args=engine_args)
-            stack.callback(engine.close)  # before the MPS daemon stops (registered after it)
-            for name, path in paths.items():
-                engine.set_adapter(name, 0, str(path))
-            engine.warm_up(cfg.experiment.seed)
-            return engine
-
-        engine = start(extra)
+        engine = RolloutEngine(str(model_dir), cfg.engine, max_loras=max_loras,
+                               max_lora_rank=max(j.lora_rank for j in cfg.jobs), dtype=dtype,
+                               seed=cfg.experiment.seed, device=device, engine_args=extra)
+        stack.callback(engine.close)  # before the MPS daemon stops (registered after it)
+        for name, path in paths.items():
+            engine.set_adapter(name, 0, str(path))
+        engine.warm_up(cfg.experiment.seed)
         vocab = plain_token_ids(engine.tokenizer)
         rng = np.random.default_rng(cfg.experiment.seed)
         prompts = [tuple(int(t) for t in rng.choice(vocab, args.prompt)) for _ in range(64)]
