@@ -47,7 +47,8 @@ from pathlib import Path
 
 from .config import ARMS, Config, load_config
 from .engine import engine_process
-from .orchestrate import PlannedRun, ProcessGroup, mps_shares, process_groups, run_plan
+from .orchestrate import ProcessGroup, mps_shares, process_groups, run_plan
+from .rundirs import PlannedRun
 from .resources import MPS_ARMS
 
 NON_MPS = tuple(a for a in ARMS if a not in MPS_ARMS)
@@ -166,7 +167,7 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config, steady_
 
 def draw_timeline(rows: list[dict], root: Path, path: Path) -> None:
     """The timeline figure of the first seed's main run of each arm (report_figures.fig_timeline)."""
-    from .report import load_run
+    from .report_data import load_run
     from .report_figures import fig_timeline
 
     seed = min((r["seed"] for r in rows), default=None)

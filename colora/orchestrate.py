@@ -52,60 +52,15 @@ from pathlib import Path
 from typing import Callable
 
 from . import output, python_m
-from .config import Config, from_dict, replace, resolve
+from .config import Config, from_dict
 from .engine import EngineCache, engine_process, release_cuda_cache
 from .output import duration as _dur
 from .resources import MPS_ARMS, RunError
-from .rundirs import Record, check_existing, estimate, move_aside, resumable, run_state
-from .stopping import Interrupted, handling_signals, on_abort
+from .rundirs import PlannedRun, Record, check_existing, estimate, move_aside, resumable, run_state
+from .stopping import STOP_REPORT_S, STOP_TERM_S, Interrupted, handling_signals, on_abort
 
 RunFn = Callable[[Config, Path, EngineCache, Callable[[str], None]], dict]
 ResumeFn = Callable[[Path, EngineCache, Callable[[str], None]], dict]
-STOP_TERM_S = 20.0  # how long a stopped child may take to shut its engine down before it is killed
-STOP_REPORT_S = 10.0  # then the MPS daemon's stop and the report
-
-
-@dataclass(frozen=True)
-class PlannedRun:
-    arm: str
-    seed: int
-    tag: str = "r0"  # what tells the run apart from others of its (arm, seed): a repeat, a variation
-    repeat: int = 0
-    jobs: int = 0  # the number of jobs (the config's jobs cycled under new names); 0: the config's
-    set: tuple[str, ...] = ()  # the run's own overrides, applied after the base config's
-
-    @property
-    def rel(self) -> str:
-        return f"{self.arm}/seed{self.seed}-{self.tag.replace(':', '-').replace('=', '-').replace('/', '-')}"
-
-    @property
-    def label(self) -> str:
-        return f"{self.arm} seed {self.seed} {self.tag}" + (f" ({self.jobs} jobs)" if self.jobs else "")
-
-    def overrides(self) -> list[str]:
-        return [f"experiment.arm={self.arm}", f"experiment.seed={self.seed}", *self.set]
-
-    def config(self, base: Config) -> Config:
-        if self.jobs and self.jobs != len(base.jobs):
-            base = with_jobs(base, self.jobs)
-        return replace(base, self.overrides())
-
-
-def scaled_jobs(cfg: Config, n: int) -> list[dict]:
-    """The workload as `n` jobs: the config's jobs cycled, renamed `<name>-<k>`."""
-    base = cfg.to_dict()["jobs"]
-    jobs = []
-    for k in range(n):
-        j = dict(base[k % len(base)])
-        j["name"] = j["name"] if k < len(base) else f"{j['name']}-{k // len(base)}"
-        jobs.append(j)
-    return jobs
-
-
-def with_jobs(cfg: Config, n: int) -> Config:
-    d = cfg.to_dict()
-    d["jobs"] = scaled_jobs(cfg, n)
-    return resolve(d)
 
 
 # -- processes ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import stats
 from .config import ARMS
-from .report import METRICS, RunData
+from .report_data import METRICS, RunData
 
 ARM_COLORS = {"dedicated": "#7f7f7f", "shared_sync": "#1f77b4", "overlap": "#ff7f0e", "mps": "#2ca02c",
               "overlap_mps": "#d62728"}

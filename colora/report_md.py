@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from . import stats
-from .report import METRICS, RunData, display_path
+from .report_data import METRICS, RunData, display_path
 from .throughput import SHORT_WINDOW_S, SHORT_WINDOW_STEPS
 
 

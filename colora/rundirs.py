@@ -11,14 +11,55 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .config import Config, ConfigError, diff, from_dict
+from .config import Config, ConfigError, diff, from_dict, replace, resolve
 from .runlog import write_json_atomic
 
-if TYPE_CHECKING:
-    from .orchestrate import PlannedRun
+
+# -- the runs of a plan ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlannedRun:
+    arm: str
+    seed: int
+    tag: str = "r0"  # what tells the run apart from others of its (arm, seed): a repeat, a variation
+    repeat: int = 0
+    jobs: int = 0  # the number of jobs (the config's jobs cycled under new names); 0: the config's
+    set: tuple[str, ...] = ()  # the run's own overrides, applied after the base config's
+
+    @property
+    def rel(self) -> str:
+        return f"{self.arm}/seed{self.seed}-{self.tag.replace(':', '-').replace('=', '-').replace('/', '-')}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm} seed {self.seed} {self.tag}" + (f" ({self.jobs} jobs)" if self.jobs else "")
+
+    def overrides(self) -> list[str]:
+        return [f"experiment.arm={self.arm}", f"experiment.seed={self.seed}", *self.set]
+
+    def config(self, base: Config) -> Config:
+        if self.jobs and self.jobs != len(base.jobs):
+            base = with_jobs(base, self.jobs)
+        return replace(base, self.overrides())
+
+
+def scaled_jobs(cfg: Config, n: int) -> list[dict]:
+    """The workload as `n` jobs: the config's jobs cycled, renamed `<name>-<k>`."""
+    base = cfg.to_dict()["jobs"]
+    jobs = []
+    for k in range(n):
+        j = dict(base[k % len(base)])
+        j["name"] = j["name"] if k < len(base) else f"{j['name']}-{k // len(base)}"
+        jobs.append(j)
+    return jobs
+
+
+def with_jobs(cfg: Config, n: int) -> Config:
+    d = cfg.to_dict()
+    d["jobs"] = scaled_jobs(cfg, n)
+    return resolve(d)
 
 
 # -- run directories ------------------------------------------------------------------------------

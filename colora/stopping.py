@@ -38,6 +38,8 @@ from . import output
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 REAP_WAIT_S = 10.0  # how long processes left after a stop get to end on SIGTERM before SIGKILL
 SETTLE_WAIT_S = 3.0  # how long multiprocessing's resource tracker gets to clean up after them
+STOP_TERM_S = 20.0  # how long a stopped child may take to shut its engine down before it is killed
+STOP_REPORT_S = 10.0  # then the MPS daemon's stop and the report
 
 
 class Interrupted(KeyboardInterrupt):

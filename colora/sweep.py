@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 
 from .config import ARMS, ConfigError, load_config
-from .orchestrate import PlannedRun, RunFn, check_existing, run_in_process, run_plan
+from .orchestrate import RunFn, check_existing, run_in_process, run_plan
+from .rundirs import PlannedRun
 from .output import session
 from .resources import MPS_ARMS, RunError
 

@@ -317,10 +317,10 @@ def test_group_chain_says_how_long_a_group_waited_for_the_trainer():
 
 def test_scaled_jobs_cycle_the_config_jobs_with_new_names():
     cfg = load_config(SMOKE)
-    jobs = orchestrate.scaled_jobs(cfg, 5)
+    jobs = rundirs.scaled_jobs(cfg, 5)
     assert [j["name"] for j in jobs] == ["count", "mod", "count-1", "mod-1", "count-2"]
     assert [j["task"] for j in jobs] == [cfg.jobs[k % 2].task for k in range(5)]
-    assert len(orchestrate.with_jobs(cfg, 3).jobs) == 3
+    assert len(rundirs.with_jobs(cfg, 3).jobs) == 3
 
 
 def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
@@ -435,7 +435,7 @@ def test_run_seconds_come_from_the_finished_runs(tmp_path):
     _summary(tmp_path / "dedicated" / "seed1-main", "dedicated", 8, 240.0, 150.0, False)  # 90 s + its start
     _summary(tmp_path / "shared_sync" / "seed1-main", "shared_sync", 8, 100.0, 150.0, True)
     _summary(tmp_path / "overlap_mps" / "seed1-jobs2", "overlap_mps", 2, 40.0, 80.0, True)
-    r = orchestrate.PlannedRun("overlap_mps", 1, "main", jobs=8)
+    r = rundirs.PlannedRun("overlap_mps", 1, "main", jobs=8)
     assert rundirs.estimate(r, 8, tmp_path, starts_engine=False) == pytest.approx(95.0)  # median at 8 jobs
     assert rundirs.estimate(r, 8, tmp_path, starts_engine=True) == pytest.approx(245.0)  # + longest start
     assert rundirs.estimate(r, 2, tmp_path, False) == pytest.approx(40.0)  # its own arm
@@ -460,8 +460,8 @@ def test_the_plan_starts_no_run_its_deadline_would_cut(tmp_path):
     takes 10 s of it."""
     cfg = load_config(SMOKE)
     root = tmp_path / "runs"
-    runs = [orchestrate.PlannedRun(a, 1, "main", jobs=2) for a in ("dedicated", "shared_sync", "overlap")]
-    runs.append(orchestrate.PlannedRun("overlap", 1, "jobs3", jobs=3))
+    runs = [rundirs.PlannedRun(a, 1, "main", jobs=2) for a in ("dedicated", "shared_sync", "overlap")]
+    runs.append(rundirs.PlannedRun("overlap", 1, "jobs3", jobs=3))
     _finished(root, runs[0], cfg, 100.0, 50.0, False)  # 50 s + a 50 s engine start
     now, started = [0.0], []
 
@@ -493,12 +493,12 @@ def test_a_run_with_other_engine_settings_is_estimated_with_an_engine_start(tmp_
     it and says it took 60 (its wall time, which the estimates go by)."""
     cfg = load_config(SMOKE)
     root = tmp_path / "runs"
-    done = orchestrate.PlannedRun("dedicated", 1, "main", jobs=2)
+    done = rundirs.PlannedRun("dedicated", 1, "main", jobs=2)
     _finished(root, done, cfg, 100.0, 50.0, False)  # 50 s + a 50 s engine start
-    runs = [done, orchestrate.PlannedRun("shared_sync", 1, "main", jobs=2),
-            orchestrate.PlannedRun("shared_sync", 1, "vary:engine.enable_prefix_caching=false", jobs=2,
+    runs = [done, rundirs.PlannedRun("shared_sync", 1, "main", jobs=2),
+            rundirs.PlannedRun("shared_sync", 1, "vary:engine.enable_prefix_caching=false", jobs=2,
                                    set=("engine.enable_prefix_caching=false",)),
-            orchestrate.PlannedRun("shared_sync", 2, "main", jobs=2)]
+            rundirs.PlannedRun("shared_sync", 2, "main", jobs=2)]
     now, started = [0.0], []
 
     def fake_run(c, out, cache, log):

@@ -111,7 +111,7 @@ def _argv(out: Path, *extra: str) -> list[str]:
 
 
 def test_a_dedicated_run_in_parts_becomes_a_one_gpu_runs_directory(tmp_path, monkeypatch, tiny_model_dir):
-    from colora.report import find_run_dirs, load_run
+    from colora.report_data import find_run_dirs, load_run
 
     fake = FakeCluster(fail={("shared_sync", 1, "count")})
     monkeypatch.setattr(driver, "run_shares", fake)

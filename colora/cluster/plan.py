@@ -30,6 +30,7 @@ from colora import output
 from colora.config import Config
 from colora.output import duration as _dur
 from colora.rundirs import Record, estimate, move_aside, run_state
+from colora.stopping import STOP_REPORT_S, STOP_TERM_S
 
 from . import driver
 from .dedicated import gather_logs, merge_parts, part_dir, part_log
@@ -41,7 +42,7 @@ class _Run:
     """One planned run on the cluster: its co-runners' shares (several for a dedicated run cut into
     parts) and how each ended."""
 
-    planned: object  # orchestrate.PlannedRun
+    planned: object  # rundirs.PlannedRun
     cfg: Config
     tag: str  # "[i/N] label", as the one-GPU sweep names it
     shares: list[driver.Share] = field(default_factory=list)
@@ -77,7 +78,6 @@ def run_on_cluster(base: Config, planned: list, root: Path, record: Record, prog
                    deadline: float | None, gpus: int, address: str | None) -> None:
     """Run every planned run that is not complete on the cluster (module docstring); `record`,
     `progress` (orchestrate._Progress) and `deadline` (on `progress.clock`) are run_plan's."""
-    from colora.orchestrate import STOP_REPORT_S, STOP_TERM_S
 
     say, clock = progress.say, progress.clock
     runs: list[_Run] = []
