@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     import torch
 
@@ -146,8 +148,6 @@ class SharedAdapters:
         self._lock = threading.Lock()
 
     def _segment(self, job: str, size: int) -> tuple[Path, torch.Tensor]:
-        import torch
-
         with self._lock:
             seg = self._segments.get(job)
             if seg is not None and seg[1].numel() == size:
@@ -173,8 +173,6 @@ class SharedAdapters:
 
     def write(self, bank, job: str, dtype: torch.dtype, base_model: str) -> AdapterTensors:
         """Write `job`'s current adapter (in `dtype`, its scale folded into B) into its segment."""
-        import torch
-
         names, shapes, flat = bank.flat_adapter(job, dtype, fold_scale=True)
         nbytes = flat.numel() * flat.element_size()
         path, seg = self._segment(job, HEADER + nbytes)
@@ -262,8 +260,6 @@ class AdapterSync:
 
 def _read(worker, spec: dict, device) -> dict[str, torch.Tensor]:
     """The segment's tensors, copied to `device` in one copy: PEFT name -> tensor."""
-    import torch
-
     segments = worker.__dict__.setdefault("_colora_segments", {})  # job -> (file, its bytes, mapped)
     size = HEADER + spec["nbytes"]
     seg = segments.get(spec["job"])

@@ -45,11 +45,19 @@ import re
 import sys
 from pathlib import Path
 
+from .cluster import require_ray
 from .config import ARMS, Config, load_config
 from .engine import engine_process
 from .orchestrate import ProcessGroup, mps_shares, process_groups, run_plan
-from .rundirs import PlannedRun
+from .output import session
+from .phases import phase_stats
+from .report_data import load_run
+from .report_figures import fig_timeline
+from .report_md import arms_tables
 from .resources import MPS_ARMS
+from .rundirs import PlannedRun
+from .runlog import read_jsonl
+from .throughput import remeasure, steps_per_job, throughput
 
 NON_MPS = tuple(a for a in ARMS if a not in MPS_ARMS)
 MPS = MPS_ARMS
@@ -128,10 +136,6 @@ def collect(runs: list[PlannedRun], root: Path, steady_from: int = 0) -> list[di
     (colora/phases.py), its steps per hour and the ratio to its seed's dedicated main run, the steps
     of each job its window counts, and (`steady_from` past the warm-up) the same two figures with
     each job's first `steady_from` - 1 steps out ("steady"; None where the summary kept no step ends)."""
-    from .phases import phase_stats
-    from .runlog import read_jsonl
-    from .throughput import remeasure, steps_per_job, throughput
-
     rows = []
     for r in runs:
         d = root / r.rel
@@ -155,8 +159,6 @@ def collect(runs: list[PlannedRun], root: Path, steady_from: int = 0) -> list[di
 
 def write_report(rows: list[dict], out: Path, command: str, cfg: Config, steady_from: int = 0) -> None:
     """OUT.json (every row, the summaries without their windows) and OUT.md (`report_md.arms_tables`)."""
-    from .report_md import arms_tables
-
     out.parent.mkdir(parents=True, exist_ok=True)
     slim = [{k: v for k, v in r.items() if k != "summary"} |
             {"summary": {k: v for k, v in (r["summary"] or {}).items() if k != "window"}} for r in rows]
@@ -167,9 +169,6 @@ def write_report(rows: list[dict], out: Path, command: str, cfg: Config, steady_
 
 def draw_timeline(rows: list[dict], root: Path, path: Path) -> None:
     """The timeline figure of the first seed's main run of each arm (report_figures.fig_timeline)."""
-    from .report_data import load_run
-    from .report_figures import fig_timeline
-
     seed = min((r["seed"] for r in rows), default=None)
     runs = [load_run(root / r["dir"]) for r in rows if r["label"] == "main" and r["seed"] == seed and r["summary"]]
     runs = [r for r in runs if r is not None]
@@ -218,14 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steady_from < 0:
         p.error(f"--steady-from ({args.steady_from}) must be a step (1 or more), or 0 for none")
     if not args.report_only and (args.gpus > 1 or args.address):
-        from .cluster import require_ray
-
         require_ray(f"--gpus {args.gpus}" if args.gpus > 1 else f"--address {args.address}")
     command = "colora bench arms " + " ".join(argv if argv is not None else sys.argv[2:])
     failed = False
     if not args.report_only:
-        from .output import session
-
         with session(args.verbose, "stdout"):
             states = run_plan(cfg, order(cfg, runs), root, children=True, deadline_s=args.deadline or None,
                               verbose=args.verbose, gpus=args.gpus, address=args.address,

@@ -16,8 +16,14 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from colora.tasks import TaskError, get_task
+
 from .config import EngineConfig, parse_override
 from .engine import GenRequest, RolloutEngine
+from .models import load_tokenizer
+from .resources import resolve_model
 from .seeding import derive_seed
 
 
@@ -55,14 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the results as JSON here")
     args = p.parse_args(argv)
 
-    import torch
 
-    from colora.tasks import get_task
 
-    from .models import load_tokenizer
-    from .resources import resolve_model
 
-    from colora.tasks import TaskError
 
     specs = []
     for spec in args.task:  # every task and its eval items are checked before the engine starts

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from .runlog import sha256_file
+from .runlog import read_jsonl, sha256_file
 
 STATE = "state.pt"
 MANIFEST = "manifest.json"
@@ -224,8 +224,6 @@ class Checkpointer:
 def rewind_logs(out: Path, state: dict) -> None:
     """Before a resume: keep the logs as they were (renamed, nothing is lost) and start metrics.jsonl
     again from the rows the checkpoint covers, so each (job, step) appears once."""
-    from .runlog import read_jsonl
-
     steps = {n: s["step"] for n, s in state["jobs"].items()}
     n = 0
     while (out / f"metrics.jsonl.pre-resume-{n}").exists():

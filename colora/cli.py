@@ -50,8 +50,8 @@ def default_out(cfg) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .config import load_config
     from .closing import print_closing
+    from .config import load_config
     from .output import duration, say, session
     from .runner import resume, run
 

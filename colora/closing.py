@@ -13,6 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from . import output
+from .runlog import read_jsonl
+from .throughput import short_window
 
 
 def closing_rows(summary: dict, rows: list[dict]) -> list[dict]:
@@ -42,7 +44,6 @@ def closing_table(summary: dict, rows: list[dict]) -> tuple[Table, list[str]]:
     short for the steps per hour to mean much."""
     from rich import box
 
-    from .throughput import short_window
 
     t = Table(title=f"{summary['experiment']}: {summary['arm']}, seed {summary['seed']}", title_justify="left",
               box=box.SIMPLE_HEAD, show_edge=False)
@@ -67,8 +68,6 @@ def closing_table(summary: dict, rows: list[dict]) -> tuple[Table, list[str]]:
 
 def print_closing(summary: dict, run_dir: Path) -> None:
     """The closing table of a finished run, from its summary and metrics, on the console."""
-    from .runlog import read_jsonl
-
     table, lines = closing_table(summary, read_jsonl(Path(run_dir) / "metrics.jsonl"))
     c = output.console()
     c.print(table)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from colora.tables import ConfigError, build
+from colora.tasks import add_task_dirs
 
 ARMS = ("dedicated", "shared_sync", "overlap", "mps", "overlap_mps")
 OVERLAP_ARMS = ("overlap", "overlap_mps")  # the arms whose groups generate while another trains
@@ -410,8 +411,6 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """The config of a TOML file, with `--set` overrides. The file's folder is where the modules of
     its import-path tasks (`task = "mytasks:MyTask"`) are looked for, after the installed packages
     (tasks/registry.py)."""
-    from colora.tasks import add_task_dirs
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")

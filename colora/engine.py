@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+import torch
+
 from . import adapter_sync as sync
 from . import environment
 from .adapter_sync import AdapterTensors
@@ -97,8 +100,6 @@ def dead_process(procs) -> str:
 def plain_token_ids(tokenizer, limit: int = 32768):
     """The token ids below `limit` that are not special tokens (numpy int array): the ids random
     prompts are drawn from (warm-up batches, the engine benchmark)."""
-    import numpy as np
-
     special = set(tokenizer.all_special_ids)
     return np.array([i for i in range(min(len(tokenizer), limit)) if i not in special])
 
@@ -202,8 +203,6 @@ class RolloutEngine:
         /dev/shm cannot hold the segment. Runs on the trainer's thread (its device copy belongs with
         the trainer's work) and touches nothing of vLLM's, so it may run while the engine thread
         uses the engine."""
-        import torch
-
         dtype = getattr(torch, self.dtype)
         if self.adapter_sync == "memory":
             if self._shared is None:
@@ -277,8 +276,6 @@ class RolloutEngine:
         of odd token counts (below 128, above 128, above the largest captured size), each queued
         while the previous one decodes, cover those cases. Seeded per request: the engine's own
         random state, which real requests never use either, is left alone."""
-        import numpy as np
-
         t0 = time.perf_counter()
         jobs = list(self._adapters) or [None]
         ids = plain_token_ids(self.tokenizer)

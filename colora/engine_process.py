@@ -45,7 +45,7 @@ from . import adapter_sync as sync
 from .adapter_sync import AdapterTensors
 from .config import EngineConfig
 from .engine import GenRequest, GenResult, RolloutEngine, dead_process
-
+from .models import load_tokenizer
 
 RECV_SLICE_S = 0.5  # the longest a wait for the child goes without looking whether it still lives
 CLOSE_WAIT_S = 20.0  # the longest `close` waits for the child to stop its engine, then to exit
@@ -119,7 +119,6 @@ class RemoteEngine:
                  dtype: str, seed: int, device: str, adapter_sync: str = "auto"):
         import psutil
 
-        from .models import load_tokenizer
 
         self._proc, self._shared = None, None  # close() works from here on
         self.adapter_sync, self.adapter_sync_note = sync.resolve(adapter_sync)  # the child's is the same

@@ -20,19 +20,21 @@ import types
 
 import torch
 
+from colora.kernels.backend import triton_runs_on
+from colora.kernels.rmsnorm import rms_norm
+from colora.kernels.rotary import rotary, supported
+from colora.kernels.swiglu import swiglu
+
 _rotary_originals: dict[str, object] = {}  # modeling module name -> its own apply_rotary_pos_emb
 
 
 def _on_triton(t: torch.Tensor) -> bool:
-    from colora.kernels.backend import triton_runs_on
-
     return triton_runs_on(t.device)
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if self.weight.requires_grad or not _on_triton(hidden_states):  # the kernel has no weight gradient
         return type(self).forward(self, hidden_states)
-    from colora.kernels.rmsnorm import rms_norm
 
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
@@ -40,7 +42,6 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not _on_triton(x):
         return type(self).forward(self, x)
-    from colora.kernels.swiglu import swiglu
 
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
@@ -72,8 +73,6 @@ def fuse_elementwise(model: torch.nn.Module) -> dict[str, int]:
     if orig is not None and not getattr(orig, "_colora_fused", False):
         def wrapper(q, k, cos, sin, unsqueeze_dim=1):
             if unsqueeze_dim == 1 and q.dim() == 4 and cos.dim() == 3 and _on_triton(q):
-                from colora.kernels.rotary import rotary, supported
-
                 if supported(q, k, cos, sin):
                     return rotary(q, k, cos, sin)
             return orig(q, k, cos, sin, unsqueeze_dim)

@@ -24,6 +24,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+# the grouped-LoRA ops through the module, not bound names: tests count their calls by patching it
+from colora import kernels
+from colora.kernels import LoRABatchMeta, resolve_backend
+
+from .config import TARGET_MODULES
 from .seeding import derive_seed
 
 
@@ -227,8 +232,6 @@ class AdapterBank:
         layout = (tuple(rank_start), tuple(scales))
         meta = act.metas.get(layout)
         if meta is None:
-            from colora.kernels import LoRABatchMeta
-
             meta = act.metas[layout] = (act.meta.with_ranks(*layout) if act.meta is not None
                                         else LoRABatchMeta.build(act.seg_start, *layout, self.device))
             act.meta = act.meta or meta
@@ -415,16 +418,15 @@ class MultiLoRALinear(nn.Module):
         if st is None:
             return self.base(x)
         A, B, meta, compute = st
-        from colora.kernels import grouped_lora
 
         x2 = x.reshape(-1, x.shape[-1])  # [T, d_in], rows in the activation's job order
         assert x2.shape[0] == meta.seg_start[-1], (x2.shape, meta.seg_start[-1])
         if self._base_inside(x2, (self,)):
-            y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, base=self.base.weight,
+            y2 = kernels.grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, base=self.base.weight,
                               compute=compute)
         else:
             y2 = self.base(x2)  # [T, d_out], not a view: the kernel adds the LoRA delta into it in place
-            y2 = grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2, compute=compute)
+            y2 = kernels.grouped_lora(x2, A, B, meta=meta, backend=self.bank.lora_backend, add_to=y2, compute=compute)
         return y2.view(*x.shape[:-1], y2.shape[-1])
 
     def _base_inside(self, x2: torch.Tensor, mods) -> bool:
@@ -434,8 +436,6 @@ class MultiLoRALinear(nn.Module):
         to sum two dx, one read-read-write pass over a [tokens, d_in] gradient per projection input. On the
         H200 the 8-job trainer step took 1.635 s with it against 1.677 s without (measured at 07f5023).
         Elsewhere the base linear runs and the op adds the delta into its output (add_to)."""
-        from colora.kernels import resolve_backend
-
         return (resolve_backend(self.bank.lora_backend, x2.device) == "triton"
                 and all(m.base.bias is None and not m.base.weight.requires_grad and m.base.weight.dtype == x2.dtype
                         for m in mods))
@@ -443,8 +443,6 @@ class MultiLoRALinear(nn.Module):
     def _forward_pack(self, x: torch.Tensor) -> torch.Tensor | None:
         """The whole pack in one grouped call, or None when the siblings' adapter layouts differ
         (a job adapts q but not k, say): then each projection goes on its own."""
-        from colora.kernels import grouped_lora_packed
-
         sts = [self.bank.stacked(m.path, x.dtype) for m in self.pack]
         if any(st is None for st in sts):
             return None
@@ -457,7 +455,7 @@ class MultiLoRALinear(nn.Module):
             base = {"base": [m.base.weight for m in self.pack]}
         else:
             base = {"add_to": [m.base(x2) for m in self.pack]}  # [T, d_out_s] each, added into in place
-        ys = grouped_lora_packed(x2, [st[0] for st in sts], [st[1] for st in sts], metas[0],
+        ys = kernels.grouped_lora_packed(x2, [st[0] for st in sts], [st[1] for st in sts], metas[0],
                                  backend=self.bank.lora_backend, compute=compute, **base)
         outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in ys]
         for m, out in zip(self.pack[1:], outs[1:]):
@@ -468,8 +466,6 @@ class MultiLoRALinear(nn.Module):
 def inject_lora(model: nn.Module, bank: AdapterBank, target_modules=None) -> list[str]:
     """Wrap every nn.Linear whose last name is a LoRA target (all of config.TARGET_MODULES by
     default; jobs then choose among them). Returns the wrapped module paths."""
-    from .config import TARGET_MODULES
-
     targets = set(target_modules or TARGET_MODULES)
     found = []
     for path, mod in list(model.named_modules()):

@@ -24,6 +24,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from . import environment
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -42,22 +44,16 @@ _claimed: dict[str, int] = {}
 
 
 def _cuda_initialized() -> bool:
-    import torch
-
     return torch.cuda.is_initialized()
 
 
 def _cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
 def _make_context() -> int:
     """Make this process's CUDA context now; the SMs it may use (fewer than the device's under MPS
     with a thread percentage below 100)."""
-    import torch
-
     torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     return torch.cuda.get_device_properties(0).multi_processor_count

@@ -51,10 +51,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import output, python_m
+import torch
+
+from colora.tasks import add_task_dirs, task_dirs
+
+from . import output, python_m, runner
+from .cluster.plan import run_on_cluster
 from .config import Config, from_dict
 from .engine import EngineCache, engine_process, release_cuda_cache
+from .environment import child_env
+from .mps import MpsDaemon, MpsUnavailable
 from .output import duration as _dur
+from .prereg import lock_hash
 from .resources import MPS_ARMS, RunError
 from .rundirs import PlannedRun, Record, check_existing, estimate, move_aside, resumable, run_state
 from .stopping import STOP_REPORT_S, STOP_TERM_S, Interrupted, handling_signals, on_abort
@@ -78,8 +86,6 @@ class ProcessGroup:
     def env(self) -> dict[str, str]:
         """The environment of the group's child process: an MPS group's starts with its trainer's share
         (CUDA fixes a process's share when it first initialises there)."""
-        from .environment import child_env
-
         return child_env(self.mps_shares[1] if self.mps_shares else None)
 
 
@@ -105,22 +111,17 @@ def on_gpu(group: ProcessGroup, base: Config) -> bool:
     """An MPS group on a GPU needs a child process; on the CPU there is no MPS to set up."""
     if group.mps_shares is None or base.experiment.device == "cpu":
         return False
-    import torch
 
     return torch.cuda.is_available()
 
 
 # -- running --------------------------------------------------------------------------------------
 def run_in_process(cfg: Config, out: Path, cache: EngineCache, log: Callable[[str], None], process_mps=None) -> dict:
-    from .runner import run
-
-    return run(cfg, out, log=log, engine_cache=cache, process_mps=process_mps)
+    return runner.run(cfg, out, log=log, engine_cache=cache, process_mps=process_mps)
 
 
 def resume_in_process(out: Path, cache: EngineCache, log: Callable[[str], None], process_mps=None) -> dict:
-    from .runner import resume
-
-    return resume(out, log=log, engine_cache=cache, process_mps=process_mps)
+    return runner.resume(out, log=log, engine_cache=cache, process_mps=process_mps)
 
 
 @dataclass
@@ -214,7 +215,6 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
     if group.mps_shares is not None:
         # This process is no client of the daemon (its own CUDA context, if any, was made without it),
         # so it can quit it cleanly once the child, the only client, has exited.
-        from .mps import MpsDaemon, MpsUnavailable
 
         daemon = MpsDaemon()
         try:
@@ -223,7 +223,6 @@ def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[s
             output.say(f"MPS unavailable here ({e}); the child decides what to do")
             daemon = None
     budget = None if seconds is None else seconds - STOP_TERM_S - STOP_REPORT_S
-    from colora.tasks import task_dirs
 
     spec = {"config": base.to_dict(), "root": str(root), "runs": [asdict(p) for p in group.runs],
             "index": index, "total": total, "seconds": budget, "verbose": verbose, "task_dirs": task_dirs()}
@@ -285,8 +284,6 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     cluster, `gpus` at once (see the module docstring). Raises Interrupted on a signal, once the run
     in progress is recorded as interrupted. `run_fn`, `resume_fn`, `child_fn`, `use_child` and
     `clock` are injectable for tests."""
-    from .prereg import lock_hash
-
     root = Path(root)
     say = progress or output.say
     for p in planned:
@@ -306,8 +303,6 @@ def run_plan(base: Config, planned: list[PlannedRun], root: str | Path, *, recor
     with handling_signals():
         try:
             if gpus > 1 or address is not None:
-                from .cluster.plan import run_on_cluster
-
                 run_on_cluster(base, planned, root, rec, prog, index, deadline, gpus, address)
             else:
                 _run_groups(base, planned, states, root, rec, cache, run_fn, resume_fn, children, use_child,
@@ -374,16 +369,12 @@ def _run_groups(base: Config, planned: list[PlannedRun], states: dict[str, str],
 def main(argv: list[str] | None = None) -> int:
     """A child process: run one group (its JSON spec is the only argument) with one engine cache and,
     for an MPS group, the daemon its parent started."""
-    from colora.tasks import add_task_dirs
-
     spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
     add_task_dirs(*spec["task_dirs"])  # the parent's: its config file's folder, its current directory
     base, root = from_dict(spec["config"]), Path(spec["root"])
     runs = [PlannedRun(**{**r, "set": tuple(r["set"])}) for r in spec["runs"]]
     daemon = None
     if mps_shares(runs[0].config(base)) is not None:
-        from .mps import MpsDaemon, MpsUnavailable
-
         try:
             daemon = MpsDaemon.attached()  # started by the parent, before this process existed
         except MpsUnavailable as e:

@@ -13,13 +13,13 @@ import hashlib
 import subprocess
 from pathlib import Path
 
+import colora
+import colora.kernels
+import colora.tasks
+
 
 def package_dirs() -> dict[str, Path]:
     """{package: folder} of colora and its two mapped subpackages (resolved through symlinks)."""
-    import colora
-    import colora.kernels
-    import colora.tasks
-
     return {name: Path(mod.__file__).resolve().parent
             for name, mod in (("colora", colora), ("colora.kernels", colora.kernels), ("colora.tasks", colora.tasks))}
 

@@ -20,6 +20,13 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from .config import from_dict, replace
+from .models import load_tokenizer
+from .resources import RunError, resolve_device, resolve_model, torch_dtype
+from .trainer import Rollout, build_trainer
+
 SDPA = ("math", "efficient", "flash", "cudnn")
 
 
@@ -37,7 +44,6 @@ def keep_failed_step(run_dir: Path, step: int, group: int, rollouts: dict, stats
     batch's shapes; `colora replay-step DIR` runs the step again by itself to tell which."""
     import dataclasses
 
-    import torch
 
     d = run_dir / "failed_steps" / f"step{step}-group{group}"
     d.mkdir(parents=True, exist_ok=True)
@@ -51,10 +57,6 @@ def keep_failed_step(run_dir: Path, step: int, group: int, rollouts: dict, stats
 
 def load_failed_step(d: Path) -> tuple[dict, dict, dict]:
     """(the run's config as a dict, job -> rollouts, the kept state) of a failed-step directory."""
-    import torch
-
-    from .trainer import Rollout
-
     run_dir = d.parent.parent
     for f in (d / "rollouts.jsonl", d / "state.pt", run_dir / "config.json"):
         if not f.is_file():
@@ -75,11 +77,6 @@ def load_failed_step(d: Path) -> tuple[dict, dict, dict]:
 
 def replay(d: Path, overrides: list[str], sdpa: str | None, log=print) -> dict:
     """Train once on the kept rollouts; returns job -> JobStepStats."""
-    from .config import from_dict, replace
-    from .models import load_tokenizer
-    from .resources import resolve_device, resolve_model, torch_dtype
-    from .trainer import build_trainer
-
     raw, rollouts, state = load_failed_step(d)
     cfg = replace(from_dict(raw), overrides)
     device, dtype = resolve_device(cfg)
@@ -110,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key of the run's config")
     p.add_argument("--sdpa", choices=SDPA, help="PyTorch attention backend for the step (default: PyTorch's choice)")
     args = p.parse_args(argv)
-    from .resources import RunError
 
     try:
         stats = replay(Path(args.dir), args.set, args.sdpa)

@@ -40,8 +40,12 @@ import numpy as np
 
 from . import stats
 from .config import ARMS, ConfigError
+from .prereg import PreregError, load_prereg
 from .report_data import ReportError, RunData, display_path, load_runs
+from .report_figures import fig_learning_curves, fig_paired, fig_throughput, fig_timeline
+from .report_md import render
 from .runlog import write_json_atomic
+from .throughput import short_window
 
 DEFAULT_CONF = 0.95  # the intervals' level without a pre-registration
 
@@ -149,8 +153,6 @@ def analyse(runs: list[RunData], gates: stats.Gates | None, analysis: dict, expe
 
 def short_windows(runs: list[RunData]) -> list[dict]:
     """The runs whose steps per hour come from a window too short to mean much, with why."""
-    from .throughput import short_window
-
     out = []
     for r in runs:
         s = r.summary
@@ -165,8 +167,6 @@ def short_windows(runs: list[RunData]) -> list[dict]:
 def make_report(paths: list[str], out: str | Path, prereg_path: str | None = None, command: str = "",
                 bootstrap_seed: int | None = None, figures: bool = True) -> dict:
     """Write report.md, summary.json and (unless `figures` is False) the PNG figures into `out`."""
-    from .prereg import load_prereg
-
     pr = load_prereg(prereg_path) if prereg_path else None
     if not command:
         pre = ["--prereg", prereg_path] if prereg_path else []
@@ -205,8 +205,6 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
     out.mkdir(parents=True, exist_ok=True)
     names = []
     if figures:
-        from .report_figures import fig_learning_curves, fig_paired, fig_throughput, fig_timeline
-
         names = ["throughput.png", "learning_curves.png", "paired_differences.png", "timeline.png"]
         fig_throughput(runs, res, gates, out / names[0])
         fig_learning_curves(runs, res, out / names[1])
@@ -224,7 +222,6 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
                          "steps_per_hour": r.steps_per_hour, "steps_measured": r.summary.get("steps_measured"),
                          "seconds_measured": r.summary.get("seconds_measured"), "eval_accuracy": r.eval_after,
                          "train_reward": r.reward_mean} for r in runs + left_out]}
-    from .report_md import render
 
     (out / "report.md").write_text(render(res, runs + left_out, command, gates, prinfo, warnings, figures, analysis))
     write_json_atomic(out / "summary.json", summary)
@@ -244,8 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .prereg import PreregError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)

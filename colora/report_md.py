@@ -7,6 +7,9 @@ from __future__ import annotations
 import math
 
 from . import stats
+from .compilewatch import describe
+from .config import ARMS
+from .phases import PHASES
 from .report_data import METRICS, RunData, display_path
 from .throughput import SHORT_WINDOW_S, SHORT_WINDOW_STEPS
 
@@ -166,10 +169,6 @@ def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> st
     seed's dedicated run per arm, the job-count and tuning runs, and per run its engine, phase times,
     group chains and the engine's decoding while a group trains and while none does
     (colora/phases.py); with `steady_from`, the main runs' figures from that step of each job on too."""
-    from .compilewatch import describe
-    from .config import ARMS
-    from .phases import PHASES
-
     seeds = sorted({r["seed"] for r in rows})
     arms = [a for a in ARMS if any(r["arm"] == a and r["label"] == "main" for r in rows)]
     lines = [f"# Arms benchmark: {cfg.experiment.name}", "", "```", command, "```", "",

@@ -17,8 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from colora.tasks import TaskError, get_task
+
+from . import mps
+from .adapter_sync import AdapterSyncUnsupported, resolve
 from .config import Config, JobConfig
 from .environment import colora_home
+from .models import ModelDirError, build_qwen3_shape, build_tiny, check_model_dir
+from .mps import MpsDaemon, MpsShareError, MpsUnavailable
+from .seeding import derive_seed
+from .smollm2 import build_smollm2
 
 MPS_ARMS = ("mps", "overlap_mps")
 # builtin:NAME -> its folder in colora's model cache. The folder names the builder's revision, so a
@@ -32,8 +42,6 @@ class RunError(RuntimeError):
 
 def resolve_model(spec: str, log: Callable[[str], None] = print) -> Path:
     """A model directory for `experiment.model`: a path, or builtin:NAME built once into the cache."""
-    from .models import ModelDirError, build_qwen3_shape, build_tiny, check_model_dir
-
     if not spec.startswith("builtin:"):
         try:
             return check_model_dir(spec)
@@ -55,8 +63,6 @@ def resolve_model(spec: str, log: Callable[[str], None] = print) -> Path:
         elif name == "qwen3-0.6b-shape":
             build_qwen3_shape(tmp)
         else:
-            from .smollm2 import build_smollm2
-
             shutil.rmtree(tmp)
             build_smollm2(tmp)
         os.replace(tmp, out)
@@ -67,8 +73,6 @@ def resolve_model(spec: str, log: Callable[[str], None] = print) -> Path:
 
 def resolve_device(cfg: Config) -> tuple[str, str]:
     """(device, dtype) for `experiment.device` and `experiment.dtype`, "auto" resolved."""
-    import torch
-
     device = cfg.experiment.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,14 +86,10 @@ def resolve_device(cfg: Config) -> tuple[str, str]:
 
 def torch_dtype(name: str):
     """The torch dtype of a resolved `experiment.dtype` ("float32", "bfloat16", "float16")."""
-    import torch
-
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def load_tasks(jobs: tuple[JobConfig, ...]) -> dict:
-    from colora.tasks import get_task
-
     tasks = {}
     for i, j in enumerate(jobs):
         try:
@@ -104,10 +104,6 @@ def check_sizes(cfg: Config, tasks: dict) -> None:
     jobs.N.prompts_per_step distinct items of the train split per step. A task that knows its sizes
     (`size(split)`, e.g. gsm8k from a file) is compared with them; any other draws the run's first
     sample of each split, with the run's seeds."""
-    from colora.tasks import TaskError
-
-    from .seeding import derive_seed
-
     seed = cfg.experiment.seed
     for i, j in enumerate(cfg.jobs):
         task = tasks[j.name]
@@ -132,11 +128,9 @@ def check_mps(cfg: Config, process_mps) -> None:
     """An MPS arm that requires MPS (overlap.mps_required) is refused here when this machine has no
     MPS to start (no control program or no NVIDIA device), unless the process has a daemon already
     or the run is on the CPU (which runs the arm without MPS, labelled so)."""
-    from .mps import mps_available
-
     if cfg.experiment.arm not in MPS_ARMS or process_mps is not None or cfg.experiment.device == "cpu":
         return
-    ok, why = mps_available()
+    ok, why = mps.mps_available()  # through the module: tests fake MPS by patching it
     if not ok and cfg.overlap.mps_required:
         raise RunError(f"arm {cfg.experiment.arm!r} needs MPS, which is unavailable here ({why}); set "
                        "overlap.mps_required=false to run it without MPS, labelled so")
@@ -193,8 +187,6 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
 def resolve_adapter_sync(cfg: Config, log: Callable[[str], None]) -> str:
     """runtime.adapter_sync resolved (colora/adapter_sync.py): "memory" where it cannot work is a
     RunError; "auto" says why it goes by disk where it does."""
-    from .adapter_sync import AdapterSyncUnsupported, resolve
-
     try:
         mode, why = resolve(cfg.runtime.adapter_sync)
     except AdapterSyncUnsupported as e:
@@ -219,8 +211,6 @@ def start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], Non
     """MPS for this run: the process-wide daemon if there is one, else our own for an MPS arm
     (stopped by `stack` after the engine; told to quit without waiting on a second signal of `stop`,
     a stopping.StopRequest), else none. Returns (daemon or None, note for the summary)."""
-    from .mps import MpsDaemon, MpsUnavailable
-
     ov, arm = cfg.overlap, cfg.experiment.arm
     if arm not in MPS_ARMS:
         return None, "not used by this arm"
@@ -249,8 +239,6 @@ def _claim_shares(mps, ov, note: str) -> str:
     """This process's CUDA context with the trainer's share, before the engine's client can make it
     (with whatever share the environment said then), and the engine's share for the engine process
     spawned next. The note gains the SMs the trainer's context sees."""
-    from .mps import MpsShareError
-
     try:
         sms = mps.claim(ov.mps_trainer_percentage)
     except MpsShareError as e:

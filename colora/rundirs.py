@@ -14,7 +14,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import CheckpointError, verify
 from .config import Config, ConfigError, diff, from_dict, replace, resolve
+from .prereg import lock_hash
 from .runlog import write_json_atomic
 
 
@@ -77,8 +79,6 @@ def run_state(path: Path) -> str:
 def resumable(path: Path, config_hash: str) -> bool:
     """Whether an unfinished run can continue where it stopped: interrupted by a signal, or killed
     (its status still says running), of the config `config_hash`, with a checkpoint that verifies."""
-    from .checkpoint import CheckpointError, verify
-
     try:
         state = json.loads((path / "status.json").read_text()).get("state")
     except (OSError, json.JSONDecodeError, AttributeError):
@@ -121,8 +121,6 @@ def _describe_diff(a: dict, b: Config) -> str:
 
 def check_existing(root: Path, base: Config, planned: list[PlannedRun]) -> dict[str, str]:
     """State of each planned run; refuses (ConfigError) complete runs or a sweep.json of another config."""
-    from .prereg import lock_hash
-
     sj = root / "sweep.json"
     if sj.is_file():
         try:

@@ -41,14 +41,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .config import Config
-from .engine import EngineCache, engine_process, release_cuda_cache
+from colora.tasks import add_task_dirs, task_dirs
+
+from . import compilewatch
+from .checkpoint import Checkpointer, load_latest, rewind_logs
+from .config import Config, from_dict
+from .corunner import CoRunner, EngineFailure, JobState
+from .engine import EngineCache, RolloutEngine, engine_process, release_cuda_cache
+from .engine_process import RemoteEngine
+from .evaluate import evaluate
+from .gpumon import GpuSampler
+from .heap import frozen_heap
+from .models import load_tokenizer
+from .output import say, say_at_once
+from .progress import run_output
+from .provenance import code_version
 from .resources import MPS_ARMS, RunError, Setup, adapter_scratch, prepare, resolve_device, start_mps, torch_dtype
 from .runlog import JsonlWriter, Timeline, read_jsonl, write_json_atomic
 from .stopping import Interrupted, StopRequest, handling_signals
 from .summary import RunSummary, job_summaries, warnings
+from .throughput import busy, gpu_util, throughput
 from .trainer import build_trainer
-
 
 ENGINE_DEATH_GRACE_S = 1.0  # an engine that died this long before a stop request died of its signal
 
@@ -67,12 +80,6 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
     colora/output.py decides; engine_cache: engines kept across the runs of this process;
     process_mps: the MPS daemon this whole process is a client of (colora/orchestrate.py starts one
     per MPS process)."""
-    from colora.tasks import task_dirs
-
-    from .checkpoint import rewind_logs
-    from .output import say
-    from .progress import run_output
-
     out = Path(out)
     with handling_signals() as stop:
         stop.phase = "checking the input"
@@ -125,8 +132,6 @@ def _interrupted(e: Interrupted, stop: StopRequest, cfg: Config, out: Path) -> d
 
 def _mark_aborted(out: Path, stop: StopRequest) -> None:
     """On a second signal, which exits at once: status.json says so, and how to continue."""
-    from .output import say_at_once
-
     reason = f"{stop.signal} during {stop.phase}, then a second signal: exited at once"
     write_json_atomic(out / "status.json", {"state": "interrupted", "signal": stop.signal, "phase": stop.phase,
                                             "reason": reason, "resume": f"colora run --resume {out}"})
@@ -137,12 +142,6 @@ def resume(out: str | Path, log: Callable[[str], None] | None = None, engine_cac
            process_mps=None) -> dict:
     """`colora run --resume DIR`: continue a run from its newest sound checkpoint; an interrupted
     run without one runs again from its beginning, in DIR."""
-    from colora.tasks import add_task_dirs
-
-    from .checkpoint import load_latest
-    from .config import from_dict
-    from .output import say
-
     out = Path(out)
     if not (out / "config.json").is_file():
         raise RunError(f"--resume {str(out)!r}: no config.json there; is it a colora run directory?")
@@ -189,8 +188,6 @@ def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
              resume_state: dict | None, stop: StopRequest) -> RunSummary:
     """The run's steps; `shown` (colora/progress.py RunOutput) takes its lines and its record's rows;
     `stop.phase` names the step in progress (status.json of an interrupted run)."""
-    from .models import load_tokenizer
-
     out, cfg = setup.out, setup.cfg
     t_start = time.perf_counter()
     r = _Run(setup, shown.log, JsonlWriter(out / "metrics.jsonl", on_row=shown.metric),
@@ -235,10 +232,7 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     def start():
         r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs"
               + (", its client in a process of its own" if r.remote else ""))
-        if r.remote:
-            from .engine_process import RemoteEngine as Engine
-        else:
-            from .engine import RolloutEngine as Engine
+        Engine = RemoteEngine if r.remote else RolloutEngine
         return Engine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
                       dtype=r.dtype, seed=cfg.experiment.seed, device=r.device, adapter_sync=setup.adapter_sync)
 
@@ -264,8 +258,6 @@ def _build_trainer(r: _Run):
     """(bank, trainer, seconds it took). Counts the trainer's Triton compiles from here on (a hook that
     increments a counter), so the timeline's train spans can name what compiled in a slow step;
     Dynamo's are always counted."""
-    from . import compilewatch
-
     compilewatch.install()
     t0 = time.perf_counter()
     bank, trainer = build_trainer(r.cfg, r.setup.model_dir, r.device, torch_dtype(r.dtype), r.tokenizer.pad_token_id)
@@ -275,9 +267,6 @@ def _build_trainer(r: _Run):
 def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resume_state: dict | None):
     """The jobs' states (restored from the checkpoint when resuming), the checkpointer, the co-runner,
     every job's adapter in the engine, and the engine warmed up. Returns (corunner, checkpointer)."""
-    from .checkpoint import Checkpointer
-    from .corunner import CoRunner, JobState
-
     cfg, out = r.cfg, r.setup.out
     scratch = adapter_scratch(out)  # for adapters that go by disk
     stack.callback(shutil.rmtree, scratch, True)
@@ -302,8 +291,6 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
 
 def _evaluate_before(r: _Run, corunner, resumed: bool) -> dict:
     """Held-out accuracy before training (kept in eval_before.json, so a resumed run does not redo it)."""
-    from .evaluate import evaluate
-
     exp, out = r.cfg.experiment, r.setup.out
     if resumed and (out / "eval_before.json").exists():
         return json.loads((out / "eval_before.json").read_text())
@@ -320,10 +307,6 @@ def _train(r: _Run, corunner, engine, ckpt):
     in progress (deferred: see colora/stopping.py) and leaves a checkpoint of it unless checkpoints
     are off; an engine failure that comes with a stop request, or within ENGINE_DEATH_GRACE_S before
     one, is the interruption. Returns (window, GPU sampler)."""
-    from .corunner import EngineFailure
-    from .gpumon import GpuSampler
-    from .heap import frozen_heap
-
     steps = getattr(engine, "steps", None)  # the engine's step rate, recorded for this run's steps only
     if steps is not None:
         steps.take()
@@ -352,8 +335,6 @@ def _train(r: _Run, corunner, engine, ckpt):
 def _evaluate_after(r: _Run, corunner, bank, before: dict) -> dict:
     """Held-out accuracy after training of the jobs still in the engine (a stopped job's adapter left
     it), into eval.json; every job's final adapter into adapters/<job>/."""
-    from .evaluate import evaluate
-
     exp, out = r.cfg.experiment, r.setup.out
     live = [n for n, js in corunner.jobs.items() if js.status != "stopped"]
     with r.timeline.span("eval", jobs=tuple(live), when="after"):
@@ -366,9 +347,6 @@ def _evaluate_after(r: _Run, corunner, bank, before: dict) -> dict:
 
 def _summarise(r: _Run, engine, bank, trainer, corunner, window: dict, gpu, before: dict, after: dict, *,
                trainer_setup_s: float, wall_s: float) -> RunSummary:
-    from .provenance import code_version
-    from .throughput import busy, gpu_util, throughput
-
     cfg, exp = r.cfg, r.cfg.experiment
     jobs = job_summaries(corunner.jobs, bank, read_jsonl(r.setup.out / "metrics.jsonl"), before, after)
     for w in warnings(jobs):

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from colora.environment import colora_home
 from colora.models import ModelDirError, check_model_dir
 from colora.runlog import sha256_file
 
@@ -71,8 +72,6 @@ class SourceError(ValueError):
 def default_cache_dir() -> Path:
     """colora's cache (environment.colora_home: ~/.cache/colora unless COLORA_HOME or XDG_CACHE_HOME
     say otherwise): where the wheel and its GGUF are kept between runs."""
-    from colora.environment import colora_home
-
     return colora_home()
 
 

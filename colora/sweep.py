@@ -28,11 +28,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from .cluster import require_ray
 from .config import ARMS, ConfigError, load_config
 from .orchestrate import RunFn, check_existing, run_in_process, run_plan
-from .rundirs import PlannedRun
 from .output import session
+from .prereg import PreregError, PreregMismatch, load_prereg, require_match
 from .resources import MPS_ARMS, RunError
+from .rundirs import PlannedRun
 
 
 def plan_runs(arms: list[str], seeds: list[int], repeats: int = 1, aa_seeds: list[int] = ()) -> list[PlannedRun]:
@@ -88,8 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, run_fn: RunFn = run_in_process) -> int:
-    from .prereg import PreregError, PreregMismatch, load_prereg, require_match
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = build_parser().parse_args(argv)
@@ -124,8 +124,6 @@ def main(argv: list[str] | None = None, run_fn: RunFn = run_in_process) -> int:
                 print(f"[{i}/{len(planned)}] {p.label} -> {Path(args.out) / p.rel}: {states[p.rel]}")
             return 0
         if args.gpus > 1 or args.address:
-            from .cluster import require_ray
-
             require_ray(f"--gpus {args.gpus}" if args.gpus > 1 else f"--address {args.address}")
         record = {"config_path": args.config, "overrides": list(args.set), "command": command, "prereg": args.prereg}
         with session(args.verbose, "stderr"):

@@ -20,10 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from colora.kernels import selective_log_softmax, upload, upload_aligned
+
 from . import grpo
 from .config import Config, JobConfig, TrainerConfig
-from .lora import AdapterBank
-from .packing import packed_by_default, use_packed_attention
+from .fusion import fuse_elementwise, should_fuse
+from .lora import AdapterBank, inject_lora
+from .models import load_base_model
+from .packing import cumulative_starts, packed_by_default, use_packed_attention
 
 
 @dataclass
@@ -101,8 +105,6 @@ def pack_micro_batch_rows(mb: list["_Seq"], order: tuple[str, ...]) -> tuple[np.
     0 at each sequence's start | pos (N) | job (N) | cu (S+1), each sequence's start and T], pos[i]
     the position in the row of the hidden state that predicts the i-th completion token; per_tok as
     `pack_micro_batch`'s."""
-    from .packing import cumulative_starts
-
     B, lens = len(mb), np.fromiter((len(s.ids) for s in mb), np.int64, len(mb))
     prompt = np.fromiter((s.prompt_len for s in mb), np.int64, B)
     n = lens - prompt
@@ -237,8 +239,6 @@ class MultiJobTrainer:
         return [sorted(mb, key=lambda s: rank[s.job]) for mb in mbs]
 
     def _forward_backward(self, mb: list[_Seq], order: tuple[str, ...], sums: torch.Tensor) -> None:
-        from colora.kernels import selective_log_softmax, upload, upload_aligned
-
         dev = self.device
         B, L = len(mb), max(len(s.ids) for s in mb)
         if self.packed:
@@ -356,10 +356,6 @@ def build_trainer(cfg: Config, model_dir: Path, device: str, dtype: torch.dtype,
     """The frozen base model on `device` in `dtype`, its elementwise parts fused where
     `trainer.fuse_elementwise` says (colora/fusion.py), every job's adapter injected, and the trainer over
     it: (bank, trainer). Used by a run and by `colora replay-step`."""
-    from .fusion import fuse_elementwise, should_fuse
-    from .lora import inject_lora
-    from .models import load_base_model
-
     model = load_base_model(model_dir, dtype, device)
     if should_fuse(cfg.trainer.fuse_elementwise, device):
         fuse_elementwise(model)

@@ -38,6 +38,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from ..adapter_sync import memory_unsupported
+from ..config import load_config
+from ..engine import GenRequest, RolloutEngine, engine_process, plain_token_ids
+from ..engine_process import RemoteEngine
+from ..resources import RunError, adapter_scratch, resolve_device, resolve_model, start_mps, torch_dtype
+from ..runlog import write_report
+from ..trainer import build_trainer
+
 PATHS = ("disk", "memory")
 CONDITIONS = ("idle", "decoding")
 
@@ -93,8 +104,6 @@ def _steps(cond: str, jobs: list[str]) -> list[tuple[list[str], list[str | None]
 
 def _sync_round(engine, bank, jobs: list[str], path: str, scratch: Path, device: str, g, times: dict | None) -> None:
     """Every job's next version (B random) to the engine by `path`; each export and load timed."""
-    import torch
-
     for name in jobs:
         job = bank.jobs[name]
         with torch.no_grad():
@@ -122,16 +131,8 @@ def _sync_round(engine, bank, jobs: list[str], path: str, scratch: Path, device:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
-    import numpy as np
-    import torch
     import vllm
 
-    from ..adapter_sync import memory_unsupported
-    from ..config import load_config
-    from ..engine import GenRequest, engine_process, plain_token_ids
-    from ..resources import RunError, adapter_scratch, resolve_device, resolve_model, start_mps, torch_dtype
-    from ..runlog import write_report
-    from ..trainer import build_trainer
 
     cfg = load_config(args.config, args.set)
     why = memory_unsupported()
@@ -150,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         _, mps_note = start_mps(cfg, stack, print, None)  # before any CUDA context, as a run does
         scratch = adapter_scratch(Path(args.out).parent)
         stack.callback(shutil.rmtree, scratch, True)
-        if remote:
-            from ..engine_process import RemoteEngine as Engine
-        else:
-            from ..engine import RolloutEngine as Engine
+        Engine = RemoteEngine if remote else RolloutEngine
         engine = Engine(str(model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max(j.lora_rank for j in cfg.jobs),
                         dtype=dtype, seed=cfg.experiment.seed, device=device, adapter_sync="memory")
         stack.callback(engine.close)  # before the MPS daemon stops (registered after it)

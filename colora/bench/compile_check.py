@@ -34,6 +34,8 @@ from colora.kernels.lora.sgrad import lora_sgrad_kernel
 from colora.kernels.lora.shrink import lora_shrink_kernel
 from colora.kernels.lora.stream import lora_stream_kernel
 
+from .tune import candidates
+
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 OPS = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDG.E.U16", "STG.E.128", "STG.E.U16", "LDL", "STL",
@@ -167,8 +169,6 @@ def tune_variants():
     """The candidates of colora/bench/tune.py at bf16, ranks 16 and 64, as `variants` yields them: which
     compile for sm_90a, with how much shared memory and how many registers, before device time goes
     to them."""
-    from .tune import candidates
-
     base = {v[0]: v[1:] for v in variants()}
     for R in (16, 64):
         # the shrink as it runs where its expand fuses (fuse_expand_pays), the dy pass with dx fused

@@ -56,15 +56,21 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
+import torch
+
+from ..config import load_config
+from ..engine import GenRequest, RolloutEngine, plain_token_ids
+from ..lora import AdapterBank, inject_lora
+from ..models import load_base_model
+from ..resources import resolve_device, resolve_model, start_mps, torch_dtype
+from ..runlog import write_report
+from .engine_profile import load_trace, summarize, to_text
+from .engine_report import line_fit, to_markdown, write_figure
+
 
 def _adapters(cfg, model_dir: Path, dtype: str, scratch: Path) -> dict[str, Path]:
     """Each job's adapter in PEFT's format: its initialisation with B random (nonzero)."""
-    import torch
-
-    from ..lora import AdapterBank, inject_lora
-    from ..models import load_base_model
-    from ..resources import torch_dtype
-
     model = load_base_model(model_dir, torch.float32, "cpu")
     bank = AdapterBank("cpu", "torch")
     inject_lora(model, bank)
@@ -82,8 +88,6 @@ def _adapters(cfg, model_dir: Path, dtype: str, scratch: Path) -> dict[str, Path
 def _measure(engine, batch: int, tokens: int, prompts: list[tuple[int, ...]], jobs: list[str | None],
              seeded: bool) -> dict:
     """Decode `batch` requests of exactly `tokens` tokens each; time every engine step."""
-    from ..engine import GenRequest
-
     reqs = [GenRequest(jobs[i % len(jobs)], prompts[i % len(prompts)], max_tokens=tokens, temperature=1.0,
                        seed=(1000 + i) if seeded else None, min_tokens=tokens, ignore_eos=True) for i in range(batch)]
     steps, key = [], ("bench", batch, seeded, jobs[0])
@@ -118,8 +122,6 @@ def _profiler_config(prof_dir: Path, tokens: int, steps: int) -> dict:
 def _profile_case(engine, prof_dir: Path, batch: int, tokens: int, steps: int, prompts, jobs: list,
                   adapters: int) -> tuple[dict, str]:
     """One seeded batch under vLLM's profiler: (its entry for OUT.json, its section of OUT.profile.txt)."""
-    from .engine_profile import load_trace, summarize, to_text
-
     before = set(prof_dir.glob("*.pt.trace.json*"))
     engine.llm.start_profile()
     _measure(engine, batch, tokens, prompts, jobs, True)
@@ -156,13 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and not (2 <= args.profile_steps and args.tokens // 4 + args.profile_steps + 3 <= args.tokens):
         p.error(f"--profile-steps {args.profile_steps}: must be at least 2 and fit in --tokens ({args.tokens}) after "
                 f"the first tokens/4: at most {args.tokens - args.tokens // 4 - 3}")
-    import numpy as np
 
-    from ..config import load_config
-    from ..engine import RolloutEngine, plain_token_ids
-    from ..resources import resolve_device, resolve_model, start_mps
-    from ..runlog import write_report
-    from .engine_report import line_fit, to_markdown, write_figure
 
     cfg = load_config(args.config, args.set)
     if args.prompt + args.tokens > cfg.engine.max_model_len:
@@ -218,7 +214,6 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out + ".profile.txt").write_text("\n".join(texts))
             for e in profiles:
                 e["file"] = args.out + ".profile.txt"
-        import torch
         import vllm
 
         result = {

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from .engine_profile import HOST_FAMILIES, KERNEL_FAMILIES
 
 FAMILY_ORDER = [f for f, _ in KERNEL_FAMILIES] + ["other"]
@@ -23,8 +25,6 @@ FAMILY_ORDER = [f for f, _ in KERNEL_FAMILIES] + ["other"]
 def line_fit(xs: list[float], ys: list[float]) -> dict:
     """ys = fixed + slope x xs, least squares: {"fixed_ms", "per_request_us"} for ys in ms and xs in
     requests; the mean and no slope with fewer than two distinct xs."""
-    import numpy as np
-
     if len(set(xs)) < 2:
         return {"fixed_ms": float(np.mean(ys)), "per_request_us": None}
     slope, icept = np.polyfit(np.asarray(xs, dtype=float), np.asarray(ys, dtype=float), 1)

@@ -31,7 +31,15 @@ from pathlib import Path
 
 import torch
 
+from colora.kernels.backend import interpreted_kernels
+from colora.kernels.lora.common import block_r as rank_block
+from colora.kernels.lora.policy import fuse_dy_pays, fuse_expand_pays, reduce_shape, rows_config, shrink_config
+from colora.kernels.lora.reduce import launch_reduce
+from colora.kernels.util import cdiv
+
 from .measure import graph_timer, kernel_breakdown, lora_problem, peak_bytes, timer
+from .tune import to_markdown as tune_markdown
+from .tune import tune_lora
 
 QWEN3_SHAPES = {"q": (1024, 2048), "k/v": (1024, 1024), "o": (2048, 1024), "gate/up": (1024, 3072),
                 "down": (3072, 1024)}
@@ -60,8 +68,6 @@ def dense_lora_products(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, dy: t
 
 
 def bench_lora(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
-    from colora.kernels.lora.policy import fuse_dy_pays, fuse_expand_pays
-
     rows = []
     shapes = {"tiny": (64, 48)} if quick else QWEN3_SHAPES
     grid = [(1, 2048), (1, 24576), (8, 2048), (8, 24576), (32, 2048)]
@@ -178,11 +184,6 @@ def bench_reduce(K, cal: dict, device: torch.device, quick: bool) -> list[dict]:
     """The segment reduction alone (fp32 partials -> a job's rows of dA or dB^T), its launch now
     (`reduce_shape`) against the previous one (128 or 64 columns a program, one partial per step),
     at the trainer step's micro-batch: 8 jobs x 4096 tokens."""
-    from colora.kernels.lora.common import block_r as rank_block
-    from colora.kernels.lora.policy import reduce_shape, rows_config, shrink_config
-    from colora.kernels.lora.reduce import launch_reduce
-    from colora.kernels.util import cdiv
-
     J, tpj = (4, 40) if quick else (8, 4096)
     rows = []
     for name, N, rank, chunking in _reduce_cases(quick):
@@ -353,7 +354,6 @@ def to_markdown(result: dict) -> str:
             out.append(f"| {r['case']} | {r['N']} | {r['rank']} | {r['jobs']} x {r['tokens_per_job']} | "
                        f"{r['partials_per_job']} | {_fmt(r['before_us'], 1)} | {_fmt(r['now_us'], 1)} | "
                        f"{_fmt(r['speedup'])} | {' x '.join(map(str, r['shape_now']))} | {_fmt(r['now_GBps'], 0)} |")
-    from .tune import to_markdown as tune_markdown
 
     out += tune_markdown(result.get("tune", []))
     return "\n".join(out) + "\n"
@@ -369,7 +369,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune-budget", type=float, default=480.0, metavar="S",
                    help="seconds after which the search starts no new problem (default 480)")
     args = p.parse_args(argv)
-    from colora.kernels.backend import interpreted_kernels
 
     K = interpreted_kernels()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -378,7 +377,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from .tune import tune_lora
 
     parts = set(args.only or ["lora", "add_to", "logsoftmax", "reduce"])
     t0 = time.time()

@@ -7,6 +7,7 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 def timer(fn, device: torch.device, quick: bool) -> float:
@@ -64,7 +65,6 @@ def kernel_breakdown(fn, device: torch.device, calls: int = 5) -> dict[str, floa
     """`kernel_times` of `calls` calls of `fn` after one warm-up call; None on the CPU."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()

@@ -22,11 +22,18 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ..config import JobConfig, TrainerConfig
+from ..fusion import fuse_elementwise, restore_rotary
+from ..heap import frozen_heap
+from ..lora import AdapterBank, inject_lora
+from ..models import load_base_model
+from ..resources import resolve_model
+from ..trainer import MultiJobTrainer, Rollout
 
 
 def _rollouts(jobs: list[str], seqs: int, prompt: int, completion: int, vocab: int, version: int):
-    from ..trainer import Rollout
-
     g = torch.Generator().manual_seed(version)
     out = {}
     for j in jobs:
@@ -55,19 +62,11 @@ def _peak(device: str) -> float:
 
 
 def bench_colora(model_dir: str, args, backend: str) -> dict:
-    from ..config import JobConfig, TrainerConfig
-    from ..heap import frozen_heap
-    from ..lora import AdapterBank, inject_lora
-    from ..models import load_base_model
-    from ..trainer import MultiJobTrainer
-
     _reset(args.device)
     model = load_base_model(model_dir, args.dtype, args.device)
     backend, *flags = backend.split("+")
     packed, fused = "packed" in flags, "fused" in flags
     if fused:
-        from ..fusion import fuse_elementwise
-
         fuse_elementwise(model)
     bank = AdapterBank(args.device, backend, pack_projections=packed)
     inject_lora(model, bank)
@@ -102,16 +101,12 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
         profile_sources(lambda: trainer.step(ro), args.device, f"{args.out}.sources.txt", impl)
     trainer = bank = model = None  # frees them before the next implementation loads (the closures hold them)
     if fused:
-        from ..fusion import restore_rotary
-
         restore_rotary()  # the next implementation measures the model's own code
     return out
 
 
 def _profiled(device: str) -> tuple[list, str]:
     """The profiler's activities on `device` and the key its tables sort the device's time by."""
-    from torch.profiler import ProfilerActivity
-
     if device == "cuda":
         return [ProfilerActivity.CPU, ProfilerActivity.CUDA], "self_cuda_time_total"
     return [ProfilerActivity.CPU], "self_cpu_time_total"
@@ -121,8 +116,6 @@ def profile_step(step, device: str, path: str, title: str) -> dict:
     """One step under torch.profiler: wall time, the time the GPU spent in kernels, how many ops
     the host dispatched and kernels it launched, and the top ops by host and by device time
     (appended to `path`). Tells a host-bound step (GPU busy share well under 1) from a GPU-bound one."""
-    from torch.profiler import profile
-
     acts, dev_key = _profiled(device)
     _sync(device)
     with profile(activities=acts) as prof:
@@ -152,8 +145,6 @@ def profile_sources(step, device: str, path: str, title: str) -> None:
     Python stacks, the ops by device time grouped by their caller (`ops_by_caller`) and by their
     input shapes (appended to `path`). Slower on the host than `profile_step` (recording stacks), so
     its wall time is not reported; the tables say which line of code launched which kernels."""
-    from torch.profiler import profile
-
     acts, dev_key = _profiled(device)
     _sync(device)
     verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # attaches the stacks to the ops
@@ -211,7 +202,6 @@ def ops_by_caller(events, device: str, rows: int = 50) -> str:
 def bench_peft(model_dir: str, args) -> dict:
     from peft import LoraConfig, get_peft_model
 
-    from ..models import load_base_model
 
     _reset(args.device)
     base = load_base_model(model_dir, args.dtype, args.device)
@@ -275,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         if impl != "peft" and (backend not in ("triton", "torch") or not set(flags) <= {"packed", "fused"}):
             p.error(f"--impls {impl}: expected peft, or triton/torch with any of +packed, +fused")
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    from ..resources import resolve_model
 
     model_dir = str(resolve_model(args.model))
     results = []

@@ -78,6 +78,16 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
+import torch
+
+from ..config import load_config
+from ..resources import load_tasks, resolve_device, resolve_model
+from ..rollouts import Prompts
+from ..rollouts import step_items as items_of
+from ..runlog import write_report
+from ..throughput import measure_window, throughput
+
 LOSS_TYPES = {"grpo_seq": "grpo", "grpo_token": "dapo", "dr_grpo": "dr_grpo"}  # colora's loss -> TRL's loss_type
 TRL_VLLM = ("0.22", "0.31")  # the vLLM versions TRL 1.16 supports (trl/import_utils.py)
 BESIDE_ARMS = ("dedicated", "overlap_mps")
@@ -131,8 +141,6 @@ def lora_kwargs(job) -> dict:
 
 def step_items(task, job, seed: int, steps: int) -> list[list]:
     """Each step's prompts, as colora's runner samples them (colora/rollouts.py)."""
-    from ..rollouts import step_items as items_of
-
     return [items_of(task, job, seed, step) for step in range(steps)]
 
 
@@ -140,8 +148,6 @@ def prompt_tokens(tok, items: list[list]) -> tuple[bool, int]:
     """(TRL's prompt tokens equal colora's for every prompt, the longest prompt in tokens). colora
     renders the chat template to text and tokenizes it without special tokens (rollouts.Prompts);
     TRL tokenizes through apply_chat_template(tokenize=True)."""
-    from ..rollouts import Prompts
-
     prompts, same, longest = Prompts(tok), True, 0
     for it in (it for step in items for it in step):
         ours = prompts.ids(it.messages)
@@ -235,10 +241,6 @@ def read_beside(paths: list[str], job: str) -> list[dict]:
 
 def summarize(clock, phases: list[tuple[int, str, float]], history: list[dict], warmup: int, job: str) -> dict:
     """The window (colora.throughput's, over the step ends), each step's figures, TRL's phases."""
-    import numpy as np
-
-    from ..throughput import measure_window, throughput
-
     window = measure_window({job: clock.ends}, clock.begins[0], warmup)
     logs = [h for h in history if "reward" in h]  # one entry per optimizer step (logging_steps = 1)
     seen = {n for _, n, _ in phases}
@@ -310,7 +312,6 @@ def _num(x, digits: int = 3) -> str:
 
 def _versions(device: str) -> dict:
     import peft
-    import torch
     import transformers
     import trl
 
@@ -354,8 +355,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench/trl", help="report path without suffix")
     args = p.parse_args(argv)
 
-    from ..config import load_config
-    from ..resources import load_tasks, resolve_device, resolve_model
 
     cfg = load_config(args.config, args.set)
     names = [j.name for j in cfg.jobs]
@@ -386,7 +385,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"colora bench trl needs TRL and datasets ({e}): pip install -e '.[peer]', or on the GPU host "
                 "the wheels of scripts/peer-kit.sh")
 
-    import torch
     from transformers import AutoTokenizer, PrinterCallback
 
     model_dir = resolve_model(cfg.experiment.model)
@@ -434,7 +432,6 @@ def main(argv: list[str] | None = None) -> int:
         **summarize(clock, phases, trainer.state.log_history, warmup, job.name),
         "beside": beside,
     }
-    from ..runlog import write_report
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_report(args.out, result, to_markdown(result))

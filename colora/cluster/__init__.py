@@ -15,11 +15,11 @@ for more than one GPU or for a cluster; everything else runs without it.
 
 from __future__ import annotations
 
+from colora.resources import RunError
+
 
 def require_ray(why: str):
     """The `ray` module; a RunError naming the extra when it is not installed."""
-    from colora.resources import RunError
-
     try:
         import ray
     except ImportError:

@@ -23,6 +23,12 @@ import time
 import uuid
 from pathlib import Path
 
+from colora import output, runner
+from colora.config import from_dict
+
+from ..environment import prepare_vllm, tag_processes, use_gpu
+from .reaper import start_watcher
+
 
 def gpu_uuid(index: str) -> str | None:
     """The UUID of the GPU of this index (nvidia-smi's; None without one). The co-runner names its
@@ -50,8 +56,6 @@ class CoRunnerActor:
         so that a task given as `pkg.module:Class` and relative paths resolve as they do there."""
         import ray
 
-        from ..environment import prepare_vllm, tag_processes, use_gpu
-        from .reaper import start_watcher
 
         self.index, self.label = index, label
         self.token = uuid.uuid4().hex
@@ -81,19 +85,14 @@ class CoRunnerActor:
         """One colora run into `out` (`resume`: from its newest checkpoint); returns its summary.
         Inside an output session, as in `colora run`: what this process and the engine processes it
         starts write to 1 and 2 (vLLM's logs) goes to the run's run.log, not to Ray's worker logs."""
-        from colora import output
-        from colora.config import from_dict
-        from colora.runner import resume as resume_run
-        from colora.runner import run
-
         self._thread = threading.get_ident()
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as f, output.session(stream="stderr"):
             log = self._logger(f)
             log(f"co-runner {self.label} on {self.info['host']} (pid {os.getpid()}, GPU {self.info['gpu_ids'][0]})")
             if resume:
-                return resume_run(out, log=log)
-            return run(from_dict(cfg), out, log=log)
+                return runner.resume(out, log=log)
+            return runner.run(from_dict(cfg), out, log=log)
 
     def _logger(self, f):
         import ray

@@ -29,6 +29,8 @@ from pathlib import Path
 
 from colora.config import Config
 from colora.runlog import read_jsonl, write_json_atomic
+from colora.summary import RunSummary
+from colora.throughput import busy, combine_windows, throughput
 
 from .placement import Outcome, merge_eval
 
@@ -69,9 +71,6 @@ def gather_logs(out: Path, jobs: list[list[str]]) -> Path:
 def merge_parts(cfg: Config, out: Path, parts: list[Outcome]) -> dict:
     """Merge complete parts (their Outcomes, in part order, each run in `part_dir(out, k)`) into `out`
     as the module docstring says; returns the summary it wrote."""
-    from colora.summary import RunSummary
-    from colora.throughput import busy, combine_windows, throughput
-
     assert all(o.summary is not None for o in parts), "merge_parts takes complete parts only"
     spans, windows, rows, before, evals, shifts = [], [], [], {}, [], []
     end = None

@@ -43,11 +43,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from colora.config import Config, from_dict
+import torch
+
+from colora.config import Config, from_dict, load_config
+from colora.resources import RunError, check_sizes, load_tasks, resolve_model
+from colora.rundirs import move_aside, run_state
 from colora.runlog import read_jsonl, write_json_atomic
+from colora.runner import RunFailed
+from colora.stopping import Interrupted, takes
 
 from . import require_ray
+from .actor import CoRunnerActor
 from .placement import Outcome, job_cost, merge_eval, merge_summaries, place_jobs, share_config
+from .reaper import reap
 
 STOP_GRACE_S = 60.0  # a cancelled run's clean-up: the engine's shutdown, MPS's quit (20 s timeout)
 PLACEMENT_TIMEOUT_S = 300.0  # how long to wait for the cluster to free the GPUs asked for, and a co-runner to start
@@ -110,7 +118,6 @@ class Cluster:
         have = int(res.get("GPU", 0))
         if have < self.want:
             self.close()
-            from colora.resources import RunError
 
             raise RunError(f"--gpus {self.want}: the Ray cluster has {have} GPU(s)")
         per_node = max((n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
@@ -121,7 +128,6 @@ class Cluster:
         ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             self.close()
-            from colora.resources import RunError
 
             raise RunError(f"--gpus {self.want}: Ray could not reserve {self.want} bundles of {bundle} "
                            f"({strategy}) within {PLACEMENT_TIMEOUT_S:.0f}s; free now: {ray.available_resources()}")
@@ -145,7 +151,6 @@ class Cluster:
     def actor(self, bundle: int, share: Share):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .actor import CoRunnerActor
 
         return self.ray.remote(CoRunnerActor).options(num_gpus=1, num_cpus=self.cpus, max_restarts=0, max_task_retries=0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
@@ -175,8 +180,6 @@ def _signals_interrupt():
     """SIGTERM and SIGHUP raise Interrupted (a KeyboardInterrupt) here, as Ctrl-C does, where colora
     takes them (colora/stopping.py `takes`: a host's handler and nohup's SIGHUP stay); in the main
     thread only (Python's rule)."""
-    from colora.stopping import Interrupted, takes
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -300,8 +303,6 @@ def run_shares(shares: list[Share], gpus: int, address: str | None, log: Callabl
 
 def _end(ray, actor, info: dict) -> None:
     """Kill a co-runner whose run ended (its process is fresh for each run) and what it left."""
-    from .reaper import reap
-
     with contextlib.suppress(Exception):
         ray.kill(actor)
     if info.get("token"):
@@ -328,8 +329,6 @@ def _stop(ray, running: dict, grace_s: float, log: Callable[[str], None]) -> Non
 
 
 def _no_cuda() -> bool:
-    import torch
-
     return not torch.cuda.is_available()
 
 
@@ -343,8 +342,6 @@ def _check_inputs(cfg: Config, log: Callable[[str], None]) -> None:
     """What would fail every co-runner alike, before any starts or the run directory is made: the
     tasks and the sizes of their splits, the model (a builtin is built here once, not by every
     co-runner at the same time)."""
-    from colora.resources import check_sizes, load_tasks, resolve_model
-
     check_sizes(cfg, load_tasks(cfg.jobs))
     resolve_model(cfg.experiment.model, log)
 
@@ -352,8 +349,6 @@ def _check_inputs(cfg: Config, log: Callable[[str], None]) -> None:
 def run_cluster(cfg: Config, out: str | Path, gpus: int, address: str | None = None,
                 log: Callable[[str], None] = print, **kw) -> dict:
     """Run `cfg` with its jobs spread over `gpus` co-runners into `out`; returns the merged summary."""
-    from colora.resources import RunError
-
     require_ray(f"--gpus {gpus}")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -377,9 +372,6 @@ def resume_cluster(out: str | Path, gpus: int | None = None, address: str | None
     """Continue a run of `run_cluster`: complete co-runners are kept, the others go on from their
     newest checkpoint (from the start where they have none, the old directory kept aside), at most
     `gpus` at once (default: the run's own number); returns the merged summary."""
-    from colora.resources import RunError
-    from colora.rundirs import move_aside, run_state
-
     out = Path(out)
     meta = json.loads((out / "cluster.json").read_text())
     status = json.loads((out / "status.json").read_text()) if (out / "status.json").exists() else {}
@@ -410,8 +402,6 @@ def resume_cluster(out: str | Path, gpus: int | None = None, address: str | None
 
 def _execute(cfg: Config, out: Path, shares: list[Share], done: list[Outcome], gpus: int, address: str | None,
              log: Callable[[str], None], **kw) -> dict:
-    from colora.stopping import Interrupted
-
     write_json_atomic(out / "status.json", {"state": "running"})
     try:
         ran = run_shares(shares, gpus, address, log, **kw) if shares else []
@@ -453,10 +443,6 @@ def run_parallel(items: list[tuple[Config, str | Path]], gpus: int, address: str
 # -- the command line (colora.cli hands `colora run` here when it asks for Ray) -------------------------
 def main_run(args, *, print_jobs: Callable[[dict], None], default_out: Callable[[Config], Path]) -> int:
     """`colora run CONFIG --gpus N [--address A]` and `colora run --resume DIR` of such a run."""
-    from colora.config import load_config
-    from colora.resources import RunError
-    from colora.runner import RunFailed
-
     log = lambda s: print(s, flush=True)  # noqa: E731
     if args.gpus is not None and args.gpus < 1:
         raise RunError(f"--gpus ({args.gpus}) must be at least 1")

@@ -22,8 +22,11 @@ import os
 import subprocess
 import sys
 
+from colora import python_m
+
 from ..environment import COCORUNNER_TAG as TOKEN_ENV
 from ..environment import with_mps_dirs
+
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
 
@@ -71,8 +74,6 @@ def start_watcher(token: str) -> None:
     """Start the watcher of this process. It detaches (a session of its own, and not this process's
     child: Ray kills a worker's children and process group when the worker exits), so it outlives
     this process whatever kills it."""
-    from colora import python_m
-
     subprocess.run([*python_m("colora.cluster.reaper"), str(os.getpid()), token], start_new_session=True,
                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
 
