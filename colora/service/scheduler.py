@@ -1,0 +1,272 @@
+"""The trainer thread: every model's requests in seq_id order, all models' ready work in one backend call.
+
+A model's requests arrive out of order (the SDK sends a forward_backward's chunks concurrently, the
+first one last) and are run strictly in seq_id order, each seq_id once: a repeated (model_id, seq_id)
+gets the first request's id back and runs nothing. A cycle takes, for every model, its ready requests
+from its next seq_id on: forward_backward/forward calls up to the first barrier (optim_step, or a
+save/load, which is a function run with the backend), and that barrier. All models' forward calls and
+optim_steps go to the backend in ONE `train_cycle` call (forward calls first, in each model's seq
+order; then the optim_steps, one per model at most); then the other barriers run; then every
+request's future is answered and the next cycle starts. A request that failed before it reached the
+scheduler (invalid content) still takes its seq_id slot: it is answered with its error in its turn and
+the model goes on. Control operations (create, delete, load into a new model) run on the same thread
+at the start of a cycle, so the backend's training side is only ever touched from this thread.
+
+Each cycle that did work is one line of `stats.jsonl`: which models, which (model, seq_id) forward
+calls with how many datums, which optim_steps; `stats()` sums them (cycles, models per cycle, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from colora.service.backend import AdamParams, Backend, BackendError, ForwardCall, OptimCall
+
+log = logging.getLogger("colora.service")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a request's future resolves to: a result, or an error with its category."""
+
+    result: Any = None
+    error: str | None = None
+    category: Literal["user", "server"] = "user"
+
+
+Done = Callable[[str, Outcome], None]  # (request_id, outcome), called on the trainer thread
+
+
+@dataclass(frozen=True)
+class Work:
+    """One seq_id of one model. `payload`: a ForwardCall ("forward"), AdamParams ("optim"), or a
+    function of the backend returning the result ("barrier": saves and loads); "optim" carries an OptimCall. With `error` set, the
+    request only takes its slot and is answered with that error."""
+
+    request_id: str
+    model_id: str
+    seq_id: int
+    kind: Literal["forward", "optim", "barrier"]
+    payload: Any = None
+    error: str | None = None
+    label: str = ""  # for the record: "save_weights", "load_weights", ...
+
+
+@dataclass
+class _Queue:
+    next_seq: int
+    pending: dict[int, Work] = field(default_factory=dict)
+    seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id, for retried POSTs
+
+
+class SeqError(ValueError):
+    """A seq_id that can no longer run (its turn has passed without it)."""
+
+
+class Scheduler:
+    """See the module docstring. `submit`, `add_model`, `remove_model` and `control` are thread-safe;
+    `run_cycle` runs on the trainer thread (`start`), or is called directly by tests."""
+
+    def __init__(self, backend: Backend, done: Done, stats_path: Path | None = None, batch_window_s: float = 0.0):
+        self.backend = backend
+        self._done = done
+        self._stats_path = stats_path
+        self._window = batch_window_s
+        self._models: dict[str, _Queue] = {}
+        self._control: list[tuple[str | None, Callable[[Backend], Any]]] = []
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._totals = {"cycles": 0, "forward_calls": 0, "forward_datums": 0, "optim_steps": 0, "barriers": 0,
+                        "max_models_per_cycle": 0, "multi_model_cycles": 0, "max_forward_calls_per_cycle": 0,
+                        "max_optim_steps_per_pass": 0, "multi_model_optim_passes": 0}
+
+    # -- submission (any thread) -------------------------------------------------------------------
+    def add_model(self, model_id: str, next_seq: int = 1) -> None:
+        with self._cond:
+            self._models[model_id] = _Queue(next_seq)
+
+    def has_model(self, model_id: str) -> bool:
+        with self._cond:
+            return model_id in self._models
+
+    def remove_model(self, model_id: str, reason: str) -> None:
+        """Forgets the model; its requests still waiting are answered with `reason`."""
+        with self._cond:
+            q = self._models.pop(model_id, None)
+        for w in (q.pending.values() if q else ()):
+            self._done(w.request_id, Outcome(error=reason, category="user"))
+
+    def submit(self, model_id: str, work: Work) -> tuple[str, bool]:
+        """Queues `work` in its model's seq order. Returns (request_id, new): a seq_id seen before returns
+        the first request's id and new=False. Raises KeyError for an unknown model, SeqError for a
+        seq_id whose turn has passed."""
+        assert work.model_id == model_id, (work.model_id, model_id)
+        with self._cond:
+            q = self._models[model_id]
+            if work.seq_id in q.seen:
+                return q.seen[work.seq_id], False
+            if work.seq_id < q.next_seq:
+                raise SeqError(f"seq_id {work.seq_id} of model {model_id} comes after its turn: the model is at "
+                               f"seq_id {q.next_seq}")
+            q.pending[work.seq_id] = work
+            q.seen[work.seq_id] = work.request_id
+            self._cond.notify()
+            return work.request_id, True
+
+    def control(self, request_id: str | None, fn: Callable[[Backend], Any]) -> None:
+        """Runs fn(backend) on the trainer thread before the next cycle; answers request_id with its
+        result (a BackendError or exception answers with an error)."""
+        with self._cond:
+            self._control.append((request_id, fn))
+            self._cond.notify()
+
+    # -- the trainer thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="colora-trainer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _ready(self) -> bool:
+        return bool(self._control) or any(q.next_seq in q.pending for q in self._models.values())
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or self._ready())
+                if self._stopped:
+                    return
+            if self._window:
+                time.sleep(self._window)  # let requests sent together (two clients, a call's chunks) share the cycle
+            try:
+                self.run_cycle()
+            except Exception:  # the thread must outlive any one cycle's bug; the cycle answered what it could
+                log.exception("trainer cycle failed")
+
+    def run_cycle(self) -> bool:
+        """One cycle (module docstring). Returns whether it did anything."""
+        with self._cond:
+            control, self._control = self._control, []
+        for rid, fn in control:
+            outcome = _call(lambda: fn(self.backend))
+            if rid is not None:
+                self._done(rid, outcome)
+        forward, optim, barriers, failed = self._take()
+        for w in failed:
+            self._done(w.request_id, Outcome(error=w.error, category="user"))
+        if not (forward or optim or barriers):
+            return bool(control or failed)
+        t0 = time.perf_counter()
+        fwd_out, opt_out = self._train(forward, optim)
+        results = list(zip(forward, fwd_out)) + list(zip(optim, opt_out))
+        for w in barriers:
+            results.append((w, _call(lambda: w.payload(self.backend))))
+        self._record(forward, optim, barriers, time.perf_counter() - t0)
+        for w, outcome in results:
+            self._done(w.request_id, outcome)
+        return True
+
+    def _take(self) -> tuple[list[Work], list[Work], list[Work], list[Work]]:
+        """Every model's ready requests up to and including its first barrier, out of the queues."""
+        forward, optim, barriers, failed = [], [], [], []
+        with self._cond:
+            for q in self._models.values():
+                while q.next_seq in q.pending:
+                    w = q.pending.pop(q.next_seq)
+                    q.next_seq += 1
+                    if w.error is not None:
+                        failed.append(w)
+                    elif w.kind == "forward":
+                        forward.append(w)
+                    else:
+                        (optim if w.kind == "optim" else barriers).append(w)
+                        break
+        return forward, optim, barriers, failed
+
+    def _train(self, forward: list[Work], optim: list[Work]) -> tuple[list[Outcome], list[Outcome]]:
+        if not (forward or optim):
+            return [], []
+        calls = [w.payload for w in forward]
+        steps = [w.payload for w in optim]
+        try:
+            fr, orr = self.backend.train_cycle(calls, steps)
+            if len(fr) != len(calls) or len(orr) != len(steps):
+                raise RuntimeError(f"train_cycle returned {len(fr)}/{len(orr)} results for {len(calls)}/{len(steps)} calls")
+        except Exception as e:
+            log.exception("train_cycle failed")
+            err = Outcome(error=f"the trainer failed: {type(e).__name__}: {e}", category="server")
+            return [err] * len(calls), [err] * len(steps)
+        steps_out = [r if isinstance(r, BackendError) else {"type": "optim_step", "metrics": r} for r in orr]
+        return [_outcome(r) for r in fr], [_outcome(r) for r in steps_out]
+
+    def _record(self, forward: list[Work], optim: list[Work], barriers: list[Work], seconds: float) -> None:
+        models = sorted({w.model_id for w in forward + optim + barriers})
+        t = self._totals
+        t["cycles"] += 1
+        t["forward_calls"] += len(forward)
+        t["forward_datums"] += sum(len(w.payload.datums) for w in forward)
+        t["optim_steps"] += len(optim)
+        t["barriers"] += len(barriers)
+        fwd_models = {w.model_id for w in forward}
+        t["max_models_per_cycle"] = max(t["max_models_per_cycle"], len(fwd_models | {w.model_id for w in optim}))
+        t["multi_model_cycles"] += len(fwd_models) > 1
+        t["max_forward_calls_per_cycle"] = max(t["max_forward_calls_per_cycle"], len(forward))
+        t["max_optim_steps_per_pass"] = max(t["max_optim_steps_per_pass"], len(optim))
+        t["multi_model_optim_passes"] += len(optim) > 1
+        if self._stats_path is None:
+            return
+        row = {"cycle": t["cycles"], "time": round(time.time(), 3), "seconds": round(seconds, 6), "models": models,
+               "forward": [[w.model_id, w.seq_id, len(w.payload.datums), w.payload.forward_only] for w in forward],
+               "optim": [[w.model_id, w.seq_id] for w in optim],
+               "barriers": [[w.model_id, w.seq_id, w.label] for w in barriers]}
+        with open(self._stats_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def stats(self) -> dict:
+        """The counters of every cycle so far (module docstring)."""
+        with self._cond:
+            return dict(self._totals, models=len(self._models))
+
+
+def _outcome(r: Any) -> Outcome:
+    if isinstance(r, BackendError):
+        return Outcome(error=r.message, category=r.category)
+    return Outcome(result=r)
+
+
+def _call(fn: Callable[[], Any]) -> Outcome:
+    try:
+        return Outcome(result=fn())
+    except BackendError as e:
+        return Outcome(error=e.message, category=e.category)
+    except Exception as e:
+        log.exception("a trainer-thread operation failed")
+        return Outcome(error=f"{type(e).__name__}: {e}", category="server")
+
+
+def forward_work(request_id: str, call: ForwardCall) -> Work:
+    return Work(request_id, call.model_id, call.seq_id, "forward", call)
+
+
+def optim_work(request_id: str, model_id: str, seq_id: int, params: AdamParams) -> Work:
+    return Work(request_id, model_id, seq_id, "optim", OptimCall(model_id, seq_id, params))
+
+
+def barrier_work(request_id: str, model_id: str, seq_id: int, label: str, fn: Callable[[Backend], Any]) -> Work:
+    return Work(request_id, model_id, seq_id, "barrier", fn, label=label)
+
+
+def failed_work(request_id: str, model_id: str, seq_id: int, error: str, label: str = "") -> Work:
+    return Work(request_id, model_id, seq_id, "forward", error=error, label=label)

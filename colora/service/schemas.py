@@ -1,0 +1,156 @@
+"""The JSON request bodies of the Tinker API as SDK 0.38 sends them (`tinker/types/*_request.py`).
+
+Fields the service does not use are ignored (the SDK adds fields often; a strict schema would break on
+every release); a field it uses with a wrong type is an error naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class CreateSession(Body):
+    tags: list[str] = []
+    user_metadata: Optional[dict[str, Any]] = None
+    sdk_version: str = ""
+    project_id: Optional[str] = None
+    display_name: Optional[str] = None
+
+
+class SessionRef(Body):
+    session_id: str
+
+
+class LoraConfig(Body):
+    rank: int = 32
+    seed: Optional[int] = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(Body):
+    model_config = ConfigDict(extra="allow")
+    type: str = "adamw"
+
+
+class CreateModel(Body):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: Optional[LoraConfig] = None
+    optimizer_config: OptimizerConfig = OptimizerConfig()
+    user_metadata: Optional[dict[str, Any]] = None
+
+
+class ModelRef(Body):
+    model_id: str
+
+
+class AdamParamsBody(Body):
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting must not silently become its default
+    type: Optional[Literal["adamw", "adam"]] = None
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStep(Body):
+    model_id: str
+    seq_id: int
+    adam_params: Optional[dict[str, Any]] = None
+    optim_params: Optional[dict[str, Any]] = None
+    optimizer_params: Optional[dict[str, Any]] = None
+
+
+class SaveWeights(Body):
+    model_id: str
+    seq_id: int
+    path: Optional[str] = None
+    overwrite: bool = False
+    ttl_seconds: Optional[int] = None
+    user_metadata: Optional[dict[str, str]] = None
+
+
+class SaveWeightsForSampler(Body):
+    model_id: str
+    seq_id: int
+    path: Optional[str] = None
+    sampling_session_seq_id: Optional[int] = None
+    kind: str = "snapshot"
+    ttl_seconds: Optional[int] = None
+    user_metadata: Optional[dict[str, str]] = None
+
+
+class LoadWeights(Body):
+    path: str
+    optimizer: bool = False
+    model_id: Optional[str] = None
+    seq_id: Optional[int] = None
+    session_id: Optional[str] = None
+    model_seq_id: Optional[int] = None
+    base_model: Optional[str] = None
+    user_metadata: Optional[dict[str, Any]] = None
+    optimizer_config: Optional[OptimizerConfig] = None
+
+
+class CreateSamplingSession(Body):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: Optional[str] = None
+    model_path: Optional[str] = None
+
+
+class Chunk(Body):
+    model_config = ConfigDict(extra="allow")
+    type: str = "encoded_text"
+    tokens: list[int] = []
+
+
+class ModelInput(Body):
+    chunks: list[Chunk]
+
+
+class SamplingParams(Body):
+    max_tokens: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], list[int], None] = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class Sample(Body):
+    sampling_session_id: Optional[str] = None
+    seq_id: Optional[int] = None
+    num_samples: int = 1
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    base_model: Optional[str] = None
+    model_path: Optional[str] = None
+    prompt_logprobs: Optional[bool] = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: Optional[Any] = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: Optional[int] = None
+    record_stability_info: Optional[bool] = None
+
+
+class RetrieveFuture(Body):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class Finish(Body):
+    reason: dict[str, Any] = Field(default_factory=dict)
+    detail: Optional[str] = None
