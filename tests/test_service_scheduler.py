@@ -1,0 +1,195 @@
+"""The trainer thread's scheduling (colora/service/scheduler.py), against a backend that records its calls."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from colora.service.backend import (
+    AdamParams,
+    Backend,
+    BackendError,
+    Capabilities,
+    Datum,
+    ForwardCall,
+    ForwardResult,
+)
+from colora.service.scheduler import (
+    Scheduler,
+    SeqError,
+    barrier_work,
+    failed_work,
+    forward_work,
+    optim_work,
+)
+
+
+class Recorder(Backend):
+    """Records every call in `log`; a model in `fail` gets a BackendError for its calls; `boom` raises."""
+
+    def __init__(self):
+        self.log, self.fail, self.boom = [], set(), False
+
+    def capabilities(self):
+        return Capabilities("m", 64, 16, 8)
+
+    def create_model(self, model_id, spec):
+        self.log.append(("create", model_id))
+
+    def delete_model(self, model_id):
+        self.log.append(("delete", model_id))
+
+    def train_cycle(self, forward, optim):
+        if self.boom:
+            raise RuntimeError("boom")
+        self.log.append(("cycle", [(c.model_id, c.seq_id) for c in forward], [(c.model_id, c.seq_id) for c in optim]))
+        fr = [BackendError("bad input", "user") if c.model_id in self.fail else
+              ForwardResult([{"logprobs": np.zeros(2, np.float32)}], {"loss:sum": float(c.seq_id)}) for c in forward]
+        return fr, [{"grad_norm": 1.0} for _ in optim]
+
+    def save_state(self, model_id, directory, optimizer=True): ...
+    def load_state(self, model_id, directory, optimizer): ...
+    def save_for_sampler(self, model_id, directory): ...
+    def load_sampler(self, directory): ...
+    def release_sampler(self, ref): ...
+    def sample(self, call, done): ...
+    def close(self): ...
+
+
+def fwd(rid: str, model: str, seq: int) -> object:
+    d = Datum(np.array([1, 2]), {"target_tokens": np.array([2, 3]), "weights": np.ones(2, np.float32)})
+    return forward_work(rid, ForwardCall(model, seq, (d,), "cross_entropy", {}))
+
+
+@pytest.fixture
+def sched(tmp_path):
+    answers = {}
+    s = Scheduler(Recorder(), lambda rid, o: answers.__setitem__(rid, o), tmp_path / "stats.jsonl")
+    s.answers = answers
+    s.add_model("A")
+    s.add_model("B")
+    return s
+
+
+def cycles(s):
+    return [e for e in s.backend.log if e[0] == "cycle"]
+
+
+def test_out_of_order_requests_run_in_seq_order_once_the_first_arrives(sched):
+    sched.submit("A", fwd("r3", "A", 3))
+    sched.submit("A", fwd("r2", "A", 2))
+    assert not sched.run_cycle() and cycles(sched) == []  # seq 1 is missing: nothing is ready
+    sched.submit("A", fwd("r1", "A", 1))
+    assert sched.run_cycle()
+    assert cycles(sched) == [("cycle", [("A", 1), ("A", 2), ("A", 3)], [])]
+    assert {k: v.result.metrics["loss:sum"] for k, v in sched.answers.items()} == {"r1": 1, "r2": 2, "r3": 3}
+
+
+def test_a_barrier_ends_a_models_share_of_the_cycle(sched):
+    for w in (fwd("r1", "A", 1), optim_work("r2", "A", 2, AdamParams()), fwd("r3", "A", 3),
+              optim_work("r4", "A", 4, AdamParams())):
+        sched.submit("A", w)
+    sched.run_cycle()
+    sched.run_cycle()
+    assert cycles(sched) == [("cycle", [("A", 1)], [("A", 2)]), ("cycle", [("A", 3)], [("A", 4)])]
+    assert sched.answers["r2"].result == {"type": "optim_step", "metrics": {"grad_norm": 1.0}}
+
+
+def test_a_save_runs_after_the_forward_calls_before_it_and_before_the_ones_after(sched):
+    sched.submit("A", fwd("r1", "A", 1))
+    sched.submit("A", barrier_work("r2", "A", 2, "save", lambda b: b.log.append(("save",)) or {"path": "p"}))
+    sched.submit("A", fwd("r3", "A", 3))
+    sched.run_cycle()
+    sched.run_cycle()
+    assert sched.backend.log == [("cycle", [("A", 1)], []), ("save",), ("cycle", [("A", 3)], [])]
+    assert sched.answers["r2"].result == {"path": "p"}
+
+
+def test_a_repeated_seq_id_gets_the_first_request_back_and_runs_once(sched):
+    assert sched.submit("A", fwd("r1", "A", 1)) == ("r1", True)
+    assert sched.submit("A", fwd("r1-again", "A", 1)) == ("r1", False)
+    sched.run_cycle()
+    assert sched.submit("A", fwd("r1-late", "A", 1)) == ("r1", False)  # also after it ran
+    sched.run_cycle()
+    assert cycles(sched) == [("cycle", [("A", 1)], [])] and set(sched.answers) == {"r1"}
+
+
+def test_a_failed_request_takes_its_seq_id_and_the_model_goes_on(sched):
+    sched.submit("A", fwd("r2", "A", 2))
+    sched.submit("A", failed_work("r1", "A", 1, "loss_fn 'dro' is not supported"))
+    sched.run_cycle()
+    assert sched.answers["r1"].error == "loss_fn 'dro' is not supported" and sched.answers["r1"].category == "user"
+    assert sched.answers["r2"].error is None
+    assert cycles(sched) == [("cycle", [("A", 2)], [])]
+
+
+def test_two_models_share_one_cycle_and_one_optimizer_pass(sched):
+    for m in ("A", "B"):
+        sched.submit(m, fwd(f"{m}1", m, 1))
+        sched.submit(m, optim_work(f"{m}2", m, 2, AdamParams()))
+    sched.run_cycle()
+    assert cycles(sched) == [("cycle", [("A", 1), ("B", 1)], [("A", 2), ("B", 2)])]
+    st = sched.stats()
+    assert st["cycles"] == 1 and st["multi_model_cycles"] == 1 and st["max_models_per_cycle"] == 2
+    assert st["max_optim_steps_per_pass"] == 2 and st["multi_model_optim_passes"] == 1
+    row = json.loads((sched._stats_path).read_text())
+    assert row["models"] == ["A", "B"] and row["forward"] == [["A", 1, 1, False], ["B", 1, 1, False]]
+    assert row["optim"] == [["A", 2], ["B", 2]]
+
+
+def test_one_models_error_leaves_the_others_answers(sched):
+    sched.backend.fail.add("A")
+    sched.submit("A", fwd("A1", "A", 1))
+    sched.submit("B", fwd("B1", "B", 1))
+    sched.run_cycle()
+    assert sched.answers["A1"].error == "bad input" and sched.answers["A1"].category == "user"
+    assert sched.answers["B1"].result.metrics == {"loss:sum": 1.0}
+
+
+def test_a_crashing_backend_fails_the_cycle_as_a_server_error_and_the_next_cycle_runs(sched):
+    sched.backend.boom = True
+    sched.submit("A", fwd("A1", "A", 1))
+    sched.run_cycle()
+    assert sched.answers["A1"].category == "server" and "boom" in sched.answers["A1"].error
+    sched.backend.boom = False
+    sched.submit("A", fwd("A2", "A", 2))
+    sched.run_cycle()
+    assert sched.answers["A2"].error is None
+
+
+def test_a_seq_id_whose_turn_passed_is_refused_and_unknown_models_raise(sched):
+    sched.submit("A", fwd("r1", "A", 1))
+    sched.submit("A", fwd("r2", "A", 2))
+    sched.run_cycle()
+    s = Scheduler(Recorder(), lambda *a: None)
+    s.add_model("A", next_seq=5)
+    with pytest.raises(SeqError, match="seq_id 3"):
+        s.submit("A", fwd("r3", "A", 3))
+    with pytest.raises(KeyError):
+        s.submit("C", fwd("c1", "C", 1))
+
+
+def test_removing_a_model_answers_what_it_still_waited_for(sched):
+    sched.submit("A", fwd("r2", "A", 2))
+    sched.remove_model("A", "model A was deleted: its session expired")
+    assert sched.answers["r2"].error == "model A was deleted: its session expired"
+    assert not sched.has_model("A")
+
+
+def test_control_operations_run_first_on_the_trainer_thread(sched):
+    threads = []
+    sched.submit("A", fwd("r1", "A", 1))
+    sched.control("c1", lambda b: threads.append(threading.current_thread().name) or b.create_model("C", None))
+    sched.start()
+    try:
+        for _ in range(200):
+            if {"c1", "r1"} <= set(sched.answers):
+                break
+            threading.Event().wait(0.01)
+    finally:
+        sched.stop()
+    assert threads == ["colora-trainer"]
+    assert sched.backend.log[0] == ("create", "C") and sched.backend.log[1][0] == "cycle"
