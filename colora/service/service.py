@@ -498,7 +498,7 @@ class Service:
 
 
 def _adam_params(body: schemas.OptimStep) -> AdamParams:
-    raw = body.adam_params or body.optim_params or body.optimizer_params
+    raw = next((x for x in (body.adam_params, body.optim_params, body.optimizer_params) if x is not None), None)
     if raw is None:
         raise ValueError("optim_step needs adam_params")
     try:
