@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
+from colora.service.backend import Backend
 from colora.service.config import ServeConfig, ServeConfigError, load_api_keys
 
 
@@ -35,6 +37,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_backend(args: argparse.Namespace) -> Backend:
+    """The backend the flags ask for. NotImplementedError for colora's co-runner until it is wired in."""
+    if not args.fake:
+        raise NotImplementedError("the co-runner backend is not wired yet; run with --fake to serve the protocol "
+                                  "on a fake model")
+    from colora.service.fake import fake_from_model_dir
+
+    if not (Path(args.model) / "tokenizer.json").is_file():
+        raise ServeConfigError(f"--model {args.model!r} has no tokenizer.json (the fake backend uses the model's "
+                               "tokenizer; build a tiny model with `colora model tiny DIR`)")
+    return fake_from_model_dir(args.model, max_lora_rank=args.max_lora_rank)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -42,23 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ServeConfig(out=args.out, api_keys=load_api_keys(args.api_keys) if args.api_keys else {},
                              allow_any_key=args.any_key, heartbeat_timeout_s=args.heartbeat_timeout)
-    except ServeConfigError as e:
-        raise SystemExit(f"colora serve: {e}") from None
-    if not args.fake:
-        raise SystemExit("colora serve: the co-runner backend is not wired yet; run with --fake to serve the "
-                         "protocol on a fake model")
-    from colora.service.fake import fake_from_model_dir
-
-    if not (Path(args.model) / "tokenizer.json").is_file():
-        raise SystemExit(f"colora serve: --model {args.model!r} has no tokenizer.json (the fake backend uses the "
-                         "model's tokenizer; build a tiny model with `colora model tiny DIR`)")
-    backend = fake_from_model_dir(args.model, max_lora_rank=args.max_lora_rank)
+        backend = build_backend(args)
+    except (ServeConfigError, NotImplementedError) as e:
+        print(f"colora serve: {e}", file=sys.stderr)
+        return 2
 
     import uvicorn
 
     from colora.service.app import create_app
 
-    print(f"colora serve: {args.model} (fake backend) on http://{args.host}:{args.port}, out {args.out}", flush=True)
+    kind = "fake backend" if args.fake else "co-runner"
+    print(f"colora serve: {args.model} ({kind}) on http://{args.host}:{args.port}, out {args.out}", flush=True)
     uvicorn.run(create_app(config, backend), host=args.host, port=args.port,
                 log_level="info" if args.verbose else "warning")
     return 0

@@ -20,14 +20,12 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
-
-from pydantic import ValidationError
 
 from colora.seeding import derive_seed
 from colora.service import schemas, wire
-from colora.service.backend import AdamParams, Backend, BackendError, ForwardCall, LoraSpec
+from colora.service.backend import Backend, BackendError, ForwardCall, LoraSpec
 from colora.service.config import ServeConfig
 from colora.service.futures import FutureStore
 from colora.service.sampling import build_sample_call
@@ -286,7 +284,7 @@ class Service:
     def optim_step(self, tenant: str, body: schemas.OptimStep) -> dict:
         m = self._model(tenant, body.model_id)
         try:
-            params = _adam_params(body)
+            params = schemas.adam_params(body)
         except ValueError as e:
             msg = str(e)
             return self._submit(tenant, m.id, lambda rid: failed_work(rid, m.id, body.seq_id, msg))
@@ -482,38 +480,14 @@ class Service:
             raise ApiError(404, str(e)) from None
 
     def training_run(self, tenant: str, model_id: str) -> dict:
-        run = self._run(tenant, model_id)
-        cps = self.store.list(tenant, model_id)
-        last = {k: next((c for c in reversed(cps) if c["checkpoint_type"] == k), None) for k in ("training", "sampler")}
-        return {"training_run_id": model_id, "base_model": run["base_model"], "model_owner": tenant, "is_lora": True,
-                "corrupted": False, "lora_rank": run["lora"]["rank"], "last_request_time": run["created"],
-                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
-                "user_metadata": run.get("user_metadata")}
+        self._run(tenant, model_id)
+        return self.store.training_run(tenant, model_id)
 
     def stats(self) -> dict:
         with self._lock:
             live = sum(not s.ended for s in self.sessions.values())
             return {**self.scheduler.stats(), "live_sessions": live, "live_models": len(self.models),
                     "live_samplers": len(self.samplers), "futures": len(self.futures)}
-
-
-def _adam_params(body: schemas.OptimStep) -> AdamParams:
-    raw = next((x for x in (body.adam_params, body.optim_params, body.optimizer_params) if x is not None), None)
-    if raw is None:
-        raise ValueError("optim_step needs adam_params")
-    try:
-        p = schemas.AdamParamsBody.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise ValueError(f"adam_params.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-    params = AdamParams(**{k: v for k, v in p.model_dump().items() if k != "type"})
-    checks = [("learning_rate", params.learning_rate >= 0, ">= 0"), ("beta1", 0 <= params.beta1 < 1, "in [0, 1)"),
-              ("beta2", 0 <= params.beta2 < 1, "in [0, 1)"), ("eps", params.eps > 0, "> 0"),
-              ("weight_decay", params.weight_decay >= 0, ">= 0"), ("grad_clip_norm", params.grad_clip_norm >= 0, ">= 0")]
-    for name, ok, want in checks:
-        if not ok:
-            raise ValueError(f"adam_params.{name} ({asdict(params)[name]}) must be {want}")
-    return params
 
 
 def _user(fn):

@@ -137,3 +137,13 @@ class Store:
                             "time": info["time"], "tinker_path": info["tinker_path"], "size_bytes": size,
                             "public": False, "user_metadata": info.get("user_metadata")})
         return sorted(out, key=lambda c: c["time"])
+
+    def training_run(self, tenant: str, model_id: str) -> dict:
+        """Tinker's TrainingRun of a model whose record exists (read_run is not None)."""
+        run = self.read_run(tenant, model_id)
+        cps = self.list(tenant, model_id)
+        last = {k: next((c for c in reversed(cps) if c["checkpoint_type"] == k), None) for k in ("training", "sampler")}
+        return {"training_run_id": model_id, "base_model": run["base_model"], "model_owner": tenant, "is_lora": True,
+                "corrupted": False, "lora_rank": run["lora"]["rank"], "last_request_time": run["created"],
+                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
+                "user_metadata": run.get("user_metadata")}
