@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal
 from colora.service.backend import AdamParams, Backend, BackendError, ForwardCall, OptimCall
 
 log = logging.getLogger("colora.service")
+SEEN_KEPT = 4096  # a model's most recent seq_ids whose request ids answer a retried POST
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,8 @@ class Scheduler:
             if work.seq_id in q.seen:
                 return q.seen[work.seq_id], False
             if work.seq_id < q.next_seq:
-                raise SeqError(f"seq_id {work.seq_id} of model {model_id} comes after its turn: the model is at "
-                               f"seq_id {q.next_seq}")
+                raise SeqError(f"seq_id {work.seq_id} of model {model_id} comes after its turn (or is too old to "
+                               f"answer again): the model is at seq_id {q.next_seq}")
             q.pending[work.seq_id] = work
             q.seen[work.seq_id] = work.request_id
             self._cond.notify()
@@ -193,6 +194,8 @@ class Scheduler:
                     else:
                         (optim if w.kind == "optim" else barriers).append(w)
                         break
+                if len(q.seen) > 2 * SEEN_KEPT:  # retries come soon after the first POST: old ids can go
+                    q.seen = {k: v for k, v in q.seen.items() if k >= q.next_seq - SEEN_KEPT}
         return forward, optim, barriers, failed
 
     def _train(self, forward: list[Work], optim: list[Work]) -> tuple[list[Outcome], list[Outcome]]:
