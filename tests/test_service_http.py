@@ -26,12 +26,24 @@ class GatedFake(FakeBackend):
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
-        self.gate = threading.Event()
+        self.gate, self.waiting = threading.Event(), threading.Event()
         self.gate.set()
 
     def train_cycle(self, forward, optim):
-        self.gate.wait(10)
+        if not self.gate.is_set():
+            self.waiting.set()
+            self.gate.wait(30)
         return super().train_cycle(forward, optim)
+
+
+def eventually(check, timeout: float = 10.0) -> bool:
+    """Whether check() becomes true within timeout seconds (the trainer and the reaper are threads)."""
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def make(tmp_path, **cfg) -> tuple[TestClient, GatedFake]:
@@ -186,8 +198,8 @@ def test_two_tenants_models_share_a_cycle_behind_a_busy_trainer(tmp_path):
         _, ma = new_model(c)
         _, mb = new_model(c, key=B)
         backend.gate.clear()
-        first = fb(c, fb_body(busy, 1)).json()["request_id"]  # the trainer waits inside this cycle
-        time.sleep(0.3)
+        first = fb(c, fb_body(busy, 1)).json()["request_id"]
+        assert backend.waiting.wait(10)  # the trainer is inside this cycle: what follows queues behind it
         ra = fb(c, fb_body(ma, 1)).json()["request_id"]
         rb = fb(c, fb_body(mb, 1), B).json()["request_id"]
         oa = post(c, "optim_step", {"model_id": ma, "seq_id": 2, "adam_params": {}}).json()["request_id"]
@@ -208,8 +220,7 @@ def test_lapsed_heartbeats_end_the_session_free_its_model_and_release_its_sample
         snap = post(c, "save_weights_for_sampler", {"model_id": mid, "seq_id": 1, "sampling_session_seq_id": 0}).json()
         assert result(c, snap["request_id"])["sampling_session_id"] == f"{sid}:sample:0"
         assert mid in backend.model_ids and backend.live_samplers == 1
-        time.sleep(1.2)
-        assert mid not in backend.model_ids and backend.live_samplers == 0
+        assert eventually(lambda: mid not in backend.model_ids and backend.live_samplers == 0)
         assert post(c, "session_heartbeat", {"session_id": sid}).status_code == 410
         assert post(c, "get_info", {"model_id": mid}).status_code == 404
         assert c.get(f"/api/v1/training_runs/{mid}", headers=A).json()["training_run_id"] == mid  # the record stays

@@ -147,8 +147,10 @@ class Scheduler:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopped or self._ready())
-                if self._stopped:
-                    return
+                stopping = self._stopped
+            if stopping:  # deletes still queued free their models; queued training is dropped
+                self._run_control()
+                return
             if self._window:
                 time.sleep(self._window)  # let requests sent together (two clients, a call's chunks) share the cycle
             try:
@@ -158,12 +160,7 @@ class Scheduler:
 
     def run_cycle(self) -> bool:
         """One cycle (module docstring). Returns whether it did anything."""
-        with self._cond:
-            control, self._control = self._control, []
-        for rid, fn in control:
-            outcome = _call(lambda: fn(self.backend))
-            if rid is not None:
-                self._done(rid, outcome)
+        control = self._run_control()
         forward, optim, barriers, failed = self._take()
         for w in failed:
             self._done(w.request_id, Outcome(error=w.error, category="user"))
@@ -178,6 +175,15 @@ class Scheduler:
         for w, outcome in results:
             self._done(w.request_id, outcome)
         return True
+
+    def _run_control(self) -> list:
+        with self._cond:
+            control, self._control = self._control, []
+        for rid, fn in control:
+            outcome = _call(lambda: fn(self.backend))
+            if rid is not None:
+                self._done(rid, outcome)
+        return control
 
     def _take(self) -> tuple[list[Work], list[Work], list[Work], list[Work]]:
         """Every model's ready requests up to and including its first barrier, out of the queues."""
