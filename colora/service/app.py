@@ -16,7 +16,6 @@ import logging
 import threading
 from contextlib import asynccontextmanager
 
-import zstandard
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -238,7 +237,11 @@ async def _reap(svc: Service, every_s: float) -> None:
 
 
 def _unzstd(raw: bytes, limit: int) -> bytes:
-    """Decompresses a zstd body, refusing more than `limit` bytes of output (a small body can expand a lot)."""
+    """Decompresses a zstd body, refusing more than `limit` bytes of output (a small body can expand a lot).
+    zstandard is imported here: the server tells clients not to compress (client/config), so a host without
+    it (the GPU host's kit) serves every client that follows that."""
+    import zstandard
+
     out, n = io.BytesIO(), 0
     try:
         with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(raw)) as r:
