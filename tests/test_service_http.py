@@ -252,6 +252,8 @@ def test_sampling_dedupes_by_seq_id_and_checks_its_parameters(tmp_path):
             assert words in result(c, r["request_id"])["error"]
         r = post(c, "asample", {**body, "seq_id": None, "topk_prompt_logprobs": 2}).json()
         assert "topk_prompt_logprobs" in result(c, r["request_id"])["error"]
+        r = post(c, "asample", {**body, "seq_id": 1, "num_samples": 10**9})
+        assert r.status_code == 400 and "max_num_samples (128)" in r.json()["error"]
 
 
 def test_config_and_key_file_errors_name_the_field(tmp_path):

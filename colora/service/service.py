@@ -30,6 +30,7 @@ from colora.service.config import ServeConfig
 from colora.service.futures import FutureStore
 from colora.service.sampling import build_sample_call
 from colora.service.scheduler import (
+    SEEN_KEPT,
     Outcome,
     Scheduler,
     SeqError,
@@ -113,11 +114,6 @@ class Service:
         rid = self._request_id()
         self.futures.create(rid, tenant)
         return rid
-
-    def _failed(self, tenant: str, message: str, category: str = "user") -> dict:
-        rid = self._future(tenant)
-        self.futures.resolve(rid, Outcome(error=message, category=category))
-        return {"request_id": rid}
 
     # -- lookups (404 for what is not the tenant's) ------------------------------------------------
     def _session(self, tenant: str, session_id: str, live: bool = True) -> Session:
@@ -430,6 +426,9 @@ class Service:
             raise ApiError(400, "asample needs a sampling_session_id (SDK >= 0.18 always sends one)")
         x = self._sampler(tenant, body.sampling_session_id)
         self.sessions[x.session_id].last_seen = time.monotonic()
+        if not 1 <= body.num_samples <= self.cfg.max_num_samples:  # before the ids list is made
+            raise ApiError(400, f"num_samples ({body.num_samples}) must be from 1 to this server's max_num_samples "
+                                f"({self.cfg.max_num_samples})")
         with self._lock:
             if body.seq_id is not None and body.seq_id in x.seen:
                 return x.seen[body.seq_id]
@@ -437,6 +436,8 @@ class Service:
             answer = {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}
             if body.seq_id is not None:
                 x.seen[body.seq_id] = answer
+                if len(x.seen) > 2 * SEEN_KEPT:  # retries follow their first POST closely: the oldest can go
+                    x.seen = dict(list(x.seen.items())[-SEEN_KEPT:])
         seed_parts = (x.id, body.seq_id if body.seq_id is not None else rid)
         try:
             call = build_sample_call(body, x.ref, self.caps, self.cfg.max_num_samples, derive_seed(0, *seed_parts))
