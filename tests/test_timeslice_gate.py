@@ -120,8 +120,9 @@ def test_park_runs_the_parkers_in_order_and_restore_in_reverse(sock_dir):
             gate.add_parker(_Recorder("trainer", calls))
         with gate.phase("train") as grant:
             assert grant.restored and grant.parked == ("a",)
-        assert calls == [("park", "engine"), ("park", "trainer"), ("restore", "trainer"), ("restore", "engine")]
-        assert [e["op"] for e in gate.events] == ["park", "restore"] and gate.events[0]["bytes"] == 20
+        # (the yield at the end of "train" parks again, maybe before these lines: look at what came first)
+        assert calls[:4] == [("park", "engine"), ("park", "trainer"), ("restore", "trainer"), ("restore", "engine")]
+        assert [e["op"] for e in gate.events[:2]] == ["park", "restore"] and gate.events[0]["bytes"] == 20
         gate.close()
     finally:
         b.stop()
