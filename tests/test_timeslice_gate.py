@@ -84,6 +84,7 @@ def test_the_broker_refuses_messages_out_of_protocol(lazy):
     assert "while it holds the grant" in _ask(s, f, {"op": "ACQUIRE", "phase": "train"})["error"]
     assert "no PARK or RESTORE in flight" in _ask(s, f, {"op": "DONE", "ok": True})["error"]
     assert "unknown op 'FLY'" in _ask(s, f, {"op": "FLY"})["error"]
+    assert "on the connection of 'a'" in _ask(s, f, {"op": "YIELD", "tenant": "b"})["error"]
     with pytest.raises(BrokerRefused, match="registered already"):
         GpuGate(lazy.sock, "a")
     s.sendall(b"not json\n")  # a line that is no message ends the connection and fails the tenant

@@ -207,7 +207,9 @@ class Broker:
     def _on_message(self, t: _Tenant, msg: dict) -> bool:
         """Handle one message of a registered tenant; False once it said BYE."""
         op, error = msg["op"], None
-        if op == "ACQUIRE":
+        if msg.get("tenant", t.name) != t.name:
+            error = f"a message for tenant {msg['tenant']!r} on the connection of {t.name!r}"
+        elif op == "ACQUIRE":
             if self._holder is t:
                 error = f"tenant {t.name!r} sent ACQUIRE while it holds the grant"
             elif any(r.tenant is t for r in self._queue):

@@ -186,7 +186,7 @@ class GpuGate(_GateBase):
         """Wait for the grant (FIFO behind the tenants asking before). Raises BrokerGone if the
         broker stops meanwhile."""
         self._check_acquire()
-        r = self._call({"op": "ACQUIRE", "phase": phase}, "GRANT")
+        r = self._call({"op": "ACQUIRE", "tenant": self.tenant, "phase": phase}, "GRANT")
         return Grant(float(r["waited_s"]), bool(r["restored"]), tuple(r["parked"]), float(r["granted"]))
 
     def yield_(self) -> Yielded:
@@ -194,7 +194,7 @@ class GpuGate(_GateBase):
         self._check_yield()
         with self._state:
             self._held = False  # before YIELD leaves: a PARK may follow it at once
-        r = self._call({"op": "YIELD"}, "YIELDED")
+        r = self._call({"op": "YIELD", "tenant": self.tenant}, "YIELDED")
         return Yielded(int(r["pending"]), bool(r["deferred"]))
 
     def status(self) -> dict:

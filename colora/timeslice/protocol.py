@@ -5,8 +5,8 @@ A tenant's connection carries both directions. The tenant asks and the broker an
 | tenant sends | broker answers |
 | --- | --- |
 | `REGISTER{tenant, pids, resident_bytes}` (first line) | `REGISTERED{origin, policy}` |
-| `ACQUIRE{phase}` | `GRANT{waited_s, restored, parked, granted}` once the grant is this tenant's |
-| `YIELD{}` | `YIELDED{pending, deferred}` at once |
+| `ACQUIRE{tenant, phase}` | `GRANT{waited_s, restored, parked, granted}` once the grant is this tenant's |
+| `YIELD{tenant}` | `YIELDED{pending, deferred}` at once |
 | `STATUS{}` (also as a connection's first line, unregistered) | `STATUS{holder, queue, tenants}` |
 | `BYE{}` | nothing: the tenant leaves cleanly (EOF without BYE is a death) |
 
@@ -17,9 +17,10 @@ and the broker commands, on the same connection (llm-d's app channel turned the 
 | `PARK{}` (never while the tenant holds the grant) | `DONE{ok, seconds, bytes, error?}` |
 | `RESTORE{}` (before a GRANT, while the tenant waits) | `DONE{ok, seconds, bytes, error?}` |
 
-A message the broker refuses is answered `ERROR{error}`. Times are seconds on `time.monotonic()`,
-one clock for every process of a host; `origin` is the broker's zero, so a tenant's
-`time.monotonic() - origin` lies on the broker's timeline.
+A message the broker refuses is answered `ERROR{error}`; `tenant`, where a message names one, must
+be the connection's own. Times are seconds on `time.monotonic()`, one clock for every process of a
+host; `origin` is the broker's zero, so a tenant's `time.monotonic() - origin` lies on the broker's
+timeline.
 """
 
 from __future__ import annotations
