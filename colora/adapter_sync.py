@@ -20,7 +20,7 @@ Disk is the fallback where the in-memory path cannot work (`memory_unsupported` 
 logs it): a vLLM other than the versions this module is written against (`TESTED_VLLM`: the worker
 internals it uses differ between versions, and an unknown one is not guessed at), a machine without
 a writable /dev/shm, an engine started with another worker extension (`engine_args`), and, per
-version, a /dev/shm too full to hold a job's segment (`RolloutEngine.export_adapter` then writes that
+version, a /dev/shm too full to hold a job's segment (`AdapterExport.export` then writes that
 version to disk).
 An engine started for "memory" loads PEFT directories as well; one started for "disk" refuses an
 in-memory adapter. Both modes give vLLM the same tensors (the engine's dtype, the LoRA scale folded
@@ -42,28 +42,24 @@ Every vLLM-internal name used is used here and only here: the worker's `remove_l
 `_adapter_manager`'s `model`, `supported_lora_modules` and `packed_modules_mapping`; `PEFTHelper`;
 and the WeightsMapper method its loader applies to LoRA names, which differs between the versions.
 All of them are in vLLM 0.26 and 0.32 alike.
+The hand-off has one owner per side: the trainer's side writes each version
+(colora/adapter_export.py: `AdapterExport`), the engine's client loads it (`RolloutEngine.set_adapters`
+with this module's `add_loras`), and vLLM's worker builds it (colora/adapter_worker.py, the worker
+extension). What passes between them is an `AdapterTensors` or an `AdapterDir`: each names its job and
+the version it holds, the one place the hand-off keeps it.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import os
-import shutil
-import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
-
-if TYPE_CHECKING:
-    import torch
 
 SETTINGS = ("auto", "memory", "disk")
 SHM = Path("/dev/shm")
 HEADER = 64  # bytes before a segment's tensors: int64 [the version it holds, -1 while being written]
-EXTENSION = "colora.adapter_sync.AdapterSync"  # vLLM's worker_extension_cls for "memory"
+EXTENSION = "colora.adapter_worker.AdapterSync"  # vLLM's worker_extension_cls for "memory"
 # vLLM version (major.minor) -> the WeightsMapper method its WorkerLoRAManager._load_adapter applies
 # to LoRA tensor names (renames only, the fused projections left apart); checked in both sources.
 TESTED_VLLM = {"0.26": "get_unstacked_mapper", "0.32": "get_rename_mapper"}
@@ -126,85 +122,23 @@ class AdapterTensors:
                 "config": self.config}
 
 
+@dataclass(frozen=True)
+class AdapterDir:
+    """One adapter version as a PEFT directory (the disk path): what vLLM's add_lora reads."""
+
+    job: str
+    version: int
+    path: str
+
+
+Adapter = AdapterTensors | AdapterDir  # what the trainer's side hands the engine's client
+
+
 class ShmFull(RuntimeError):
     """/dev/shm cannot hold a job's segment."""
 
 
-class SharedAdapters:
-    """The trainer's side: one shared-memory segment per job, in a directory of its own in /dev/shm,
-    rewritten in place for each version of the job. `write` runs on the trainer's thread while the
-    engine's thread may call `mapped` or `release` (one lock guards the table).
-
-    A version's bytes stay in the segment until the job's next write: the worker copies them out when
-    it loads the version, and a job's next version is trained on rollouts of the loaded one. The
-    header holds the version the segment holds (-1 while a write is under way), which the worker
-    checks before and after its copy, so a load never builds an adapter from another version's
-    bytes or from a half-written one."""
-
-    def __init__(self):
-        self.dir = Path(tempfile.mkdtemp(prefix="colora-adapter-sync-", dir=SHM))
-        self._segments: dict[str, tuple[Path, torch.Tensor]] = {}  # job -> (its file, its bytes, mapped)
-        self._made = 0
-        self._lock = threading.Lock()
-
-    def _segment(self, job: str, size: int) -> tuple[Path, torch.Tensor]:
-        with self._lock:
-            seg = self._segments.get(job)
-            if seg is not None and seg[1].numel() == size:
-                return seg
-            if seg is not None:  # the job came back with another shape (a cached engine's next run)
-                seg[0].unlink(missing_ok=True)
-            self._made += 1
-            path = self.dir / f"{self._made}-{job.replace('/', '_')}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                # Reserve the pages now: a write into tmpfs that has run out kills the writer (SIGBUS).
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                path.unlink(missing_ok=True)
-                if e.errno != errno.ENOSPC:
-                    raise
-                raise ShmFull(f"{SHM} has {shutil.disk_usage(SHM).free / 2**20:.0f} MiB free, job {job}'s "
-                              f"adapter needs {size / 2**20:.0f} MiB") from None
-            finally:
-                os.close(fd)
-            seg = self._segments[job] = (path, torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8))
-            return seg
-
-    def write(self, bank, job: str, dtype: torch.dtype, base_model: str) -> AdapterTensors:
-        """Write `job`'s current adapter (in `dtype`, its scale folded into B) into its segment."""
-        names, shapes, flat = bank.flat_adapter(job, dtype, fold_scale=True)
-        nbytes = flat.numel() * flat.element_size()
-        path, seg = self._segment(job, HEADER + nbytes)
-        held = seg[:HEADER].view(torch.int64)
-        version = bank.jobs[job].version
-        held[0] = -1
-        seg[HEADER:].view(dtype).copy_(flat)  # from the GPU where the bank is there: synchronous
-        held[0] = version
-        return AdapterTensors(job, version, str(path), nbytes, str(dtype).removeprefix("torch."), tuple(names),
-                              tuple(shapes), bank.peft_config(job, base_model, fold_scale=True))
-
-    def mapped(self, job: str) -> None:
-        """The worker has mapped the job's segment: its file's name goes (the memory stays while
-        either side maps it)."""
-        with self._lock:
-            seg = self._segments.get(job)
-        if seg is not None:
-            seg[0].unlink(missing_ok=True)
-
-    def release(self, job: str) -> None:
-        with self._lock:
-            seg = self._segments.pop(job, None)
-        if seg is not None:
-            seg[0].unlink(missing_ok=True)
-
-    def close(self) -> None:
-        for job in list(self._segments):
-            self.release(job)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-# -- the engine's side (vLLM's client) ------------------------------------------------------------
+# -- the engine's client ------------------------------------------------------------------------
 def add_loras(llm, loads: list[tuple[object, AdapterTensors, int | None]]) -> list[str]:
     """Have every worker of `llm` build each (lora_request, adapter, id to remove) in one call into the
     engine core, removing the previous version's id (None: none) once the new one is in. One call,
@@ -230,89 +164,10 @@ def in_memory_path(job: str, version: int) -> str:
     return f"/colora-in-memory/{job}@v{version}"
 
 
-# -- the worker's side (in vLLM's engine-core process) --------------------------------------------
-class AdapterSync:
-    """The worker extension vLLM mixes into its worker class (`worker_extension_cls`)."""
-
-    def colora_adapter_sync(self) -> str:
-        """'' once this worker runs the extension in a vLLM it is written against, else why not."""
-        return memory_unsupported()
-
-    def colora_add_loras(self, items: list) -> list[str]:
-        """items: [lora_name, lora_int_id, spec, id to remove or -1]; per item '' or why it failed."""
-        out = []
-        for lora_name, lora_int_id, spec, old in items:
-            try:
-                if not _add_lora(self, lora_name, lora_int_id, spec):
-                    out.append(f"{lora_name}: vLLM's add_adapter refused it")
-                    continue
-            except Exception as e:  # noqa: BLE001  (one refused version must not hide the others' results)
-                out.append(f"{lora_name}: {type(e).__name__}: {e}")
-                continue
-            if old >= 0:
-                self.remove_lora(old)  # the worker's own remove path, as LLMEngine.remove_lora reaches it
-            out.append("")
-        return out
-
-    def colora_release_segment(self, job: str) -> None:
-        self.__dict__.get("_colora_segments", {}).pop(job, None)
 
 
-def _read(worker, spec: dict, device) -> dict[str, torch.Tensor]:
-    """The segment's tensors, copied to `device` in one copy: PEFT name -> tensor."""
-    segments = worker.__dict__.setdefault("_colora_segments", {})  # job -> (file, its bytes, mapped)
-    size = HEADER + spec["nbytes"]
-    seg = segments.get(spec["job"])
-    if seg is None or seg[0] != spec["path"] or seg[1].numel() != size:
-        seg = segments[spec["job"]] = (spec["path"], torch.from_file(spec["path"], shared=True, size=size,
-                                                                     dtype=torch.uint8))
-    held = seg[1][:HEADER].view(torch.int64)
-    want = spec["version"]
-    if int(held[0]) != want:
-        raise RuntimeError(f"{spec['job']}: the shared segment holds version {int(held[0])}, not {want}")
-    data = seg[1][HEADER:].to(device, copy=True)  # synchronous: the bytes are the worker's once it returns
-    if int(held[0]) != want:
-        raise RuntimeError(f"{spec['job']}: version {want} was overwritten while the engine read it")
-    flat = data.view(getattr(torch, spec["dtype"]))
-    sizes = [int(torch.Size(s).numel()) for s in spec["shapes"]]
-    if sum(sizes) != flat.numel():
-        raise ValueError(f"{spec['job']}: the shapes hold {sum(sizes)} elements, the segment {flat.numel()}")
-    return {n: t.view(s) for n, t, s in zip(spec["names"], flat.split(sizes), spec["shapes"], strict=True)}
-
-
-def _add_lora(worker, lora_name: str, lora_int_id: int, spec: dict) -> bool:
-    """Build the adapter from its segment and add it the way vLLM's LRUCacheWorkerLoRAManager adds one
-    it loads from disk: its add path runs as ever, with this adapter for what its `_load_adapter`
-    reads (the same config checks, eviction and activation)."""
-    from vllm.lora.peft_helper import PEFTHelper
-    from vllm.lora.request import LoRARequest
-
-    mapper_method = TESTED_VLLM[_vllm_version()[1]]  # the worker refused other versions at the start
-    mgr = worker.model_runner.lora_manager
-    manager = mgr._adapter_manager
-    if lora_int_id in mgr.list_adapters():
-        raise ValueError(f"LoRA id {lora_int_id} is loaded already: every adapter version needs an id of its own")
-    # What vLLM's disk loader refuses: a module the model has no LoRA layer for (from tensors vLLM
-    # would drop it silently, and serve an adapter other than the trainer's).
-    expected = {m for s in manager.supported_lora_modules for m in manager.packed_modules_mapping.get(s, [s])}
-    unexpected = sorted(set(spec["config"]["target_modules"]) - expected)
-    if unexpected:
-        raise ValueError(f"{lora_name}: vLLM has no LoRA layer for {unexpected} (it has {sorted(expected)})")
-
-    def load(_request) -> object:
-        peft = PEFTHelper.from_dict({**spec["config"], "vllm_max_position_embeddings": mgr.max_position_embeddings})
-        peft.validate_legal(mgr.lora_config)
-        model = manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
-        if mapper is not None:
-            mapper = getattr(mapper, mapper_method)()
-        return mgr._lora_model_cls.from_lora_tensors(
-            lora_model_id=lora_int_id, tensors=_read(worker, spec, mgr.device), peft_helper=peft,
-            device=str(mgr.device), dtype=mgr.lora_config.lora_dtype, model_vocab_size=mgr.vocab_size,
-            weights_mapper=mapper, skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-
-    mgr._load_adapter = load
-    try:
-        return mgr.add_adapter(LoRARequest(lora_name, lora_int_id, in_memory_path(spec["job"], spec["version"])))
-    finally:
-        del mgr._load_adapter
+def unlink_segment(adapter: AdapterTensors) -> None:
+    """The worker has mapped the version's segment: its file's name goes (the memory stays while the
+    trainer's side or the worker maps it), so a killed run leaves at most an empty folder in /dev/shm."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(adapter.path)

@@ -1,8 +1,8 @@
 """The rollout engine: one `vllm.LLM` serving every job's current LoRA adapter.
 
 Each job's requests carry that job's adapter. After every optimizer step the trainer exports the
-job's adapter (`export_adapter`: into shared memory that vLLM's worker reads, or as a PEFT directory
-on tmpfs; colora/adapter_sync.py says which where) and `set_adapters` loads a group's new versions
+job's adapter (colora/adapter_export.py: into shared memory that vLLM's worker reads, or as a PEFT
+directory on tmpfs; colora/adapter_sync.py says which where) and `set_adapters` loads a group's new versions
 into the engine, each under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache
 blocks by the LoRA id, so KV computed under an old version can never be served to a request of the
 new one (docs/architecture.md: an in-place reload kept serving the old KV until
@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from . import adapter_sync as sync
 from . import environment
-from .adapter_sync import AdapterTensors
+from .adapter_sync import Adapter, AdapterDir, AdapterTensors
 from .config import OVERLAP_ARMS, EngineConfig
 from .steprate import StepRate, time_waits
 
@@ -181,7 +180,6 @@ class RolloutEngine:
         self._procs = [p for p in psutil.Process().children() if p.pid not in before]
         self.tokenizer = self.llm.get_tokenizer()
         self.model_dir = str(model_dir)
-        self._shared: sync.SharedAdapters | None = None  # made at the first in-memory export
         self._from_memory: set[str] = set()  # jobs whose adapter the worker built from a segment
         self.max_model_len = cfg.max_model_len
         self.dtype = dtype
@@ -196,31 +194,19 @@ class RolloutEngine:
         self.steps = StepRate()  # engine steps per time bucket: how fast decoding went, and when
         self._waited = time_waits(self.llm.llm_engine.engine_core)  # seconds steps waited for the core
 
-    def export_adapter(self, bank, job: str, out_dir: str | Path) -> Path | AdapterTensors:
-        """The engine's copy of `job`'s current adapter, for `set_adapter`, in the engine's dtype with
-        the LoRA scale folded into B (see AdapterBank.export_peft): written into the job's
-        shared-memory segment, or as a PEFT directory `out_dir` with adapter_sync "disk" and where
-        /dev/shm cannot hold the segment. Runs on the trainer's thread (its device copy belongs with
-        the trainer's work) and touches nothing of vLLM's, so it may run while the engine thread
-        uses the engine."""
-        dtype = getattr(torch, self.dtype)
-        if self.adapter_sync == "memory":
-            if self._shared is None:
-                self._shared = sync.SharedAdapters()
-            try:
-                return self._shared.write(bank, job, dtype, self.model_dir)
-            except sync.ShmFull as e:
-                self.adapter_sync_note = f"version {bank.jobs[job].version} of {job} went by disk: {e}"
-        return bank.export_peft(job, out_dir, self.model_dir, dtype, fold_scale=True)
+    def set_adapter(self, job: str, version: int, adapter: str | Path | Adapter) -> float:
+        """`set_adapters` of one version: an exported adapter (colora/adapter_export.py) or the path of a
+        PEFT directory written as the engine's copy of it."""
+        if not isinstance(adapter, (AdapterTensors, AdapterDir)):
+            adapter = AdapterDir(job, version, str(adapter))
+        if (adapter.job, adapter.version) != (job, version):
+            raise ValueError(f"adapter of {adapter.job} v{adapter.version} given as {job} v{version}")
+        return self.set_adapters([adapter])
 
-    def set_adapter(self, job: str, version: int, adapter: str | Path | AdapterTensors) -> float:
-        """`set_adapters` of one adapter."""
-        return self.set_adapters([(job, version, adapter)])
-
-    def set_adapters(self, loads: list[tuple[str, int, str | Path | AdapterTensors]]) -> float:
-        """Load each (job, version, adapter) now (not lazily at the next request), every version under
-        a LoRA name and id of its own, and drop each job's previous version. Adapters from shared
-        memory (`export_adapter`'s) go in one call into the engine core that also removes their
+    def set_adapters(self, adapters: list[Adapter]) -> float:
+        """Load each adapter version now (not lazily at the next request), every version under a LoRA
+        name and id of its own, and drop each job's previous version. Versions from shared memory
+        (colora/adapter_export.py's) go in one call into the engine core that also removes their
         previous versions; PEFT directories through vLLM's add_lora and remove_lora. Returns the
         seconds the whole call took. A refused adapter is a RuntimeError naming it, raised after the
         others are in (the job keeps its previous version)."""
@@ -229,35 +215,32 @@ class RolloutEngine:
         t0 = time.perf_counter()
         engine = self.llm.llm_engine
         memory, disk = [], []
-        for job, version, adapter in loads:
+        for adapter in adapters:
             in_memory = isinstance(adapter, AdapterTensors)
             if in_memory and self.adapter_sync != "memory":
-                raise ValueError(f"{job}: an in-memory adapter for an engine whose adapters go by disk "
+                raise ValueError(f"{adapter.job}: an in-memory adapter for an engine whose adapters go by disk "
                                  f"({self.adapter_sync_note})")
-            if in_memory and (adapter.job, adapter.version) != (job, version):
-                raise ValueError(f"adapter of {adapter.job} v{adapter.version} given as {job} v{version}")
-            path = sync.in_memory_path(job, version) if in_memory else str(adapter)
-            req = LoRARequest(f"{job}@v{version}", self._next_id, path)
+            path = sync.in_memory_path(adapter.job, adapter.version) if in_memory else adapter.path
+            req = LoRARequest(f"{adapter.job}@v{adapter.version}", self._next_id, path)
             self._next_id += 1
-            (memory if in_memory else disk).append((job, version, adapter, req))
+            (memory if in_memory else disk).append((adapter, req))
         refused = []
         if memory:
-            old = [self._adapters[j][1].lora_int_id if j in self._adapters else None for j, _, _, _ in memory]
-            errors = sync.add_loras(self.llm, [(req, a, o) for (_, _, a, req), o in zip(memory, old)])
-            for (job, version, _, req), why in zip(memory, errors):
+            old = [self._adapters[a.job][1].lora_int_id if a.job in self._adapters else None for a, _ in memory]
+            errors = sync.add_loras(self.llm, [(req, a, o) for (a, req), o in zip(memory, old)])
+            for (adapter, req), why in zip(memory, errors):
                 if why:
                     refused.append(why)
                     continue
-                self._from_memory.add(job)
-                if self._shared is not None:
-                    self._shared.mapped(job)  # in-process: the worker has it mapped now
-                self._adapters[job] = (version, req)
-        for job, version, adapter, req in disk:
+                self._from_memory.add(adapter.job)
+                sync.unlink_segment(adapter)  # the worker has it mapped now
+                self._adapters[adapter.job] = (adapter.version, req)
+        for adapter, req in disk:
             if not engine.add_lora(req):
-                refused.append(f"vLLM refused adapter {req.lora_name} from {adapter}")
+                refused.append(f"vLLM refused adapter {req.lora_name} from {adapter.path}")
                 continue
-            old = self._adapters.get(job)
-            self._adapters[job] = (version, req)
+            old = self._adapters.get(adapter.job)
+            self._adapters[adapter.job] = (adapter.version, req)
             if old is not None:
                 engine.remove_lora(old[1].lora_int_id)
         if refused:
@@ -333,8 +316,6 @@ class RolloutEngine:
         if job in self._from_memory:
             self._from_memory.discard(job)
             sync.release(self.llm, job)
-        if self._shared is not None:
-            self._shared.release(job)
 
     def drop_all(self) -> None:
         for job in list(self._adapters):
@@ -413,9 +394,6 @@ class RolloutEngine:
             r.text = t
 
     def close(self) -> None:
-        shared, self._shared = getattr(self, "_shared", None), None
-        if shared is not None:
-            shared.close()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return

@@ -14,9 +14,9 @@ every engine step into Python work (its output processing for every running sequ
 thread. `RemoteEngine` keeps `RolloutEngine` and that work in a child process; the engine thread of
 the trainer's process only sends a group's adapters and requests and receives its finished batch.
 
-Adapters are exported here, in the trainer's process (`export_adapter`, RolloutEngine's): into shared
-memory that vLLM's worker maps without the bytes passing through the child, or as a PEFT directory
-(colora/adapter_sync.py); the child is sent a segment's name or a directory's path.
+Adapters are exported in the trainer's process (colora/adapter_export.py): into shared memory that
+vLLM's worker maps without the bytes passing through the child, or as a PEFT directory; the child is
+sent the `AdapterTensors` or `AdapterDir` naming it (colora/adapter_sync.py).
 
 Same interface as `RolloutEngine` (the co-runner, evaluation and the runner use either): one thread
 makes every call. Results are the child's `GenResult`s, unchanged (per-request seeds make them the
@@ -38,11 +38,10 @@ import signal
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 from . import adapter_sync as sync
-from .adapter_sync import AdapterTensors
+from .adapter_sync import Adapter
 from .config import EngineConfig
 from .engine import GenRequest, GenResult, RolloutEngine, dead_process
 from .models import load_tokenizer
@@ -113,14 +112,14 @@ class RemoteEngine:
     own_process = True
     generate = RolloutEngine.generate  # submit + poll, the same code as in-process
     decode = RolloutEngine.decode  # texts are decoded here, by the caller's tokenizer
-    export_adapter = RolloutEngine.export_adapter  # here, in the trainer's process
+    set_adapter = RolloutEngine.set_adapter
 
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
                  dtype: str, seed: int, device: str, adapter_sync: str = "auto"):
         import psutil
 
 
-        self._proc, self._shared = None, None  # close() works from here on
+        self._proc = None  # close() works from here on
         self.adapter_sync, self.adapter_sync_note = sync.resolve(adapter_sync)  # the child's is the same
         ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._closing = threading.Event()  # set by close(): a wait in another thread gives up
@@ -188,17 +187,12 @@ class RemoteEngine:
         self._done.append((key, results))
 
     # -- RolloutEngine's interface ----------------------------------------------------------------
-    def set_adapter(self, job: str, version: int, adapter: str | Path | AdapterTensors) -> float:
-        return self.set_adapters([(job, version, adapter)])
-
-    def set_adapters(self, loads: list[tuple[str, int, str | Path | AdapterTensors]]) -> float:
+    def set_adapters(self, adapters: list[Adapter]) -> float:
         """RolloutEngine.set_adapters in the child; the seconds are this call's, the trip included."""
         t0 = time.perf_counter()
-        self._call("set_adapters", [(j, v, a if isinstance(a, AdapterTensors) else str(a)) for j, v, a in loads])
-        for job, version, adapter in loads:
-            self._adapters[job] = version
-            if isinstance(adapter, AdapterTensors) and self._shared is not None:
-                self._shared.mapped(job)
+        self._call("set_adapters", adapters)
+        for adapter in adapters:
+            self._adapters[adapter.job] = adapter.version
         return time.perf_counter() - t0
 
     def loaded_adapters(self) -> set[int]:
@@ -210,8 +204,6 @@ class RemoteEngine:
     def drop(self, job: str) -> None:
         if self._adapters.pop(job, None) is not None:
             self._call("drop", job)
-        if self._shared is not None:
-            self._shared.release(job)
 
     def drop_all(self) -> None:
         for job in list(self._adapters):
@@ -259,9 +251,6 @@ class RemoteEngine:
     def close(self) -> None:
         """Ask the child to close its engine and wait for it (CLOSE_WAIT_S for its reply, then as long
         for its exit), else kill its process group."""
-        shared, self._shared = self._shared, None
-        if shared is not None:
-            shared.close()
         if self._proc is None:
             return
         proc, self._proc = self._proc, None

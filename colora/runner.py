@@ -46,7 +46,10 @@ from colora.tasks import add_task_dirs, task_dirs
 from . import compilewatch
 from .checkpoint import Checkpointer, load_latest, rewind_logs
 from .config import Config, from_dict
-from .corunner import CoRunner, EngineFailure, JobState
+from .adapter_export import AdapterExport
+from .corunner import CoRunner, Schedule
+from .handoff import EngineFailure
+from .trainer_side import JobState
 from .engine import EngineCache, RolloutEngine, engine_process, release_cuda_cache
 from .engine_process import RemoteEngine
 from .evaluate import evaluate
@@ -277,11 +280,11 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     stack.callback(ckpt.close)  # a write in flight lands before the run's status names its checkpoint
     if resume_state is not None:
         ckpt.restore(resume_state)
-    corunner = CoRunner(cfg, engine, trainer, bank, r.tokenizer, jobs, r.timeline, r.metrics, scratch,
+    export = AdapterExport(engine.adapter_sync, engine.dtype, str(r.setup.model_dir), scratch)
+    stack.callback(export.close)
+    corunner = CoRunner(Schedule.of(cfg), engine, trainer, bank, export, r.tokenizer, jobs, r.timeline, r.metrics,
                         r.log, on_step=ckpt.maybe_save, stop_request=r.stop)
-    for name in jobs:
-        v = bank.jobs[name].version
-        engine.set_adapter(name, v, engine.export_adapter(bank, name, scratch / name / f"v{v}"))
+    engine.set_adapters([export.export(bank, name) for name in jobs])
     if not engine.warmed:  # once per engine: its compiled kernels stay for every later run
         with r.timeline.span("engine_warmup"):
             secs = engine.warm_up(cfg.experiment.seed)

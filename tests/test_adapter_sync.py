@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from colora import adapter_sync
-from colora.adapter_sync import AdapterSyncUnsupported, SharedAdapters, _read, resolve
+from colora.adapter_export import AdapterExport, SharedAdapters
+from colora.adapter_sync import AdapterSyncUnsupported, resolve
+from colora.adapter_worker import _read
 from colora.lora import AdapterBank, inject_lora
 from colora.models import load_base_model
 
@@ -98,7 +100,7 @@ def test_a_mapped_segment_loses_its_name_and_keeps_serving_new_versions(bank, sh
     worker = SimpleNamespace()
     first = shared.write(bank, "b", torch.float32, "base")
     _read(worker, first.spec(), "cpu")
-    shared.mapped("b")
+    adapter_sync.unlink_segment(first)  # what the engine's client does once the worker has mapped it
     assert not Path(first.path).exists() and not list(shared.dir.iterdir())
     job.version += 1
     try:
@@ -131,8 +133,6 @@ def test_segments_are_removed_on_release_and_close_and_remade_for_a_new_shape(ba
 def test_a_full_dev_shm_is_refused_before_any_write_and_that_version_goes_by_disk(bank, monkeypatch, tmp_path):
     """A write into a full tmpfs would kill the trainer (SIGBUS): the segment's pages are reserved
     first, and where they cannot be the engine's export writes that version as a PEFT directory."""
-    from colora.engine import RolloutEngine
-
     def full(fd, offset, size):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -142,11 +142,11 @@ def test_a_full_dev_shm_is_refused_before_any_write_and_that_version_goes_by_dis
         with pytest.raises(adapter_sync.ShmFull, match=r"MiB free, job a's adapter needs"):
             shared.write(bank, "a", torch.float32, "base")
         assert not list(shared.dir.iterdir())
-        engine = SimpleNamespace(adapter_sync="memory", adapter_sync_note="", _shared=shared, dtype="float32",
-                                 model_dir="base")
-        out = RolloutEngine.export_adapter(engine, bank, "a", tmp_path / "a" / "v0")
+        export = AdapterExport("memory", "float32", "base", tmp_path)
+        export._shared = shared
+        out = Path(export.export(bank, "a").path)
         assert out == tmp_path / "a" / "v0" and (out / "adapter_model.safetensors").is_file()
-        assert re.match(r"version 0 of a went by disk: .* MiB free", engine.adapter_sync_note)
+        assert re.match(r"version 0 of a went by disk: .* MiB free", export.note)
     finally:
         shared.close()
 

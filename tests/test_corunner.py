@@ -11,8 +11,12 @@ from types import SimpleNamespace
 import pytest
 
 from colora.config import load_config
-from colora.corunner import CoRunner, EngineFailure, Generated, JobState
-from colora.engine import GenRequest, GenResult, RolloutEngine
+from colora.adapter_export import AdapterExport
+from colora.adapter_sync import AdapterDir
+from colora.corunner import CoRunner, Schedule
+from colora.engine import GenRequest, GenResult
+from colora.handoff import EngineFailure, Generated
+from colora.trainer_side import JobState
 from colora.runlog import JsonlWriter, Timeline
 from colora.trainer import JobStepStats
 
@@ -22,17 +26,14 @@ SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 class FakeEngine:
     dtype = "bfloat16"
     model_dir = "base"
-    adapter_sync = "disk"  # RolloutEngine.export_adapter then writes a PEFT directory (FakeBank's)
-    export_adapter = RolloutEngine.export_adapter
-
     def __init__(self, runner_ref: list):
         self.ref = runner_ref
         self.why = ""
         self.loads, self.calls = [], 0
 
-    def set_adapters(self, loads):
-        assert self.ref[0]._ship_lock.locked(), "an adapter was loaded outside `shipping`"
-        self.loads += loads
+    def set_adapters(self, adapters):
+        assert self.ref[0].shipping.lock.locked(), "an adapter was loaded outside `shipping`"
+        self.loads += [(a.job, a.version, a) for a in adapters]
         self.calls += 1
         return 0.0
 
@@ -44,12 +45,22 @@ class FakeEngine:
 
 
 class FakeBank:
+    """Exports record their job and dtype; each job's version is its trainer's (VersionTrainer's) or
+    one set by hand."""
+
     def __init__(self, runner_ref: list):
         self.ref = runner_ref
         self.exports = []
+        self.versions: dict[str, int] = {}
+
+    @property
+    def jobs(self):
+        trainer = getattr(self.ref[0].trainer_side, "trainer", None) if self.ref else None
+        known = {**getattr(trainer, "version", {}), **self.versions}
+        return {n: SimpleNamespace(version=known.get(n, 0)) for n in self.ref[0].jobs}
 
     def export_peft(self, name, out_dir, base_model, dtype, fold_scale=False):
-        assert self.ref[0]._ship_lock.locked(), "an adapter was exported outside `shipping`"
+        assert self.ref[0].shipping.lock.locked(), "an adapter was exported outside `shipping`"
         assert fold_scale, "the engine's copies carry the LoRA scale in B (vLLM's loads skip a multiply per module)"
         self.exports.append((name, dtype))
         return Path(out_dir)
@@ -63,9 +74,9 @@ def _corunner(tmp_path):
     ref: list = []
     engine, bank = FakeEngine(ref), FakeBank(ref)
     jobs = {j.name: JobState(j, task=None) for j in cfg.jobs}
-    c = CoRunner(cfg, engine, trainer=None, bank=bank, tokenizer=None, jobs=jobs, timeline=Timeline(),
-                 metrics=JsonlWriter(tmp_path / "metrics.jsonl"), adapter_root=tmp_path,
-                 log=lambda m: None)
+    c = CoRunner(Schedule.of(cfg), engine, trainer=None, bank=bank,
+                 export=AdapterExport("disk", engine.dtype, engine.model_dir, tmp_path), tokenizer=None, jobs=jobs,
+                 timeline=Timeline(), metrics=JsonlWriter(tmp_path / "metrics.jsonl"), log=lambda m: None)
     ref.append(c)
     return c, engine, bank
 
@@ -75,10 +86,11 @@ def test_export_and_reload_each_hold_the_shipping_lock(tmp_path):
 
     c, engine, bank = _corunner(tmp_path)
     names = list(c.jobs)
-    c.export_adapters([(c.jobs[n], 1) for n in names], group=0, groups=[0])
+    bank.versions = {n: 1 for n in names}
+    c.trainer_side.export_adapters([c.jobs[n] for n in names], group=0, groups=[0])
     assert bank.exports == [(n, torch.bfloat16) for n in names]  # in the engine's dtype
-    assert all(c.jobs[n].pending == (1, tmp_path / n / "v1") for n in names)
-    c.load_pending(names, group=0)
+    assert all(c.jobs[n].pending == AdapterDir(n, 1, str(tmp_path / n / "v1")) for n in names)
+    c.engine_side.load(list(c.trainer_side.take_pending(names)), group=0)
     assert [(j, v) for j, v, _ in engine.loads] == [(n, 1) for n in names]
     assert engine.calls == 1, "a group's versions go to the engine in one call"
     assert all(c.jobs[n].pending is None for n in names)
@@ -110,7 +122,7 @@ def test_shipping_is_one_at_a_time_and_gives_up_when_the_engine_dies(tmp_path):
 
     # a holder that never lets go (an engine thread stuck in a dead engine): the waiter gives up
     hung = threading.Event()
-    threading.Thread(target=lambda: (c._ship_lock.acquire(), hung.set()), daemon=True).start()
+    threading.Thread(target=lambda: (c.shipping.lock.acquire(), hung.set()), daemon=True).start()
     hung.wait()
     engine.why = "engine process 123 died"
     with pytest.raises(EngineFailure, match="123 died"):
@@ -153,11 +165,11 @@ def _ready(c) -> list:
 
 def test_a_train_span_names_what_compiled_in_its_step_and_only_then(tmp_path):
     c, _, _ = _corunner(tmp_path)
-    c.trainer = CompilingTrainer()
+    c.trainer_side.trainer = CompilingTrainer()
     for js in c.jobs.values():
         js.task = SimpleNamespace(reward=lambda text, item: float(item.id % 2))
-    c.train_task(_ready(c), "step 1/3")
-    c.train_task(_ready(c), "step 2/3")  # the same shapes: nothing to compile
+    c.trainer_side.train(_ready(c), "step 1/3")
+    c.trainer_side.train(_ready(c), "step 2/3")  # the same shapes: nothing to compile
     train = [s for s in c.timeline.spans if s["phase"] == "train"]
     assert [s.get("compiles") for s in train] == [{"dynamo": 1}, None]
     assert all(js.step == 2 for js in c.jobs.values())
@@ -167,7 +179,7 @@ def test_groups_are_balanced_by_the_tokens_of_each_jobs_actual_requests(tmp_path
     """Four jobs whose configured maxima are equal but whose drawn response lengths are not: the
     groups balance the tokens the jobs will actually ask for, prompts included."""
     from colora.config import resolve
-    from colora.corunner import request_tokens, split_groups
+    from colora.grouping import request_tokens, split_groups
     from colora.tasks import get_task
 
     cfg = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=2"])
@@ -186,13 +198,13 @@ def test_groups_are_balanced_by_the_tokens_of_each_jobs_actual_requests(tmp_path
             return SimpleNamespace(input_ids=list(range(len(text.split()))))
 
     jobs = {j.name: JobState(j, task=get_task(j.task, **dict(j.task_options))) for j in cfg.jobs}
-    c = CoRunner(cfg, FakeEngine([]), trainer=None, bank=None, tokenizer=Tok(), jobs=jobs, timeline=Timeline(),
-                 metrics=JsonlWriter(tmp_path / "metrics.jsonl"), adapter_root=tmp_path,
-                 log=lambda m: None)
+    c = CoRunner(Schedule.of(cfg), FakeEngine([]), trainer=None, bank=None,
+                 export=AdapterExport("disk", "bfloat16", "base", tmp_path), tokenizer=Tok(), jobs=jobs,
+                 timeline=Timeline(), metrics=JsonlWriter(tmp_path / "metrics.jsonl"), log=lambda m: None)
     seen = []
     monkeypatch.setattr(c, "run_groups", lambda groups: seen.append([list(g) for g in groups]))
     c.run()
-    tokens = {n: request_tokens(c.step_requests(jobs[n], 0)[1]) for n in jobs}
+    tokens = {n: request_tokens(c.engine_side.requests(n, 0)[1]) for n in jobs}
     assert tokens["b"] + tokens["c"] + tokens["d"] < tokens["a"]  # a alone outweighs the other three
     assert seen == [split_groups(list(jobs), 2, tokens)] and sorted(map(sorted, seen[0])) == [["a"], ["b", "c", "d"]]
     # by configured maxima alone (all equal) the split would have paired them by name instead
@@ -205,15 +217,13 @@ class LoopEngine:
 
     dtype = "bfloat16"
     model_dir = "base"
-    adapter_sync = "disk"
-    export_adapter = RolloutEngine.export_adapter
 
     def __init__(self, lengths: dict[str, int]):
         self.lengths, self.loaded, self.queue = lengths, {}, []
 
-    def set_adapters(self, loads):
-        for job, version, _ in loads:
-            self.loaded[job] = version
+    def set_adapters(self, adapters):
+        for a in adapters:
+            self.loaded[a.job] = a.version
         return 0.0
 
     def submit(self, key, reqs):
@@ -276,9 +286,10 @@ def _loop_runner(tmp_path, overrides: list[str], lengths: dict[str, int], engine
         sample=lambda n, seed, split: [SimpleNamespace(id=i, messages=({"role": "user", "content": "x"},)) for i in range(n)],
         reward=lambda text, item: float(item.id % 2))
     ref: list = []
-    c = CoRunner(cfg, (engine_cls or LoopEngine)(lengths), (trainer_cls or VersionTrainer)(), FakeBank(ref),
-                 ThreeTokens(), {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(),
-                 JsonlWriter(tmp_path / "metrics.jsonl"), tmp_path, log=lambda m: None)
+    c = CoRunner(Schedule.of(cfg), (engine_cls or LoopEngine)(lengths), (trainer_cls or VersionTrainer)(), FakeBank(ref),
+                 AdapterExport("disk", "bfloat16", "base", tmp_path), ThreeTokens(),
+                 {j.name: JobState(j, task) for j in cfg.jobs}, Timeline(), JsonlWriter(tmp_path / "metrics.jsonl"),
+                 log=lambda m: None)
     ref.append(c)
     return c
 
@@ -325,7 +336,7 @@ def test_four_groups_of_eight_jobs_run_every_step_on_policy(tmp_path):
 
 
 def test_plan_regroup_moves_fewest_jobs_and_only_for_a_real_gain():
-    from colora.corunner import plan_regroup
+    from colora.grouping import plan_regroup
 
     cost = {"a": 10.0, "b": 1.0, "c": 9.0, "d": 1.0}
     assert plan_regroup([["a", "c"], ["b", "d"]], cost) == {"a": 0, "d": 0, "b": 1, "c": 1}  # 19 / 2 -> 11 / 10
@@ -367,7 +378,7 @@ class HandshakeEngine(LoopEngine):
         super().submit(key, reqs)
         self.submitted[key].set()
 
-    def set_adapters(self, loads):
+    def set_adapters(self, adapters):
         first, self.first_load = self.first_load, False
         if first:
             self.loading = True
@@ -375,7 +386,7 @@ class HandshakeEngine(LoopEngine):
             self.wait(self.go, "go: the trainer neither stepped nor waited for the load")
             self.wait(self.ack, "ack")
             self.loading = False
-        return super().set_adapters(loads)
+        return super().set_adapters(adapters)
 
 
 class HandshakeTrainer(VersionTrainer):
@@ -430,7 +441,7 @@ def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path):
 
     c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=5",
                                 "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, HandshakeEngine, HandshakeTrainer)
-    c.trainer.engine = c.engine
+    c.trainer_side.trainer.engine = c.engine
     _watch_loaded(c, lambda: (c.engine.go.set(), c.engine.ack.set()))
     c.run()
     c.metrics.close()
@@ -443,7 +454,7 @@ def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path):
     trains = [s for s in spans if s["phase"] == "train"]
     overlapping = [(t, r) for t in trains for r in loads if t["start"] < r["end"] and r["start"] < t["end"]]
     assert len(loads) >= 8 and len(trains) >= 8
-    assert c.trainer.during_load is False and not overlapping
+    assert c.trainer_side.trainer.during_load is False and not overlapping
 
 
 def test_the_engine_thread_takes_records_and_every_wait_ends(tmp_path):
@@ -451,13 +462,13 @@ def test_the_engine_thread_takes_records_and_every_wait_ends(tmp_path):
     engine thread's next record gives up with a Failed once that thread is gone without one."""
     import queue
 
-    from colora.corunner import Drop, Failed, Stop
+    from colora.handoff import Drop, Failed, Stop
 
     c = _loop_runner(tmp_path, ["experiment.arm=shared_sync"], {"a": 4})
     dropped = []
     c.engine.drop = dropped.append
     submit_q, done_q = queue.Queue(), queue.Queue()
-    t = threading.Thread(target=c.engine_loop, args=([["a"]], submit_q, done_q))
+    t = threading.Thread(target=c.engine_side.loop, args=(submit_q, done_q))
     t.start()
     submit_q.put(Drop("a"))
     submit_q.put(Stop())
@@ -509,7 +520,7 @@ def test_a_stopped_jobs_adapter_leaves_the_engine_and_gets_no_more_requests(tmp_
     assert c.jobs["b"].status == "stopped" and c.jobs["b"].reason == "loss is not finite" and c.jobs["b"].step == 1
     assert all(c.jobs[n].status == "done" and c.jobs[n].step == 4 for n in "acd")
     # outside a run (no engine thread) the co-runner drops the adapter itself
-    c.stop(c.jobs["a"], "stopped by hand")
+    c.trainer_side.stop(c.jobs["a"], "stopped by hand")
     assert c.engine.dropped[-1] == ("a", threading.current_thread().name) and "a" not in c.engine.loaded
     c.metrics.close()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -525,7 +536,7 @@ def test_a_job_whose_rewards_never_vary_is_warned_about_in_the_output_and_the_su
 
     said = []
     c = _loop_runner(tmp_path, [f"experiment.steps={NO_SIGNAL_STEPS + 1}"], {"a": 20})
-    c.log = said.append
+    c.trainer_side.log = said.append
     c.run()
     c.metrics.close()
     rows = read_jsonl(tmp_path / "metrics.jsonl")

@@ -32,6 +32,17 @@ def engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def export(engine, tmp_path_factory):
+    """The trainer's side of the hand-off for the module's engine: one segment per job, rewritten in
+    place per version, as in a run."""
+    from colora.adapter_export import AdapterExport
+
+    ex = AdapterExport("memory", engine.dtype, engine.model_dir, tmp_path_factory.mktemp("export"))
+    yield ex
+    ex.close()
+
+
+@pytest.fixture(scope="module")
 def bank_model(tiny_model_dir):
     model = load_base_model(tiny_model_dir, torch.float32, "cpu")
     bank = AdapterBank("cpu", "torch")
@@ -59,7 +70,7 @@ def _trainer_logprobs(bank, model, name, prompt, completion):
 
 
 @pytest.mark.parametrize("via", ["disk", "memory"])
-def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, bank_model, tmp_path, via):
+def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, export, bank_model, tmp_path, via):
     """After a new version is loaded, the same long prompt's log-probs are those of the new
     weights (computed independently by the trainer), not KV cached under the old ones: from disk,
     the same whether the file carries the LoRA scale in lora_alpha or folded into B, and from the
@@ -76,7 +87,7 @@ def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, bank_model, tmp
         _randomize(bank, "a", seed)
         v = bank.jobs["a"].version
         if via == "memory":  # the segment is rewritten in place: version 2's bytes where version 1's were
-            adapter = engine.export_adapter(bank, "a", tmp_path / "unused")
+            adapter = export.export(bank, "a")
             assert isinstance(adapter, AdapterTensors) and adapter.version == v
         else:  # version 2 with its scale folded into B, as the runs write the engine's copies: same log-probs
             adapter = str(bank.export_peft("a", tmp_path / f"a{v}", "tiny", fold_scale=seed == 2))
@@ -89,7 +100,7 @@ def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, bank_model, tmp
     assert abs(got[0] - got[1]) > 1e-3, "the two versions must differ for this test to mean anything"
 
 
-def test_in_memory_serves_what_disk_serves_and_what_the_trainer_computes(engine, bank_model, tmp_path):
+def test_in_memory_serves_what_disk_serves_and_what_the_trainer_computes(engine, export, bank_model, tmp_path):
     """One adapter's weights loaded as two versions, from its shared-memory segment and from a PEFT
     directory: the engine's log-probs for the same seeded request are the same from either and equal
     the trainer's own log-probs of the tokens sampled (fp32). A version's bytes are never served as
@@ -101,7 +112,7 @@ def test_in_memory_serves_what_disk_serves_and_what_the_trainer_computes(engine,
     v = bank.jobs["b"].version
     prompt = tuple(range(30, 90))
     req = GenRequest("b", prompt, 8, 1.0, seed=5)
-    engine.set_adapter("b", v, engine.export_adapter(bank, "b", tmp_path / "unused"))
+    engine.set_adapter("b", v, export.export(bank, "b"))
     mem = engine.generate([req])[0]
     engine.set_adapter("b", v + 1, str(bank.export_peft("b", tmp_path / "disk", "tiny", fold_scale=True)))
     disk = engine.generate([req])[0]
@@ -111,10 +122,10 @@ def test_in_memory_serves_what_disk_serves_and_what_the_trainer_computes(engine,
     want = _trainer_logprobs(bank, model, "b", prompt, mem.completion_ids)
     torch.testing.assert_close(torch.tensor(mem.logprobs), want, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match=f"adapter of b v{v} given as b v{v + 2}"):
-        engine.set_adapter("b", v + 2, engine.export_adapter(bank, "b", tmp_path / "unused"))
+        engine.set_adapter("b", v + 2, export.export(bank, "b"))
 
 
-def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, bank_model, tmp_path):
+def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, export, bank_model, tmp_path):
     """Over many versions of two jobs, in memory and from disk in turn, vLLM holds one adapter per job,
     its current version's, under a name and LoRA id no other version had; the worker refuses an id
     it holds already."""
@@ -128,7 +139,7 @@ def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, bank
         for name in ("a", "b"):
             _randomize(bank, name, 100 + step)
             v = bank.jobs[name].version
-            adapter = (engine.export_adapter(bank, name, tmp_path / "unused") if step % 2 == 0 else
+            adapter = (export.export(bank, name) if step % 2 == 0 else
                        str(bank.export_peft(name, tmp_path / f"{name}{v}", "tiny", fold_scale=True)))
             engine.set_adapter(name, v, adapter)
             lora = engine._adapters[name][1]
@@ -137,12 +148,12 @@ def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, bank
             assert engine.loaded_adapters() == {engine._adapters[n][1].lora_int_id for n in engine._adapters}
     held = engine._adapters["a"][1]
     errors = adapter_sync.add_loras(engine.llm, [(LoRARequest("a@again", held.lora_int_id, "/x"),
-                                                  engine.export_adapter(bank, "a", tmp_path / "unused"), None)])
+                                                  export.export(bank, "a"), None)])
     assert f"LoRA id {held.lora_int_id} is loaded already" in errors[0]
     assert engine.loaded_adapters() == {engine._adapters[n][1].lora_int_id for n in engine._adapters}
 
 
-def test_a_groups_versions_load_in_one_call_and_the_old_ones_leave(engine, bank_model, tmp_path):
+def test_a_groups_versions_load_in_one_call_and_the_old_ones_leave(engine, export, bank_model, tmp_path):
     """`set_adapters` with two jobs' new versions from memory: one call into the engine core, which
     also removes their previous versions; each request then samples from its job's new weights."""
     from colora.engine import GenRequest
@@ -150,7 +161,7 @@ def test_a_groups_versions_load_in_one_call_and_the_old_ones_leave(engine, bank_
     bank, model = bank_model
     for name, seed in (("a", 31), ("b", 32)):  # a previous version of each to be replaced
         _randomize(bank, name, seed)
-        engine.set_adapter(name, bank.jobs[name].version, engine.export_adapter(bank, name, tmp_path / "unused"))
+        engine.set_adapter(name, bank.jobs[name].version, export.export(bank, name))
     calls = []
     inner = engine.llm.collective_rpc
     engine.llm.collective_rpc = lambda *a, **k: calls.append(a[0]) or inner(*a, **k)
@@ -158,7 +169,7 @@ def test_a_groups_versions_load_in_one_call_and_the_old_ones_leave(engine, bank_
         loads = []
         for name, seed in (("a", 33), ("b", 34)):
             _randomize(bank, name, seed)
-            loads.append((name, bank.jobs[name].version, engine.export_adapter(bank, name, tmp_path / "unused")))
+            loads.append(export.export(bank, name))
         assert engine.set_adapters(loads) > 0
     finally:
         engine.llm.collective_rpc = inner

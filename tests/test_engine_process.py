@@ -63,7 +63,7 @@ def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, tiny_model
     them, and refuses an in-memory adapter."""
     import torch
 
-    from colora.adapter_sync import SharedAdapters
+    from colora.adapter_export import AdapterExport, SharedAdapters
     from colora.engine import GenRequest
     from colora.engine_process import EngineProcessError, RemoteEngine
     from colora.lora import AdapterBank, inject_lora
@@ -84,7 +84,7 @@ def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, tiny_model
         assert len(res[0].completion_ids) >= 1 and res[0].version == -1 and not eng.dead()
         with pytest.raises(EngineProcessError, match="an in-memory adapter for an engine whose adapters go by disk"):
             eng.set_adapter("a", 0, shared.write(bank, "a", torch.float32, "tiny"))
-        path = eng.export_adapter(bank, "a", tmp_path / "a" / "v0")
+        path = Path(AdapterExport("disk", "float32", "tiny", tmp_path).export(bank, "a").path)
         assert path == tmp_path / "a" / "v0" and (path / "adapter_model.safetensors").is_file()
         eng.set_adapter("a", 0, path)
         res = eng.generate([GenRequest("a", (5, 6, 7), 4, 1.0, seed=1)])

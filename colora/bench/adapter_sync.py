@@ -14,7 +14,7 @@ own (a new LoRA name and id):
 
 - disk: `AdapterBank.export_peft` into a directory on tmpfs where there is one (as a run's adapter
   scratch is), then vLLM's `add_lora` from its path (`runtime.adapter_sync = "disk"`);
-- memory: `export_adapter` into the job's shared-memory segment, from which vLLM's worker builds the
+- memory: `AdapterExport.export` into the job's shared-memory segment, from which vLLM's worker builds the
   adapter (`runtime.adapter_sync = "memory"`, colora/adapter_sync.py).
 
 Both under two conditions: the engine idle (every job's version in turn), and the engine decoding,
@@ -43,6 +43,7 @@ import torch
 
 from ..adapter_sync import memory_unsupported
 from ..config import load_config
+from ..adapter_export import AdapterExport
 from ..engine import GenRequest, RolloutEngine, engine_process, plain_token_ids
 from ..engine_process import RemoteEngine
 from ..resources import RunError, adapter_scratch, resolve_device, resolve_model, start_mps, torch_dtype
@@ -102,8 +103,8 @@ def _steps(cond: str, jobs: list[str]) -> list[tuple[list[str], list[str | None]
     return [(halves[0], halves[1]), (halves[1], halves[0])] if halves[1] else [(halves[0], [None])]
 
 
-def _sync_round(engine, bank, jobs: list[str], path: str, scratch: Path, device: str, g, times: dict | None) -> None:
-    """Every job's next version (B random) to the engine by `path`; each export and load timed."""
+def _sync_round(engine, bank, jobs: list[str], export: AdapterExport, device: str, g, times: dict | None) -> None:
+    """Every job's next version (B random) to the engine by `export`; each export and load timed."""
     for name in jobs:
         job = bank.jobs[name]
         with torch.no_grad():
@@ -112,20 +113,16 @@ def _sync_round(engine, bank, jobs: list[str], path: str, scratch: Path, device:
         job.version += 1
         if device == "cuda":
             torch.cuda.synchronize()  # the new weights are there before the export starts
-        out_dir = scratch / name / f"v{job.version}"
         t0 = time.perf_counter()
-        if path == "disk":
-            adapter = bank.export_peft(name, out_dir, engine.model_dir, getattr(torch, engine.dtype), fold_scale=True)
-        else:
-            adapter = engine.export_adapter(bank, name, out_dir)
+        adapter = export.export(bank, name)
         t1 = time.perf_counter()
-        engine.set_adapter(name, job.version, adapter)
+        engine.set_adapters([adapter])
         t2 = time.perf_counter()
         if times is not None:
             for k, secs in (("export", t1 - t0), ("load", t2 - t1), ("sync", t2 - t0)):
                 times[k].append(secs)
-        if path == "disk":
-            shutil.rmtree(adapter, ignore_errors=True)
+        if export.mode == "disk":
+            shutil.rmtree(adapter.path, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(str(model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max(j.lora_rank for j in cfg.jobs),
                         dtype=dtype, seed=cfg.experiment.seed, device=device, adapter_sync="memory")
         stack.callback(engine.close)  # before the MPS daemon stops (registered after it)
+        exports = {path: AdapterExport(path, dtype, str(model_dir), scratch) for path in PATHS}
+        for export in exports.values():
+            stack.callback(export.close)
         bank, _ = build_trainer(cfg, model_dir, device, torch_dtype(dtype), engine.tokenizer.pad_token_id)
         g = torch.Generator(device=device).manual_seed(cfg.experiment.seed)
         vocab = plain_token_ids(engine.tokenizer)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         engine.submit(key, [GenRequest(serving[i % len(serving)], tuple(int(t) for t in rng.choice(vocab, 16)),
                                                        tokens, 1.0, seed=i, min_tokens=tokens, ignore_eos=True)
                                             for i in range(args.decoding if serving else 0)])
-                        _sync_round(engine, bank, moved, path, scratch, device, g, times[path][cond] if r else None)
+                        _sync_round(engine, bank, moved, exports[path], device, g, times[path][cond] if r else None)
                         while key not in {k for k, _ in engine.poll()}:
                             pass
                 # every job's newest version serves a request
