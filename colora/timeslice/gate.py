@@ -162,7 +162,14 @@ class GpuGate(_GateBase):
         self._rfile = self._sock.makefile("rb")
         self._send({"op": "REGISTER", "tenant": tenant, "pids": list(pids) if pids is not None else [os.getpid()],
                     "resident_bytes": int(resident_bytes)})
-        first = self._rfile.readline()
+        self._sock.settimeout(connect_timeout_s)  # a broker that never answers REGISTER is an error
+        try:
+            first = self._rfile.readline()
+        except TimeoutError:
+            self._sock.close()
+            raise BrokerGone(f"no answer to REGISTER of {tenant!r} on {self.sock_path} "
+                             f"within {connect_timeout_s} s") from None
+        self._sock.settimeout(None)
         if not first:
             self._sock.close()
             raise BrokerGone(f"the broker on {self.sock_path} closed the connection at REGISTER of {tenant!r}")
