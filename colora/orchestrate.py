@@ -64,7 +64,8 @@ from .mps import MpsDaemon, MpsUnavailable
 from .output import duration as _dur
 from .prereg import lock_hash
 from .resources import MPS_ARMS, RunError
-from .rundirs import PlannedRun, Record, check_existing, estimate, move_aside, resumable, run_state
+from .rundir import move_aside, resumable, run_state
+from .rundirs import PlannedRun, Record, check_existing, estimate
 from .stopping import STOP_REPORT_S, STOP_TERM_S, Interrupted, handling_signals, on_abort
 
 RunFn = Callable[[Config, Path, EngineCache, Callable[[str], None]], dict]

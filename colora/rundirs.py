@@ -1,9 +1,7 @@
-"""The run directories of a plan (colora/orchestrate.py) and its record, ROOT/sweep.json.
+"""The runs of a plan (colora/orchestrate.py) and its record, ROOT/sweep.json.
 
-A run directory is complete when its status.json says so and it has summary.json (written last);
-anything else that exists is unfinished: resumed from its checkpoint when it was interrupted or
-killed (`resumable`), else moved aside, never deleted. sweep.json lists every run
-the root holds, from every invocation, with its state.
+sweep.json lists every run the root holds, from every invocation, with its state (colora/rundir.py:
+complete, resumable, or moved aside).
 """
 
 from __future__ import annotations
@@ -14,9 +12,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import CheckpointError, verify
 from .config import Config, ConfigError, diff, from_dict, replace, resolve
 from .prereg import lock_hash
+from .rundir import run_config_hash, run_state
 from .runlog import write_json_atomic
 
 
@@ -62,53 +60,6 @@ def with_jobs(cfg: Config, n: int) -> Config:
     d = cfg.to_dict()
     d["jobs"] = scaled_jobs(cfg, n)
     return resolve(d)
-
-
-# -- run directories ------------------------------------------------------------------------------
-def run_state(path: Path) -> str:
-    """missing | complete | incomplete (killed or failed: anything else that exists)."""
-    if not path.exists():
-        return "missing"
-    try:
-        state = json.loads((path / "status.json").read_text()).get("state")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        state = None
-    return "complete" if state == "complete" and (path / "summary.json").is_file() else "incomplete"
-
-
-def resumable(path: Path, config_hash: str) -> bool:
-    """Whether an unfinished run can continue where it stopped: interrupted by a signal, or killed
-    (its status still says running), of the config `config_hash`, with a checkpoint that verifies."""
-    try:
-        state = json.loads((path / "status.json").read_text()).get("state")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
-    if state not in ("interrupted", "running") or run_config_hash(path)[0] != config_hash:
-        return False
-    for ck in sorted((path / "checkpoints").glob("step-*"), reverse=True):
-        try:
-            verify(ck)
-            return True
-        except CheckpointError:
-            continue
-    return False
-
-
-def run_config_hash(path: Path) -> tuple[str | None, dict | None]:
-    try:
-        d = json.loads((path / "config.json").read_text())
-        return d.get("hash"), d.get("config")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return None, None
-
-
-def move_aside(path: Path) -> Path:
-    """Rename an unfinished run directory to `<name>.incomplete-<n>` (first free n)."""
-    n = 1
-    while (dest := path.with_name(f"{path.name}.incomplete-{n}")).exists():
-        n += 1
-    path.rename(dest)
-    return dest
 
 
 def _describe_diff(a: dict, b: Config) -> str:

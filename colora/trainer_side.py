@@ -24,7 +24,7 @@ from .engine import GenResult
 from .grouping import plan_regroup
 from .handoff import Generated, Shipping
 from .lora import AdapterBank
-from .replay import keep_failed_step
+from .failed_step import keep_failed_step
 from .rollouts import score
 from .runlog import JsonlWriter, Timeline
 from .summary import NO_SIGNAL_STEPS

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from colora import orchestrate, rundirs, sweep
+from colora import orchestrate, rundir, sweep
 from colora.config import load_config
 from colora.prereg import lock
 from colora.runlog import write_json_atomic
@@ -87,7 +87,7 @@ def test_resume_skips_complete_and_redoes_unfinished(tmp_path):
     assert sorted(second.calls) == [("dedicated", 2), ("shared_sync", 2)]
     assert (out / "shared_sync" / "seed2-r0.incomplete-1" / "config.json").is_file()  # moved aside, kept
     assert (out / "dedicated" / "seed2-r0.incomplete-1" / "config.json").is_file()
-    assert rundirs.run_state(out / "shared_sync" / "seed2-r0") == "complete"
+    assert rundir.run_state(out / "shared_sync" / "seed2-r0") == "complete"
     data = json.loads((out / "sweep.json").read_text())
     assert all(r["state"] == "complete" for r in data["runs"]) and len(data["invocations"]) == 2
 

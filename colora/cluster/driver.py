@@ -47,7 +47,7 @@ import torch
 
 from colora.config import Config, from_dict, load_config
 from colora.resources import RunError, check_sizes, load_tasks, resolve_model
-from colora.rundirs import move_aside, run_state
+from colora.rundir import move_aside, run_state
 from colora.runlog import read_jsonl, write_json_atomic
 from colora.runner import RunFailed
 from colora.stopping import Interrupted, takes

@@ -29,7 +29,8 @@ from pathlib import Path
 from colora import output
 from colora.config import Config
 from colora.output import duration as _dur
-from colora.rundirs import Record, estimate, move_aside, run_state
+from colora.rundir import move_aside, run_state
+from colora.rundirs import Record, estimate
 from colora.stopping import STOP_REPORT_S, STOP_TERM_S
 
 from . import driver
