@@ -25,9 +25,9 @@ from pathlib import Path
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from .config import ConfigError
-    from .models import ModelDirError
-    from .resources import RunError
+    from colora.config import ConfigError
+    from colora.models.base import ModelDirError
+    from colora.run.preflight import RunError
 
     errs: list[type[BaseException]] = [ConfigError, ModelDirError, RunError]
     try:
@@ -50,29 +50,38 @@ def default_out(cfg) -> Path:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .closing import print_closing
-    from .config import load_config
-    from .output import duration, say, session
-    from .runner import resume, run
+    """One run: its input is read and checked here, once, then it runs on this GPU or, with --gpus or
+    --address (or the --resume of such a run), over Ray's co-runners (colora/cluster/driver.py)."""
+    from colora.cluster.driver import is_cluster_run
+    from colora.config import load_config
+    from colora.output import duration, say, session
+    from colora.run.closing import print_closing
+    from colora.run.preflight import RunError
+    from colora.run.runner import resume, run
 
-    if args.gpus not in (None, 1) or args.address or (args.resume and (Path(args.resume) / "cluster.json").is_file()):
-        from .cluster.driver import main_run
-
-        return main_run(args, print_jobs=print_jobs, default_out=default_out)
+    if args.gpus is not None and args.gpus < 1:
+        raise RunError(f"--gpus ({args.gpus}) must be at least 1")
+    cfg = None
     if args.resume:
         if args.config or args.set:
             raise SystemExit("colora run --resume DIR takes no CONFIG or --set: the run's own config.json is used")
         out = Path(args.resume)
+    elif not args.config:
+        raise SystemExit("colora run: give a CONFIG file or --resume DIR")
+    else:
+        cfg = load_config(args.config, args.set)
+        out = Path(args.out) if args.out else default_out(cfg)
+    if args.gpus not in (None, 1) or args.address or (cfg is None and is_cluster_run(out)):
+        from colora.cluster.driver import main_run
+
+        return main_run(cfg, out, args.gpus, args.address, print_jobs=print_jobs)
+    if cfg is None:
         with session(args.verbose):
             say(f"colora: resuming {out}; full log: {out / 'run.log'}")
             summary = resume(out)
             say(f"done in {duration(summary['wall_s'])} after the resume; results in {out}")
             print_closing(summary, out)
         return 0
-    if not args.config:
-        raise SystemExit("colora run: give a CONFIG file or --resume DIR")
-    cfg = load_config(args.config, args.set)
-    out = Path(args.out) if args.out else default_out(cfg)
     with session(args.verbose):
         say(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
             f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}; full log: {out / 'run.log'}")
@@ -83,11 +92,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from . import models
+    from colora.models import base as models
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
-        from .models import ModelDirError
+        from colora.models.base import ModelDirError
 
         raise ModelDirError(f"{str(out)!r} already exists and is not empty")
     if args.kind == "tiny":
@@ -95,7 +104,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     elif args.kind == "qwen3-0.6b-shape":
         models.build_qwen3_shape(out, seed=args.seed)
     else:
-        from .smollm2 import build_smollm2
+        from colora.models.smollm2 import build_smollm2
 
         build_smollm2(out, source=Path(args.source) if args.source else None, dtype=args.dtype)
     print(f"wrote {args.kind} model to {out}")
@@ -116,17 +125,17 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if args.what == "kernels":
-        from .bench.kernels import main
+        from colora.bench.kernels import main
     elif args.what == "trainer":
-        from .bench.trainer import main
+        from colora.bench.trainer import main
     elif args.what == "engine":
-        from .bench.engine import main
+        from colora.bench.engine import main
     elif args.what == "trl":
-        from .bench.trl_grpo import main
+        from colora.bench.trl_grpo import main
     elif args.what == "adapter-sync":
-        from .bench.adapter_sync import main
+        from colora.bench.adapter_sync import main
     else:
-        from .bench_arms import main
+        from colora.bench.arms import main
     return main(rest)
 
 
@@ -179,10 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 # the subcommands whose own module parses their arguments (`colora NAME --help` shows them)
 PASSTHROUGH = {
-    "sweep": ("colora.sweep", "run a config over arms, seeds and repeats (resumable)"),
-    "report": ("colora.report", "statistics and figures over runs; gates with --prereg"),
-    "prereg": ("colora.prereg", "lock a pre-registration, or check a config against one"),
-    "replay-step": ("colora.replay", "run a failed training step again, by itself"),
+    "sweep": ("colora.sweeps.sweep", "run a config over arms, seeds and repeats (resumable)"),
+    "report": ("colora.studies.report", "statistics and figures over runs; gates with --prereg"),
+    "prereg": ("colora.studies.prereg", "lock a pre-registration, or check a config against one"),
+    "replay-step": ("colora.run.replay", "run a failed training step again, by itself"),
 }
 
 
@@ -190,14 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     passthrough = {name: module for name, (module, _) in PASSTHROUGH.items()}
-    from .runner import RunFailed
-    from .stopping import Interrupted
+    from colora.run.runner import RunFailed
+    from colora.stopping import Interrupted
 
     try:
         if argv and argv[0] in passthrough:
             return cmd_passthrough(passthrough[argv[0]], argv[1:])
         if argv[:2] == ["tasks", "calibrate"]:
-            return cmd_passthrough("colora.calibrate", argv[2:])
+            return cmd_passthrough("colora.studies.calibrate", argv[2:])
         if argv and argv[0] == "bench":
             args, rest = parser.parse_known_args(argv)
             return cmd_bench(args, rest)

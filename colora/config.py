@@ -80,7 +80,7 @@ class JobConfig:
     top_p: float = 1.0  # nucleus sampling of the rollouts, in (0, 1]
     # grpo_seq: mean over each response's tokens, then over responses; grpo_token: mean over all the
     # step's tokens; dr_grpo: sum over tokens / (responses x max_new_tokens), advantages not divided by
-    # the group's standard deviation (colora/grpo.py)
+    # the group's standard deviation (colora/training/grpo.py)
     loss: Literal["grpo_seq", "grpo_token", "dr_grpo"] = "grpo_seq"
     kl_coef: float = 0.0  # weight of the k3 KL estimate to the frozen base model; 0: no reference forward
     format_reward_weight: float = 0.0  # adds this times the task's format score (0, 0.5 or 1) to the reward
@@ -139,7 +139,7 @@ class TrainerConfig:
     # q/k/v and gate/up LoRA in one grouped call per input (4 calls per layer instead of 7): with
     # fused elementwise, 3.25 s against 3.71 s per H200 trainer step (measured at 84885a4).
     pack_projections: bool = True
-    # RMSNorm, rotary and SiLU*up through colora's Triton kernels (colora/fusion.py; "off": the model's own
+    # RMSNorm, rotary and SiLU*up through colora's Triton kernels (colora/training/fusion.py; "off": the model's own
     # code): "auto" = on CUDA only, where the eager elementwise code took more GPU time than the matrix products.
     fuse_elementwise: Literal["auto", "on", "off"] = "auto"
     # A job whose adapter holds a weight beyond this after an update is stopped before the engine
@@ -169,11 +169,11 @@ class RuntimeConfig:
     # ones are written in the background while training goes on.
     checkpoint_every: int = 5
     checkpoint_keep: int = 2  # the newest checkpoints kept
-    # The engine's client in a process of its own (colora/engine_process.py). auto: in the arms whose
+    # The engine's client in a process of its own (colora/engine/process.py). auto: in the arms whose
     # groups overlap, where it measured 5.8% faster on the H200 (measured at f954d65), and in the
     # trainer's process in the others, whose baseline it keeps.
     engine_process: Literal["auto", "on", "off"] = "auto"
-    # How a new adapter version reaches the engine (colora/adapter_sync.py): memory, through shared
+    # How a new adapter version reaches the engine (colora/engine/adapters.py): memory, through shared
     # memory that vLLM's worker builds the adapter from; disk, a PEFT directory per version on tmpfs.
     # auto: memory where it can work (a vLLM it is written against, a writable /dev/shm), else disk.
     adapter_sync: Literal["auto", "memory", "disk"] = "auto"

@@ -14,7 +14,7 @@ well; without, the terminal gets colora's own lines only: milestones, warnings, 
 run (step, reward per job, elapsed, ETA) and per sweep (runs done, ETA), drawn live by rich on a
 terminal and as plain lines anywhere else (CI logs, files, the device tool), and the closing table.
 
-Called from Python without a session (`colora.runner.run` in a test, say), nothing is captured:
+Called from Python without a session (`colora.run.runner.run` in a test, say), nothing is captured:
 run.log holds colora's own lines and the caller's `log` receives them.
 """
 
@@ -316,7 +316,7 @@ def handover() -> Iterator[None]:
 
 # -- the sweep's bar ----------------------------------------------------------------------------
 def sweep_started(todo: int) -> None:
-    """A plan of `todo` runs starts in this process (colora/orchestrate.py): the sweep's bar."""
+    """A plan of `todo` runs starts in this process (colora/sweeps/orchestrate.py): the sweep's bar."""
     s = _current
     if s is None:
         return

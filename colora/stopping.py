@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from . import output
+from colora import output
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 REAP_WAIT_S = 10.0  # how long processes left after a stop get to end on SIGTERM before SIGKILL

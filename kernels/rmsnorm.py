@@ -4,7 +4,7 @@ but calls through Dynamo's guards, AOTAutograd's wrappers and Inductor's launche
 host time per call and its backward on the H200 (measured at c41a630: 167 us a compiled call,
 286 us its backward, 47 us Dynamo's cache lookup; the step bound by host work), against one
 `autograd.Function` and two launches here. The trainer's with the other elementwise kernels
-(colora/fusion.py, where the measurement that chose them is).
+(colora/training/fusion.py, where the measurement that chose them is).
 
 The arithmetic of Hugging Face's Qwen3RMSNorm / LlamaRMSNorm, its roundings included (the tests:
 equal within one rounding of the output, where fp32 rsqrt's last bit moves a value across one):

@@ -6,7 +6,7 @@ outputs. torch.compile's version of the model's function (and a layout-keeping c
 H200 ~0.5 ms forward and 0.5-1 ms backward per tensor at 49,152 tokens, several times the bytes moved
 (measured at 4139214). Here the outputs and the inputs' gradients are written [B, T, H, D]-contiguous and
 returned as the same transposed views, so FlashAttention and the norms' backward take them without a
-copy. The trainer's with the other elementwise kernels (colora/fusion.py, where the measurement that
+copy. The trainer's with the other elementwise kernels (colora/training/fusion.py, where the measurement that
 chose them is).
 
 The arithmetic of the model's eager code, its roundings included:

@@ -1,7 +1,7 @@
 """silu(gate) * up, one Triton launch forward and one backward: the trainer's MLP activation a layer,
 which torch.compile also fuses into one kernel each way but calls through Dynamo's guards and
 AOTAutograd's and Inductor's wrappers, the step's host time (see rmsnorm.py). The trainer's with the
-other elementwise kernels (colora/fusion.py, where the measurement that chose them is).
+other elementwise kernels (colora/training/fusion.py, where the measurement that chose them is).
 
 The arithmetic of the model's `act_fn(gate) * up` with each result rounded to the inputs' dtype as
 eager torch rounds it: y = round(round(silu(g)) * u); du = round(dy * round(silu(g))),

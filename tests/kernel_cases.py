@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from colora.kernels import LoRABatchMeta
 
 LORA_TOL = {

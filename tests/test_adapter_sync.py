@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colora import adapter_sync
-from colora.adapter_export import AdapterExport, SharedAdapters
-from colora.adapter_sync import AdapterSyncUnsupported, resolve
-from colora.adapter_worker import _read
-from colora.lora import AdapterBank, inject_lora
-from colora.models import load_base_model
+from colora.engine import adapters as adapter_sync
+from colora.engine.adapters import AdapterSyncUnsupported, resolve
+from colora.engine.worker import _read
+from colora.models.base import load_base_model
+from colora.training.export import AdapterExport, SharedAdapters
+from colora.training.lora import AdapterBank, inject_lora
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -177,8 +177,8 @@ def test_engines_refuse_memory_where_it_cannot_work_before_vllm_starts(monkeypat
     import vllm
 
     from colora.config import EngineConfig
-    from colora.engine import RolloutEngine
-    from colora.engine_process import RemoteEngine
+    from colora.engine.process import RemoteEngine
+    from colora.engine.rollout import RolloutEngine
 
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     monkeypatch.setattr(vllm, "LLM", None)  # would fail differently, were it reached

@@ -9,9 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from colora import bench_arms, orchestrate, phases, rundirs
+from colora.bench import arms as bench_arms
 from colora.config import load_config
-from colora.runlog import write_json_atomic
+from colora.record import phases
+from colora.record.runlog import write_json_atomic
+from colora.sweeps import orchestrate
+from colora.sweeps import plan as rundirs
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 
@@ -43,7 +46,7 @@ def test_every_arm_runs_the_configs_steps_and_the_report_gives_the_steady_figure
     """Like with like (issue 33): no arm runs fewer steps than another; the report gives each main
     run's throughput over its window and again with each job's first steps out, and the steps a job
     each window counts."""
-    from colora.throughput import combine_windows, measure_window
+    from colora.record.throughput import combine_windows, measure_window
 
     cfg = load_config(SMOKE)
     runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["dedicated", "shared_sync"], jobs=[4]))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from colora.calibrate import calibrate
-from colora.engine import GenResult
 from colora.tasks import get_task
+
+from colora.engine.rollout import GenResult
+from colora.studies.calibrate import calibrate
 
 
 class ScriptedEngine:

@@ -1,4 +1,4 @@
-"""`colora sweep --gpus N` and `colora bench arms --gpus N` (colora/cluster/plan.py, dedicated.py):
+"""`colora sweep --gpus N` and `colora bench arms --gpus N` (colora/sweeps/on_cluster.py, dedicated.py):
 the record, a dedicated run's parts merged into a one-GPU run's directory, failures, resume, the
 deadline. A fake `run_shares` stands in for the Ray cluster here (it writes what a run writes); the
 real one runs a sweep on a local cluster with 2 logical GPUs in tests/test_ray.py."""
@@ -11,20 +11,29 @@ from pathlib import Path
 
 import pytest
 
-from colora import bench_arms, orchestrate, sweep
+from colora.bench import arms as bench_arms
 from colora.cluster import driver
 from colora.cluster.placement import Outcome
 from colora.config import from_dict, load_config
-from colora.runlog import read_jsonl, write_json_atomic
-from colora.summary import JobSummary, RunSummary
-from colora.throughput import combine_windows, measure_window, steps_per_job, throughput
+from colora.record.runlog import read_jsonl, write_json_atomic
+from colora.record.summary import JobSummary, RunSummary
+from colora.record.throughput import combine_windows, measure_window, steps_per_job, throughput
+from colora.sweeps import orchestrate, sweep
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_needed(monkeypatch):
+    """The fake cluster stands in for Ray, so the commands' check that the `ray` extra is installed is
+    passed over: these tests run where Ray is not installed."""
+    for mod in (sweep, bench_arms):
+        monkeypatch.setattr(mod, "require_ray", lambda why: None)
 STEP_S = {"count": 1.5, "mod": 2.0}  # a job's step (generate 1 s, then train) in the fake runs
 
 
 def fake_run(cfg, out: Path, log: Path, error: str | None) -> dict | None:
-    """The files colora.runner.run leaves: every job's steps of STEP_S seconds after an engine start of
+    """The files colora.run.runner.run leaves: every job's steps of STEP_S seconds after an engine start of
     2 s; one job at a time in the dedicated arm, all together otherwise. `error`: fails instead."""
     out.mkdir(parents=True)
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +120,7 @@ def _argv(out: Path, *extra: str) -> list[str]:
 
 
 def test_a_dedicated_run_in_parts_becomes_a_one_gpu_runs_directory(tmp_path, monkeypatch, tiny_model_dir):
-    from colora.report_data import find_run_dirs, load_run
+    from colora.studies.report_data import find_run_dirs, load_run
 
     fake = FakeCluster(fail={("shared_sync", 1, "count")})
     monkeypatch.setattr(driver, "run_shares", fake)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colora import compilewatch
+from colora.record import compilewatch
 
 
 def test_a_dynamo_compile_counts_once_and_a_call_of_the_same_shape_not_at_all():

@@ -11,14 +11,14 @@ from types import SimpleNamespace
 import pytest
 
 from colora.config import load_config
-from colora.adapter_export import AdapterExport
-from colora.adapter_sync import AdapterDir
-from colora.corunner import CoRunner, Schedule
-from colora.engine import GenRequest, GenResult
-from colora.handoff import EngineFailure, Generated
-from colora.trainer_side import JobState
-from colora.runlog import JsonlWriter, Timeline
-from colora.trainer import JobStepStats
+from colora.corun.corunner import CoRunner, Schedule
+from colora.corun.handoff import EngineFailure, Generated
+from colora.corun.trainer_side import JobState
+from colora.engine.adapters import AdapterDir
+from colora.engine.rollout import GenRequest, GenResult
+from colora.record.runlog import JsonlWriter, Timeline
+from colora.training.export import AdapterExport
+from colora.training.trainer import JobStepStats
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 
@@ -178,9 +178,10 @@ def test_a_train_span_names_what_compiled_in_its_step_and_only_then(tmp_path):
 def test_groups_are_balanced_by_the_tokens_of_each_jobs_actual_requests(tmp_path, monkeypatch):
     """Four jobs whose configured maxima are equal but whose drawn response lengths are not: the
     groups balance the tokens the jobs will actually ask for, prompts included."""
-    from colora.config import resolve
-    from colora.grouping import request_tokens, split_groups
     from colora.tasks import get_task
+
+    from colora.config import resolve
+    from colora.corun.grouping import request_tokens, split_groups
 
     cfg = load_config(SMOKE, ["experiment.arm=overlap", "overlap.groups=2"])
     d = cfg.to_dict()
@@ -298,7 +299,7 @@ def test_groups_move_jobs_on_measured_tokens_and_every_rollout_stays_on_policy(t
     """Four jobs that look alike before they run (natural EOS, one max_new_tokens), so the first split
     pairs them by name, a with c: the two that turn out to write long answers. After the warm-up the
     run swaps c and d, each right after its own group's step, and no rollout is ever stale."""
-    from colora.runlog import read_jsonl
+    from colora.record.runlog import read_jsonl
 
     c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=6",
                                 "experiment.warmup_steps=1"], {"a": 200, "b": 40, "c": 180, "d": 40})
@@ -321,7 +322,7 @@ def test_four_groups_of_eight_jobs_run_every_step_on_policy(tmp_path):
     """`overlap.groups=4` on 8 alike jobs, the sweep the H200 benchmark has next: four groups of two,
     each job in one group, every job does every step, and every rollout is from its job's current
     adapter version (the trainer refuses any other)."""
-    from colora.runlog import read_jsonl
+    from colora.record.runlog import read_jsonl
 
     c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=4", "experiment.steps=5",
                                 "experiment.warmup_steps=1"], {n: 40 for n in "abcdefgh"})
@@ -336,7 +337,7 @@ def test_four_groups_of_eight_jobs_run_every_step_on_policy(tmp_path):
 
 
 def test_plan_regroup_moves_fewest_jobs_and_only_for_a_real_gain():
-    from colora.grouping import plan_regroup
+    from colora.corun.grouping import plan_regroup
 
     cost = {"a": 10.0, "b": 1.0, "c": 9.0, "d": 1.0}
     assert plan_regroup([["a", "c"], ["b", "d"]], cost) == {"a": 0, "d": 0, "b": 1, "c": 1}  # 19 / 2 -> 11 / 10
@@ -437,7 +438,7 @@ def test_reload_first_keeps_the_trainer_off_while_adapters_load(tmp_path):
     long during training and paused the other group's decoding); every job still does every step
     on-policy. Group 0's first load holds until the trainer has either started that step or blocked
     waiting for the load (events, no timing), so a trainer that does not wait is caught."""
-    from colora.runlog import read_jsonl
+    from colora.record.runlog import read_jsonl
 
     c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=5",
                                 "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, HandshakeEngine, HandshakeTrainer)
@@ -462,7 +463,7 @@ def test_the_engine_thread_takes_records_and_every_wait_ends(tmp_path):
     engine thread's next record gives up with a Failed once that thread is gone without one."""
     import queue
 
-    from colora.handoff import Drop, Failed, Stop
+    from colora.corun.handoff import Drop, Failed, Stop
 
     c = _loop_runner(tmp_path, ["experiment.arm=shared_sync"], {"a": 4})
     dropped = []
@@ -510,7 +511,7 @@ def test_a_stopped_jobs_adapter_leaves_the_engine_and_gets_no_more_requests(tmp_
     """Job b fails at its second step in a two-group overlap run: it is stopped with its reason, the
     engine thread (which owns the engine) takes its adapter out, no later request of it is queued,
     and the other jobs do every step."""
-    from colora.runlog import read_jsonl
+    from colora.record.runlog import read_jsonl
 
     c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=4",
                                 "experiment.warmup_steps=1"], {n: 40 for n in "abcd"}, DroppingEngine, FailingTrainer)
@@ -531,8 +532,8 @@ def test_a_stopped_jobs_adapter_leaves_the_engine_and_gets_no_more_requests(tmp_
 # -- a job that learns nothing -----------------------------------------------------------------------
 def test_a_job_whose_rewards_never_vary_is_warned_about_in_the_output_and_the_summary(tmp_path):
     """The fake task's reward depends on the prompt only: every group's rewards are equal."""
-    from colora.runlog import read_jsonl
-    from colora.summary import NO_SIGNAL_STEPS, job_summaries, warnings
+    from colora.record.runlog import read_jsonl
+    from colora.record.summary import NO_SIGNAL_STEPS, job_summaries, warnings
 
     said = []
     c = _loop_runner(tmp_path, [f"experiment.steps={NO_SIGNAL_STEPS + 1}"], {"a": 20})
@@ -552,8 +553,8 @@ def test_a_job_whose_rewards_never_vary_is_warned_about_in_the_output_and_the_su
 def test_no_signal_counts_steps_and_the_longest_run():
     import torch
 
-    from colora.grpo import flat_groups
-    from colora.summary import JobSummary, no_signal, warnings
+    from colora.record.summary import JobSummary, no_signal, warnings
+    from colora.training.grpo import flat_groups
 
     assert no_signal([True, False, True, True, True, False]) == (4, 3)
     assert no_signal([]) == (0, 0)

@@ -11,9 +11,9 @@ import pytest
 from safetensors.torch import load_file
 
 from colora.config import load_config
-from colora.runlog import read_jsonl
-from colora.engine import EngineCache
-from colora.runner import run
+from colora.engine.rollout import EngineCache
+from colora.record.runlog import read_jsonl
+from colora.run.runner import run
 
 pytestmark = pytest.mark.vllm
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
@@ -38,13 +38,13 @@ def _run(tmp_path, tiny_model_dir, cache, *extra):
 def test_shared_sync_two_jobs_two_steps(tmp_path, tiny_model_dir, cache, monkeypatch):
     import gc
 
-    from colora.trainer import MultiJobTrainer
+    from colora.training.trainer import MultiJobTrainer
 
     frozen, real_step = [], MultiJobTrainer.step
     monkeypatch.setattr(MultiJobTrainer, "step", lambda self, *a, **k: frozen.append(gc.get_freeze_count())
                         or real_step(self, *a, **k))
     cfg, out, summary = _run(tmp_path, tiny_model_dir, cache)
-    # every step ran with the set-up's objects out of the collector's full passes (colora/heap.py), and
+    # every step ran with the set-up's objects out of the collector's full passes (colora/run/heap.py), and
     # the run let them go when it ended
     assert len(frozen) == 2 and min(frozen) > 10_000 and gc.get_freeze_count() == 0
     for f in ("config.json", "status.json", "metrics.jsonl", "timeline.jsonl", "eval.json", "summary.json"):
@@ -65,7 +65,7 @@ def test_shared_sync_two_jobs_two_steps(tmp_path, tiny_model_dir, cache, monkeyp
     ev = json.loads((out / "eval.json").read_text())
     assert set(ev["before"]) == set(ev["after"]) == {"count", "mod"} and ev["after"]["count"]["version"] == 2
     assert summary["steps_measured"] == 4 and summary["steps_per_hour"] > 0
-    from colora.provenance import source_hash
+    from colora.record.provenance import source_hash
 
     assert summary["code_version"]["source_hash"] == source_hash()  # which code made the figures
 

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from colora.config import EngineConfig
-from colora.lora import AdapterBank, inject_lora
-from colora.models import load_base_model
+from colora.models.base import load_base_model
+from colora.training.lora import AdapterBank, inject_lora
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from colora.engine import RolloutEngine
+    from colora.engine.rollout import RolloutEngine
 
     eng = RolloutEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=1024,
                                                           enforce_eager=True),
@@ -35,7 +35,7 @@ def engine(tiny_model_dir):
 def export(engine, tmp_path_factory):
     """The trainer's side of the hand-off for the module's engine: one segment per job, rewritten in
     place per version, as in a run."""
-    from colora.adapter_export import AdapterExport
+    from colora.training.export import AdapterExport
 
     ex = AdapterExport("memory", engine.dtype, engine.model_dir, tmp_path_factory.mktemp("export"))
     yield ex
@@ -75,8 +75,8 @@ def test_reload_is_seen_at_once_despite_the_prefix_cache(engine, export, bank_mo
     weights (computed independently by the trainer), not KV cached under the old ones: from disk,
     the same whether the file carries the LoRA scale in lora_alpha or folded into B, and from the
     shared-memory segment the worker builds it from."""
-    from colora.adapter_sync import AdapterTensors
-    from colora.engine import GenRequest
+    from colora.engine.adapters import AdapterTensors
+    from colora.engine.rollout import GenRequest
 
     assert engine.adapter_sync == "memory"
     bank, model = bank_model
@@ -105,7 +105,7 @@ def test_in_memory_serves_what_disk_serves_and_what_the_trainer_computes(engine,
     directory: the engine's log-probs for the same seeded request are the same from either and equal
     the trainer's own log-probs of the tokens sampled (fp32). A version's bytes are never served as
     another version's."""
-    from colora.engine import GenRequest
+    from colora.engine.rollout import GenRequest
 
     bank, model = bank_model
     _randomize(bank, "b", 21)
@@ -131,7 +131,7 @@ def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, expo
     it holds already."""
     from vllm.lora.request import LoRARequest
 
-    from colora import adapter_sync
+    from colora.engine import adapters as adapter_sync
 
     bank, _ = bank_model
     given = set()
@@ -156,7 +156,7 @@ def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, expo
 def test_a_groups_versions_load_in_one_call_and_the_old_ones_leave(engine, export, bank_model, tmp_path):
     """`set_adapters` with two jobs' new versions from memory: one call into the engine core, which
     also removes their previous versions; each request then samples from its job's new weights."""
-    from colora.engine import GenRequest
+    from colora.engine.rollout import GenRequest
 
     bank, model = bank_model
     for name, seed in (("a", 31), ("b", 32)):  # a previous version of each to be replaced
@@ -183,7 +183,7 @@ def test_a_groups_versions_load_in_one_call_and_the_old_ones_leave(engine, expor
 
 
 def test_each_request_uses_its_own_jobs_adapter(engine, bank_model, tmp_path):
-    from colora.engine import GenRequest
+    from colora.engine.rollout import GenRequest
 
     bank, model = bank_model
     for name, seed in (("a", 5), ("b", 6)):
@@ -201,7 +201,7 @@ def test_each_request_uses_its_own_jobs_adapter(engine, bank_model, tmp_path):
 def test_a_dropped_adapter_leaves_the_engine(engine, bank_model, tmp_path):
     """`drop` takes a job's adapter out of colora's table and out of vLLM (a stopped job's adapter
     must not stay beside the others): the job is no longer served, and the other jobs still are."""
-    from colora.engine import GenRequest
+    from colora.engine.rollout import GenRequest
 
     bank, _ = bank_model
     v = bank.jobs["b"].version
@@ -224,7 +224,7 @@ def test_a_dropped_adapter_leaves_the_engine(engine, bank_model, tmp_path):
 
 
 def test_same_seed_same_rollout(engine, bank_model):
-    from colora.engine import GenRequest
+    from colora.engine.rollout import GenRequest
 
     reqs = [GenRequest("b", tuple(range(30, 50)), 8, 1.0, seed=123), GenRequest("b", tuple(range(30, 50)), 8, 1.0, seed=124)]
     one, two = engine.generate(reqs), engine.generate(reqs)
@@ -233,7 +233,7 @@ def test_same_seed_same_rollout(engine, bank_model):
 
 
 def test_unknown_job_is_refused(engine):
-    from colora.engine import GenRequest
+    from colora.engine.rollout import GenRequest
 
     with pytest.raises(KeyError, match="no adapter"):
         engine.generate([GenRequest("nobody", (1, 2, 3), 4, 1.0)])
@@ -242,7 +242,7 @@ def test_unknown_job_is_refused(engine):
 def test_warm_up_goes_through_every_adapter_and_changes_nothing(engine, bank_model, tmp_path):
     """The warm-up queues odd token counts through each loaded adapter and leaves the engine idle,
     with the same adapter versions and the same rollout for the same seed."""
-    from colora.engine import GenRequest
+    from colora.engine.rollout import GenRequest
 
     bank, _ = bank_model
     for name in ("a", "b"):
@@ -268,7 +268,7 @@ def test_warm_up_goes_through_every_adapter_and_changes_nothing(engine, bank_mod
 
 
 def test_step_rate_buckets_steps_by_when_they_ended():
-    from colora.steprate import StepRate
+    from colora.engine.steprate import StepRate
 
     r = StepRate(bucket=0.5)
     r.record(0.1, 0.2, 4, wait=0.05)
@@ -283,7 +283,7 @@ def test_step_rate_buckets_steps_by_when_they_ended():
 
 
 def test_the_wait_for_the_engine_core_is_timed_and_the_output_handed_on():
-    from colora.steprate import time_waits
+    from colora.engine.steprate import time_waits
 
     class Core:
         def get_output(self, timeout=None):

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from colora.config import EngineConfig, load_config
-from colora.runlog import read_jsonl
-from colora.engine import EngineCache
-from colora.runner import run
+from colora.engine.rollout import EngineCache
+from colora.record.runlog import read_jsonl
+from colora.run.runner import run
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 SMALL = ['jobs.*.task="coin_task:CoinFlip"', "jobs.*.task_options={}", "experiment.steps=2", "experiment.warmup_steps=0",
@@ -40,7 +40,7 @@ def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, ti
             assert summary["engine_process"] is (remote == "on")  # the report's engine column says so
             assert summary["adapter_sync"] == ("disk" if sync == "disk" else "memory")
             if remote == "on":
-                from colora.engine_process import RemoteEngine
+                from colora.engine.process import RemoteEngine
 
                 assert all(isinstance(e, RemoteEngine) for e in cache._engines.values())
         finally:
@@ -63,11 +63,11 @@ def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, tiny_model
     them, and refuses an in-memory adapter."""
     import torch
 
-    from colora.adapter_export import AdapterExport, SharedAdapters
-    from colora.engine import GenRequest
-    from colora.engine_process import EngineProcessError, RemoteEngine
-    from colora.lora import AdapterBank, inject_lora
-    from colora.models import load_base_model
+    from colora.engine.process import EngineProcessError, RemoteEngine
+    from colora.engine.rollout import GenRequest
+    from colora.models.base import load_base_model
+    from colora.training.export import AdapterExport, SharedAdapters
+    from colora.training.lora import AdapterBank, inject_lora
 
     eng = RemoteEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=512, enforce_eager=True),
                        max_loras=1, max_lora_rank=8, dtype="float32", seed=0, device="cpu", adapter_sync="disk")
@@ -102,7 +102,7 @@ def test_poll_returns_while_a_batch_is_in_flight(send):
     import multiprocessing as mp
     import threading
 
-    from colora.engine_process import RemoteEngine
+    from colora.engine.process import RemoteEngine
 
     here, child = mp.Pipe()
     eng = RemoteEngine.__new__(RemoteEngine)
@@ -121,7 +121,7 @@ def test_poll_returns_while_a_batch_is_in_flight(send):
                                            (None, "shared_sync", False), (None, "mps", False), ("auto", "overlap", True),
                                            ("off", "overlap_mps", False), ("on", "dedicated", True)])
 def test_the_client_runs_apart_by_default_only_where_groups_overlap(value, arm, own):
-    from colora.engine import engine_process
+    from colora.engine.rollout import engine_process
 
     sets = [f"experiment.arm={arm}"] + ([f"runtime.engine_process={value}"] if value else [])
     cfg = load_config(SMOKE, sets)  # None: the default

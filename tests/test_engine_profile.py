@@ -10,8 +10,15 @@ import json
 
 import pytest
 
-from colora.bench.engine_profile import (HOST_FAMILIES, kernel_family, load_trace, self_times, summarize, to_text,
-                                         union_length)
+from colora.bench.engine_profile import (
+    HOST_FAMILIES,
+    kernel_family,
+    load_trace,
+    self_times,
+    summarize,
+    to_text,
+    union_length,
+)
 from colora.bench.engine_report import family_fits, line_fit, to_markdown, write_figure
 
 DECODE = "execute_context_0(0)_generation_2(2)"

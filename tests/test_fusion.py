@@ -1,4 +1,4 @@
-"""The elementwise kernels that colora/fusion.py routes the model through compute what the model's own
+"""The elementwise kernels that colora/training/fusion.py routes the model through compute what the model's own
 code does: same logits and same gradients, for Qwen3 and for Llama, and only modules of the known
 pattern change (Triton's interpreter on the CPU)."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colora.fusion import fuse_elementwise, restore_rotary, should_fuse
-from colora.models import load_base_model
+from colora.models.base import load_base_model
+from colora.training.fusion import fuse_elementwise, restore_rotary, should_fuse
+
 
 def _tiny_llama(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM

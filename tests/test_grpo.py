@@ -1,4 +1,4 @@
-"""colora.grpo against hand-computed values: advantages, the three losses' weights, the k3 KL, the clip.
+"""colora.training.grpo against hand-computed values: advantages, the three losses' weights, the k3 KL, the clip.
 
 Every expected number is worked out in the comment beside it; the tensors are small enough to check
 by hand. The trainer's fidelity tests (tests/test_trainer.py) compare shared and solo steps with
@@ -14,8 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colora.grpo import group_advantages, sequence_token_weight, token_loss
-
+from colora.training.grpo import group_advantages, sequence_token_weight, token_loss
 
 # -- group-relative advantages ------------------------------------------------------------------
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0],   # mean 0.5, centred +-0.5, unbiased var (4 * 0.25) / 3 = 1/3
@@ -61,8 +60,8 @@ def test_a_dr_grpo_job_is_not_std_normalised_and_the_others_are():
     """A job's step is scored with centred rewards only for dr_grpo (Dr. GRPO drops the division by
     the group's std), and with the std-normalised advantage for grpo_seq / grpo_token jobs."""
     from colora.config import load_config, resolve
-    from colora.engine import GenRequest, GenResult
-    from colora.rollouts import score
+    from colora.corun.rollouts import score
+    from colora.engine.rollout import GenRequest, GenResult
 
     d = load_config(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml").to_dict()
     d["jobs"] = [{**d["jobs"][0], "name": loss, "loss": loss, "prompts_per_step": 1, "samples_per_prompt": 4}

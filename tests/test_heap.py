@@ -1,4 +1,4 @@
-"""colora.heap.frozen_heap: the set-up's objects leave the collector's passes for the run and come
+"""colora.run.heap.frozen_heap: the set-up's objects leave the collector's passes for the run and come
 back after it; what the run makes is collected as usual."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from colora.heap import frozen_heap
+from colora.run.heap import frozen_heap
 
 
 class _Node:

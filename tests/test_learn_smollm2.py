@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from colora.config import load_config
-from colora.runlog import read_jsonl
-from colora.runner import run
+from colora.record.runlog import read_jsonl
+from colora.run.runner import run
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.network]
 LEARN = Path(__file__).resolve().parents[1] / "experiments" / "learn_cpu.toml"
@@ -32,7 +32,7 @@ LEARN = Path(__file__).resolve().parents[1] / "experiments" / "learn_cpu.toml"
 def smollm2_home(request, tmp_path, monkeypatch) -> None:
     """builtin:smollm2 from the user's colora home if built there, else from temporary ones (above)."""
     from colora.environment import colora_home
-    from colora.smollm2 import WHEEL_NAME
+    from colora.models.smollm2 import WHEEL_NAME
 
     if (colora_home() / "models" / "smollm2" / "config.json").is_file():
         return

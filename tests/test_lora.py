@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from colora.lora import AdapterBank, inject_lora
-from colora.models import load_base_model
+from colora.models.base import load_base_model
+from colora.training.lora import AdapterBank, inject_lora
 
 
 def _bank_with_jobs(model_dir, seed=3, device="cpu"):
@@ -116,7 +116,7 @@ def test_write_safetensors_gives_the_librarys_tensors(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from colora.lora import write_safetensors
+    from colora.training.lora import write_safetensors
 
     g = torch.Generator().manual_seed(1)
     shapes = [(3, 5), (7,), (2, 1, 4), (1,)]

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from colora.models import TINY_SHAPE, load_base_model, load_tokenizer
+from colora.models.base import TINY_SHAPE, load_base_model, load_tokenizer
 
 
 def test_tiny_model_samples_broadly_but_can_put_almost_all_mass_on_one_token(tiny_model_dir):
@@ -32,7 +32,7 @@ def test_tiny_model_samples_broadly_but_can_put_almost_all_mass_on_one_token(tin
 
 
 def test_builtin_tiny_is_cached_under_its_builders_revision(tmp_path, monkeypatch):
-    from colora.resources import BUILTIN_MODELS, resolve_model
+    from colora.run.preflight import BUILTIN_MODELS, resolve_model
 
     monkeypatch.setenv("COLORA_HOME", str(tmp_path))
     stale = tmp_path / "models" / "tiny"  # a cache an earlier builder made: never served

@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from colora import closing, progress
+from colora.run import closing, progress
 
 SCRIPT = textwrap.dedent('''
     import logging, os, subprocess, sys
     from pathlib import Path
     from tqdm import tqdm
-    from colora import output, progress
+    from colora import output
+    from colora.run import progress
 
     out, mode = Path(sys.argv[1]), sys.argv[2]
     logging.basicConfig(level=logging.INFO)  # a library's handler on stderr, as vLLM's is

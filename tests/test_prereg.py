@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from colora import prereg
 from colora.config import load_config, replace
+from colora.studies import prereg
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.toml"

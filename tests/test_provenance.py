@@ -1,4 +1,4 @@
-"""colora.provenance: the code version a run's summary records.
+"""colora.record.provenance: the code version a run's summary records.
 
     pytest tests/test_provenance.py -q
 """
@@ -9,7 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from colora.provenance import code_version, git_commit, package_dirs, source_hash
+from colora.record.provenance import code_version, git_commit, package_dirs, source_hash
 
 
 def _copy(tmp: Path) -> dict[str, Path]:

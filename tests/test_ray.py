@@ -83,7 +83,7 @@ def test_merge_sums_steps_over_gpu_seconds(tiny_model_dir):
 def test_resume_of_a_run_whose_corunners_all_completed_only_merges(tiny_model_dir, tmp_path):
     """The driver died after its co-runners finished: --resume starts nothing and writes the merge."""
     from colora.cluster.driver import resume_cluster
-    from colora.runlog import write_json_atomic
+    from colora.record.runlog import write_json_atomic
 
     cfg = four_jobs(tiny_model_dir)
     placement = [["count", "mod"], ["count2", "mod2"]]
@@ -209,7 +209,7 @@ def test_a_cluster_run_checks_the_splits_before_any_directory(tmp_path, tiny_mod
     """A size that every co-runner would fail on is refused before cluster.json is written."""
     pytest.importorskip("ray")
     from colora.cluster.driver import run_cluster
-    from colora.resources import RunError
+    from colora.run.preflight import RunError
 
     cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "jobs.1.task_options={terms=1, max_operand=2, "
                               "max_modulus=2}"])
@@ -220,12 +220,12 @@ def test_a_cluster_run_checks_the_splits_before_any_directory(tmp_path, tiny_mod
 
 # -- without Ray --------------------------------------------------------------------------------------
 def test_without_ray_one_gpu_runs_as_today_and_more_names_the_extra(monkeypatch, capsys, tiny_model_dir):
+    import colora.run.runner
     from colora import cli
-    import colora.runner
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     ran = []
-    monkeypatch.setattr(colora.runner, "run", lambda cfg, out, **kw: ran.append(out) or {
+    monkeypatch.setattr(colora.run.runner, "run", lambda cfg, out, **kw: ran.append(out) or {
         "experiment": "smoke", "arm": "shared_sync", "seed": 0, "steps_per_hour": 1.0, "steps_measured": 1,
         "seconds_measured": 1.0, "engine_start_s": 1.0, "wall_s": 1.0, "jobs": {}})
     base = [str(SMOKE), "--set", f'experiment.model="{tiny_model_dir}"']
@@ -254,7 +254,7 @@ def _adapter(path: Path) -> dict:
 
 
 def _rows(run: Path, job: str) -> list[dict]:
-    from colora.runlog import read_jsonl
+    from colora.record.runlog import read_jsonl
 
     return sorted((r for r in read_jsonl(run / "metrics.jsonl") if r.get("job") == job and r.get("status") == "ok"),
                   key=lambda r: r["step"])
@@ -339,8 +339,8 @@ def test_b_a_sweeps_dedicated_run_goes_in_parts_side_by_side(reference, tmp_path
     throughput is the one-GPU quantity (summed steps over summed seconds), and each job's rollouts
     and adapter equal the one-process shared_sync run's: a job's update is its own in every arm
     (docs/architecture.md, the contract) and its prompts and sampling seeds derive from (run seed, job, step)."""
-    from colora import orchestrate, sweep
-    from colora.throughput import steps_per_job
+    from colora.record.throughput import steps_per_job
+    from colora.sweeps import orchestrate, sweep
 
     cfg, root, _ = reference
     out, plan = tmp_path / "sweep", sweep.plan_runs(["dedicated"], [0])

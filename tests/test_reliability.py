@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from colora.checkpoint import Checkpointer, load_latest
-from colora.config import load_config
-from colora.runlog import read_jsonl
 from same_step import assert_same_adamw_state
+
+from colora.config import load_config
+from colora.record.runlog import read_jsonl
+from colora.run.checkpoint import Checkpointer, load_latest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.toml"
@@ -42,8 +42,8 @@ class _Job:
 
 
 def _two_job_bank(tiny_model_dir):
-    from colora.lora import AdapterBank, inject_lora
-    from colora.models import load_base_model
+    from colora.models.base import load_base_model
+    from colora.training.lora import AdapterBank, inject_lora
 
     bank = AdapterBank("cpu", "torch")
     inject_lora(load_base_model(tiny_model_dir, torch.float32, "cpu"), bank)
@@ -79,7 +79,7 @@ def test_a_periodic_checkpoint_is_written_in_the_background_from_the_state_at_it
     written comes from the trainer's thread, and finish() waits for it instead of writing it again."""
     import threading
 
-    from colora import checkpoint
+    from colora.run import checkpoint
 
     cfg = load_config(SMOKE)
     bank = _two_job_bank(tiny_model_dir)
@@ -114,8 +114,8 @@ def test_a_periodic_checkpoint_is_written_in_the_background_from_the_state_at_it
 
 def test_a_failed_background_write_raises_at_the_next_checkpoint_and_keeps_the_previous(tmp_path, tiny_model_dir,
                                                                                        monkeypatch):
-    from colora import checkpoint
-    from colora.checkpoint import CheckpointError
+    from colora.run import checkpoint
+    from colora.run.checkpoint import CheckpointError
 
     cfg = load_config(SMOKE)
     bank = _two_job_bank(tiny_model_dir)
@@ -143,7 +143,7 @@ def test_a_failed_background_write_raises_at_the_next_checkpoint_and_keeps_the_p
 
 
 def test_rewind_keeps_old_logs_and_drops_rows_after_the_checkpoint(tmp_path):
-    from colora.checkpoint import rewind_logs
+    from colora.run.checkpoint import rewind_logs
 
     rows = [{"job": "a", "step": s, "status": "ok"} for s in range(4)] + [{"job": "a", "event": "reload", "version": 3}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -156,7 +156,7 @@ def test_rewind_keeps_old_logs_and_drops_rows_after_the_checkpoint(tmp_path):
 # -- MPS -------------------------------------------------------------------------------------------
 def test_mps_daemon_is_stopped_after_a_failing_run(tmp_path, tiny_model_dir, monkeypatch, fake_mps_control):
     """A fake nvidia-cuda-mps-control records its calls; the run fails after the daemon started."""
-    import colora.engine
+    import colora.engine.rollout
 
     log = fake_mps_control()
 
@@ -164,8 +164,8 @@ def test_mps_daemon_is_stopped_after_a_failing_run(tmp_path, tiny_model_dir, mon
         assert os.environ.get("CUDA_MPS_PIPE_DIRECTORY"), "the engine must start inside the daemon's environment"
         raise RuntimeError("engine failed to start")
 
-    monkeypatch.setattr(colora.engine.RolloutEngine, "__init__", boom)
-    from colora.runner import run
+    monkeypatch.setattr(colora.engine.rollout.RolloutEngine, "__init__", boom)
+    from colora.run.runner import run
 
     cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "experiment.arm=mps"])
     with pytest.raises(RuntimeError, match="engine failed to start"):
@@ -183,20 +183,20 @@ def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(t
     that while it starts the engine: the H200 showed all 132 SMs to a trainer set to 25% until the
     trainer made its context first. Here CUDA is faked: the context must be made under the trainer's
     share, the engine process spawned under the engine's."""
-    import colora.engine
-    import colora.engine_process
-    import colora.mps
+    import colora.engine.process
+    import colora.engine.rollout
+    import colora.run.mps
 
     fake = tmp_path / "bin" / "nvidia-cuda-mps-control"
     fake.parent.mkdir()
     fake.write_text("#!/bin/sh\n[ \"$1\" = \"-d\" ] || read cmd\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    monkeypatch.setattr(colora.mps, "mps_available", lambda: (True, ""))
+    monkeypatch.setattr(colora.run.mps, "mps_available", lambda: (True, ""))
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
-    monkeypatch.setattr(colora.mps, "_claimed", {})
-    monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: False)
-    monkeypatch.setattr(colora.mps, "_cuda_available", lambda: True)
+    monkeypatch.setattr(colora.run.mps, "_claimed", {})
+    monkeypatch.setattr(colora.run.mps, "_cuda_initialized", lambda: False)
+    monkeypatch.setattr(colora.run.mps, "_cuda_available", lambda: True)
     events = []
 
     def make_context():
@@ -207,12 +207,12 @@ def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(t
         events.append(("engine", os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]))
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(colora.mps, "_make_context", make_context)
+    monkeypatch.setattr(colora.run.mps, "_make_context", make_context)
     # the engine's client in this process, or in one of its own (the default for this arm): spawned
     # under the engine's share either way
-    monkeypatch.setattr(colora.engine_process.RemoteEngine if remote != "off" else colora.engine.RolloutEngine,
+    monkeypatch.setattr(colora.engine.process.RemoteEngine if remote != "off" else colora.engine.rollout.RolloutEngine,
                         "__init__", engine)
-    from colora.runner import run
+    from colora.run.runner import run
 
     cfg = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "experiment.arm=overlap_mps",
                               "overlap.mps_trainer_percentage=25", "overlap.mps_engine_percentage=90",
@@ -223,25 +223,25 @@ def test_the_trainer_makes_its_context_with_its_share_before_the_engine_starts(t
 
 
 def test_a_process_claims_one_share(monkeypatch, tmp_path):
-    import colora.mps
-    from colora.mps import MpsDaemon, MpsShareError
+    import colora.run.mps
+    from colora.run.mps import MpsDaemon, MpsShareError
 
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "pipe"))
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)  # restored after the test
-    monkeypatch.setattr(colora.mps, "_claimed", {})
-    monkeypatch.setattr(colora.mps, "_cuda_available", lambda: True)
-    monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: True)
+    monkeypatch.setattr(colora.run.mps, "_claimed", {})
+    monkeypatch.setattr(colora.run.mps, "_cuda_available", lambda: True)
+    monkeypatch.setattr(colora.run.mps, "_cuda_initialized", lambda: True)
     d = MpsDaemon.attached()
     with pytest.raises(MpsShareError, match="initialised CUDA before colora set its MPS share"):
         d.claim(25)  # a context made by someone else, with whatever share: refused, not mislabelled
-    monkeypatch.setattr(colora.mps, "_cuda_initialized", lambda: False)
+    monkeypatch.setattr(colora.run.mps, "_cuda_initialized", lambda: False)
     made = []
-    monkeypatch.setattr(colora.mps, "_make_context", lambda: made.append(1) or 33)
+    monkeypatch.setattr(colora.run.mps, "_make_context", lambda: made.append(1) or 33)
     assert d.claim(25) == 33 and d.claim(25) == 33 and made == [1]  # once per process
     with pytest.raises(MpsShareError, match="has 25% of the SMs.*50% needs a new process"):
         d.claim(50)
-    monkeypatch.setattr(colora.mps, "_claimed", {})
-    monkeypatch.setattr(colora.mps, "_cuda_available", lambda: False)
+    monkeypatch.setattr(colora.run.mps, "_claimed", {})
+    monkeypatch.setattr(colora.run.mps, "_cuda_available", lambda: False)
     assert d.claim(40) is None and os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"  # no CUDA here
 
 
@@ -294,10 +294,9 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
     """Two of three jobs fail (a raising reward, a non-finite loss): they stop with their reasons
     and their adapters leave the engine at once; the third does each step as it does alone: the
     same loss and gradient norm every step, the same AdamW state and adapter at the end."""
-    from colora.checkpoint import load_latest
-    from colora.engine import RolloutEngine
-    from colora.engine import EngineCache
-    from colora.runner import run
+    from colora.engine.rollout import EngineCache, RolloutEngine
+    from colora.run.checkpoint import load_latest
+    from colora.run.runner import run
 
     drops, closing = [], []  # (job, during the run, still served or listed by vLLM after the drop)
     real_drop, real_drop_all = RolloutEngine.drop, RolloutEngine.drop_all
@@ -344,7 +343,7 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
     assert sorted(d for d in drops if d[1]) == [("count", True, False), ("mod", True, False)], drops
     assert {d[0] for d in drops if not d[1]} == {"healthy"} and not any(d[2] for d in drops), drops
     # the failed training step was kept, and running it again by itself fails the same way
-    from colora import replay
+    from colora.run import replay
 
     kept = sorted((tmp_path / "three" / "failed_steps").iterdir())
     assert len(kept) == 1, kept
@@ -378,7 +377,7 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
 def test_engine_death_checkpoints_and_the_run_resumes(tmp_path, tiny_model_dir):
     import psutil
 
-    from colora.runner import RunFailed, resume, run
+    from colora.run.runner import RunFailed, resume, run
 
     cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=3"])
     me = psutil.Process()
@@ -397,7 +396,7 @@ def test_engine_death_checkpoints_and_the_run_resumes(tmp_path, tiny_model_dir):
 
 
 def test_attached_daemon_sets_shares_and_leaves_stopping_to_its_owner(monkeypatch, tmp_path):
-    from colora.mps import MpsDaemon, MpsUnavailable
+    from colora.run.mps import MpsDaemon, MpsUnavailable
 
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     with pytest.raises(MpsUnavailable):
@@ -415,7 +414,7 @@ def test_an_exclusive_engine_cache_closes_the_others_and_frees_cuda_memory_befor
     """On the H200 an engine with a new key failed to start beside the cached one (13 of 140 GiB free):
     an exclusive get must close every other engine and release the allocator's cache first, and
     still reuse an engine whose key matches without closing anything."""
-    from colora import engine
+    from colora.engine import rollout as engine
 
     events = []
     monkeypatch.setattr(engine, "release_cuda_cache", lambda: events.append("release"))

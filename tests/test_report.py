@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from colora import report
 from colora.config import load_config, replace
-from colora.prereg import lock_hash
-from colora.runlog import write_json_atomic
-from colora.stats import _BOOTSTRAP_RNG_KW as _RNG_KW
+from colora.record.runlog import write_json_atomic
+from colora.studies import report
+from colora.studies.prereg import lock_hash
+from colora.studies.stats import _BOOTSTRAP_RNG_KW as _RNG_KW
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.toml"
@@ -141,7 +141,7 @@ def test_report_numbers_match_hand_computation(tmp_path):
 
 def _prereg(tmp_path: Path, seeds=(1, 2)) -> Path:
     """A pre-registration of the smoke config (the reference study's gates) over `seeds`."""
-    from colora.prereg import lock
+    from colora.studies.prereg import lock
 
     pr, _, _ = lock(SMOKE, tmp_path / "p.md")
     text = pr.read_text()
@@ -199,7 +199,7 @@ def test_report_puts_fresh_seeds_in_a_replication_section(tmp_path):
 
 
 def test_report_names_short_measured_windows(tmp_path):
-    from colora.throughput import SHORT_WINDOW_S, SHORT_WINDOW_STEPS, short_window
+    from colora.record.throughput import SHORT_WINDOW_S, SHORT_WINDOW_STEPS, short_window
 
     assert short_window(SHORT_WINDOW_S, 2 * SHORT_WINDOW_STEPS, 2) is None
     assert "too short" in short_window(SHORT_WINDOW_S - 0.1, 100, 2)
@@ -287,7 +287,7 @@ def test_report_repeat_from_order_without_sweep_json(tmp_path):
 
 
 def test_report_with_prereg_flags_runs_of_another_config(tmp_path):
-    from colora.prereg import lock
+    from colora.studies.prereg import lock
 
     pr, _, _ = lock(SMOKE, tmp_path / "p.md")
     ok = make_fake_sweep(tmp_path / "ok")
@@ -334,7 +334,7 @@ def _recompute(sweep: Path) -> dict:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_tiny_sweep_then_report_end_to_end(tmp_path, tiny_model_dir, capsys):
-    from colora import sweep
+    from colora.sweeps import sweep
 
     out = tmp_path / "sweep"
     sets = [f"experiment.model={json.dumps(str(tiny_model_dir))}", "experiment.steps=2", "experiment.eval_size=4",

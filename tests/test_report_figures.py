@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from colora import report, report_figures, stats
-from colora.runlog import write_json_atomic
 from test_report import write_fake_run
+
+from colora.record.runlog import write_json_atomic
+from colora.studies import report, report_figures, stats
 
 NAMES = ["add2d", "add3", "countdown", "counting", "gsm", "linalg", "modular", "sorting"]
 SPH = {"dedicated": 1000.0, "shared_sync": 2300.0, "overlap": 2500.0, "mps": 2400.0, "overlap_mps": 2700.0}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from colora import prereg
 from colora.config import ConfigError, load_config, replace
+from colora.studies import prereg
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.toml"
@@ -109,7 +109,7 @@ def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     """With the default run options a run checkpoints every 5 steps: one that breaks off after step 5
     (here its log raises right after the checkpoint) continues with `resume` to its last step, records
     its run options in summary.json, and leaves a checkpoint of its end."""
-    from colora.runner import resume, run
+    from colora.run.runner import resume, run
 
     cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=6"])
     out = tmp_path / "run"

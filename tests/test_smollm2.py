@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from colora.models import ModelDirError
-from colora.smollm2 import (
+from colora.models.base import ModelDirError
+from colora.models.smollm2 import (
     BUILD_MARKER,
     CHECK_EXPECT,
     GGUF_MEMBER,

@@ -1,7 +1,7 @@
 """Every repository path that the code's docstrings, comments and configs name exists.
 
 tests/test_docs_links.py checks the Markdown documents; this checks the rest of the tracked text: a path
-whose first part is one of the repository's folders (`colora/engine.py`, `reports/smollm2/report.md`)
+whose first part is one of the repository's folders (`colora/engine/rollout.py`, `reports/smollm2/report.md`)
 must exist, and nothing may name a file outside the repository (`../shared/...`, a design document
 that is not in it). Exempt: what a command writes (`--out reports/NAME`), placeholders in capitals or
 angle brackets (`prereg/NAME.md`, `configs/<GPU>.json`), and globs that match a file.
@@ -54,7 +54,7 @@ def test_every_path_the_code_names_exists():
 
 
 def test_the_check_finds_what_is_missing():
-    text = ("# see reports/h200/eighth and colora/engine.py; ../shared/gpu/README.md; DESIGN.md\n"
+    text = ("# see reports/h200/eighth and colora/engine/rollout.py; ../shared/gpu/README.md; DESIGN.md\n"
             "'''(seeds/002, `reports/smollm2/report.md`, ~/.cache/colora/models, kernels/lora/configs/<GPU>.json)\n"
             "    colora report RUNS --out reports/NAME; colora bench kernels --out reports/kernels\n"
             "    reports/*/report.md and reports/*/nothing.md, prereg/NAME.md, tests/nope.py.\n")

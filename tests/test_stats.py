@@ -1,4 +1,4 @@
-"""colora.stats against hand-computed values and scipy on fixed data."""
+"""colora.studies.stats against hand-computed values and scipy on fixed data."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from colora import stats
-from colora.stats import FAIL, NOT_EVALUATED, PASS, Gates, Interval
+from colora.studies import stats
+from colora.studies.stats import FAIL, NOT_EVALUATED, PASS, Gates, Interval
 
 
 def test_average_repeats_then_pair_by_job_and_seed():

@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from test_reliability import ROOT, SMALL, SMOKE, _adapters, _max_diff
 
 from colora.stopping import Interrupted, StopRequest, handling_signals
-from test_reliability import ROOT, SMALL, SMOKE, _adapters, _max_diff
 
 STEPS = 4
 STOP_BOUND_S = 60.0  # the longest a run may take to end after a signal (it measures a few seconds here)
@@ -365,7 +365,8 @@ def test_what_a_signal_says_reaches_the_terminal_and_the_run_log_in_quiet_output
     log = tmp_path / "run.log"
     code = f"""
 import os, signal, time
-from colora import output, progress
+from colora import output
+from colora.run import progress
 from colora.stopping import handling_signals
 with output.session(False, "stdout"), handling_signals() as stop:
     with progress.run_output({str(log)!r}, "r", ["a"], 1), stop.deferred():
@@ -484,8 +485,9 @@ def test_a_stop_request_wakes_the_wait_for_rollouts_that_never_come(tmp_path):
 
 @pytest.mark.parametrize("asked", [True, False])
 def test_an_engine_that_dies_with_a_stop_request_is_the_interruption(tmp_path, asked):
-    from colora.corunner import EngineFailure
     from test_corunner import LoopEngine, _loop_runner
+
+    from colora.corun.corunner import EngineFailure
 
     class Dying(LoopEngine):
         def poll(self):
@@ -506,8 +508,8 @@ def test_an_engine_that_dies_with_a_stop_request_is_the_interruption(tmp_path, a
 # -- the orchestrator's side, with fake runs (no vLLM) ---------------------------------------------
 def _fake_interrupted_run(cfg, out, cache, log):
     """What `colora run` leaves when a signal stops it after a checkpoint: then Interrupted."""
-    from colora.checkpoint import save
-    from colora.runlog import write_json_atomic
+    from colora.record.runlog import write_json_atomic
+    from colora.run.checkpoint import save
 
     out.mkdir(parents=True)
     write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
@@ -517,10 +519,11 @@ def _fake_interrupted_run(cfg, out, cache, log):
 
 
 def test_a_sweep_records_the_interrupted_run_and_resumes_it_next_time(tmp_path):
-    from colora import orchestrate
-    from colora.config import load_config
-    from colora.sweep import plan_runs
     from test_sweep import FakeRunner
+
+    from colora.config import load_config
+    from colora.sweeps import orchestrate
+    from colora.sweeps.sweep import plan_runs
 
     cfg, root = load_config(SMOKE), tmp_path / "sw"
     plan = plan_runs(["shared_sync"], [1, 2])
@@ -540,7 +543,7 @@ def test_a_sweep_records_the_interrupted_run_and_resumes_it_next_time(tmp_path):
     resumed, second = [], FakeRunner()
 
     def resume_fn(out, cache, log):  # what `colora run --resume` leaves
-        from colora.runlog import write_json_atomic
+        from colora.record.runlog import write_json_atomic
 
         resumed.append(out)
         write_json_atomic(out / "summary.json", {"steps_per_hour": 1.0})
@@ -553,10 +556,10 @@ def test_a_sweep_records_the_interrupted_run_and_resumes_it_next_time(tmp_path):
 
 
 def test_a_run_whose_child_process_was_stopped_is_marked_interrupted(tmp_path):
-    from colora import orchestrate
     from colora.config import load_config
-    from colora.rundirs import Record
-    from colora.sweep import plan_runs
+    from colora.sweeps import orchestrate
+    from colora.sweeps.plan import Record
+    from colora.sweeps.sweep import plan_runs
 
     cfg, root = load_config(SMOKE), tmp_path / "sw"
 
@@ -574,7 +577,7 @@ def test_a_run_whose_child_process_was_stopped_is_marked_interrupted(tmp_path):
 def test_a_stopped_child_gets_sigterm_then_its_group_sigkill(tmp_path):
     """The child itself gets SIGTERM (it stops its run in order); what is left of its process group
     afterwards (an engine process, here a sleep) is killed."""
-    from colora import orchestrate
+    from colora.sweeps import orchestrate
 
     mark = tmp_path / "term"
     child = subprocess.Popen(["bash", "-c", f'trap "touch {mark}; exit 143" TERM; sleep 60 & wait'],
@@ -589,7 +592,7 @@ def test_a_stopped_child_gets_sigterm_then_its_group_sigkill(tmp_path):
 def test_a_second_signal_tells_the_mps_daemon_to_quit_without_waiting(tmp_path, fake_mps_control):
     """On a second signal the run (an MPS client, about to exit) only sends `quit`; a fake
     nvidia-cuda-mps-control records the calls."""
-    from colora.mps import MpsDaemon
+    from colora.run.mps import MpsDaemon
 
     calls = fake_mps_control()
     d = MpsDaemon(tmp_path / "mps")
@@ -608,12 +611,12 @@ def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, m
     (a run's, through claim) sends `quit` and goes on at once, another waits for the reply (here, up
     to its timeout). The fake nvidia-cuda-mps-control answers `quit` only after 3 s, as the real one
     does while a client lives."""
-    import colora.mps
-    from colora.mps import MpsDaemon
+    import colora.run.mps
+    from colora.run.mps import MpsDaemon
 
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     for client, expect in ((True, "quit sent"), (False, "quit timed out after 0.5s")):
-        monkeypatch.setattr(colora.mps, "_claimed", {"percentage": 100, "sms": 132} if client else {})
+        monkeypatch.setattr(colora.run.mps, "_claimed", {"percentage": 100, "sms": 132} if client else {})
         calls = fake_mps_control(reply_after=3)
         d = MpsDaemon(tmp_path / "mps", quit_timeout=0.5)
         d.start()
@@ -634,13 +637,14 @@ def test_a_run_that_is_a_client_does_not_wait_for_the_daemon_to_quit(tmp_path, m
 def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm, request):
     """Repeated to catch races: a real SIGINT at 16 moments spread over a run's first steps (fake engine
     and a trainer whose step takes a few ms, in this process, under handling_signals and deferred as
-    colora/runner.py runs them). Each run raises Interrupted (in milliseconds); every step the trainer
+    colora/run/runner.py runs them). Each run raises Interrupted (in milliseconds); every step the trainer
     made is counted and logged, none is half done; no rollout was stale (VersionTrainer refuses one)
     and the engine thread is gone."""
     import threading
 
-    from colora.runlog import read_jsonl
     from test_corunner import VersionTrainer, _loop_runner
+
+    from colora.record.runlog import read_jsonl
 
     class SlowTrainer(VersionTrainer):
         def step(self, rollouts):

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from colora import orchestrate, rundir, sweep
 from colora.config import load_config
-from colora.prereg import lock
-from colora.runlog import write_json_atomic
+from colora.record.runlog import write_json_atomic
+from colora.run import rundir
+from colora.studies.prereg import lock
+from colora.sweeps import orchestrate, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.toml"

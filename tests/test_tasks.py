@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from colora.tasks import Item, Task, TaskError, format_items, get_task, list_tasks, register_task, split_of
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_sample.jsonl"
@@ -129,7 +128,7 @@ def test_an_import_path_task_beside_its_config_file(tmp_path, monkeypatch, task_
     """`task = "mod:Class"` finds mod.py in the config file's folder (and the modules beside it),
     from any current directory; run in a resume, config.json's task_dirs do the same."""
     from colora.config import load_config
-    from colora.resources import load_tasks
+    from colora.run.preflight import load_tasks
 
     cfg_dir = tmp_path / "experiment"
     cfg_dir.mkdir()

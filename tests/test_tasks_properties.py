@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from colora.tasks import Item, Task, get_task, list_tasks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from colora.tasks import Item, Task, get_task, list_tasks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k_sample.jsonl"
 

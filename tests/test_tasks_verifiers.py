@@ -9,7 +9,6 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-
 from colora.tasks import Item, get_task
 from colora.tasks.arith import MAX_DEPTH, MAX_TOKENS, ArithError, evaluate
 from colora.tasks.extract import final_span, last_number, numbers_in, words_in

@@ -14,8 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from colora.timeslice import (Broker, BrokerGone, BrokerRefused, GpuGate, NullGate, ParkStats, read_log,
-                              start_broker, summarize)
+from colora.timeslice import (
+    Broker,
+    BrokerGone,
+    BrokerRefused,
+    GpuGate,
+    NullGate,
+    ParkStats,
+    read_log,
+    start_broker,
+    summarize,
+)
 from colora.timeslice.process import wait_listening
 from colora.timeslice.protocol import decode, encode
 

@@ -12,8 +12,14 @@ import os
 import pytest
 import torch
 
-from colora.timeslice.parking import (NO_SLEEP_MODE, CudaCheckpointParker, EngineParker, NullParker, TrainerParker,
-                                      engine_parker)
+from colora.timeslice.parking import (
+    NO_SLEEP_MODE,
+    CudaCheckpointParker,
+    EngineParker,
+    NullParker,
+    TrainerParker,
+    engine_parker,
+)
 
 
 class _Tenant(torch.nn.Module):

@@ -7,14 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from same_step import assert_same_adamw_state
 from transformers import AutoConfig
 
 from colora.config import JobConfig, TrainerConfig
-from colora.grpo import group_advantages
-from colora.lora import AdapterBank, inject_lora
-from colora.models import load_base_model
-from colora.trainer import MultiJobTrainer, Rollout, StaleRolloutError
-from same_step import assert_same_adamw_state
+from colora.models.base import load_base_model
+from colora.training.grpo import group_advantages
+from colora.training.lora import AdapterBank, inject_lora
+from colora.training.trainer import MultiJobTrainer, Rollout, StaleRolloutError
 
 JOB_A = JobConfig(name="a", task="addition", lora_rank=4, lora_alpha=8.0, learning_rate=1e-3,
                   target_modules=("q_proj", "v_proj", "down_proj"), grad_clip=1e-3, loss="grpo_seq",
@@ -405,7 +405,7 @@ def _pack_reference(mb, order, pad_id):
 def test_pack_micro_batch_equals_the_per_token_loop():
     import random
 
-    from colora.trainer import _Seq, pack_micro_batch
+    from colora.training.trainer import _Seq, pack_micro_batch
 
     rng = random.Random(0)
     order = ("b", "a", "c")
@@ -460,7 +460,7 @@ def test_packed_rows_take_the_padded_step(tiny_model_dir, micro_batch_tokens):
 def test_packed_rows_layout():
     """pack_micro_batch_rows: ids back to back, positions restarting at each sequence, the hidden
     state that predicts each completion token, its job, and the sequences' starts."""
-    from colora.trainer import _Seq, pack_micro_batch_rows
+    from colora.training.trainer import _Seq, pack_micro_batch_rows
 
     mb = [_Seq("b", [5, 6, 7, 8], 2, 1.0, 0.5, 1.0, 0.0, [-0.1, -0.2]),
           _Seq("a", [9, 10, 11], 1, 2.0, -0.5, 0.7, 0.1, [])]
@@ -477,7 +477,7 @@ def test_packed_rows_layout():
 def test_packed_rows_by_default_on_cuda_only(tiny_model_dir):
     """Packed rows unless told otherwise on CUDA only (an H200 A/B, measured at 0e15773);
     `packed_rows=` decides on any device."""
-    from colora.packing import packed_by_default
+    from colora.training.packing import packed_by_default
 
     assert (packed_by_default(torch.device("cpu")), packed_by_default("cuda")) == (False, True)
     for packed_rows, want in ((None, False), (True, True), (False, False)):
@@ -487,7 +487,7 @@ def test_packed_rows_by_default_on_cuda_only(tiny_model_dir):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_packed_rows_on_the_gpu_take_the_padded_step(tiny_model_dir, dtype):
-    """The CUDA paths of colora/packing.py: in bf16 torch's varlen attention (whatever its torch
+    """The CUDA paths of colora/training/packing.py: in bf16 torch's varlen attention (whatever its torch
     version's signature), in fp32 one SDPA call per sequence (FlashAttention has no fp32; the first
     run of this test on the H200 failed there, at 0e15773): the same step
     as the padded trainer, within fp32's or bf16's rounding of the flash and cuBLAS kernels."""
@@ -517,7 +517,7 @@ def test_packed_rows_on_the_gpu_take_the_padded_step(tiny_model_dir, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_varlen_attention_on_the_gpu_equals_one_sdpa_call_per_sequence(dtype):
-    from colora.packing import varlen_attention
+    from colora.training.packing import varlen_attention
 
     g = torch.Generator().manual_seed(0)
     lens = [5, 17, 1, 64, 30]
@@ -534,10 +534,10 @@ def test_varlen_attention_on_the_gpu_equals_one_sdpa_call_per_sequence(dtype):
 
 @pytest.mark.gpu
 def test_varlen_attention_on_the_gpu_takes_grouped_kv_as_they_are(monkeypatch):
-    """K/V with fewer heads than Q go to FlashAttention as they are (no repeat: colora/packing.py);
+    """K/V with fewer heads than Q go to FlashAttention as they are (no repeat: colora/training/packing.py);
     output and gradients equal those of the same call with K/V repeated (the fallback for a torch
     that refused them), and the inputs' gradients come back in their [1, T, H, D] layout."""
-    import colora.packing as packing
+    import colora.training.packing as packing
 
     g = torch.Generator().manual_seed(1)
     lens = [7, 33, 1, 90]
@@ -581,10 +581,10 @@ def test_gradients_reach_the_optimizer_in_the_parameters_layout(tiny_model_dir):
 
 
 def test_flash_varlen_repeats_grouped_kv_only_for_a_torch_that_refuses_them(monkeypatch):
-    """colora/packing.py's call of torch's varlen attention, with a stand-in for it: grouped K/V go
+    """colora/training/packing.py's call of torch's varlen attention, with a stand-in for it: grouped K/V go
     as they are; a torch that refuses them (a RuntimeError on the heads) gets them repeated from
     then on; running out of memory is not taken for a refusal."""
-    import colora.packing as packing
+    import colora.training.packing as packing
 
     monkeypatch.setattr(packing, "_repeat_kv", [])
     q, k = torch.zeros(5, 4, 8), torch.zeros(5, 2, 8)

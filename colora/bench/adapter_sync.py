@@ -15,7 +15,7 @@ own (a new LoRA name and id):
 - disk: `AdapterBank.export_peft` into a directory on tmpfs where there is one (as a run's adapter
   scratch is), then vLLM's `add_lora` from its path (`runtime.adapter_sync = "disk"`);
 - memory: `AdapterExport.export` into the job's shared-memory segment, from which vLLM's worker builds the
-  adapter (`runtime.adapter_sync = "memory"`, colora/adapter_sync.py).
+  adapter (`runtime.adapter_sync = "memory"`, colora/engine/adapters.py).
 
 Both under two conditions: the engine idle (every job's version in turn), and the engine decoding,
 as in a run, where one group's adapters load while another group decodes: the jobs split in two
@@ -41,14 +41,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..adapter_sync import memory_unsupported
-from ..config import load_config
-from ..adapter_export import AdapterExport
-from ..engine import GenRequest, RolloutEngine, engine_process, plain_token_ids
-from ..engine_process import RemoteEngine
-from ..resources import RunError, adapter_scratch, resolve_device, resolve_model, start_mps, torch_dtype
-from ..runlog import write_report
-from ..trainer import build_trainer
+from colora.config import load_config
+from colora.engine.adapters import memory_unsupported
+from colora.engine.process import RemoteEngine
+from colora.engine.rollout import GenRequest, RolloutEngine, engine_process, plain_token_ids
+from colora.record.runlog import write_report
+from colora.run.preflight import RunError, adapter_scratch, resolve_device, resolve_model, start_mps, torch_dtype
+from colora.training.export import AdapterExport
+from colora.training.trainer import build_trainer
 
 PATHS = ("disk", "memory")
 CONDITIONS = ("idle", "decoding")

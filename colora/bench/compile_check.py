@@ -25,6 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from colora.bench.tune import candidates
 from colora.kernels.logsoftmax_kernels import selective_logsoftmax_kernel
 from colora.kernels.lora.common import block_r
 from colora.kernels.lora.meta import LoRABatchMeta
@@ -33,8 +34,6 @@ from colora.kernels.lora.reduce import lora_reduce_kernel
 from colora.kernels.lora.sgrad import lora_sgrad_kernel
 from colora.kernels.lora.shrink import lora_shrink_kernel
 from colora.kernels.lora.stream import lora_stream_kernel
-
-from .tune import candidates
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

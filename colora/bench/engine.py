@@ -59,14 +59,14 @@ from unittest import mock
 import numpy as np
 import torch
 
-from ..config import load_config
-from ..engine import GenRequest, RolloutEngine, plain_token_ids
-from ..lora import AdapterBank, inject_lora
-from ..models import load_base_model
-from ..resources import resolve_device, resolve_model, start_mps, torch_dtype
-from ..runlog import write_report
-from .engine_profile import load_trace, summarize, to_text
-from .engine_report import line_fit, to_markdown, write_figure
+from colora.bench.engine_profile import load_trace, summarize, to_text
+from colora.bench.engine_report import line_fit, to_markdown, write_figure
+from colora.config import load_config
+from colora.engine.rollout import GenRequest, RolloutEngine, plain_token_ids
+from colora.models.base import load_base_model
+from colora.record.runlog import write_report
+from colora.run.preflight import resolve_device, resolve_model, start_mps, torch_dtype
+from colora.training.lora import AdapterBank, inject_lora
 
 
 def _adapters(cfg, model_dir: Path, dtype: str, scratch: Path) -> dict[str, Path]:

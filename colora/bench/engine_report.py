@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .engine_profile import HOST_FAMILIES, KERNEL_FAMILIES
+from colora.bench.engine_profile import HOST_FAMILIES, KERNEL_FAMILIES
 
 FAMILY_ORDER = [f for f, _ in KERNEL_FAMILIES] + ["other"]
 

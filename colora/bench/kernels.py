@@ -31,15 +31,14 @@ from pathlib import Path
 
 import torch
 
+from colora.bench.measure import graph_timer, kernel_breakdown, lora_problem, peak_bytes, timer
+from colora.bench.tune import to_markdown as tune_markdown
+from colora.bench.tune import tune_lora
 from colora.kernels.backend import interpreted_kernels
 from colora.kernels.lora.common import block_r as rank_block
 from colora.kernels.lora.policy import fuse_dy_pays, fuse_expand_pays, reduce_shape, rows_config, shrink_config
 from colora.kernels.lora.reduce import launch_reduce
 from colora.kernels.util import cdiv
-
-from .measure import graph_timer, kernel_breakdown, lora_problem, peak_bytes, timer
-from .tune import to_markdown as tune_markdown
-from .tune import tune_lora
 
 QWEN3_SHAPES = {"q": (1024, 2048), "k/v": (1024, 1024), "o": (2048, 1024), "gate/up": (1024, 3072),
                 "down": (3072, 1024)}

@@ -8,7 +8,7 @@ kernels, the same trainer with the torch reference ops, and peft with one adapte
 (the standard path: full logits, log-softmax, gather), each timed after a warm-up step, with peak
 memory. --impls names the implementations: peft, or triton / torch with +packed (q/k/v and gate/up
 in one grouped call each: trainer.pack_projections) and +fused (the elementwise kernels:
-trainer.fuse_elementwise); the trainer packs its rows on CUDA (colora/packing.py). Writes OUT.json
+trainer.fuse_elementwise); the trainer packs its rows on CUDA (colora/training/packing.py). Writes OUT.json
 and OUT.md.
 """
 
@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..config import JobConfig, TrainerConfig
-from ..fusion import fuse_elementwise, restore_rotary
-from ..heap import frozen_heap
-from ..lora import AdapterBank, inject_lora
-from ..models import load_base_model
-from ..resources import resolve_model
-from ..trainer import MultiJobTrainer, Rollout
+from colora.config import JobConfig, TrainerConfig
+from colora.models.base import load_base_model
+from colora.run.heap import frozen_heap
+from colora.run.preflight import resolve_model
+from colora.training.fusion import fuse_elementwise, restore_rotary
+from colora.training.lora import AdapterBank, inject_lora
+from colora.training.trainer import MultiJobTrainer, Rollout
 
 
 def _rollouts(jobs: list[str], seqs: int, prompt: int, completion: int, vocab: int, version: int):
@@ -81,7 +81,7 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     trainer = MultiJobTrainer(model, bank, cfg, jobs, pad_id=0)
     vocab = model.config.vocab_size
     times = []
-    with frozen_heap():  # as a run's steps (colora/heap.py)
+    with frozen_heap():  # as a run's steps (colora/run/heap.py)
         for step in range(args.repeats + 1):
             ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, step)
             _sync(args.device)

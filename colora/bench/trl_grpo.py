@@ -81,12 +81,12 @@ from unittest import mock
 import numpy as np
 import torch
 
-from ..config import load_config
-from ..resources import load_tasks, resolve_device, resolve_model
-from ..rollouts import Prompts
-from ..rollouts import step_items as items_of
-from ..runlog import write_report
-from ..throughput import measure_window, throughput
+from colora.config import load_config
+from colora.corun.rollouts import Prompts
+from colora.corun.rollouts import step_items as items_of
+from colora.record.runlog import write_report
+from colora.record.throughput import measure_window, throughput
+from colora.run.preflight import load_tasks, resolve_device, resolve_model
 
 LOSS_TYPES = {"grpo_seq": "grpo", "grpo_token": "dapo", "dr_grpo": "dr_grpo"}  # colora's loss -> TRL's loss_type
 TRL_VLLM = ("0.22", "0.31")  # the vLLM versions TRL 1.16 supports (trl/import_utils.py)
@@ -140,7 +140,7 @@ def lora_kwargs(job) -> dict:
 
 
 def step_items(task, job, seed: int, steps: int) -> list[list]:
-    """Each step's prompts, as colora's runner samples them (colora/rollouts.py)."""
+    """Each step's prompts, as colora's runner samples them (colora/corun/rollouts.py)."""
     return [items_of(task, job, seed, step) for step in range(steps)]
 
 
@@ -240,7 +240,7 @@ def read_beside(paths: list[str], job: str) -> list[dict]:
 
 
 def summarize(clock, phases: list[tuple[int, str, float]], history: list[dict], warmup: int, job: str) -> dict:
-    """The window (colora.throughput's, over the step ends), each step's figures, TRL's phases."""
+    """The window (colora.record.throughput's, over the step ends), each step's figures, TRL's phases."""
     window = measure_window({job: clock.ends}, clock.begins[0], warmup)
     logs = [h for h in history if "reward" in h]  # one entry per optimizer step (logging_steps = 1)
     seen = {n for _, n, _ in phases}

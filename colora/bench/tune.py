@@ -23,9 +23,8 @@ import time
 
 import torch
 
+from colora.bench.measure import graph_timer, kernel_breakdown, lora_problem, timer
 from colora.kernels.lora.policy import TUNABLE, fuse_dy_pays
-
-from .measure import graph_timer, kernel_breakdown, lora_problem, timer
 
 SEARCHED = ("shrink", "dy_pass", "expand", "sgrad")  # the launchers searched (TUNABLE's stream launches not)
 

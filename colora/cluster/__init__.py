@@ -7,7 +7,7 @@
 
 Each co-runner is a Ray actor that holds one GPU of a placement group (one bundle per GPU) and runs
 its share of the jobs as one ordinary colora run, with its own engine, trainer and MPS daemon
-(`colora.runner.run`). The driver (`driver.py`) places the jobs (`placement.py`), gathers one run
+(`colora.run.runner.run`). The driver (`driver.py`) places the jobs (`placement.py`), gathers one run
 directory and stops every actor, engine and MPS daemon on error, Ctrl-C or SIGTERM (`reaper.py`).
 Ray is optional (`pip install colora[ray]`): it is imported only here, and only when a command asks
 for more than one GPU or for a cluster; everything else runs without it.
@@ -15,7 +15,7 @@ for more than one GPU or for a cluster; everything else runs without it.
 
 from __future__ import annotations
 
-from colora.resources import RunError
+from colora.run.preflight import RunError
 
 
 def require_ray(why: str):

@@ -23,11 +23,11 @@ import time
 import uuid
 from pathlib import Path
 
-from colora import output, runner
+from colora import output
+from colora.cluster.reaper import start_watcher
 from colora.config import from_dict
-
-from ..environment import prepare_vllm, tag_processes, use_gpu
-from .reaper import start_watcher
+from colora.environment import prepare_vllm, tag_processes, use_gpu
+from colora.run import runner
 
 
 def gpu_uuid(index: str) -> str | None:

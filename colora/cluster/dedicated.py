@@ -1,7 +1,7 @@
 """A dedicated run whose jobs ran on several GPUs at once, merged into the run directory a one-GPU
-dedicated run makes (`colora sweep --gpus N`, `colora bench arms --gpus N`; colora/cluster/plan.py).
+dedicated run makes (`colora sweep --gpus N`, `colora bench arms --gpus N`; colora/sweeps/on_cluster.py).
 
-    DIR/parts/<k>/       part k: a dedicated run of some of the jobs (colora.runner) on a GPU of its own
+    DIR/parts/<k>/       part k: a dedicated run of some of the jobs (colora.run.runner) on a GPU of its own
     DIR/parts/<k>.log    its log
 
 When every part is complete, DIR gets what a one-GPU dedicated run leaves there: config.json (the
@@ -27,12 +27,11 @@ import json
 import shutil
 from pathlib import Path
 
+from colora.cluster.placement import Outcome, merge_eval
 from colora.config import Config
-from colora.runlog import read_jsonl, write_json_atomic
-from colora.summary import RunSummary
-from colora.throughput import busy, combine_windows, throughput
-
-from .placement import Outcome, merge_eval
+from colora.record.runlog import read_jsonl, write_json_atomic
+from colora.record.summary import RunSummary
+from colora.record.throughput import busy, combine_windows, throughput
 
 TIMES = ("start", "end", "queued")  # a timeline span's fields that are timeline seconds
 

@@ -11,7 +11,7 @@ Layout of a run over N co-runners:
     status.json         running | failed (the error, each co-runner's state) | interrupted | complete
     summary.json        merged (placement.py): every job's outcome, throughput over summed GPU-seconds
     eval.json           every job's eval, merged
-    gpus/<i>/           co-runner i's run directory (colora.runner: metrics, timeline, adapters, ...)
+    gpus/<i>/           co-runner i's run directory (colora.run.runner: metrics, timeline, adapters, ...)
     gpus/<i>.log        its log;  gpus/<i>.json: where it ran (host, pid, the GPU Ray gave it)
 
 The run directory must be reachable at the same path from every node (one host, or a shared
@@ -45,17 +45,16 @@ from typing import Callable
 
 import torch
 
-from colora.config import Config, from_dict, load_config
-from colora.resources import RunError, check_sizes, load_tasks, resolve_model
-from colora.rundir import move_aside, run_state
-from colora.runlog import read_jsonl, write_json_atomic
-from colora.runner import RunFailed
+from colora.cluster import require_ray
+from colora.cluster.actor import CoRunnerActor
+from colora.cluster.placement import Outcome, job_cost, merge_eval, merge_summaries, place_jobs, share_config
+from colora.cluster.reaper import reap
+from colora.config import Config, from_dict
+from colora.record.runlog import read_jsonl, write_json_atomic
+from colora.run.preflight import RunError, check_sizes, load_tasks, resolve_model
+from colora.run.rundir import move_aside, run_state
+from colora.run.runner import RunFailed
 from colora.stopping import Interrupted, takes
-
-from . import require_ray
-from .actor import CoRunnerActor
-from .placement import Outcome, job_cost, merge_eval, merge_summaries, place_jobs, share_config
-from .reaper import reap
 
 STOP_GRACE_S = 60.0  # a cancelled run's clean-up: the engine's shutdown, MPS's quit (20 s timeout)
 PLACEMENT_TIMEOUT_S = 300.0  # how long to wait for the cluster to free the GPUs asked for, and a co-runner to start
@@ -441,29 +440,21 @@ def run_parallel(items: list[tuple[Config, str | Path]], gpus: int, address: str
 
 
 # -- the command line (colora.cli hands `colora run` here when it asks for Ray) -------------------------
-def main_run(args, *, print_jobs: Callable[[dict], None], default_out: Callable[[Config], Path]) -> int:
-    """`colora run CONFIG --gpus N [--address A]` and `colora run --resume DIR` of such a run."""
+def main_run(cfg: Config | None, out: Path, gpus: int | None, address: str | None, *,
+             print_jobs: Callable[[dict], None]) -> int:
+    """`colora run CONFIG --gpus N [--address A]` (cfg: the config the command line loaded and checked)
+    and `colora run --resume DIR` of such a run (cfg None)."""
     log = lambda s: print(s, flush=True)  # noqa: E731
-    if args.gpus is not None and args.gpus < 1:
-        raise RunError(f"--gpus ({args.gpus}) must be at least 1")
-    require_ray(f"--gpus {args.gpus}" if (args.gpus or 1) > 1 else f"--address {args.address}" if args.address
-                else "--resume")
-    if args.resume:
-        if args.config or args.set:
-            raise SystemExit("colora run --resume DIR takes no CONFIG or --set: the run's own config is used")
-        if not is_cluster_run(args.resume):
-            raise RunError(f"--resume {args.resume!r} with --gpus/--address: not a run made with --gpus "
+    require_ray(f"--gpus {gpus}" if (gpus or 1) > 1 else f"--address {address}" if address else "--resume")
+    if cfg is None:
+        if not is_cluster_run(out):
+            raise RunError(f"--resume {str(out)!r} with --gpus/--address: not a run made with --gpus "
                            "(no cluster.json); resume it without them")
-        out = Path(args.resume)
-        summary = resume_cluster(out, args.gpus, args.address, log)
+        summary = resume_cluster(out, gpus, address, log)
     else:
-        if not args.config:
-            raise SystemExit("colora run: give a CONFIG file or --resume DIR")
-        cfg = load_config(args.config, args.set)
-        out = Path(args.out) if args.out else default_out(cfg)
         log(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, {len(cfg.jobs)} jobs "
-            f"on {args.gpus or 1} co-runner(s), config {cfg.hash()}) -> {out}")
-        summary = run_cluster(cfg, out, args.gpus or 1, args.address, log)
+            f"on {gpus or 1} co-runner(s), config {cfg.hash()}) -> {out}")
+        summary = run_cluster(cfg, out, gpus or 1, address, log)
     rate = summary["steps_per_hour"]
     log(f"done: {rate:.0f} steps per device-hour ({summary['aggregate_steps_per_hour']:.0f} over the "
         f"{summary['gpus']} co-runners at once) over {summary['steps_measured']} measured steps; results in {out}"

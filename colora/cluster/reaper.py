@@ -3,7 +3,7 @@
     python -m colora.cluster.reaper PID TOKEN      (started by each co-runner actor, in a session of its own)
 
 A co-runner that ends normally or is stopped by the driver closes its engine and MPS daemon itself
-(colora.runner). One that is killed (SIGKILL, the kernel's OOM killer, Ray's `ray.kill`) cannot: its
+(colora.run.runner). One that is killed (SIGKILL, the kernel's OOM killer, Ray's `ray.kill`) cannot: its
 vLLM engine core lives on holding the GPU's memory (vLLM's engine core does not watch its parent),
 and MPS's control daemon detaches itself from every process group. So each co-runner tags its
 environment with a token before it starts anything (`TOKEN_ENV`), every process it starts inherits
@@ -23,9 +23,8 @@ import subprocess
 import sys
 
 from colora import python_m
-
-from ..environment import COCORUNNER_TAG as TOKEN_ENV
-from ..environment import with_mps_dirs
+from colora.environment import COCORUNNER_TAG as TOKEN_ENV
+from colora.environment import with_mps_dirs
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 

@@ -11,10 +11,10 @@ the GPU, tenants park their state in host memory between grants.
 This package imports nothing heavy: the broker's process loads neither torch nor vLLM.
 """
 
-from .broker import Broker
-from .gate import BrokerGone, BrokerRefused, GpuGate, Grant, NullGate, Parker, ParkStats, Yielded
-from .process import BrokerProcess, broker_status, run_broker, start_broker
-from .record import read_log, summarize
+from colora.timeslice.broker import Broker
+from colora.timeslice.gate import BrokerGone, BrokerRefused, GpuGate, Grant, NullGate, Parker, ParkStats, Yielded
+from colora.timeslice.process import BrokerProcess, broker_status, run_broker, start_broker
+from colora.timeslice.record import read_log, summarize
 
 __all__ = ["Broker", "BrokerGone", "BrokerProcess", "BrokerRefused", "GpuGate", "Grant", "NullGate", "ParkStats",
            "Parker", "Yielded", "broker_status", "read_log", "run_broker", "start_broker", "summarize"]

@@ -1,5 +1,5 @@
 """`python -m colora.timeslice SOCK [--policy lazy] [--log timeslice.jsonl] [--parent PID]`: the broker."""
 
-from .process import main
+from colora.timeslice.process import main
 
 main()

@@ -36,8 +36,8 @@ import os
 import socket
 import time
 
-from ..runlog import JsonlWriter
-from .protocol import ProtocolError, check_policy, check_sock_path, decode, encode
+from colora.record.runlog import JsonlWriter
+from colora.timeslice.protocol import ProtocolError, check_policy, check_sock_path, decode, encode
 
 
 @dataclasses.dataclass(eq=False)

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Iterator, Protocol, Sequence
 
-from .protocol import ProtocolError, check_sock_path, decode, encode
+from colora.timeslice.protocol import ProtocolError, check_sock_path, decode, encode
 
 
 @dataclasses.dataclass(frozen=True)

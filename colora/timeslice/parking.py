@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .gate import ParkStats
+from colora.timeslice.gate import ParkStats
 
 NO_SLEEP_MODE = "engine: no-op: sleep mode unavailable on this platform"
 

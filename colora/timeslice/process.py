@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from .broker import Broker, can_connect
-from .protocol import check_policy, check_sock_path, decode, encode
+from colora.timeslice.broker import Broker, can_connect
+from colora.timeslice.protocol import check_policy, check_sock_path, decode, encode
 
 
 def broker_status(sock_path: str | os.PathLike, timeout_s: float = 5.0) -> dict:

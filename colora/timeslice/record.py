@@ -22,7 +22,7 @@ from collections import Counter
 
 import numpy as np
 
-from ..runlog import read_jsonl
+from colora.record.runlog import read_jsonl
 
 
 def read_log(path: str | os.PathLike) -> list[dict]:

@@ -1,0 +1,270 @@
+"""The rollout engine's client in a process of its own: the default for the arms whose groups
+overlap (the run option `runtime.engine_process`, "auto"; "on" / "off" force it; see
+`engine.engine_process`).
+
+overlap_mps on the H200 made 5399 and 5677 steps/h through this process against 5168 and 5304 in
+the trainer's (seed 1, two runs each, measured at f954d65). The dedicated arm run through it had
+training steps of 1.9-3.2 s against a 0.44 s median, not explained: the sequential arms keep the
+client in-process, so the baseline of every ratio is the in-process one.
+
+On the H200 under MPS (measured at 39baa4c), a group's adapter export on the trainer's thread took
+2-4x longer while the other group generated, and an adapter load on the engine thread 5x longer while
+the other group trained. Both threads share the trainer's Python interpreter, and vLLM's client turns
+every engine step into Python work (its output processing for every running sequence) on the engine
+thread. `RemoteEngine` keeps `RolloutEngine` and that work in a child process; the engine thread of
+the trainer's process only sends a group's adapters and requests and receives its finished batch.
+
+Adapters are exported in the trainer's process (colora/training/export.py): into shared memory that
+vLLM's worker maps without the bytes passing through the child, or as a PEFT directory; the child is
+sent the `AdapterTensors` or `AdapterDir` naming it (colora/engine/adapters.py).
+
+Same interface as `RolloutEngine` (the co-runner, evaluation and the runner use either): one thread
+makes every call. Results are the child's `GenResult`s, unchanged (per-request seeds make them the
+same as in-process ones; tested).
+
+Stopping: the child leads a process group of its own, with vLLM's engine processes in it, so a
+Ctrl-C in the terminal (SIGINT to the foreground group) reaches the trainer's process only, which
+then closes the engine in order (colora/stopping.py). SIGTERM or SIGHUP to the child close its engine
+and end it; so does the end of its pipe (the trainer's process is gone). Every wait for the child
+has a timeout after which it looks whether the child still lives, and `close` wakes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+from colora.config import EngineConfig
+from colora.engine import adapters as sync
+from colora.engine.adapters import Adapter
+from colora.engine.rollout import GenRequest, GenResult, RolloutEngine, dead_process
+from colora.models.base import load_tokenizer
+
+RECV_SLICE_S = 0.5  # the longest a wait for the child goes without looking whether it still lives
+CLOSE_WAIT_S = 20.0  # the longest `close` waits for the child to stop its engine, then to exit
+
+
+def _serve(conn, kwargs: dict) -> None:
+    """The child: one RolloutEngine; commands from `conn` between engine steps, finished batches back."""
+    os.setpgrp()  # a group of its own (see the module docstring)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # end like Ctrl-C: the engine is closed on the way out
+        signal.signal(sig, signal.default_int_handler)
+    try:
+        eng = RolloutEngine(**kwargs)
+    except BaseException as e:  # noqa: BLE001  (everything goes back to the parent, which raises it)
+        conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    conn.send(("ready", eng.start_seconds, eng._largest_graph(), [p.pid for p in eng._procs]))
+    try:
+        while True:
+            while not eng.busy() or conn.poll(0):  # block for a command only when nothing decodes
+                op, *args = conn.recv()
+                if op == "stop":
+                    conn.send(("reply", None))
+                    return
+                try:
+                    out = eng.steps.take() if op == "take_steps" else getattr(eng, op)(*args)
+                except Exception as e:  # a refused adapter, a bad request: the parent raises it
+                    conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+                    continue
+                if op != "submit":
+                    conn.send(("reply", out))
+            for key, results in eng.poll():
+                conn.send(("done", key, results))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone
+        pass
+    finally:
+        eng.close()
+
+
+def _kill(proc) -> None:
+    """SIGKILL to the child's process group (vLLM's processes are in it) and to the child itself (in
+    case it has not made its group yet); then reap it."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        proc.kill()
+    proc.join(timeout=CLOSE_WAIT_S)
+
+
+class EngineProcessError(RuntimeError):
+    """The engine's process refused a command or failed; the message is its error."""
+
+
+class _RemoteSteps:
+    """`RolloutEngine.steps` of the child: its buckets of engine steps, on time.perf_counter's clock,
+    which on Linux is CLOCK_MONOTONIC, one clock for every process of the machine."""
+
+    def __init__(self, engine: RemoteEngine):
+        self._engine = engine
+
+    def take(self) -> list[dict]:
+        return self._engine._call("take_steps")
+
+
+class RemoteEngine:
+    own_process = True
+    generate = RolloutEngine.generate  # submit + poll, the same code as in-process
+    decode = RolloutEngine.decode  # texts are decoded here, by the caller's tokenizer
+    set_adapter = RolloutEngine.set_adapter
+
+    def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
+                 dtype: str, seed: int, device: str, adapter_sync: str = "auto"):
+        import psutil
+
+
+        self._proc = None  # close() works from here on
+        self.adapter_sync, self.adapter_sync_note = sync.resolve(adapter_sync)  # the child's is the same
+        ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
+        self._closing = threading.Event()  # set by close(): a wait in another thread gives up
+        self._procs = []
+        self._conn, child = ctx.Pipe()
+        kwargs = dict(model_dir=model_dir, cfg=cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
+                      seed=seed, device=device, adapter_sync=self.adapter_sync)
+        self._proc = ctx.Process(target=_serve, args=(child, kwargs), name="colora-engine")
+        t0 = time.perf_counter()
+        self._proc.start()
+        child.close()
+        self._procs = [psutil.Process(self._proc.pid)]  # watched while the engine starts
+        try:
+            msg = self._recv()
+        except BaseException:  # interrupted (a signal) or the child died: nothing of it may stay
+            _kill(self._proc)
+            raise
+        if msg[0] == "error":
+            self._proc.join(timeout=30)
+            raise EngineProcessError(f"the engine's process failed to start: {msg[1]}\n{msg[2]}")
+        _, self.start_seconds, self._graph, pids = msg
+        self.start_seconds = time.perf_counter() - t0
+        self._procs = [psutil.Process(p) for p in pids] + [psutil.Process(self._proc.pid)]
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model_dir = str(model_dir)
+        self.max_model_len = cfg.max_model_len
+        self.dtype = dtype
+        self.warmed = False
+        self._adapters: dict[str, int] = {}  # job -> version loaded in the child
+        self._inflight: set = set()  # batch keys submitted and not yet back
+        self._next_request = 0  # makes generate()'s batch keys unique
+        self._done: list[tuple[Any, list[GenResult]]] = []
+        self.steps = _RemoteSteps(self)  # the child's engine-step record, as RolloutEngine.steps
+
+    # -- messages ---------------------------------------------------------------------------------
+    def _recv(self):
+        """The child's next message. Waits in slices of RECV_SLICE_S, between which a child that died
+        (or a close from another thread) ends the wait."""
+        try:
+            while not self._conn.poll(RECV_SLICE_S):
+                why = self.dead() or ("closed" if self._closing.is_set() else "")
+                if why:
+                    raise EngineProcessError(f"the engine's process ended ({why})")
+            return self._conn.recv()
+        except (EOFError, OSError):
+            why = self.dead() or f"exit code {self._proc.exitcode if self._proc else None}"
+            raise EngineProcessError(f"the engine's process ended ({why})") from None
+
+    def _call(self, op: str, *args):
+        """Send a command and wait for its reply; batches that finish meanwhile are kept for poll()."""
+        self._conn.send((op, *args))
+        while True:
+            msg = self._recv()
+            if msg[0] == "reply":
+                return msg[1]
+            if msg[0] == "error":
+                raise EngineProcessError(f"engine process, {op}: {msg[1]}")
+            self._take(msg)
+
+    def _take(self, msg) -> None:
+        if msg[0] == "error":  # of a submit, which has no reply of its own
+            raise EngineProcessError(f"engine process: {msg[1]}")
+        _, key, results = msg
+        self._inflight.discard(key)
+        self._done.append((key, results))
+
+    # -- RolloutEngine's interface ----------------------------------------------------------------
+    def set_adapters(self, adapters: list[Adapter]) -> float:
+        """RolloutEngine.set_adapters in the child; the seconds are this call's, the trip included."""
+        t0 = time.perf_counter()
+        self._call("set_adapters", adapters)
+        for adapter in adapters:
+            self._adapters[adapter.job] = adapter.version
+        return time.perf_counter() - t0
+
+    def loaded_adapters(self) -> set[int]:
+        return self._call("loaded_adapters")
+
+    def version(self, job: str) -> int:
+        return self._adapters[job]
+
+    def drop(self, job: str) -> None:
+        if self._adapters.pop(job, None) is not None:
+            self._call("drop", job)
+
+    def drop_all(self) -> None:
+        for job in list(self._adapters):
+            self.drop(job)
+
+    def warm_up(self, seed: int = 0) -> float:
+        return self._call("warm_up", seed)
+
+    def _largest_graph(self) -> int:
+        return self._graph
+
+    def submit(self, key: Any, requests: list[GenRequest]) -> None:
+        if key in self._inflight:
+            raise KeyError(f"batch {key!r} is already in flight")
+        for r in requests:
+            if r.job is not None and r.job not in self._adapters:
+                raise KeyError(f"job {r.job!r} has no adapter loaded in the engine")
+        if not requests:
+            self._done.append((key, []))
+            return
+        self._inflight.add(key)
+        self._next_request += len(requests)
+        self._conn.send(("submit", key, requests))
+
+    POLL_WAIT_S = 0.002  # the longest poll() waits for a batch: the caller then looks for new work
+
+    def poll(self) -> list[tuple[Any, list[GenResult]]]:
+        """The batches back since the last call, waiting at most POLL_WAIT_S for one while any is in
+        flight, so that a group handed to the engine thread meanwhile does not wait for another
+        group's generation (waiting for the next batch, the hand-off took 0.29-0.63 s on the H200,
+        measured at 4fe85a8)."""
+        if self._inflight and not self._done and self._conn.poll(self.POLL_WAIT_S):
+            self._take(self._recv())
+        while self._inflight and self._conn.poll(0):
+            self._take(self._recv())
+        done, self._done = self._done, []
+        return done
+
+    def busy(self) -> bool:
+        return bool(self._inflight) or bool(self._done)
+
+    def dead(self) -> str:
+        return dead_process(self._procs)
+
+    def close(self) -> None:
+        """Ask the child to close its engine and wait for it (CLOSE_WAIT_S for its reply, then as long
+        for its exit), else kill its process group."""
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        self._closing.set()
+        try:
+            if proc.is_alive():
+                self._conn.send(("stop",))
+                t_end = time.monotonic() + CLOSE_WAIT_S
+                while proc.is_alive() and self._conn.poll(max(0.0, t_end - time.monotonic())):
+                    if self._conn.recv()[0] == "reply":
+                        break
+        except (EOFError, BrokenPipeError, OSError):
+            pass
+        proc.join(timeout=CLOSE_WAIT_S)
+        if proc.is_alive():
+            _kill(proc)
+        self._conn.close()

@@ -1,0 +1,378 @@
+"""One experiment run: set up, train every job in the configured arm, evaluate, clean up.
+
+    colora run experiments/smoke.toml --out runs/smoke
+
+Set-up validates everything that can be wrong with the input (model directory, tasks, output
+directory) before any directory is created or any engine started (colora/run/preflight.py). The run is
+then a sequence of named steps: start MPS and resolve the device, open the engine, build the trainer,
+assemble the co-runner, evaluate, train in the configured arm, evaluate again, summarise. The run
+options (`[runtime]`) are resolved here, once, and passed down. The run directory holds:
+
+    config.json      the resolved config and its hash
+    run.log          colora's lines of the run and, in a command's session, everything the process
+                     and its children wrote meanwhile (vLLM, transformers, torch; colora/output.py)
+    status.json      running | failed (with the error) | interrupted (by which signal, in which phase,
+                     after which step, and how to continue) | complete
+    metrics.jsonl    one row per job per step (train/<job>/... values), plus events
+    timeline.jsonl   every phase span (generate, train, reload, eval) with its group and jobs, and the
+                     engine's steps per half second (engine_steps: steps, busy seconds, requests in flight)
+    eval.json        held-out accuracy per job before and after training (greedy)
+    checkpoints/     every job's state, every runtime.checkpoint_every steps and when training ends
+    summary.json     throughput and per-job outcome (colora/record/summary.py); written last, so it marks a
+                     complete run
+    adapters/<job>/  each job's final adapter in PEFT format
+
+SIGINT, SIGTERM and SIGHUP stop a run in bounded time (colora/stopping.py): the co-runner finishes
+the step it is in, a checkpoint of the last completed step is written (unless
+runtime.checkpoint_every is 0), the engine and the MPS daemon are stopped, status.json says
+"interrupted", and `colora run --resume DIR` continues the run (from the start, when nothing was
+saved). A second signal exits at once, killing the engine's processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from colora.config import Config, from_dict
+from colora.corun.corunner import CoRunner, Schedule
+from colora.corun.handoff import EngineFailure
+from colora.corun.trainer_side import JobState
+from colora.engine.process import RemoteEngine
+from colora.engine.rollout import EngineCache, RolloutEngine, engine_process, release_cuda_cache
+from colora.models.base import load_tokenizer
+from colora.output import say, say_at_once
+from colora.record import compilewatch
+from colora.record.gpumon import GpuSampler
+from colora.record.provenance import code_version
+from colora.record.runlog import JsonlWriter, Timeline, read_jsonl, write_json_atomic
+from colora.record.summary import RunSummary, job_summaries, warnings
+from colora.record.throughput import busy, gpu_util, throughput
+from colora.run.checkpoint import Checkpointer, load_latest, rewind_logs
+from colora.run.evaluate import evaluate
+from colora.run.heap import frozen_heap
+from colora.run.preflight import (
+    MPS_ARMS,
+    RunError,
+    Setup,
+    adapter_scratch,
+    prepare,
+    resolve_device,
+    start_mps,
+    torch_dtype,
+)
+from colora.run.progress import run_output
+from colora.stopping import Interrupted, StopRequest, handling_signals
+from colora.tasks import add_task_dirs, task_dirs
+from colora.training.export import AdapterExport
+from colora.training.trainer import build_trainer
+
+ENGINE_DEATH_GRACE_S = 1.0  # an engine that died this long before a stop request died of its signal
+
+
+class RunFailed(RuntimeError):
+    """A run that failed while running (the engine died, say); the message says how to go on."""
+
+
+def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, restart: bool = False,
+        log: Callable[[str], None] | None = None, engine_cache: EngineCache | None = None, process_mps=None) -> dict:
+    """Run one experiment into `out` (or continue it from `resume_state`, a checkpoint's state, or
+    with `restart` run it again from the start in `out`, an interrupted run's directory); returns the
+    summary as summary.json holds it. Raises RunError on bad input, RunFailed when the run breaks
+    off, Interrupted on a signal (its message says how to continue). log: also receives colora's
+    lines of the run, which go to run.log and, in a command's session, to the terminal as
+    colora/output.py decides; engine_cache: engines kept across the runs of this process;
+    process_mps: the MPS daemon this whole process is a client of (colora/sweeps/orchestrate.py starts one
+    per MPS process)."""
+    out = Path(out)
+    with handling_signals() as stop:
+        stop.phase = "checking the input"
+        setup = prepare(cfg, out, resume_state is not None or restart, log or say, process_mps)
+        out.mkdir(parents=True, exist_ok=True)
+        if resume_state is None:  # task_dirs: where a resume looks for the modules of import-path tasks
+            write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(),
+                                                    "task_dirs": task_dirs()})
+        if resume_state is not None or restart:
+            rewind_logs(out, resume_state or {"jobs": {j.name: {"step": 0} for j in cfg.jobs}})
+        write_json_atomic(out / "status.json", {"state": "running"})
+        exp = cfg.experiment
+        with run_output(out / "run.log", f"{exp.arm} seed {exp.seed}", [j.name for j in cfg.jobs], exp.steps,
+                        log) as shown:
+            try:
+                with stop.on_abort(lambda: _mark_aborted(out, stop)):
+                    summary = _execute(setup, shown, engine_cache, process_mps, resume_state, stop).to_dict()
+            except Interrupted as e:
+                status = _interrupted(e, stop, cfg, out)
+                write_json_atomic(out / "status.json", status)
+                shown.log(f"interrupted: {status['reason']}")
+                e.message = f"interrupted by {status['reason']}; {status['saved']}; continue with: {status['resume']}"
+                raise
+            except BaseException as e:
+                write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
+                                                        "traceback": traceback.format_exc()})
+                raise
+        write_json_atomic(out / "summary.json", summary)
+        write_json_atomic(out / "status.json", {"state": "complete"})
+    return summary
+
+
+def _interrupted(e: Interrupted, stop: StopRequest, cfg: Config, out: Path) -> dict:
+    """status.json of an interrupted run: which signal, in which phase, after which step, what is
+    saved, and the command that continues it."""
+    step = getattr(e, "step", None)
+    newest = sorted((out / "checkpoints").glob("step-*"))
+    reason = f"{e.signal} during {stop.phase or 'the set-up'}" + (
+        f", after step {step} of {cfg.experiment.steps}" if step is not None else "")
+    if newest:
+        saved = f"every job's state is saved in {newest[-1]}"
+    elif step:
+        saved = "no checkpoint (runtime.checkpoint_every = 0): the run starts again from its beginning"
+    else:
+        saved = "nothing was trained yet: the run starts again from its beginning"
+    return {"state": "interrupted", "signal": e.signal, "phase": stop.phase, "step": step,
+            "checkpoint": str(newest[-1].relative_to(out)) if newest else None, "reason": reason, "saved": saved,
+            "resume": f"colora run --resume {out}"}
+
+
+def _mark_aborted(out: Path, stop: StopRequest) -> None:
+    """On a second signal, which exits at once: status.json says so, and how to continue."""
+    reason = f"{stop.signal} during {stop.phase}, then a second signal: exited at once"
+    write_json_atomic(out / "status.json", {"state": "interrupted", "signal": stop.signal, "phase": stop.phase,
+                                            "reason": reason, "resume": f"colora run --resume {out}"})
+    say_at_once(f"colora: interrupted by {reason}; continue with: colora run --resume {out}", exiting=True)
+
+
+def resume(out: str | Path, log: Callable[[str], None] | None = None, engine_cache: EngineCache | None = None,
+           process_mps=None) -> dict:
+    """`colora run --resume DIR`: continue a run from its newest sound checkpoint; an interrupted
+    run without one runs again from its beginning, in DIR."""
+    out = Path(out)
+    if not (out / "config.json").is_file():
+        raise RunError(f"--resume {str(out)!r}: no config.json there; is it a colora run directory?")
+    status = json.loads((out / "status.json").read_text()) if (out / "status.json").exists() else {}
+    if status.get("state") == "complete":
+        raise RunError(f"--resume {str(out)!r}: the run is already complete")
+    saved = json.loads((out / "config.json").read_text())
+    add_task_dirs(*saved.get("task_dirs", ()))
+    cfg = from_dict(saved["config"])
+    found = load_latest(out, log or say)
+    kw = dict(log=log, engine_cache=engine_cache, process_mps=process_mps)
+    if found is None:
+        if status.get("state") == "interrupted":
+            (log or say)(f"{out} has no checkpoint: running it again from its beginning")
+            return run(cfg, out, restart=True, **kw)
+        raise RunError(f"--resume {str(out)!r}: no usable checkpoint (runtime.checkpoint_every was 0, or the run "
+                       "ended before its first); start the run again in a new directory")
+    path, state = found
+    (log or say)(f"resuming {out} from {path.name}")
+    return run(cfg, out, resume_state=state, **kw)
+
+
+@dataclass
+class _Run:
+    """What the steps of one run hand on to each other."""
+
+    setup: Setup
+    log: Callable[[str], None]
+    metrics: JsonlWriter
+    timeline: Timeline
+    stop: StopRequest
+    device: str = ""
+    dtype: str = ""
+    mps_note: str = ""
+    remote: bool = False  # the engine's client in a process of its own (runtime.engine_process)
+    tokenizer: object = None
+
+    @property
+    def cfg(self) -> Config:
+        return self.setup.cfg
+
+
+def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
+             resume_state: dict | None, stop: StopRequest) -> RunSummary:
+    """The run's steps; `shown` (colora/run/progress.py RunOutput) takes its lines and its record's rows;
+    `stop.phase` names the step in progress (status.json of an interrupted run)."""
+    out, cfg = setup.out, setup.cfg
+    t_start = time.perf_counter()
+    r = _Run(setup, shown.log, JsonlWriter(out / "metrics.jsonl", on_row=shown.metric),
+             Timeline(JsonlWriter(out / "timeline.jsonl", on_row=shown.span)), stop)
+    corunner = None
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.callback(r.metrics.close)
+            stop.phase = "starting MPS and the engine"
+            _, r.mps_note = start_mps(cfg, stack, r.log, process_mps, stop)  # before any CUDA context
+            r.device, r.dtype = resolve_device(cfg)
+            r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
+            r.tokenizer = load_tokenizer(setup.model_dir)
+            engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
+            stop.phase = "building the trainer"
+            bank, trainer, trainer_setup_s = _build_trainer(r)
+            stop.phase = "loading the adapters and warming up the engine"
+            corunner, ckpt = _assemble(r, stack, engine, bank, trainer, resume_state)
+            stop.phase = "the evaluation before training"
+            before = _evaluate_before(r, corunner, resumed=resume_state is not None)
+            stop.phase = "training"
+            window, gpu = _train(r, corunner, engine, ckpt)
+            stop.phase = "the evaluation after training"
+            after = _evaluate_after(r, corunner, bank, before)
+            stop.phase = "closing the engine"
+    except Interrupted as e:
+        if corunner is not None:  # the steps every job has completed
+            e.step = min(js.step for js in corunner.jobs.values())
+        raise
+    return _summarise(r, engine, bank, trainer, corunner, window, gpu, before, after,
+                      trainer_setup_s=trainer_setup_s, wall_s=time.perf_counter() - t_start)
+
+
+def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache | None, shared: bool):
+    """The engine for the run: a cached one whose settings match, else a new one (closed with the
+    run). A cached engine is shared only by runs of one MPS state: a process's MPS membership is fixed
+    when its CUDA context is made (`shared`: the whole process is an MPS client)."""
+    cfg, setup = r.cfg, r.setup
+    max_rank = max(j.lora_rank for j in cfg.jobs)
+    max_loras = cfg.engine.max_loras or len(cfg.jobs)  # at least the jobs (config.py checks)
+
+    def start():
+        r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs"
+              + (", its client in a process of its own" if r.remote else ""))
+        Engine = RemoteEngine if r.remote else RolloutEngine
+        return Engine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
+                      dtype=r.dtype, seed=cfg.experiment.seed, device=r.device, adapter_sync=setup.adapter_sync)
+
+    if engine_cache is not None and (cfg.experiment.arm not in MPS_ARMS or shared):
+        key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, r.dtype, r.device, r.remote,
+               setup.adapter_sync)
+        engine = engine_cache.get(key, start, exclusive=r.device != "cpu")
+        # the next run starts with no adapters of this one; after a stop request no run comes next
+        stack.callback(lambda: None if r.stop.requested else engine.drop_all())
+    else:
+        if r.device != "cpu":
+            release_cuda_cache()
+        engine = start()
+        engine.reused = False
+        stack.callback(engine.close)
+    if not engine.reused:
+        r.timeline.add("engine_start", -engine.start_seconds, 0.0)
+    r.log(f"engine {'reused' if engine.reused else 'ready'} (it took {engine.start_seconds:.1f}s to start)")
+    return engine
+
+
+def _build_trainer(r: _Run):
+    """(bank, trainer, seconds it took). Counts the trainer's Triton compiles from here on (a hook that
+    increments a counter), so the timeline's train spans can name what compiled in a slow step;
+    Dynamo's are always counted."""
+    compilewatch.install()
+    t0 = time.perf_counter()
+    bank, trainer = build_trainer(r.cfg, r.setup.model_dir, r.device, torch_dtype(r.dtype), r.tokenizer.pad_token_id)
+    return bank, trainer, time.perf_counter() - t0
+
+
+def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resume_state: dict | None):
+    """The jobs' states (restored from the checkpoint when resuming), the checkpointer, the co-runner,
+    every job's adapter in the engine, and the engine warmed up. Returns (corunner, checkpointer)."""
+    cfg, out = r.cfg, r.setup.out
+    scratch = adapter_scratch(out)  # for adapters that go by disk
+    stack.callback(shutil.rmtree, scratch, True)
+    stack.enter_context(r.stop.on_abort(lambda: shutil.rmtree(scratch, True)))  # a second signal
+    jobs = {j.name: JobState(j, r.setup.tasks[j.name]) for j in cfg.jobs}
+    ckpt = Checkpointer(out, cfg, bank, jobs, cfg.runtime.checkpoint_every, cfg.runtime.checkpoint_keep, r.log,
+                        r.timeline)
+    stack.callback(ckpt.close)  # a write in flight lands before the run's status names its checkpoint
+    if resume_state is not None:
+        ckpt.restore(resume_state)
+    export = AdapterExport(engine.adapter_sync, engine.dtype, str(r.setup.model_dir), scratch)
+    stack.callback(export.close)
+    corunner = CoRunner(Schedule.of(cfg), engine, trainer, bank, export, r.tokenizer, jobs, r.timeline, r.metrics,
+                        r.log, on_step=ckpt.maybe_save, stop_request=r.stop)
+    engine.set_adapters([export.export(bank, name) for name in jobs])
+    if not engine.warmed:  # once per engine: its compiled kernels stay for every later run
+        with r.timeline.span("engine_warmup"):
+            secs = engine.warm_up(cfg.experiment.seed)
+        r.log(f"engine warmed up in {secs:.1f}s")
+    return corunner, ckpt
+
+
+def _evaluate_before(r: _Run, corunner, resumed: bool) -> dict:
+    """Held-out accuracy before training (kept in eval_before.json, so a resumed run does not redo it)."""
+    exp, out = r.cfg.experiment, r.setup.out
+    if resumed and (out / "eval_before.json").exists():
+        return json.loads((out / "eval_before.json").read_text())
+    with r.timeline.span("eval", jobs=tuple(corunner.jobs), when="before"):
+        before = evaluate(corunner, list(corunner.jobs), exp.eval_size, exp.seed, exp.eval_max_new_tokens)
+    write_json_atomic(out / "eval_before.json", before)
+    return before
+
+
+def _train(r: _Run, corunner, engine, ckpt):
+    """The configured arm, with the set-up's objects kept out of full GC passes and NVML sampling the
+    GPU; the engine's step rate of the run's steps goes into the timeline. A failed engine leaves a
+    checkpoint and a RunFailed that says how to continue. A stop request ends the arm after the step
+    in progress (deferred: see colora/stopping.py) and leaves a checkpoint of it unless checkpoints
+    are off; an engine failure that comes with a stop request, or within ENGINE_DEATH_GRACE_S before
+    one, is the interruption. Returns (window, GPU sampler)."""
+    steps = getattr(engine, "steps", None)  # the engine's step rate, recorded for this run's steps only
+    if steps is not None:
+        steps.take()
+    try:
+        try:
+            with r.stop.deferred(), frozen_heap(), GpuSampler(r.timeline) as gpu:
+                window = corunner.run()
+        except EngineFailure as e:
+            if not r.stop.requested and not r.stop.wait(ENGINE_DEATH_GRACE_S):
+                path = ckpt.save_now()
+                raise RunFailed(f"the vLLM engine failed mid-run ({e}); every job's state is saved in "
+                                f"{path}; continue with: colora run --resume {r.setup.out}") from e
+            r.log(f"the engine ended with the stop request ({e})")
+            raise Interrupted(r.stop.signal) from None
+    except Interrupted:
+        ckpt.finish()  # the last completed step, unless checkpoints are off or it is saved already
+        raise
+    if steps is not None:
+        origin = r.timeline.origin
+        for b in steps.take():
+            r.timeline.add("engine_steps", b.pop("start") - origin, b.pop("end") - origin, **b)
+    ckpt.finish()
+    return window, gpu
+
+
+def _evaluate_after(r: _Run, corunner, bank, before: dict) -> dict:
+    """Held-out accuracy after training of the jobs still in the engine (a stopped job's adapter left
+    it), into eval.json; every job's final adapter into adapters/<job>/."""
+    exp, out = r.cfg.experiment, r.setup.out
+    live = [n for n, js in corunner.jobs.items() if js.status != "stopped"]
+    with r.timeline.span("eval", jobs=tuple(live), when="after"):
+        after = evaluate(corunner, live, exp.eval_size, exp.seed, exp.eval_max_new_tokens)
+    write_json_atomic(out / "eval.json", {"n": exp.eval_size, "before": before, "after": after})
+    for name in corunner.jobs:
+        bank.export_peft(name, out / "adapters" / name, str(r.setup.model_dir))
+    return after
+
+
+def _summarise(r: _Run, engine, bank, trainer, corunner, window: dict, gpu, before: dict, after: dict, *,
+               trainer_setup_s: float, wall_s: float) -> RunSummary:
+    cfg, exp = r.cfg, r.cfg.experiment
+    jobs = job_summaries(corunner.jobs, bank, read_jsonl(r.setup.out / "metrics.jsonl"), before, after)
+    for w in warnings(jobs):
+        r.log(f"warning: {w}")
+    sms = None
+    if r.device == "cuda":  # the trainer's view of the GPU: under an MPS share below 100 fewer SMs show
+        import torch
+
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return RunSummary(
+        experiment=exp.name, arm=exp.arm, seed=exp.seed, config_hash=cfg.hash(), code_version=code_version(),
+        runtime=dataclasses.asdict(cfg.runtime), model=str(r.setup.model_dir), device=r.device, dtype=r.dtype,
+        mps=r.mps_note, engine_start_s=engine.start_seconds, engine_reused=engine.reused,
+        engine_process=engine.own_process, adapter_sync=engine.adapter_sync, packed_rows=trainer.packed,
+        trainer_setup_s=trainer_setup_s, trainer_sm_count=sms, steps_measured=window["steps"],
+        seconds_measured=window["seconds"], steps_per_hour=throughput(window), groups=window.get("groups"),
+        busy_fraction=busy(r.timeline.spans, window), gpu_util=gpu_util(gpu, window), wall_s=wall_s,
+        jobs=jobs, window=window, warnings=warnings(jobs))
