@@ -566,3 +566,32 @@ def test_no_signal_counts_steps_and_the_longest_run():
     assert warnings({"a": job(10, 4, 3), "b": job(0, 0, 0)}) == []  # some signal; no steps at all
     [w] = warnings({"c": job(10, 6, 5)})
     assert "5 steps in a row (6 of its 10 steps" in w
+
+
+# -- jobs that join and leave ------------------------------------------------------------------------
+def test_a_job_joins_at_step_2_and_one_leaves_at_step_3_every_rollout_on_policy(tmp_path):
+    """Four jobs in two groups: c joins once some job has done 2 steps (its first adapter reaches the
+    engine before its first rollouts), b leaves after its own 3 steps; every other job does the
+    experiment's 6. Each job's rollouts are of its current version at every step."""
+    from colora.record.runlog import read_jsonl
+
+    c = _loop_runner(tmp_path, ["experiment.arm=overlap", "overlap.groups=2", "experiment.steps=6",
+                                "experiment.warmup_steps=1", "jobs.c.start_after=2", "jobs.b.steps=3"],
+                     {n: 40 for n in "abcd"})
+    c.jobs["c"].status = "waiting"  # as the runner makes a job with start_after
+    loads = []
+    real = c.engine.set_adapters
+    c.engine.set_adapters = lambda adapters: loads.extend((a.job, a.version) for a in adapters) or real(adapters)
+    c.run()
+    c.metrics.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    ok = {n: [r for r in rows if r.get("job") == n and r.get("status") == "ok"] for n in "abcd"}
+    assert [len(ok[n]) for n in "abcd"] == [6, 3, 6, 6]
+    assert c.jobs["b"].status == c.jobs["c"].status == "done"
+    assert all(r["rollout_versions"] == [r["step"]] for v in ok.values() for r in v)  # on-policy throughout
+    [joined] = [r for r in rows if r.get("event") == "joined"]
+    assert joined["job"] == "c" and joined["step"] == 0 and joined["group"] in (0, 1)
+    before = rows[:rows.index(joined)]
+    assert max(r["step"] for r in before if r.get("status") == "ok") == 1  # some job had done 2 steps
+    assert not any(r.get("job") == "c" for r in before)  # nothing of c before it joined
+    assert ("c", 0) in loads  # its first version went to the engine, before its first rollouts (on-policy above)

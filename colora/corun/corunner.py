@@ -104,6 +104,8 @@ class CoRunner:
                                         on_step=on_step)
         self._submit_q: queue.Queue | None = None  # set while the engine thread runs
         self._loaded: dict[int, threading.Event] = {}  # group -> set once its adapters are loaded, queued
+        self._in_flight: set[int] = set()  # groups handed to the engine thread, their rollouts not yet back
+        self._running: set[str] = set()  # the running jobs at the last step boundary (who joined, who left)
 
     def _drop(self, job: str) -> None:
         """A stopped job's adapter out of the engine: through the engine thread while it runs (it owns
@@ -118,6 +120,7 @@ class CoRunner:
         names = groups[group]
         running = tuple((n, self.jobs[n].step) for n in names if self.jobs[n].status == "running")
         self._loaded[group] = threading.Event()
+        self._in_flight.add(group)
         submit_q.put(Generate(group, running, self.trainer_side.take_pending(names), self.timeline.now(),
                               self._loaded[group]))
 
@@ -131,6 +134,7 @@ class CoRunner:
         """Phase-offset groups over the continuous engine (see the module docstring). Returns when
         every job is done or stopped."""
         steps = self.schedule.steps
+        self._running = {n for g in groups for n in g if self.jobs[n].status == "running"}
         submit_q: queue.Queue = queue.Queue()
         done_q: queue.Queue = queue.Queue()
         thread = threading.Thread(target=self.engine_side.loop, args=(submit_q, done_q), name="colora-engine",
@@ -176,7 +180,9 @@ class CoRunner:
                 label = "groups " + ",".join(str(r.group) for r in ready) if len(groups) > 1 else "step"
                 self.trainer_side.train(ready, f"{label} {step}/{steps}")
                 self.stop_request.check()  # the step is whole: stop before queueing the next
+                self._in_flight -= {r.group for r in ready}
                 self.trainer_side.regroup(groups, [r.group for r in ready])
+                self._admit(groups, [r.group for r in ready])
                 queued = [r.group for r in ready if any(self.jobs[n].status == "running" for n in groups[r.group])]
                 for g in queued:
                     self._queue(submit_q, groups, g)
@@ -192,6 +198,28 @@ class CoRunner:
                 self.trainer_side.log(f"warning: the engine thread did not stop within {wait:.0f} s; left behind")
             self._submit_q = None
         self.load_pending()  # the final adapters, for evaluation
+
+    def _admit(self, groups: list[list[str]], ready: list[int]) -> None:
+        """Jobs that join now (`start_after`: once some job of the run has done that many steps) go into
+        the lightest group that is generating or has just trained (queued again after this step), with
+        their first adapter version exported for that group's next rollouts; when jobs joined or left,
+        the split is planned again. Called at a step boundary, on the trainer's thread."""
+        done = max((js.step for js in self.jobs.values() if js.status != "waiting"), default=0)
+        joining = [n for n, js in self.jobs.items() if js.status == "waiting" and js.cfg.start_after <= done]
+        running = {n for n, js in self.jobs.items() if js.status == "running"}
+        left, self._running = self._running - running, running | set(joining)
+        if not joining and not left:
+            return
+        cost = {n: float(request_tokens(self.engine_side.requests(n, self.jobs[n].step)[1])) for n in self._running}
+        for n in joining:
+            js = self.jobs[n]
+            js.status = "running"
+            self.trainer_side.export_adapters([js], -1, [])
+            g = min(set(ready) | self._in_flight, key=lambda g: sum(cost.get(m, 0.0) for m in groups[g]))
+            groups[g] = groups[g] + [n]
+            self.metrics.write({"job": n, "step": js.step, "event": "joined", "group": g})
+            self.trainer_side.log(f"job {n} joins the run in group {g} (start_after = {js.cfg.start_after})")
+        self.trainer_side.replan(groups, cost)
 
     def _next(self, done_q: queue.Queue, engine_thread: threading.Thread) -> Generated | Failed:
         """The engine thread's next record; a thread that ended without one is a failure too. Raises
@@ -218,6 +246,10 @@ class CoRunner:
     def run(self) -> dict:
         """Run the configured arm; returns the throughput windows (see `throughput`)."""
         sch = self.schedule
+        if sch.arm == "dedicated":  # every job alone in its turn: a job that joins later just runs
+            for js in self.jobs.values():
+                if js.status == "waiting":
+                    js.status = "running"
         names = [n for n, js in self.jobs.items() if js.status == "running"]
         if sch.arm == "dedicated":
             windows = []

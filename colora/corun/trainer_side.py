@@ -37,7 +37,7 @@ class JobState:
     cfg: JobConfig
     task: Any  # colora.tasks.Task
     step: int = 0  # optimizer steps done
-    status: str = "running"  # running | done | stopped
+    status: str = "running"  # waiting (to join the run) | running | done | stopped
     reason: str = ""
     step_ends: list[float] = field(default_factory=list)  # timeline time at the end of each step
     pending: Adapter | None = None  # the exported adapter version waiting to be loaded
@@ -132,7 +132,7 @@ class TrainerSide:
             js.step_ends.append(now)
             self.metrics.write({**row, "status": "ok"})
             self._warn_flat(name, row["flat_groups"] == 1.0)
-            if js.step >= self.steps:
+            if js.step >= (js.cfg.steps or self.steps):  # its own steps, else the experiment's
                 js.status = "done"
             parts.append(f"{name} r={rewards[name]:.2f}")
         self.export_adapters(exports, group, list(groups))
@@ -207,6 +207,20 @@ class TrainerSide:
                 self._regroup.pop(n, None)
         if not self._regroup:
             self._regroup = None
+
+    def replan(self, groups: list[list[str]], cost: dict[str, float]) -> None:
+        """Plan the split again after jobs joined or left (`cost`: each running job's tokens a step, as
+        measured where it has run, else as its next requests ask); the moves happen as in `regroup`,
+        each right after the job's own step. Only once the warm-up's split has been decided: before
+        that, `regroup` weighs every running job anyway."""
+        if len(groups) < 2 or not self._regroup_decided:
+            return
+        measured = {n: float(np.mean(v)) for n, v in self._used_tokens.items() if v}
+        running = {n: measured.get(n, c) for n, c in cost.items()}
+        live = [[n for n in g if n in running] for g in groups]
+        self._regroup = plan_regroup(live, running)
+        self.metrics.write({"event": "regroup", "why": "jobs joined or left", "plan": self._regroup,
+                            "loads": [round(sum(running[n] for n in g)) for g in live]})
 
     def take_pending(self, names: list[str]) -> tuple[Adapter, ...]:
         """The exported versions of these jobs not yet handed to the engine, handed over now."""
