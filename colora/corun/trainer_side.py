@@ -218,9 +218,12 @@ class TrainerSide:
         measured = {n: float(np.mean(v)) for n, v in self._used_tokens.items() if v}
         running = {n: measured.get(n, c) for n, c in cost.items()}
         live = [[n for n in g if n in running] for g in groups]
+        if len(running) < 2:
+            return
         self._regroup = plan_regroup(live, running)
-        self.metrics.write({"event": "regroup", "why": "jobs joined or left", "plan": self._regroup,
-                            "loads": [round(sum(running[n] for n in g)) for g in live]})
+        if self._regroup is not None:
+            self.metrics.write({"event": "replan", "plan": self._regroup,
+                                "loads": [round(sum(running[n] for n in g)) for g in live]})
 
     def take_pending(self, names: list[str]) -> tuple[Adapter, ...]:
         """The exported versions of these jobs not yet handed to the engine, handed over now."""
