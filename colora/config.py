@@ -187,6 +187,9 @@ class RuntimeConfig:
     # memory that vLLM's worker builds the adapter from; disk, a PEFT directory per version on tmpfs.
     # auto: memory where it can work (a vLLM it is written against, a writable /dev/shm), else disk.
     adapter_sync: Literal["auto", "memory", "disk"] = "auto"
+    # The longest a job's task code may take for one step's prompts or one step's rewards (and for its held-out
+    # items); past it that job is stopped with the reason, the others go on. Seconds, above 0.
+    task_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -296,6 +299,7 @@ def _check(cfg: Config) -> None:
     need(r.checkpoint_every >= 0, "runtime.checkpoint_every", r.checkpoint_every,
          "must be at least 0 (0: no checkpoints)")
     need(r.checkpoint_keep >= 1, "runtime.checkpoint_keep", r.checkpoint_keep, "must be at least 1")
+    need(r.task_timeout_s > 0, "runtime.task_timeout_s", r.task_timeout_s, "must be above 0 (seconds)")
 
     need(len(cfg.jobs) >= 1, "jobs", [], "must list at least one [[jobs]] table")
     seen: set[str] = set()

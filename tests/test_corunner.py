@@ -595,3 +595,106 @@ def test_a_job_joins_at_step_2_and_one_leaves_at_step_3_every_rollout_on_policy(
     assert max(r["step"] for r in before if r.get("status") == "ok") == 1  # some job had done 2 steps
     assert not any(r.get("job") == "c" for r in before)  # nothing of c before it joined
     assert ("c", 0) in loads  # its first version went to the engine, before its first rollouts (on-policy above)
+
+
+# -- a job's task code that fails, hangs or breaks the reward contract stops that job alone -----------
+class _Task:
+    """The loop runner's task with hooks: sample and reward may raise, hang or return bad rewards."""
+
+    def __init__(self, sample=None, reward=None, prompt="x"):
+        self._sample, self._reward, self.prompt = sample, reward, prompt
+
+    def sample(self, n, seed, split):
+        if self._sample is not None:
+            self._sample()
+        return [SimpleNamespace(id=i, messages=({"role": "user", "content": self.prompt},)) for i in range(n)]
+
+    def reward(self, text, item):
+        return float(item.id % 2) if self._reward is None else self._reward(item)
+
+
+def _hang(*a):
+    threading.Event().wait()  # never returns
+
+
+@pytest.mark.parametrize("bad", ["sample raises", "sample exits", "reward hangs", "reward 2.0", "reward nan",
+                                 "reward exits"])
+def test_a_jobs_failing_task_code_stops_that_job_and_the_others_go_on(tmp_path, bad):
+    """Issue 49 items 3 and 6: what a job's task does wrong is that job's failure, named, found before the
+    engine or within runtime.task_timeout_s; the other job does every step."""
+    from colora.record.runlog import read_jsonl
+
+    hooks = {"sample raises": dict(sample=lambda: 1 / 0), "sample exits": dict(sample=lambda: exit(3)),
+             "reward hangs": dict(reward=_hang), "reward 2.0": dict(reward=lambda it: 2.0),
+             "reward nan": dict(reward=lambda it: float("nan")), "reward exits": dict(reward=lambda it: exit(4))}[bad]
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=3", "runtime.task_timeout_s=0.5"],
+                     {"a": 8, "b": 8})
+    c.jobs["b"].task = _Task(**hooks)
+    c.engine_side.specs["b"] = (c.jobs["b"].cfg, c.jobs["b"].task)
+    c.run()
+    c.metrics.close()
+    assert c.jobs["a"].status == "done" and c.jobs["a"].step == 3
+    assert c.jobs["b"].status == "stopped" and c.jobs["b"].step == 0
+    want = {"sample raises": "sample.*raised ZeroDivisionError", "sample exits": "sample.*raised SystemExit: 3",
+            "reward hangs": r"reward did not return within runtime.task_timeout_s \(0.5 s\)",
+            "reward 2.0": r"reward 2.0 for item 0 is not a number in \[0, 1\]",
+            "reward nan": r"reward nan for item 0 is not a number in \[0, 1\]",
+            "reward exits": "reward raised SystemExit: 4"}[bad]
+    import re
+
+    assert re.search(want, c.jobs["b"].reason), c.jobs["b"].reason
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["reason"] for r in rows if r.get("event") == "stopped"] == [c.jobs["b"].reason]
+
+
+@pytest.mark.parametrize("prompt,needle", [("", "the prompt of item 0 is empty"),
+                                           (" ".join(["w"] * 4000), "does not fit engine.max_model_len")])
+def test_a_prompt_the_engine_cannot_take_stops_its_job_before_the_engine_sees_it(tmp_path, prompt, needle):
+    """Issue 49 item 3: an empty prompt or one too long for the engine was 'the vLLM engine failed' for
+    every job, at the same step on every resume."""
+
+    class Words(ThreeTokens):
+        def apply_chat_template(self, msgs, **kw):
+            return msgs[-1]["content"]
+
+        def __call__(self, text, add_special_tokens=False):
+            return SimpleNamespace(input_ids=list(range(len(text.split()))))
+
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=2"], {"a": 8, "b": 8})
+    c.prompts.tok = Words()
+    c.engine.max_model_len = 1024
+    c.jobs["b"].task = _Task(prompt=prompt)
+    c.engine_side.specs["b"] = (c.jobs["b"].cfg, c.jobs["b"].task)
+    submitted = []
+    real = c.engine.submit
+    c.engine.submit = lambda key, reqs: submitted.extend(r.job for r in reqs) or real(key, reqs)
+    c.run()
+    assert c.jobs["b"].status == "stopped" and needle in c.jobs["b"].reason
+    assert "b" not in submitted and c.jobs["a"].step == 2
+
+
+def test_evaluation_holds_each_jobs_rewards_to_the_contract_and_scores_the_others(tmp_path):
+    """Issue 49 item 7: in evaluation too, a reward of 2.0, a NaN or a raising reward is that job's error
+    (never an accuracy of 2.00, "nan" or a silent 0), and a hung sample is cut at the limit."""
+    from colora.run.evaluate import evaluate
+
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync", "runtime.task_timeout_s=0.5"],
+                     {"ok": 4, "two": 4, "nan": 4, "raise": 4, "hang": 4})
+
+    class Greedy(LoopEngine):
+        def version(self, job):
+            return 0
+
+        def generate(self, reqs):
+            return [GenResult(r, 0, [3], [], "y", "stop") for r in reqs]
+
+    c.engine = Greedy({})
+    for name, hooks in {"two": dict(reward=lambda it: 2.0), "nan": dict(reward=lambda it: float("nan")),
+                        "raise": dict(reward=lambda it: {}["k"]), "hang": dict(sample=_hang)}.items():
+        c.jobs[name].task = _Task(**hooks)
+    c.jobs["ok"].task = _Task(reward=lambda it: 1.0)
+    out = evaluate(c, list(c.jobs), 4, run_seed=0)
+    assert out["ok"]["accuracy"] == 1.0 and len(out["ok"]["items"]) == 4 and "error" not in out["ok"]
+    for name, needle in {"two": "reward 2.0", "nan": "reward nan", "raise": "raised KeyError",
+                         "hang": "did not return within"}.items():
+        assert out[name]["accuracy"] is None and needle in out[name]["error"], out[name]

@@ -40,6 +40,7 @@ reaches vLLM's processes too).
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections import deque
@@ -73,12 +74,13 @@ class Schedule:
     steps: int  # experiment.steps
     warmup_steps: int  # experiment.warmup_steps
     seed: int  # experiment.seed
+    task_timeout_s: float = math.inf  # runtime.task_timeout_s
 
     @classmethod
     def of(cls, cfg: Config) -> "Schedule":
         exp = cfg.experiment
         return cls(exp.arm, cfg.overlap.groups if exp.arm in OVERLAP_ARMS else 1, cfg.overlap.coalesce, exp.steps,
-                   exp.warmup_steps, exp.seed)
+                   exp.warmup_steps, exp.seed, cfg.runtime.task_timeout_s)
 
 
 class CoRunner:
@@ -97,11 +99,12 @@ class CoRunner:
         self.prompts = Prompts(tokenizer)  # the jobs' prompts as token ids, each once
         self.shipping = Shipping(engine.dead, self.stop_request)
         self.engine_side = EngineSide(engine, self.prompts, {n: (js.cfg, js.task) for n, js in jobs.items()},
-                                      schedule.seed, timeline, metrics, self.shipping, self.stop_request)
+                                      schedule.seed, timeline, metrics, self.shipping, self.stop_request,
+                                      schedule.task_timeout_s)
         self.trainer_side = TrainerSide(jobs, trainer, bank, export, steps=schedule.steps,
                                         warmup_steps=schedule.warmup_steps, timeline=timeline, metrics=metrics,
                                         shipping=self.shipping, drop=self._drop, decode=engine.decode, log=log,
-                                        on_step=on_step)
+                                        on_step=on_step, task_timeout_s=schedule.task_timeout_s)
         self._submit_q: queue.Queue | None = None  # set while the engine thread runs
         self._loaded: dict[int, threading.Event] = {}  # group -> set once its adapters are loaded, queued
         self._in_flight: set[int] = set()  # groups handed to the engine thread, their rollouts not yet back

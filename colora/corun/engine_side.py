@@ -10,6 +10,7 @@ trainer's job state: a `Generate` names each job's step and carries its new adap
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import shutil
 from pathlib import Path
@@ -22,6 +23,7 @@ from colora.engine.adapters import Adapter, AdapterDir
 from colora.engine.rollout import GenRequest, GenResult
 from colora.record.runlog import JsonlWriter, Timeline
 from colora.stopping import StopRequest
+from colora.training.trainer import JobFailure
 
 QUEUE_WAIT_S = 0.5  # the longest the thread waits on its queue before it looks whether a stop was requested
 
@@ -31,7 +33,8 @@ class EngineSide:
     the run's seed, from which every request's seed is derived (colora/corun/rollouts.py)."""
 
     def __init__(self, engine, prompts: Prompts, specs: dict[str, tuple[JobConfig, Any]], seed: int,
-                 timeline: Timeline, metrics: JsonlWriter, shipping: Shipping, stop_request: StopRequest):
+                 timeline: Timeline, metrics: JsonlWriter, shipping: Shipping, stop_request: StopRequest,
+                 task_timeout_s: float = math.inf):
         self.engine = engine
         self.prompts = prompts
         self.specs = specs
@@ -40,11 +43,14 @@ class EngineSide:
         self.metrics = metrics
         self.shipping = shipping
         self.stop_request = stop_request
+        self.task_timeout_s = task_timeout_s  # runtime.task_timeout_s: a job's task code, per call
 
     def requests(self, job: str, step: int) -> tuple[list, list[GenRequest]]:
-        """The job's items and engine requests of `step` (a function of the run seed, job and step)."""
+        """The job's items and engine requests of `step` (a function of the run seed, job and step); a
+        JobFailure where the job's task fails to make them or makes a prompt the engine cannot take."""
         cfg, task = self.specs[job]
-        return step_requests(task, cfg, self.seed, step, self.prompts)
+        return step_requests(task, cfg, self.seed, step, self.prompts, getattr(self.engine, "max_model_len", 0),
+                             self.task_timeout_s)
 
     def load(self, adapters: list[Adapter], group: int) -> None:
         """Load a group's exported adapter versions into the engine in one call (`set_adapters`).
@@ -66,21 +72,26 @@ class EngineSide:
                     if old.exists():
                         shutil.rmtree(old, ignore_errors=True)
 
-    def submit(self, msg: Generate) -> dict:
+    def submit(self, msg: Generate) -> tuple[dict, dict]:
         """Load the group's new adapters, then queue one step of rollouts for its running jobs.
-        Returns {job: items} for the scoring of this step."""
+        Returns ({job: items} for the scoring of this step, {job: why} for the jobs that failed to make
+        their requests: the others' go to the engine as ever)."""
         self.load(list(msg.adapters), msg.group)
-        items, reqs = {}, []
+        items, reqs, failed = {}, [], {}
         for name, step in msg.jobs:
-            items[name], rq = self.requests(name, step)
+            try:
+                items[name], rq = self.requests(name, step)
+            except JobFailure as f:
+                failed[name] = f.reason
+                continue
             reqs += rq
         self.engine.submit(msg.group, reqs)
-        return items
+        return items, failed
 
     def loop(self, submit_q: queue.Queue, done_q: queue.Queue) -> None:
         """Take groups to generate for, keep the engine stepping, hand every finished group's rollouts
         to the trainer. Any exception is handed over too. Ends on a Stop or a stop request."""
-        inflight: dict[int, tuple[dict, float, float]] = {}
+        inflight: dict[int, tuple[dict, dict, float, float]] = {}
         try:
             while not self.stop_request.requested:
                 todo = []
@@ -96,10 +107,10 @@ class EngineSide:
                         self.engine.drop(msg.job)
                         continue
                     t0 = self.timeline.now()
-                    inflight[msg.group] = (self.submit(msg), t0, msg.queued_at)
+                    inflight[msg.group] = (*self.submit(msg), t0, msg.queued_at)
                     msg.loaded.set()
                 for g, results in self.engine.poll():
-                    items, t0, queued = inflight.pop(g)
+                    items, failed, t0, queued = inflight.pop(g)
                     end = self.timeline.now()
                     # queued: when the trainer handed the group over (t0 - queued: the engine thread's delay)
                     self.timeline.add("generate", t0, end, group=g, jobs=tuple(items), sequences=len(results),
@@ -107,7 +118,7 @@ class EngineSide:
                     by_job: dict[str, list[GenResult]] = {n: [] for n in items}
                     for r in results:
                         by_job[r.request.job].append(r)
-                    done_q.put(Generated(g, {n: (items[n], by_job[n]) for n in items}, end - t0))
+                    done_q.put(Generated(g, {n: (items[n], by_job[n]) for n in items}, end - t0, failed))
         except BaseException as e:  # the trainer thread re-raises it
             err = EngineFailure(f"{type(e).__name__}: {e}")
             err.__cause__ = e

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from colora.engine.adapters import Adapter
@@ -50,12 +50,14 @@ class Stop:
 
 @dataclass
 class Generated:
-    """From the engine thread: a group's finished rollouts, {job: (items, results)}, and how long the
-    group generated."""
+    """From the engine thread: a group's finished rollouts, {job: (items, results)}, how long the group
+    generated, and the jobs whose requests could not be made (their task's sampling failed, or a prompt
+    the engine cannot take): the trainer stops those."""
 
     group: int
     jobs: dict[str, tuple[list, list[GenResult]]]
     seconds: float
+    failed: dict[str, str] = field(default_factory=dict)  # job -> why its step could not be asked of the engine
 
 
 @dataclass(frozen=True)

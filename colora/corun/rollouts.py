@@ -8,7 +8,8 @@ arms of one seed sample the same prompts with the same per-request seeds.
 from __future__ import annotations
 
 import math
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,18 +51,66 @@ def response_length(job: JobConfig, seed: int) -> int | None:
     return max(spec.min, min(job.max_new_tokens, n))
 
 
+def call_task(job: str, what: str, fn: Callable, *args, limit_s: float):
+    """fn(*args) (a job's task code) on a thread of its own, its result within `limit_s` seconds, else
+    a JobFailure of that job alone; so is anything it raises, SystemExit included. A call that never
+    returns is left behind on its daemon thread: Python cannot stop it, but the run goes on and a signal
+    still reaches the main thread, which is only waiting."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001  (a customer's code: whatever it raises is its failure)
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=f"colora-task-{job}", daemon=True)
+    t.start()
+    t.join(limit_s)
+    if t.is_alive():
+        raise JobFailure(job, f"its task's {what} did not return within runtime.task_timeout_s ({limit_s:g} s)")
+    if "error" in box:
+        e = box["error"]
+        if isinstance(e, JobFailure):
+            raise e
+        raise JobFailure(job, f"its task's {what} raised {type(e).__name__}: {e}") from e
+    return box["value"]
+
+
+def check_reward(job: str, value, item_id) -> float:
+    """A task's reward as the contract says it is (colora.tasks.Task.reward): a finite number in [0, 1]."""
+    try:
+        r = float(value)
+    except (TypeError, ValueError):
+        raise JobFailure(job, f"reward {value!r} for item {item_id} is not a number") from None
+    if not (math.isfinite(r) and 0.0 <= r <= 1.0):
+        raise JobFailure(job, f"reward {r} for item {item_id} is not a number in [0, 1] (the task contract)")
+    return r
+
+
 def step_items(task, job: JobConfig, seed: int, step: int) -> list:
     """The training prompts of one step of one job."""
     return task.sample(job.prompts_per_step, derive_seed(seed, job.name, step, "prompts"), "train")
 
 
-def step_requests(task, job: JobConfig, seed: int, step: int, prompts: Prompts) -> tuple[list, list[GenRequest]]:
+def step_requests(task, job: JobConfig, seed: int, step: int, prompts: Prompts, max_model_len: int = 0,
+                  limit_s: float = math.inf) -> tuple[list, list[GenRequest]]:
     """(the step's items, the engine requests: samples_per_prompt for each item, each with its own
-    sampling seed and, where the workload fixes lengths, its response length)."""
-    items = step_items(task, job, seed, step)
+    sampling seed and, where the workload fixes lengths, its response length). The task's sampling
+    and its prompts' chat template run under `limit_s`; a prompt that is empty, or that with the job's
+    max_new_tokens does not fit `max_model_len`, is a JobFailure of the job before the engine sees it."""
+    def build() -> tuple[list, list[tuple[int, ...]]]:
+        items = step_items(task, job, seed, step)
+        return items, [tuple(prompts.ids(item.messages)) for item in items]
+
+    items, all_ids = call_task(job.name, "sample (or its prompts' chat template)", build, limit_s=limit_s)
     reqs = []
-    for p, item in enumerate(items):
-        ids = tuple(prompts.ids(item.messages))
+    for p, (item, ids) in enumerate(zip(items, all_ids)):
+        if not ids:
+            raise JobFailure(job.name, f"the prompt of item {item.id} is empty")
+        if max_model_len and len(ids) + job.max_new_tokens > max_model_len:
+            raise JobFailure(job.name, f"the prompt of item {item.id} is {len(ids)} tokens: with max_new_tokens "
+                                       f"({job.max_new_tokens}) it does not fit engine.max_model_len ({max_model_len})")
         for s in range(job.samples_per_prompt):
             sseed = derive_seed(seed, job.name, step, "sample", p, s)
             n = response_length(job, sseed)
@@ -70,21 +119,22 @@ def step_requests(task, job: JobConfig, seed: int, step: int, prompts: Prompts) 
     return items, reqs
 
 
-def score(task: Any, job: JobConfig, items: list, results: list[GenResult]) -> list[Rollout]:
-    """Rewards and group-relative advantages (std-normalised except for dr_grpo); any failure of the
-    job's reward code is a JobFailure of that job alone."""
+def score(task: Any, job: JobConfig, items: list, results: list[GenResult], limit_s: float = math.inf) -> list[Rollout]:
+    """Rewards and group-relative advantages (std-normalised except for dr_grpo). The job's reward code
+    runs under `limit_s` for the whole step; whatever it raises, a reward outside [0, 1] or not finite,
+    or a call past the limit is a JobFailure of that job alone."""
     rewards = np.zeros((job.prompts_per_step, job.samples_per_prompt))
-    for r in results:
-        p, s = r.request.tag
-        try:
-            rew = float(task.reward(r.text, items[p]))
+
+    def rewards_of_step() -> None:
+        for r in results:
+            p, s = r.request.tag
+            rew = check_reward(job.name, task.reward(r.text, items[p]), items[p].id)
             if job.format_reward_weight:
-                rew += job.format_reward_weight * float(task.format_reward(r.text, items[p]))
-        except Exception as e:  # a customer's reward code: isolate, never crash the others
-            raise JobFailure(job.name, f"reward function raised {type(e).__name__}: {e}") from e
-        if not math.isfinite(rew):
-            raise JobFailure(job.name, f"reward is not finite ({rew}) for item {items[p].id}")
-        rewards[p, s] = rew
+                fmt = check_reward(job.name, task.format_reward(r.text, items[p]), items[p].id)
+                rew += job.format_reward_weight * fmt
+            rewards[p, s] = rew
+
+    call_task(job.name, "reward", rewards_of_step, limit_s=limit_s)
     adv = grpo.group_advantages(torch.tensor(rewards, dtype=torch.float64), std_normalize=job.loss != "dr_grpo")
     return [Rollout(job.name, r.version, list(r.request.prompt_ids), r.completion_ids, r.logprobs,
                     r.request.tag[0], float(rewards[r.request.tag]), float(adv[r.request.tag]),

@@ -9,6 +9,7 @@ needs goes in a `Generate` (colora/corun/handoff.py) that the co-runner queues.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -56,7 +57,7 @@ class TrainerSide:
                  export: AdapterExport, *, steps: int, warmup_steps: int, timeline: Timeline,
                  metrics: JsonlWriter, shipping: Shipping, drop: Callable[[str], None],
                  decode: Callable[[list[GenResult]], None], log: Callable[[str], None] = print,
-                 on_step: Callable[[], None] | None = None):
+                 on_step: Callable[[], None] | None = None, task_timeout_s: float = math.inf):
         self.jobs = jobs
         self.trainer = trainer
         self.bank = bank
@@ -70,6 +71,7 @@ class TrainerSide:
         self.decode = decode
         self.log = log
         self.on_step = on_step  # checkpoint hook, called after each group step
+        self.task_timeout_s = task_timeout_s  # runtime.task_timeout_s: a job's reward code, per step
         self._used_tokens: dict[str, list[int]] = {}  # job -> prompt + completion tokens of each step
         self._regroup: dict[str, int] | None = None  # job -> planned group, while moves are pending
         self._regroup_decided = False
@@ -79,6 +81,8 @@ class TrainerSide:
         """One shared optimizer step for every job of the ready groups (each job's own update)."""
         gen, t_gen, group_of = {}, {}, {}
         for r in ready:
+            for name, why in r.failed.items():
+                self.stop(self.jobs[name], why)
             for name, (items, results) in r.jobs.items():
                 gen[name], t_gen[name], group_of[name] = (items, results), r.seconds, r.group
         groups = tuple(r.group for r in ready)
@@ -88,7 +92,7 @@ class TrainerSide:
             js = self.jobs[name]
             self.decode(results)
             try:
-                rollouts[name] = score(js.task, js.cfg, items, results)
+                rollouts[name] = score(js.task, js.cfg, items, results, self.task_timeout_s)
                 rewards[name] = float(np.mean([r.reward for r in rollouts[name]]))
             except JobFailure as f:
                 self.stop(js, f.reason)

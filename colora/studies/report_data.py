@@ -136,8 +136,8 @@ def load_run(path: Path) -> RunData | None:
     if status != "complete":
         return None
     ev = json.loads((path / "eval.json").read_text()) if (path / "eval.json").is_file() else {}
-    eval_after = {j: float(v["accuracy"]) for j, v in ev.get("after", {}).items() if "accuracy" in v}
-    eval_before = {j: float(v["accuracy"]) for j, v in ev.get("before", {}).items() if "accuracy" in v}
+    eval_after = {j: float(v["accuracy"]) for j, v in ev.get("after", {}).items() if v.get("accuracy") is not None}
+    eval_before = {j: float(v["accuracy"]) for j, v in ev.get("before", {}).items() if v.get("accuracy") is not None}
     rows = [r for r in read_jsonl(path / "metrics.jsonl")
             if r.get("status") == "ok" and "reward" in r and "event" not in r]
     curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
