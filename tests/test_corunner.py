@@ -698,3 +698,36 @@ def test_evaluation_holds_each_jobs_rewards_to_the_contract_and_scores_the_other
     for name, needle in {"two": "reward 2.0", "nan": "reward nan", "raise": "raised KeyError",
                          "hang": "did not return within"}.items():
         assert out[name]["accuracy"] is None and needle in out[name]["error"], out[name]
+
+
+def test_a_gated_co_runner_holds_a_grant_around_each_generation_and_each_step(tmp_path):
+    """The time-slicing arm's gate: one grant for a group's adapter load and generation, one for its
+    training step and export; never two at once (NullGate refuses a second acquire), never a step
+    outside one."""
+    from colora.timeslice.gate import NullGate
+
+    class Recording(NullGate):
+        def __init__(self):
+            super().__init__("t")
+            self.log = []
+
+        def acquire(self, phase):
+            self.log.append(phase)
+            return super().acquire(phase)
+
+        def yield_(self):
+            self.log.append("yield")
+            return super().yield_()
+
+    class Checked(VersionTrainer):
+        def step(self, rollouts):
+            assert gate._held, "a training step outside its grant"
+            return super().step(rollouts)
+
+    gate = Recording()
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=3"], {"a": 8, "b": 8},
+                     trainer_cls=Checked)
+    c.gate = c.trainer_side.gate = gate
+    c.run()
+    assert gate.log == ["generate", "yield", "train", "yield"] * 3 and not gate._held
+    assert all(js.step == 3 for js in c.jobs.values())

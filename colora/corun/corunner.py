@@ -89,7 +89,8 @@ class CoRunner:
 
     def __init__(self, schedule: Schedule, engine, trainer: MultiJobTrainer, bank: AdapterBank,
                  export: AdapterExport, tokenizer, jobs: dict[str, JobState], timeline: Timeline,
-                 metrics: JsonlWriter, log=print, on_step=None, stop_request: StopRequest | None = None):
+                 metrics: JsonlWriter, log=print, on_step=None, stop_request: StopRequest | None = None,
+                 gate=None):
         self.schedule = schedule
         self.engine = engine
         self.jobs = jobs
@@ -98,13 +99,17 @@ class CoRunner:
         self.stop_request = stop_request or StopRequest()  # set by a signal (colora/stopping.py)
         self.prompts = Prompts(tokenizer)  # the jobs' prompts as token ids, each once
         self.shipping = Shipping(engine.dead, self.stop_request)
+        # The time-slicing arm's grant around each GPU phase (colora/timeslice/gate.py: acquire(phase),
+        # yield_()); None in every other arm. Phases alternate only with one group: a gated run has one.
+        assert gate is None or schedule.groups == 1, "a gated co-runner runs one group"
+        self.gate = gate
         self.engine_side = EngineSide(engine, self.prompts, {n: (js.cfg, js.task) for n, js in jobs.items()},
                                       schedule.seed, timeline, metrics, self.shipping, self.stop_request,
                                       schedule.task_timeout_s)
         self.trainer_side = TrainerSide(jobs, trainer, bank, export, steps=schedule.steps,
                                         warmup_steps=schedule.warmup_steps, timeline=timeline, metrics=metrics,
                                         shipping=self.shipping, drop=self._drop, decode=engine.decode, log=log,
-                                        on_step=on_step, task_timeout_s=schedule.task_timeout_s)
+                                        on_step=on_step, task_timeout_s=schedule.task_timeout_s, gate=gate)
         self._submit_q: queue.Queue | None = None  # set while the engine thread runs
         self._loaded: dict[int, threading.Event] = {}  # group -> set once its adapters are loaded, queued
         self._in_flight: set[int] = set()  # groups handed to the engine thread, their rollouts not yet back
@@ -122,6 +127,8 @@ class CoRunner:
         """Hand a group to the engine thread: its running jobs' steps and their new adapter versions."""
         names = groups[group]
         running = tuple((n, self.jobs[n].step) for n in names if self.jobs[n].status == "running")
+        if self.gate is not None:  # the group's adapter loads and its generation, inside one grant
+            self.gate.acquire("generate")
         self._loaded[group] = threading.Event()
         self._in_flight.add(group)
         submit_q.put(Generate(group, running, self.trainer_side.take_pending(names), self.timeline.now(),
@@ -165,6 +172,8 @@ class CoRunner:
         try:
             while outstanding:
                 ready = [self._next(done_q, thread)]
+                if self.gate is not None and not isinstance(ready[0], Failed):
+                    self.gate.yield_()
                 while self.schedule.coalesce:
                     try:
                         ready.append(done_q.get_nowait())

@@ -57,7 +57,7 @@ class TrainerSide:
                  export: AdapterExport, *, steps: int, warmup_steps: int, timeline: Timeline,
                  metrics: JsonlWriter, shipping: Shipping, drop: Callable[[str], None],
                  decode: Callable[[list[GenResult]], None], log: Callable[[str], None] = print,
-                 on_step: Callable[[], None] | None = None, task_timeout_s: float = math.inf):
+                 on_step: Callable[[], None] | None = None, task_timeout_s: float = math.inf, gate=None):
         self.jobs = jobs
         self.trainer = trainer
         self.bank = bank
@@ -72,6 +72,7 @@ class TrainerSide:
         self.log = log
         self.on_step = on_step  # checkpoint hook, called after each group step
         self.task_timeout_s = task_timeout_s  # runtime.task_timeout_s: a job's reward code, per step
+        self.gate = gate  # the time-slicing arm's: the step and its export inside one grant (CoRunner)
         self._used_tokens: dict[str, list[int]] = {}  # job -> prompt + completion tokens of each step
         self._regroup: dict[str, int] | None = None  # job -> planned group, while moves are pending
         self._regroup_decided = False
@@ -98,6 +99,8 @@ class TrainerSide:
                 self.stop(js, f.reason)
         if not rollouts:
             return
+        if self.gate is not None:  # scoring ran on the CPU, outside the grant
+            self.gate.acquire("train")
         t0 = time.perf_counter()
         before = compilewatch.snapshot()
         with self.timeline.span("train", group=group, groups=list(groups), jobs=tuple(rollouts)) as span:
@@ -140,6 +143,8 @@ class TrainerSide:
                 js.status = "done"
             parts.append(f"{name} r={rewards[name]:.2f}")
         self.export_adapters(exports, group, list(groups))
+        if self.gate is not None:
+            self.gate.yield_()
         self.log(f"{progress} | {' '.join(parts)} | gen {max(t_gen.values()):.1f}s train {t_train:.1f}s")
         if self.on_step is not None:
             self.on_step()
