@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from colora.training import losses
+
 
 def group_advantages(rewards: torch.Tensor, std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages.
@@ -67,7 +69,9 @@ def token_loss(
     kl_coef: torch.Tensor | float = 0.0,
     clip_eps: float = 0.2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token GRPO loss and per-token KL.
+    """Per-token GRPO loss and per-token KL: Tinker's ppo loss (colora/training/losses.py) against
+    `old_logp` with the ratio clipped to [1 - clip_eps, 1 + clip_eps], plus kl_coef times the k3 KL.
+    The trainer computes the same through `losses.token_losses` (ppo with q = NaN: old_logp = logp.detach()).
 
     logp, old_logp, advantage: [tokens] fp32 (advantage repeated over each sequence's tokens)
     ref_logp: [tokens] log-probs under the frozen base model, or None (no KL term)
@@ -76,11 +80,9 @@ def token_loss(
     unbiased and non-negative (Schulman's approximation, as in GRPO).
     """
     assert logp.shape == old_logp.shape == advantage.shape, (logp.shape, old_logp.shape, advantage.shape)
-    ratio = torch.exp(logp - old_logp)
-    pg = -torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantage)
+    pg = losses.ppo(logp, old_logp, advantage, 1 - clip_eps, 1 + clip_eps)
     if ref_logp is None:
         return pg, torch.zeros_like(pg)
     assert ref_logp.shape == logp.shape
-    d = ref_logp - logp
-    kl = torch.exp(d) - d - 1
+    kl = losses.kl_k3(logp, ref_logp)
     return pg + kl_coef * kl, kl
