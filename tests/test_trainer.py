@@ -12,7 +12,9 @@ from transformers import AutoConfig
 
 from colora.config import JobConfig, TrainerConfig
 from colora.models.base import load_base_model
+from colora.training.batches import Datum, Row
 from colora.training.grpo import group_advantages
+from colora.training.losses import LossSpec
 from colora.training.lora import AdapterBank, inject_lora
 from colora.training.trainer import MultiJobTrainer, Rollout, StaleRolloutError
 
@@ -379,14 +381,35 @@ def test_step_scoped_stacks_take_the_per_activation_step(tiny_model_dir):
     assert all(p.grad is None for j in ("a", "b") for p in bank.jobs[j].parameters())
 
 
+class _Seq(Row):
+    """A GRPO rollout's row as these tests write it: prompt + completion scored on the completion, one
+    weight and advantage, ppo on the trainer's own log-probs; `call` is its call's index in the pass."""
+
+    def __init__(self, job, ids, prompt_len, weight, advantage, temperature, kl_coef, engine_logprobs, call=0):
+        ids = np.array(ids, np.int64)
+        super().__init__(job, call, Datum(ids, ids[prompt_len:], prompt_len - 1, weight, advantage, float("nan"),
+                                          engine_logprobs), LossSpec("ppo", 0.8, 1.2, temperature, kl_coef))
+
+    ids = property(lambda self: self.datum.tokens.tolist())
+    prompt_len = property(lambda self: self.datum.first + 1)
+    n_completion = property(lambda self: len(self.datum.targets))
+    weight = property(lambda self: self.datum.weights)
+    advantage = property(lambda self: self.datum.advantages)
+    temperature = property(lambda self: self.loss.temperature)
+    kl_coef = property(lambda self: self.loss.kl_coef)
+    engine_logprobs = property(lambda self: self.datum.engine_logprobs)
+
+
 def _pack_reference(mb, order, pad_id):
     """The per-token Python loop pack_micro_batch replaced, kept as its specification."""
     import math
 
+    from colora.training.losses import CODE
+
     B, L = len(mb), max(len(s.ids) for s in mb)
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     mask = torch.zeros((B, L), dtype=torch.long)
-    pos, per_tok = [], {k: [] for k in ("w", "adv", "temp", "kl", "elp", "job")}
+    pos, per_tok = [], {k: [] for k in ("w", "adv", "q", "kind", "lo", "hi", "temp", "kl", "elp", "job")}
     for b, s in enumerate(mb):
         ids[b, : len(s.ids)] = torch.tensor(s.ids)
         mask[b, : len(s.ids)] = 1
@@ -394,10 +417,14 @@ def _pack_reference(mb, order, pad_id):
         pos.extend(range(b * L + s.prompt_len - 1, b * L + s.prompt_len - 1 + n))
         per_tok["w"] += [s.weight] * n
         per_tok["adv"] += [s.advantage] * n
+        per_tok["q"] += [math.nan] * n
+        per_tok["kind"] += [CODE[s.loss.kind]] * n
+        per_tok["lo"] += [s.loss.clip_low] * n
+        per_tok["hi"] += [s.loss.clip_high] * n
         per_tok["temp"] += [s.temperature] * n
         per_tok["kl"] += [s.kl_coef] * n
         per_tok["elp"] += s.engine_logprobs if len(s.engine_logprobs) == n else [math.nan] * n
-        per_tok["job"] += [order.index(s.job)] * n
+        per_tok["job"] += [s.call] * n
     longs = torch.cat([ids.view(-1), mask.view(-1), torch.tensor(pos), torch.tensor(per_tok.pop("job"))])
     return longs, {k: torch.tensor(v, dtype=torch.float32) for k, v in per_tok.items()}
 
@@ -405,7 +432,7 @@ def _pack_reference(mb, order, pad_id):
 def test_pack_micro_batch_equals_the_per_token_loop():
     import random
 
-    from colora.training.trainer import _Seq, pack_micro_batch
+    from colora.training.batches import pack_micro_batch
 
     rng = random.Random(0)
     order = ("b", "a", "c")
@@ -414,10 +441,10 @@ def test_pack_micro_batch_equals_the_per_token_loop():
         p, n = rng.randint(1, 9), rng.randint(1, 12)
         elp = [rng.random() for _ in range(n)] if i % 3 else [0.5] * (n + 1)  # a wrong count: NaN
         mb.append(_Seq(order[i % 3], [rng.randrange(1, 500) for _ in range(p + n)], p, rng.random(),
-                       rng.uniform(-2, 2), rng.choice([0.7, 1.0]), rng.choice([0.0, 0.05]), elp))
+                       rng.uniform(-2, 2), rng.choice([0.7, 1.0]), rng.choice([0.0, 0.05]), elp, call=i % 3))
     mb.sort(key=lambda s: order.index(s.job))
     want_longs, want = _pack_reference(mb, order, pad_id=7)
-    longs, got = pack_micro_batch(mb, order, pad_id=7)
+    longs, got, _ = pack_micro_batch(mb, pad_id=7)
     assert longs.dtype == np.int64 and torch.equal(torch.from_numpy(longs), want_longs)
     assert set(got) == set(want)
     for k in want:
@@ -460,11 +487,11 @@ def test_packed_rows_take_the_padded_step(tiny_model_dir, micro_batch_tokens):
 def test_packed_rows_layout():
     """pack_micro_batch_rows: ids back to back, positions restarting at each sequence, the hidden
     state that predicts each completion token, its job, and the sequences' starts."""
-    from colora.training.trainer import _Seq, pack_micro_batch_rows
+    from colora.training.batches import pack_micro_batch_rows
 
-    mb = [_Seq("b", [5, 6, 7, 8], 2, 1.0, 0.5, 1.0, 0.0, [-0.1, -0.2]),
-          _Seq("a", [9, 10, 11], 1, 2.0, -0.5, 0.7, 0.1, [])]
-    longs, per_tok = pack_micro_batch_rows(mb, ("b", "a"))
+    mb = [_Seq("b", [5, 6, 7, 8], 2, 1.0, 0.5, 1.0, 0.0, [-0.1, -0.2], call=0),
+          _Seq("a", [9, 10, 11], 1, 2.0, -0.5, 0.7, 0.1, [], call=1)]
+    longs, per_tok, _ = pack_micro_batch_rows(mb)
     T, N = 7, 4
     assert longs[:T].tolist() == [5, 6, 7, 8, 9, 10, 11]
     assert longs[T:2 * T].tolist() == [0, 1, 2, 3, 0, 1, 2]

@@ -41,6 +41,11 @@ class JobAdapter:
     B: dict[str, nn.Parameter] = field(default_factory=dict)  # module -> [d_out, r]
     version: int = 0
     optimizer: torch.optim.Optimizer | None = None
+    # the trainer's (colora/training/trainer.py, adamw.py): why the gradient accumulated since the last
+    # optimizer step must not be applied ("" when it may), and the buffers that keep the last good
+    # weights and AdamW state during a step
+    bad_gradient: str = ""
+    kept: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def scale(self) -> float:
@@ -117,9 +122,10 @@ class AdapterBank:
 
     # -- jobs -----------------------------------------------------------------------------------
     def add_job(self, name: str, rank: int, alpha: float, target_modules: tuple[str, ...], run_seed: int,
-                lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8) -> JobAdapter:
+                lr: float = 1e-4, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8) -> JobAdapter:
         """PEFT's default init (A kaiming-uniform with a=sqrt(5), B zero), from a seed derived from
-        the run seed and the job's name only: a job starts the same alone or beside others."""
+        the run seed and the job's name only: a job starts the same alone or beside others. The AdamW
+        settings are its optimizer's until an optimizer step sets its own (the trainer's `optim_step`)."""
         if name in self.jobs:
             raise ValueError(f"job {name!r} already has an adapter")
         if not self.modules:
@@ -331,6 +337,8 @@ class AdapterBank:
         }
 
     def load_job_state(self, name: str, state: dict) -> None:
+        """Replace the job's weights, AdamW state and version with `job_state`'s; a gradient accumulated
+        since its last optimizer step is dropped."""
         job = self.jobs[name]
         if set(state["A"]) != set(job.A):
             raise ValueError(f"job {name!r}: checkpoint adapts modules {sorted(state['A'])[:3]}..., "
@@ -342,6 +350,8 @@ class AdapterBank:
                 job.A[k].copy_(state["A"][k])
                 job.B[k].copy_(state["B"][k])
         job.optimizer.load_state_dict(state["optimizer"])
+        job.optimizer.zero_grad(set_to_none=True)  # a gradient accumulated for the old weights is not theirs
+        job.bad_gradient = ""
         job.version = int(state["version"])
 
 

