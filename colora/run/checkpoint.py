@@ -5,18 +5,25 @@ whole. Rollouts in flight at that moment are not saved: they are a function of (
 adapter version) through per-request seeds, so a resumed run samples them again. Layout:
 
     checkpoints/step-000004/state.pt        torch.save of {jobs: {name: state}, ...}
-    checkpoints/step-000004/manifest.json   sha256 and size of state.pt, written after it
+    checkpoints/step-000004/manifest.json   sha256 and size of state.pt, the save counter, each job's step
 
-The folder is built under a temporary name and renamed into place after both files are fsynced, so
-a crash mid-write leaves no folder that looks like a checkpoint; a damaged one (truncated, edited)
-fails its manifest check on load and the previous checkpoint is used.
+A checkpoint is named by the steps every job has completed (the smallest job's), and where a
+checkpoint of that name exists already (the dedicated arm runs its jobs one after another; a stopped
+job stays at its step) by that and the save counter: `step-000000.3`. Their order is the save
+counter's (`seq` in the manifest), never their names'. One is due when any job has done `every`
+steps since the last one. A new checkpoint is built under a temporary name and renamed into place
+after both files are fsynced, and only then are the oldest beyond `keep` removed: a crash at any
+moment leaves the previous checkpoints whole and no folder that looks like a checkpoint but is not.
+A damaged one (truncated, edited) fails its manifest check on load and the previous checkpoint is
+used. A checkpoint is read with `torch.load(weights_only=True)`: tensors and plain values only, so a
+run directory from someone else cannot run code through it.
 
 The periodic checkpoints of a run are written in the background: the trainer's thread copies every
 job's state to the CPU (the snapshot) and goes on training while a writer thread serialises, fsyncs
 and hashes it (written on the trainer's thread, a checkpoint of 8 jobs of the throughput workload
 held both groups for about 4 s on the H200, reports/ray_one_gpu). One write is in flight at most;
-the next checkpoint, an on-demand one and the end of training wait for it, and a write that failed
-raises there.
+the next checkpoint, an on-demand one and the end of training wait for it (at most WRITE_TIMEOUT_S),
+and a write that failed raises there.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -37,6 +45,8 @@ from colora.record.runlog import read_jsonl, sha256_file
 
 STATE = "state.pt"
 MANIFEST = "manifest.json"
+WRITE_TIMEOUT_S = 600.0  # the longest a wait for a background write lasts (a hung file system, say)
+_NAME = re.compile(r"step-(\d+)(?:\.(\d+))?")
 
 
 class CheckpointError(RuntimeError):
@@ -51,32 +61,56 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _seq(path: Path) -> int:
+    """A checkpoint's save counter from its manifest; 0 where it has none (or none that reads)."""
+    try:
+        return int(json.loads((path / MANIFEST).read_text()).get("seq", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The checkpoints under root/checkpoints, oldest first: by their save counter, then (for those
+    without one) by the numbers in their names, compared as numbers."""
+    found = []
+    for p in (root / "checkpoints").glob("step-*"):
+        m = _NAME.fullmatch(p.name)
+        if m and p.is_dir():
+            found.append(((_seq(p), int(m[1]), int(m[2] or 0)), p))
+    return [p for _, p in sorted(found)]
+
+
 def save(root: Path, tag: int, state: dict, keep: int) -> Path:
-    """Write checkpoint `tag` under root/checkpoints atomically; keep the newest `keep` and remove
-    what a killed write left (a hidden temporary folder)."""
+    """Write a checkpoint of `state`, whose jobs have all done `tag` steps, under root/checkpoints
+    atomically, under a name no checkpoint has; then keep the newest `keep` and remove what a killed
+    write left (a hidden temporary folder). Returns its folder."""
     ckpts = root / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
+    seq = 1 + max((_seq(p) for p in checkpoints(root)), default=0)
     final = ckpts / f"step-{tag:06d}"
+    while final.exists():
+        final = ckpts / f"step-{tag:06d}.{seq}"
+        seq += final.exists()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=ckpts))
     try:
         with open(tmp / STATE, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        jobs = state["jobs"]
         manifest = {"file": STATE, "sha256": sha256_file(tmp / STATE), "bytes": (tmp / STATE).stat().st_size,
-                    "tag": tag, "steps": {n: s["step"] for n, s in state["jobs"].items()}}
+                    "tag": tag, "seq": seq, "steps": {n: s["step"] for n, s in jobs.items()},
+                    "statuses": {n: s.get("status") for n, s in jobs.items()}}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # a checkpoint of this tag from before a resume: replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        os.rename(tmp, final)  # a free name: nothing is replaced, so nothing is lost if this is the last act
         _fsync_dir(ckpts)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for old in sorted(ckpts.glob("step-*"))[:-keep]:
+    for old in checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for torn in ckpts.glob(".step-*"):  # a write a killed process left half done (one write at a time)
         shutil.rmtree(torn, ignore_errors=True)
@@ -100,23 +134,41 @@ def verify(path: Path) -> dict:
     return man
 
 
-def load_latest(root: Path, log: Callable[[str], None] = print) -> tuple[Path, dict] | None:
-    """The newest checkpoint that verifies and loads, skipping damaged ones (each reported)."""
-    for path in sorted((root / "checkpoints").glob("step-*"), reverse=True):
+def newest_sound(root: Path) -> Path | None:
+    """The newest checkpoint under root whose manifest verifies, or None."""
+    for path in reversed(checkpoints(root)):
         try:
             verify(path)
-            state = torch.load(path / STATE, map_location="cpu", weights_only=False)
-            return path, state
-        except Exception as e:  # a damaged checkpoint: fall back to the previous one
-            log(f"checkpoint {path.name} is unusable ({e}); trying the previous one")
+            return path
+        except CheckpointError:
+            continue
     return None
 
 
+def load_latest(root: Path, log: Callable[[str], None] = print) -> tuple[Path, dict] | None:
+    """The newest checkpoint that verifies and loads, skipping damaged ones (each reported). Loaded
+    with weights_only: a state.pt that holds anything but tensors and plain values is refused."""
+    for path in reversed(checkpoints(root)):
+        try:
+            verify(path)
+            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+            return path, state
+        except Exception as e:  # a damaged checkpoint: fall back to the previous one
+            log(f"checkpoint {path.name} is unusable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                "trying the previous one")
+    return None
+
+
+def _as_marks(steps: dict, statuses: dict) -> dict:
+    """Each job's (step, status), as a Checkpointer compares them."""
+    return {n: (steps[n], statuses.get(n)) for n in steps}
+
+
 class Checkpointer:
-    """Takes checkpoints for a run (every `every` steps of its slowest running job, when training
-    ends, and on demand; `every` 0: only on demand), keeps the newest `keep`, and restores one into a
-    fresh bank and job states. The periodic ones are written in the background (module docstring);
-    `save_now` and `finish` return with the checkpoint on disk."""
+    """Takes checkpoints for a run (when any job has done `every` steps since the last one, when
+    training ends, and on demand; `every` 0: only on demand), keeps the newest `keep`, and restores
+    one into a fresh bank and job states. The periodic ones are written in the background (module
+    docstring); `save_now` and `finish` return with the checkpoint on disk."""
 
     def __init__(self, out: Path, cfg, bank, jobs: dict, every: int, keep: int, log: Callable[[str], None] = print,
                  timeline=None):
@@ -124,9 +176,13 @@ class Checkpointer:
         trainer's thread) and a "checkpoint_write" span per background write."""
         self.out, self.cfg, self.bank, self.jobs, self.log = out, cfg, bank, jobs, log
         self.every, self.keep, self.timeline = every, keep, timeline
-        self.last = self._step()
+        # each job's (step, status) in the newest checkpoint (taken or being written); none yet: step 0
+        self._saved: dict = {n: (0, None) for n in jobs}
+        self._written: dict = dict(self._saved)  # ... in the newest checkpoint on disk
+        self._saved_path: Path | None = None
         self._writer: threading.Thread | None = None
-        self._result: tuple[int, Path | BaseException, float] | None = None  # the last write's, until logged
+        # the last write's (tag, path or error, seconds, marks), until logged
+        self._result: tuple[int, Path | BaseException, float, dict] | None = None
 
     def state(self) -> dict:
         return {"config_hash": self.cfg.hash(),
@@ -137,57 +193,70 @@ class Checkpointer:
         """The steps every job has completed: a checkpoint's tag."""
         return min((js.step for js in self.jobs.values()), default=0)
 
+    def _marks(self) -> dict:
+        return {n: (js.step, js.status) for n, js in self.jobs.items()}
+
+    def _due(self) -> bool:
+        return any(js.step - self._saved.get(n, (0, None))[0] >= self.every for n, js in self.jobs.items())
+
     def _span(self, phase: str):
         return self.timeline.span(phase) if self.timeline is not None else contextlib.nullcontext()
 
     def save_now(self) -> Path:
         """The checkpoint of every job's state now, on disk when it returns."""
         self.wait()
-        tag = self._step()
+        marks = self._marks()
         with self._span("checkpoint"):
-            path = save(self.out, tag, self.state(), self.keep)
-        self.last = tag
+            path = save(self.out, self._step(), self.state(), self.keep)
+        self._saved = self._written = marks
+        self._saved_path = path
         self.log(f"checkpoint {path.name} written")
         return path
 
     def maybe_save(self) -> None:
-        """Called on the trainer's thread after every training step: when a checkpoint is due, the
-        snapshot here and its write in the background."""
+        """Called on the trainer's thread after every training step: when a checkpoint is due (a job
+        has done `every` steps since the last one), the snapshot here and its write in the background."""
         if self._writer is not None and not self._writer.is_alive():
             self.wait()  # the last write ended: say so (or raise what stopped it) from this thread
-        if self.every <= 0:
-            return
-        live = [js.step for js in self.jobs.values() if js.status != "stopped"]
-        if not live or min(live) < self.last + self.every:
+        if self.every <= 0 or not self._due():
             return
         self.wait()
-        tag = self._step()
+        tag, marks = self._step(), self._marks()
         with self._span("checkpoint"):
             state = self.state()  # copies on the CPU: the next steps do not change them
-        self.last = tag
-        self._writer = threading.Thread(target=self._write, args=(tag, state), name="colora-checkpoint")
+        self._saved = marks
+        self._writer = threading.Thread(target=self._write, args=(tag, state, marks), name="colora-checkpoint",
+                                        daemon=True)  # a write hung in the file system must not hold the exit
         self._writer.start()
 
-    def _write(self, tag: int, state: dict) -> None:
+    def _write(self, tag: int, state: dict, marks: dict) -> None:
         t0 = time.perf_counter()
         try:
             with self._span("checkpoint_write"):
                 path = save(self.out, tag, state, self.keep)
-            self._result = (tag, path, time.perf_counter() - t0)
+            self._result = (tag, path, time.perf_counter() - t0, marks)
         except BaseException as e:  # raised on the trainer's thread by the next wait()
-            self._result = (tag, e, time.perf_counter() - t0)
+            self._result = (tag, e, time.perf_counter() - t0, marks)
 
     def wait(self) -> None:
         """Returns when no checkpoint is being written, having logged the last one; raises
-        CheckpointError if it failed (the checkpoints before it are as they were)."""
+        CheckpointError if it failed, or is still not written after WRITE_TIMEOUT_S (the checkpoints
+        before it are as they were)."""
         writer, self._writer = self._writer, None
         if writer is None:
             return
-        writer.join()
-        (tag, result, secs), self._result = self._result, None
+        writer.join(WRITE_TIMEOUT_S)
+        if writer.is_alive():
+            self._saved = self._written
+            raise CheckpointError(f"a checkpoint in {self.out / 'checkpoints'} is still being written after "
+                                  f"{WRITE_TIMEOUT_S:.0f}s (a hung or very slow file system?); the checkpoints "
+                                  "before it are as they were")
+        (tag, result, secs, marks), self._result = self._result, None
         if isinstance(result, BaseException):
+            self._saved = self._written  # due again as if this one had never been taken
             raise CheckpointError(f"checkpoint step-{tag:06d} in {self.out / 'checkpoints'} could not be "
                                   f"written: {result}") from result
+        self._written, self._saved_path = marks, result
         self.log(f"checkpoint {result.name} written (in {secs:.1f}s, in the background)")
 
     def close(self) -> None:
@@ -199,14 +268,20 @@ class Checkpointer:
             self.log(str(e))
 
     def finish(self) -> Path | None:
-        """When training has ended: the final state, unless checkpoints are off or the newest one
-        holds it already (a run killed during its last evaluation then resumes to evaluate only)."""
+        """When training has ended: the final state, unless checkpoints are off or a sound checkpoint
+        holds it already (every job at the same step and status: the newest one this run wrote, or,
+        after a resume, the one it restored; a run killed during its last evaluation then resumes to
+        evaluate only)."""
         self.wait()
         if self.every <= 0:
             return None
-        tag = self._step()
-        latest = self.out / "checkpoints" / f"step-{tag:06d}"
-        return None if tag == self.last and latest.exists() else self.save_now()
+        if self._marks() == self._written:
+            if self._saved_path is not None and self._saved_path.exists():
+                return None
+            newest = newest_sound(self.out)
+            if newest is not None and _as_marks(*_manifest_marks(newest)) == self._marks():
+                return None
+        return self.save_now()
 
     def restore(self, state: dict) -> None:
         if state.get("config_hash") != self.cfg.hash():
@@ -218,21 +293,28 @@ class Checkpointer:
             st = state["jobs"][name]
             self.bank.load_job_state(name, st["bank"])
             js.step, js.status, js.reason = st["step"], st["status"], st["reason"]
-        self.last = self._step()
+        self._saved = self._written = self._marks()
+
+
+def _manifest_marks(path: Path) -> tuple[dict, dict]:
+    man = json.loads((path / MANIFEST).read_text())
+    return man.get("steps", {}), man.get("statuses", {})
 
 
 def rewind_logs(out: Path, state: dict) -> None:
-    """Before a resume: keep the logs as they were (renamed, nothing is lost) and start metrics.jsonl
-    again from the rows the checkpoint covers, so each (job, step) appears once."""
+    """Before a resume: keep the logs as they were (copied aside, nothing is lost) and start
+    metrics.jsonl again from the rows the checkpoint covers, so each (job, step) appears once.
+    metrics.jsonl is replaced in one rename, after its copy is in place: killed at any moment, it holds
+    either every row it held or the rewound ones, and the next resume rewinds it again."""
     steps = {n: s["step"] for n, s in state["jobs"].items()}
     n = 0
     while (out / f"metrics.jsonl.pre-resume-{n}").exists():
         n += 1
-    for name in ("metrics.jsonl", "timeline.jsonl"):
-        if (out / name).exists():
-            os.replace(out / name, out / f"{name}.pre-resume-{n}")
-    rows = read_jsonl(out / f"metrics.jsonl.pre-resume-{n}")
-    with open(out / "metrics.jsonl", "w") as f:
+    rows = read_jsonl(out / "metrics.jsonl")
+    if (out / "metrics.jsonl").exists():
+        _copy_atomic(out / "metrics.jsonl", out / f"metrics.jsonl.pre-resume-{n}")
+    tmp = out / ".metrics.jsonl.rewind"
+    with open(tmp, "w") as f:
         for r in rows:
             job, step = r.get("job"), r.get("step")
             if job in steps and step is not None and step >= steps[job]:
@@ -240,3 +322,14 @@ def rewind_logs(out: Path, state: dict) -> None:
             if job in steps and r.get("event") == "reload" and r.get("version", 0) > steps[job]:
                 continue
             f.write(json.dumps(r, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / "metrics.jsonl")
+    if (out / "timeline.jsonl").exists():  # the resumed run's timeline starts afresh
+        os.replace(out / "timeline.jsonl", out / f"timeline.jsonl.pre-resume-{n}")
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
