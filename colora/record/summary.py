@@ -58,9 +58,23 @@ class RunSummary:
     jobs: dict[str, JobSummary] = field(default_factory=dict)
     window: dict[str, Any] = field(default_factory=dict)  # the measured window(s)
     warnings: list[str] = field(default_factory=list)  # what the run's outcome should be read with (`warnings`)
+    # the jobs that failed (stopped with a reason, or lost with their co-runner), from `jobs`: a run
+    # with any is complete (its other jobs' results stand) but did not get every job through
+    failed_jobs: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self):
+        self.failed_jobs = failed_jobs(self.jobs)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+FAILED = ("stopped", "failed")  # a job's status when it did not get through: stopped by the run, lost with a co-runner
+
+
+def failed_jobs(jobs: dict) -> list[str]:
+    """The names of the jobs (JobSummary or its dict, as summary.json holds it) that failed."""
+    return [n for n, j in jobs.items() if (j.get("status") if isinstance(j, dict) else j.status) in FAILED]
 
 
 def job_summaries(jobs: dict, bank, rows: list[dict], before: dict, after: dict) -> dict[str, JobSummary]:
