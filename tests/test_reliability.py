@@ -436,3 +436,34 @@ def test_an_exclusive_engine_cache_closes_the_others_and_frees_cuda_memory_befor
     c = cache.get(("c",), lambda: Fake("c"))  # not exclusive (the CPU): engines stay side by side
     cache.close()
     assert events[-3:] == ["start c", "close b", "close c"] and c.name == "c"
+
+
+# -- a run with a failed job ------------------------------------------------------------------------
+def test_a_run_whose_job_failed_says_so_in_its_status_and_summary(tmp_path, tiny_model_dir, monkeypatch):
+    """One job stopped with its reason (its reward raised) while the other finished: the run is
+    complete (a sweep skips it, a report reads its other job), and status.json and summary.json name
+    the failed job and why. The run's steps are replaced by their outcome (no engine)."""
+    from colora.record.summary import JobSummary, RunSummary
+    from colora.run import runner
+    from colora.run.rundir import run_state
+
+    def steps(*a, **k):
+        jobs = {"count": JobSummary("stopped", "reward raised ZeroDivisionError: customer code", 1, 1, 0.5, None, None),
+                "mod": JobSummary("done", "", 3, 3, 0.5, None, None)}
+        return RunSummary(experiment="smoke", arm="shared_sync", seed=0, config_hash="h", code_version={}, runtime={},
+                          model="m", device="cpu", dtype="float32", mps="-", engine_start_s=0.0, engine_reused=False,
+                          engine_process=False, adapter_sync="memory", packed_rows=False, trainer_setup_s=0.0,
+                          trainer_sm_count=None, steps_measured=4, seconds_measured=1.0, steps_per_hour=1.0,
+                          groups=None, busy_fraction=None, gpu_util=None, wall_s=1.0, jobs=jobs)
+
+    monkeypatch.setattr(runner, "_execute", steps)
+    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"'])
+    said = []
+    summary = runner.run(cfg, tmp_path / "run", log=said.append)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["state"] == "complete" and status["failed_jobs"] == ["count"], status
+    assert "1 of 2 jobs failed" in status["reason"] and "ZeroDivisionError" in status["reason"]
+    assert summary["failed_jobs"] == ["count"]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["failed_jobs"] == ["count"]
+    assert any(line.startswith("warning: 1 of 2 jobs failed") for line in said), said
+    assert run_state(tmp_path / "run") == "complete"

@@ -11,8 +11,10 @@ options (`[runtime]`) are resolved here, once, and passed down. The run director
     config.json      the resolved config and its hash
     run.log          colora's lines of the run and, in a command's session, everything the process
                      and its children wrote meanwhile (vLLM, transformers, torch; colora/output.py)
-    status.json      running | failed (with the error) | interrupted (by which signal, in which phase,
-                     after which step, and how to continue) | complete
+    run.lock         held by the run's process for its life: a second process is refused (rundir.py)
+    status.json      running (the process's pid and start time) | failed (with the error) | interrupted
+                     (by which signal, in which phase, after which step, and how to continue) | complete
+                     (with `failed_jobs` and why, where a job failed: the other jobs' results stand)
     metrics.jsonl    one row per job per step (train/<job>/... values), plus events
     timeline.jsonl   every phase span (generate, train, reload, eval) with its group and jobs, and the
                      engine's steps per half second (engine_steps: steps, busy seconds, requests in flight)
@@ -26,7 +28,9 @@ SIGINT, SIGTERM and SIGHUP stop a run in bounded time (colora/stopping.py): the 
 the step it is in, a checkpoint of the last completed step is written (unless
 runtime.checkpoint_every is 0), the engine and the MPS daemon are stopped, status.json says
 "interrupted", and `colora run --resume DIR` continues the run (from the start, when nothing was
-saved). A second signal exits at once, killing the engine's processes.
+saved). A second signal exits at once, killing the engine's processes. A process killed outright
+(SIGKILL, the OOM killer) leaves its engine processes and MPS daemon to its watcher
+(colora/run/watcher.py), and its status.json saying "running" under a lock nobody holds: killed.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from colora.record.provenance import code_version
 from colora.record.runlog import JsonlWriter, Timeline, read_jsonl, write_json_atomic
 from colora.record.summary import RunSummary, job_summaries, warnings
 from colora.record.throughput import busy, gpu_util, throughput
-from colora.run.checkpoint import Checkpointer, load_latest, rewind_logs
+from colora.run.checkpoint import Checkpointer, load_latest, newest_sound, rewind_logs
 from colora.run.evaluate import evaluate
 from colora.run.heap import frozen_heap
 from colora.run.preflight import (
@@ -69,8 +73,10 @@ from colora.run.preflight import (
     torch_dtype,
 )
 from colora.run.progress import run_output
+from colora.run.rundir import holding, this_process
+from colora.run.watcher import watch_this_process
 from colora.stopping import Interrupted, StopRequest, handling_signals
-from colora.tasks import add_task_dirs, task_dirs
+from colora.tasks import TaskError, add_task_dirs, task_class, task_dirs
 from colora.training.export import AdapterExport
 from colora.training.trainer import build_trainer
 
@@ -85,60 +91,90 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
         log: Callable[[str], None] | None = None, engine_cache: EngineCache | None = None, process_mps=None) -> dict:
     """Run one experiment into `out` (or continue it from `resume_state`, a checkpoint's state, or
     with `restart` run it again from the start in `out`, an interrupted run's directory); returns the
-    summary as summary.json holds it. Raises RunError on bad input, RunFailed when the run breaks
-    off, Interrupted on a signal (its message says how to continue). log: also receives colora's
-    lines of the run, which go to run.log and, in a command's session, to the terminal as
-    colora/output.py decides; engine_cache: engines kept across the runs of this process;
-    process_mps: the MPS daemon this whole process is a client of (colora/sweeps/orchestrate.py starts one
-    per MPS process)."""
+    summary as summary.json holds it. Raises RunError on bad input or a directory another process
+    holds, RunFailed when the run breaks off, Interrupted on a signal (its message says how to
+    continue). The run holds its directory's lock for its whole life (colora/run/rundir.py). log: also
+    receives colora's lines of the run, which go to run.log and, in a command's session, to the
+    terminal as colora/output.py decides; engine_cache: engines kept across the runs of this process;
+    process_mps: the MPS daemon this whole process is a client of (colora/sweeps/orchestrate.py starts
+    one per MPS process)."""
     out = Path(out)
     with handling_signals() as stop:
         stop.phase = "checking the input"
         setup = prepare(cfg, out, resume_state is not None or restart, log or say, process_mps)
         out.mkdir(parents=True, exist_ok=True)
-        if resume_state is None:  # task_dirs: where a resume looks for the modules of import-path tasks
-            write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(),
-                                                    "task_dirs": task_dirs()})
-        if resume_state is not None or restart:
-            rewind_logs(out, resume_state or {"jobs": {j.name: {"step": 0} for j in cfg.jobs}})
-        write_json_atomic(out / "status.json", {"state": "running"})
-        exp = cfg.experiment
-        with run_output(out / "run.log", f"{exp.arm} seed {exp.seed}", [j.name for j in cfg.jobs], exp.steps,
-                        log) as shown:
-            try:
-                with stop.on_abort(lambda: _mark_aborted(out, stop)):
-                    summary = _execute(setup, shown, engine_cache, process_mps, resume_state, stop).to_dict()
-            except Interrupted as e:
-                status = _interrupted(e, stop, cfg, out)
-                write_json_atomic(out / "status.json", status)
-                shown.log(f"interrupted: {status['reason']}")
-                e.message = f"interrupted by {status['reason']}; {status['saved']}; continue with: {status['resume']}"
-                raise
-            except BaseException as e:
-                write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
-                                                        "traceback": traceback.format_exc()})
-                raise
-        write_json_atomic(out / "summary.json", summary)
-        write_json_atomic(out / "status.json", {"state": "complete"})
+        with holding(out, log or say):
+            _open_run_dir(cfg, out, resume_state, restart)
+            exp = cfg.experiment
+            with run_output(out / "run.log", f"{exp.arm} seed {exp.seed}", [j.name for j in cfg.jobs], exp.steps,
+                            log) as shown:
+                try:
+                    with stop.on_abort(lambda: _mark_aborted(out, stop)):
+                        summary = _execute(setup, shown, engine_cache, process_mps, resume_state, stop).to_dict()
+                except Interrupted as e:
+                    status = _interrupted(e, stop, cfg, out)
+                    write_json_atomic(out / "status.json", status)
+                    shown.log(f"interrupted: {status['reason']}")
+                    e.message = (f"interrupted by {status['reason']}; {status['saved']}; "
+                                 f"continue with: {status['resume']}")
+                    raise
+                except BaseException as e:
+                    write_json_atomic(out / "status.json", {"state": "failed", "error": f"{type(e).__name__}: {e}",
+                                                            "traceback": traceback.format_exc()})
+                    raise
+                status = _complete_status(summary)
+                if status.get("failed_jobs"):
+                    shown.log(f"warning: {status['reason']}")
+            write_json_atomic(out / "summary.json", summary)
+            write_json_atomic(out / "status.json", status)
     return summary
+
+
+def _open_run_dir(cfg: Config, out: Path, resume_state: dict | None, restart: bool) -> None:
+    """What a run writes before it starts anything, with its directory's lock held: config.json (a
+    new run's; a resume keeps the one it checked), its logs rewound to the checkpoint (a resume),
+    and status.json "running" with this process's pid and start time, by which a reader tells a live
+    run from a killed one. The process's watcher starts here, before the MPS daemon and the engine
+    (colora/run/watcher.py)."""
+    watch_this_process()
+    if resume_state is None and not restart:  # task_dirs: named in the message of a resume that cannot find a task
+        write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(),
+                                                "task_dirs": task_dirs()})
+    if resume_state is not None or restart:
+        rewind_logs(out, resume_state or {"jobs": {j.name: {"step": 0} for j in cfg.jobs}})
+    rec = this_process()
+    write_json_atomic(out / "status.json", {"state": "running", "pid": rec["pid"], "host": rec["host"],
+                                            "started": rec["started"]})
+
+
+def _complete_status(summary: dict) -> dict:
+    """status.json of a run that ran to its end: "complete", with the jobs that failed (stopped with a
+    reason: a raising reward, a loss that is not finite) and why. The state stays "complete" so that
+    reports and sweeps read the run's other jobs; `failed_jobs` says that not every job got through."""
+    failed = summary.get("failed_jobs") or []
+    if not failed:
+        return {"state": "complete"}
+    reasons = "; ".join(f"{n}: {summary['jobs'][n].get('reason') or 'stopped'}" for n in failed)
+    return {"state": "complete", "failed_jobs": failed,
+            "reason": f"{len(failed)} of {len(summary['jobs'])} jobs failed ({reasons})"}
 
 
 def _interrupted(e: Interrupted, stop: StopRequest, cfg: Config, out: Path) -> dict:
     """status.json of an interrupted run: which signal, in which phase, after which step, what is
-    saved, and the command that continues it."""
+    saved (the newest checkpoint that verifies), and the command that continues it."""
     step = getattr(e, "step", None)
-    newest = sorted((out / "checkpoints").glob("step-*"))
+    newest = newest_sound(out)
     reason = f"{e.signal} during {stop.phase or 'the set-up'}" + (
         f", after step {step} of {cfg.experiment.steps}" if step is not None else "")
-    if newest:
-        saved = f"every job's state is saved in {newest[-1]}"
+    if newest is not None:
+        saved = f"every job's state is saved in {newest}"
     elif step:
         saved = "no checkpoint (runtime.checkpoint_every = 0): the run starts again from its beginning"
     else:
         saved = "nothing was trained yet: the run starts again from its beginning"
     return {"state": "interrupted", "signal": e.signal, "phase": stop.phase, "step": step,
-            "checkpoint": str(newest[-1].relative_to(out)) if newest else None, "reason": reason, "saved": saved,
-            "resume": f"colora run --resume {out}"}
+            "checkpoint": str(newest.relative_to(out)) if newest is not None else None, "reason": reason,
+            "saved": saved, "resume": f"colora run --resume {out}"}
 
 
 def _mark_aborted(out: Path, stop: StopRequest) -> None:
@@ -150,29 +186,66 @@ def _mark_aborted(out: Path, stop: StopRequest) -> None:
 
 
 def resume(out: str | Path, log: Callable[[str], None] | None = None, engine_cache: EngineCache | None = None,
-           process_mps=None) -> dict:
+           process_mps=None, task_folders: tuple[str, ...] = ()) -> dict:
     """`colora run --resume DIR`: continue a run from its newest sound checkpoint; an interrupted
-    run without one runs again from its beginning, in DIR."""
+    run without one runs again from its beginning, in DIR. Refused (RunError, before anything starts
+    or is written) when another process holds DIR, when config.json was edited since the run began,
+    or when the checkpoint is of another config. Import-path tasks are looked for where a new run
+    looks for them (installed packages, the current directory) and in `task_folders`, the ones the
+    user names now, never in the folders config.json records (`_resumed_config`)."""
     out = Path(out)
+    say_ = log or say
     if not (out / "config.json").is_file():
         raise RunError(f"--resume {str(out)!r}: no config.json there; is it a colora run directory?")
-    status = json.loads((out / "status.json").read_text()) if (out / "status.json").exists() else {}
-    if status.get("state") == "complete":
-        raise RunError(f"--resume {str(out)!r}: the run is already complete")
+    with holding(out, say_):
+        status = json.loads((out / "status.json").read_text()) if (out / "status.json").exists() else {}
+        if status.get("state") == "complete":
+            raise RunError(f"--resume {str(out)!r}: the run is already complete")
+        cfg = _resumed_config(out, task_folders)
+        found = load_latest(out, say_)
+        kw = dict(log=log, engine_cache=engine_cache, process_mps=process_mps)
+        if found is None:
+            if status.get("state") == "interrupted":
+                say_(f"{out} has no checkpoint: running it again from its beginning")
+                return run(cfg, out, restart=True, **kw)
+            raise RunError(f"--resume {str(out)!r}: no usable checkpoint (runtime.checkpoint_every was 0, or the "
+                           "run ended before its first); start the run again in a new directory")
+        path, state = found
+        if state.get("config_hash") != cfg.hash():
+            raise RunError(f"--resume {str(out)!r}: checkpoint {path.name} is of config {state.get('config_hash')}, "
+                           f"config.json is {cfg.hash()}; it cannot continue this run")
+        say_(f"resuming {out} from {path.name}")
+        return run(cfg, out, resume_state=state, **kw)
+
+
+def _resumed_config(out: Path, task_folders: tuple[str, ...]) -> Config:
+    """The config a resume continues: config.json's, which must still hash as it did when the run
+    began (its experiment, that is: run options may change), with every import-path task found.
+
+    A run directory may come from someone else, and importing a task's module runs its code: so a
+    resume does not look in the folders config.json records (where the config file and the current
+    directory were), only where the user points now (the installed packages, the current directory,
+    `task_folders`, and the config files this process loaded)."""
     saved = json.loads((out / "config.json").read_text())
-    add_task_dirs(*saved.get("task_dirs", ()))
     cfg = from_dict(saved["config"])
-    found = load_latest(out, log or say)
-    kw = dict(log=log, engine_cache=engine_cache, process_mps=process_mps)
-    if found is None:
-        if status.get("state") == "interrupted":
-            (log or say)(f"{out} has no checkpoint: running it again from its beginning")
-            return run(cfg, out, restart=True, **kw)
-        raise RunError(f"--resume {str(out)!r}: no usable checkpoint (runtime.checkpoint_every was 0, or the run "
-                       "ended before its first); start the run again in a new directory")
-    path, state = found
-    (log or say)(f"resuming {out} from {path.name}")
-    return run(cfg, out, resume_state=state, **kw)
+    if saved.get("hash") != cfg.hash():
+        raise RunError(f"--resume {str(out)!r}: the experiment in config.json hashes to {cfg.hash()}, the run began "
+                       f"as {saved.get('hash')}: config.json was edited since (or written by a colora whose config "
+                       "has other keys). A resume continues the experiment the run began; run an edited one in a "
+                       "new directory: colora run CONFIG --out NEW")
+    add_task_dirs(*task_folders)
+    for i, j in enumerate(cfg.jobs):
+        if ":" not in j.task:
+            continue
+        try:
+            task_class(j.task)
+        except TaskError as e:
+            recorded = [d for d in saved.get("task_dirs", ()) if isinstance(d, str)]
+            raise RunError(f"--resume {str(out)!r}: jobs.{i}.task = {j.task!r}: {e}. The run began with the task "
+                           f"folders {recorded}, which a resume does not import from (a run directory may come "
+                           "from someone else); resume from the folder that holds the module, or install it"
+                           ) from None
+    return cfg
 
 
 @dataclass
