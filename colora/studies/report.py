@@ -21,7 +21,8 @@ What is computed (colora.studies.stats has the definitions):
   replication on fresh seeds) get a section of their own, their ratios and paired differences
   computed apart and never pooled into the gates. Without `--prereg` no gate is described or applied.
 
-Writes `report.md` (opening with the command that made it; colora/studies/report_md.py), `summary.json`
+Writes into `--out`, which must be no run, nor lie inside or above one (`check_out`):
+`report.md` (opening with the command that made it; colora/studies/report_md.py), `summary.json`
 (every number in the report), and PNG figures (colora/studies/report_figures.py): throughput.png,
 learning_curves.png, paired_differences.png, timeline.png.
 """
@@ -43,7 +44,7 @@ from colora.record.runlog import write_json_atomic
 from colora.record.throughput import short_window
 from colora.studies import stats
 from colora.studies.prereg import PreregError, load_prereg
-from colora.studies.report_data import ReportError, RunData, display_path, load_runs
+from colora.studies.report_data import ReportError, RunData, display_path, find_run_dirs, load_runs
 from colora.studies.report_figures import fig_learning_curves, fig_paired, fig_throughput, fig_timeline
 from colora.studies.report_md import render
 
@@ -164,6 +165,24 @@ def short_windows(runs: list[RunData]) -> list[dict]:
 
 
 # -- entry point ----------------------------------------------------------------------------------
+def check_out(out: Path, paths: list[str]) -> None:
+    """Refuse (ReportError) a report folder that is a run directory (config.json and status.json),
+    lies inside one, holds one of the runs it reads, or holds a sweep: a report never writes into a
+    run (its summary.json would replace the run's) nor above runs (a summary.json there would read as
+    a run and hide a sweep's runs). A folder beside the runs is fine, also inside the folder given: a
+    report's folder has no config.json, so it never reads as a run."""
+    o = out.resolve()
+    for a in (o, *o.parents):
+        if (a / "config.json").is_file() and (a / "status.json").is_file():
+            raise ReportError(f"--out {str(out)!r} {'is' if a == o else 'lies inside'} the run directory {a}: a "
+                              "report never writes into a run; choose another folder, e.g. reports/NAME")
+    held = [r for r in find_run_dirs(paths) if r.is_relative_to(o)]
+    if held or (o / "sweep.json").exists():
+        what = f"the run {display_path(held[0])}" if held else "a sweep (sweep.json)"
+        raise ReportError(f"--out {str(out)!r} holds {what}: a report never writes above runs; choose another "
+                          "folder, e.g. reports/NAME")
+
+
 def make_report(paths: list[str], out: str | Path, prereg_path: str | None = None, command: str = "",
                 bootstrap_seed: int | None = None, figures: bool = True) -> dict:
     """Write report.md, summary.json and (unless `figures` is False) the PNG figures into `out`."""
@@ -202,6 +221,7 @@ def make_report(paths: list[str], out: str | Path, prereg_path: str | None = Non
     res = analyse(runs, gates, analysis, list(pr.seeds) if pr else None)
     res["replication"] = analyse(left_out, None, analysis, None) if left_out else None
     out = Path(out)
+    check_out(out, paths)
     out.mkdir(parents=True, exist_ok=True)
     names = []
     if figures:

@@ -3,7 +3,8 @@ them), each run's numbers as `RunData`.
 
 RUNS are run directories, directories holding them (a sweep's DIR), or `.tar.gz` / `.tgz` archives
 of such directories, read as the folder they hold: every `summary.json` below them whose status.json
-says complete is one run (directories moved aside as `*.incomplete-<n>` are left out). Each run's arm
+says complete is one run (directories moved aside as `*.incomplete-<n>` are left out; another is
+named with what became of it: still running, killed, interrupted, failed). Each run's arm
 and seed come from its config.json; its repeat index from the sweep.json that lists it, else from
 its order among runs of the same (arm, seed).
 """
@@ -22,6 +23,7 @@ import numpy as np
 
 from colora.config import ARMS, ConfigError, from_dict
 from colora.record.runlog import read_jsonl
+from colora.run.rundir import describe
 from colora.studies.prereg import lock_hash
 
 METRICS = (("eval_accuracy", "final eval accuracy"), ("train_reward", "mean training reward"))
@@ -87,20 +89,25 @@ def display_path(p: Path) -> str:
     return str(p)
 
 
+def is_run_dir(p: Path) -> bool:
+    """A run directory holds summary.json beside its config.json (a report's folder has no config.json)."""
+    return (p / "summary.json").is_file() and (p / "config.json").is_file()
+
+
 def find_run_dirs(paths: list[str | Path]) -> list[Path]:
-    """Every run directory (one holding summary.json) given or below the given paths (folders or
-    archives of them)."""
+    """Every run directory (`is_run_dir`) given or below the given paths (folders or archives of
+    them)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
             raise ReportError(f"{str(p)!r} does not exist")
         if is_archive(p):
             p = unpack(p)
-        if (p / "summary.json").is_file():
+        if is_run_dir(p):
             found.append(p)
             continue
         below = sorted(s.parent for s in p.rglob("summary.json")
-                       if not any(".incomplete-" in part for part in s.relative_to(p).parts))
+                       if is_run_dir(s.parent) and not any(".incomplete-" in part for part in s.relative_to(p).parts))
         if not below:
             raise ReportError(f"{str(p)!r} holds no run directory (none has a summary.json)")
         found += below
@@ -155,9 +162,13 @@ def load_runs(paths: list[str | Path]) -> tuple[list[RunData], list[str]]:
     for d in find_run_dirs(paths):
         r = load_run(d)
         if r is None:
-            warnings.append(f"{d}: not complete (status.json), left out")
-        else:
-            runs.append(r)
+            warnings.append(f"{display_path(d)}: not complete ({describe(d)}), left out")
+            continue
+        runs.append(r)
+        failed = r.summary.get("failed_jobs") or []
+        if failed:
+            warnings.append(f"{display_path(d)}: job(s) {', '.join(failed)} failed in this run (summary.json): "
+                            "their numbers stop where they stopped")
     if not runs:
         raise ReportError("no complete run among " + ", ".join(map(str, paths)))
     by_key: dict[tuple, list[RunData]] = defaultdict(list)

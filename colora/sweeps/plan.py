@@ -1,7 +1,8 @@
 """The runs of a plan (colora/sweeps/orchestrate.py) and its record, ROOT/sweep.json.
 
 sweep.json lists every run the root holds, from every invocation, with its state (colora/run/rundir.py:
-complete, resumable, or moved aside).
+complete, resumable, or moved aside). A run directory that a live process holds (another sweep on
+the same root, a resume of that run) refuses the plan before anything runs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from colora.config import Config, ConfigError, diff, from_dict, replace, resolve
 from colora.record.runlog import write_json_atomic
-from colora.run.rundir import run_config_hash, run_state
+from colora.run.rundir import holder, in_use, run_config_hash, run_state
 from colora.studies.prereg import lock_hash
 
 
@@ -71,7 +72,8 @@ def _describe_diff(a: dict, b: Config) -> str:
 
 
 def check_existing(root: Path, base: Config, planned: list[PlannedRun]) -> dict[str, str]:
-    """State of each planned run; refuses (ConfigError) complete runs or a sweep.json of another config."""
+    """State of each planned run; refuses (ConfigError) complete runs or a sweep.json of another
+    config, and a run that a live process still writes (colora/run/rundir.py)."""
     sj = root / "sweep.json"
     if sj.is_file():
         try:
@@ -85,6 +87,8 @@ def check_existing(root: Path, base: Config, planned: list[PlannedRun]) -> dict[
     for p in planned:
         d = root / p.rel
         st = run_state(d)
+        if st == "running" and (rec := holder(d)) is not None:  # another sweep on this root, or a resume of it
+            raise ConfigError(in_use(d, rec))
         if st == "complete":
             want = p.config(base)
             h, cfgd = run_config_hash(d)
