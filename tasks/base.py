@@ -198,11 +198,21 @@ class ProceduralTask(AnswerTask):
 
     `sample` walks one RNG stream derived from (task, split, seed), keeps candidates whose key lands
     in the split and has not been seen, and stops after `n`; so `sample(n)` is a prefix of
-    `sample(n + 1)`. When the split is too small for n distinct items it raises TaskError after a
-    bounded number of draws instead of looping forever."""
+    `sample(n + 1)`. When the split is too small for n distinct items it raises TaskError instead of
+    looping forever: once draws stop finding new items (`STALE_DRAWS` plus `STALE_FACTOR` times the
+    draws it took to find the last one), or after `2000 + 200 n` draws in all."""
 
     instruction: ClassVar[str] = ANSWER_INSTRUCTION
     eval_fraction: float = 0.2
+    # A split is taken as exhausted after this many draws without a new item, plus STALE_FACTOR times
+    # the draws that found the last one. The additive part covers sparse hits (eval_fraction 0.01:
+    # a hit every ~100 draws misses 2000 in a row with probability ~2e-9); the factor covers a space
+    # nearly found, whose last items take longer to hit (a uniform space of S items is found whole
+    # after ~(S / fraction) ln S draws, so 4 times that bounds the wait for any one of them). The
+    # run's item space once found is refused in milliseconds, not after 2000 + 200 n draws (an
+    # eval_size of 100,000 over a space of 32 items took 20,002,000 draws, 137 s).
+    STALE_DRAWS: ClassVar[int] = 2000
+    STALE_FACTOR: ClassVar[int] = 4
 
     def __init__(self, *, eval_fraction: float = 0.2) -> None:
         self.eval_fraction = check_fraction(self.name, "eval_fraction", eval_fraction, 0.01, 0.99)
@@ -220,18 +230,20 @@ class ProceduralTask(AnswerTask):
         items: list[Item] = []
         seen: set[str] = set()
         max_draws = 2000 + 200 * n
-        draws = 0
+        draws = last_new = 0  # draws so far; the draw that found the latest new item
         while len(items) < n:
-            if draws >= max_draws:
+            if draws >= max_draws or draws - last_new > self.STALE_DRAWS + self.STALE_FACTOR * last_new:
                 raise TaskError(
                     f"{self.name}: found only {len(items)} distinct {split} items of the {n} asked "
-                    f"after {draws} draws; the item space for options {self.options()} is too small "
+                    f"after {draws} draws (the last {draws - last_new} found none new); the item space for "
+                    f"options {self.options()} is too small "
                     f"(raise the difficulty knobs, or eval_fraction for the eval split)")
             draws += 1
             draft = self.draw(rng)
             if draft is None or draft.key in seen or split_of(self.name, draft.key, self.eval_fraction) != split:
                 continue
             seen.add(draft.key)
+            last_new = draws
             meta = {"key": draft.key, **draft.meta}
             json.dumps(meta)  # meta must be JSON-serialisable: fail here, not in a run directory
             items.append(Item(id=item_id(self.name, split, draft.key),

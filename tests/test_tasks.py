@@ -258,6 +258,36 @@ def test_tiny_item_space_is_a_clear_error():
         task.sample(64, 0, "eval")
 
 
+def test_an_exhausted_item_space_is_refused_once_draws_stop_finding_new_items(monkeypatch):
+    """Issue 49: an eval_size of 100,000 over modular's 4-problem eval split was refused only after 2000 +
+    200 n = 20,002,000 draws (137 s); once every problem is found, a few thousand more draws decide it."""
+    task = get_task("modular", terms=1, max_operand=2, max_modulus=2)
+    draws = 0
+    draw = task.draw
+
+    def counted(rng):
+        nonlocal draws
+        draws += 1
+        assert draws < 100_000, "still drawing long after the split was exhausted"
+        return draw(rng)
+
+    monkeypatch.setattr(task, "draw", counted)
+    with pytest.raises(TaskError, match=r"found only \d+ distinct eval items of the 100000 asked after \d+ draws "
+                                        r"\(the last \d+ found none new\).*too small"):
+        task.sample(100_000, 0, "eval")
+    assert draws < 10_000
+
+
+def test_a_sparse_split_of_a_large_space_is_still_found_whole():
+    """The stopping rule waits for slow finds: a 1% eval split still gives 300 distinct items (sample(299)
+    their prefix), and 1,900 of a split of ~2,000, where most draws near the end are repeats."""
+    task = get_task("addition", digits=3, terms=2, eval_fraction=0.01)
+    items = task.sample(300, 5, "eval")
+    assert len({it.meta["key"] for it in items}) == 300 and task.sample(299, 5, "eval") == items[:299]
+    small = get_task("addition", digits=2, terms=2, eval_fraction=0.2)  # ~2,000 eval problems of 10,000
+    assert len(small.sample(1900, 0, "eval")) == 1900
+
+
 # --------------------------------------------------------------------------- GSM8K loader
 
 
