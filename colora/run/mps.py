@@ -19,11 +19,14 @@ configured for 25%). So `claim` makes the context before anything else can.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+import psutil
 import torch
 
 from colora import environment
@@ -82,11 +85,12 @@ class MpsDaemon:
         d.owner = False
         return d
 
-    def __init__(self, root: str | Path | None = None, quit_timeout: float = 20.0):
+    def __init__(self, root: str | Path | None = None, quit_timeout: float = 20.0, start_timeout: float = 30.0):
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="colora-mps-"))
         self.pipe_dir = self.root / "pipe"
         self.log_dir = self.root / "log"
         self.quit_timeout = quit_timeout
+        self.start_timeout = start_timeout
         self.started = False
         self.owner = True  # False: attached to a daemon another process owns
         self._saved_env: dict[str, str | None] = {}
@@ -100,12 +104,42 @@ class MpsDaemon:
             raise MpsUnavailable(why)
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([CONTROL, "-d"], env=self._env(), capture_output=True, text=True, timeout=30)
+        try:
+            r = subprocess.run([CONTROL, "-d"], env=self._env(), capture_output=True, text=True,
+                               timeout=self.start_timeout)
+        except subprocess.TimeoutExpired:
+            # `-d` forks the daemon before it returns: one that hangs may have left a daemon behind on
+            # our pipe directory, which nothing would stop after this
+            raise MpsUnavailable(f"{CONTROL} -d did not return within {self.start_timeout:.0f}s; "
+                                 f"the daemon it may have started: {self._stop_stray()}") from None
         if r.returncode != 0:
             raise MpsUnavailable(f"{CONTROL} -d exited {r.returncode}: {r.stderr.strip() or r.stdout.strip()}")
         self.started = True
         # Every CUDA context created from now on, in this process or its children, joins this daemon.
         self._saved_env = environment.join_mps(self.pipe_dir, self.log_dir)
+
+    def _stop_stray(self) -> str:
+        """Stop a daemon on our pipe directory that a failed start left: `quit`, then SIGTERM and SIGKILL
+        to every other process whose environment names our pipe directory (made for this daemon alone,
+        and not yet in this process's environment). Says what it did."""
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            subprocess.run([CONTROL], input="quit\n", env=self._env(), capture_output=True, text=True,
+                           timeout=min(5.0, self.quit_timeout))
+        ours = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if p.pid != os.getpid() and p.environ().get("CUDA_MPS_PIPE_DIRECTORY") == str(self.pipe_dir):
+                    ours.append(p)
+        if not ours:
+            return "none left running"
+        for p in ours:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(ours, timeout=5)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        return f"stopped (pid {', '.join(str(p.pid) for p in ours)})"
 
     def set_share(self, percentage: int) -> None:
         """The SM share of the next CUDA context created in this process or a child spawned now."""
