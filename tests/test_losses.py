@@ -75,7 +75,7 @@ def test_a_nan_sampler_log_prob_is_the_trainers_own():
 
 
 def _reference(kind: str, logp: torch.Tensor, q: float, adv: float, w: float, lo: float, hi: float) -> torch.Tensor:
-    """One token's loss, written out from Tinker's definitions (TINKER.md §2.2) with scalar torch ops."""
+    """One token's loss, written out from Tinker's definitions (colora/service/backend.py) in scalar ops."""
     if kind == "cross_entropy":
         return -w * logp
     if math.isnan(q):

@@ -3,8 +3,8 @@
 Every row of a shared micro-batch brings its own loss. Per token, `kind` says which and the other arrays
 give its inputs. With logp the trainer's log-prob of the target (at the row's temperature), q the
 sampler's log-prob (Tinker's `logprobs`; NaN: the trainer's own, detached, so r = 1 in value), A the
-advantage, w the weight and r = exp(logp - q), the losses as Tinker defines them (TINKER.md §2.2;
-summed over tokens and datums by the caller, never normalised):
+advantage, w the weight and r = exp(logp - q), the losses as Tinker defines them (colora/service/backend.py,
+`ForwardCall`; summed over tokens and datums by the caller, never normalised):
 
     cross_entropy          -w * logp
     importance_sampling    -w * r * A

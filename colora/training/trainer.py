@@ -1,6 +1,6 @@
 """The multi-job trainer: every job's rows in shared micro-batches over one frozen base model.
 
-Two primitives, Tinker's (TINKER.md §2.2-2.3), batched across jobs:
+Two primitives, the Tinker API's (colora/service/backend.py), batched across jobs:
 
 - `forward_backward(calls)`: all calls' datums (colora/training/batches.py) in shared micro-batches, each row
   under its call's loss (colora/training/losses.py), forward-only calls in micro-batches of their own without
