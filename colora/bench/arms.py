@@ -178,17 +178,19 @@ def draw_timeline(rows: list[dict], root: Path, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="colora bench arms", description=__doc__.split("\n\n")[0])
-    p.add_argument("config")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("config", help="experiment TOML file (experiments/reference8_throughput.toml is the workload)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="run seeds (default 1 2 3)")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS),
+                   help="the arms to run, each over the config's steps (default: all)")
     p.add_argument("--jobs", type=int, nargs="*", default=[], help="also run the headline arm with these job counts")
     p.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
                    help="tuning sweep of the headline arm over a config key or run option; "
                         "K1=V1+K2=V2: one run with several settings together")
-    p.add_argument("--headline", default="overlap_mps", choices=list(ARMS))
+    p.add_argument("--headline", default="overlap_mps", choices=list(ARMS),
+                   help="the arm that --jobs and --vary run and the report leads with (default overlap_mps)")
     p.add_argument("--scale-arms", nargs="*", default=[], choices=list(ARMS),
                    help="arms run at each --jobs count (default: the headline arm)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--steady-from", type=int, default=5, metavar="STEP",
                    help="the report also gives each run's throughput from this step of each job on (its first "
                         "STEP-1 steps out, measured again from the same run); 0: not")
