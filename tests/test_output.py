@@ -82,9 +82,10 @@ def test_quiet_by_default_and_everything_in_run_log(tmp_path):
     assert lines[0] == "colora: the command's header" and lines[-1] == "colora: done"
     assert "engine ready (it took 1.0s to start)" in lines
     assert "warning: something colora chose to say" in lines
-    # the progress as plain lines (stdout is a pipe), not the per-step lines the bar replaces
+    # the progress as plain lines (stdout is a pipe), not the per-step lines the bar replaces; in steps
+    # of a job, out of the run's steps (2), not in job-steps (4 for 2 jobs)
     progress = [x for x in lines if x.startswith("steps ")]
-    assert [x.split(" | ")[:2] for x in progress] == [["steps 2/4", "a 0.25 b 0.25"], ["steps 4/4", "a 0.50 b 0.50"]]
+    assert [x.split(" | ")[:2] for x in progress] == [["steps 1/2", "a 0.25 b 0.25"], ["steps 2/2", "a 0.50 b 0.50"]]
     assert "elapsed" in progress[0] and "ETA" in progress[0]
     assert not any(x.startswith("step 1/2 |") for x in lines)
     assert "step 1/2 | a r=0.25" in log and "engine ready" in log  # colora's own lines are in the log too
@@ -96,7 +97,7 @@ def test_inside_a_sweep_a_run_shows_its_warnings_and_progress_only(tmp_path):
     lines = p.stdout.splitlines()
     assert "engine ready (it took 1.0s to start)" not in "\n".join(lines) and "engine ready" in log
     assert "  warning: something colora chose to say" in lines
-    assert [x.split(" | ")[0] for x in lines if x.strip().startswith("steps ")] == ["  steps 2/4", "  steps 4/4"]
+    assert [x.split(" | ")[0] for x in lines if x.strip().startswith("steps ")] == ["  steps 1/2", "  steps 2/2"]
 
 
 def test_verbose_shows_everything_and_the_log_still_has_it(tmp_path):
@@ -248,3 +249,59 @@ def test_a_drain_returns_only_after_what_came_with_its_mark_is_in_the_log():
                                     verbose=False, _drained={2: Done()})
     output.Session._route(session, 2, b"the traceback a library printed\n" + output._MARK)
     assert session._drained[2].is_set() and b"".join(log) == b"the traceback a library printed\n"
+
+
+def test_the_bar_counts_steps_of_a_job_not_job_steps(tmp_path, monkeypatch):
+    """Issue 49: a run of 2 jobs and `steps = 4` showed 8/8. The bar shows the run's steps, as the
+    config gives them; a stopped job's steps count as far as they got."""
+    import types
+
+    from colora import output
+
+    updates = []
+    bar = types.SimpleNamespace(add_task=lambda label, total, info: updates.append(("add", total)) or 1,
+                                update=lambda task, completed, total, info: updates.append((completed, total)),
+                                remove_task=lambda task: None, refresh=lambda: None)
+    session = types.SimpleNamespace(progress=bar, verbose=False, in_sweep=False, open_log=lambda f: None,
+                                    write_log=lambda f, data: f.write(data), say=lambda *a, **k: None,
+                                    logs_into=lambda f: False)
+    monkeypatch.setattr(output, "current", lambda: session)
+    with progress.run_output(tmp_path / "run.log", "shared_sync seed 0", ["a", "b"], 4) as r:
+        r.span({"phase": "eval", "when": "before"})
+        for step in range(4):
+            r.span({"phase": "train", "jobs": ["a", "b"]})
+            for j in "ab":
+                r.metric({"job": j, "step": step, "reward": 0.5, "status": "ok"})
+    assert updates[0] == ("add", 4) and {total for _, total in updates} == {4}
+    assert list(dict.fromkeys(completed for completed, _ in updates[1:])) == [0, 1, 2, 3, 4]
+    updates.clear()
+    with progress.run_output(tmp_path / "run2.log", "shared_sync seed 0", ["a", "b"], 4) as r:
+        r.span({"phase": "eval", "when": "before"})
+        r.span({"phase": "train", "jobs": ["a", "b"]})
+        r.metric({"job": "a", "step": 0, "reward": 0.5, "status": "ok"})
+        r.metric({"job": "b", "status": "stopped"})  # b stopped before its first step: a's 4 are the run
+        for step in range(1, 3):
+            r.span({"phase": "train", "jobs": ["a"]})
+            r.metric({"job": "a", "step": step, "reward": 0.5, "status": "ok"})
+    assert updates[-1] == (3, 4)
+
+
+def test_steps_without_reward_signal_are_not_said_to_have_taught_nothing():
+    """Issue 49: `make smoke` warned that job count "learned nothing" from 9 steps in a row without reward
+    variance while its held-out accuracy rose 0.00 -> 0.56 over the 24 steps."""
+    from colora.record.summary import JobSummary, warnings
+
+    [w] = warnings({"count": JobSummary("done", "", 24, 24, 0.4, 0.0, 0.56, 15, 9)})
+    assert w.startswith("job count: every group's rewards were equal for 9 steps in a row (15 of its 24 steps")
+    assert "learned nothing" not in w and "no gradient in those steps, only in the other 9" in w
+
+
+def test_a_sweeps_line_of_a_run_says_when_its_rate_means_little():
+    """Issue 49: a sweep's per-run lines gave steps/h from 1-3 s windows without the report's warning."""
+    from colora.sweeps.orchestrate import rate_line
+
+    short = {"steps_per_hour": 4321.0, "seconds_measured": 2.5, "steps_measured": 2, "jobs": {"a": {}, "b": {}}}
+    assert rate_line(short) == ("4321 steps/h (measured over 2.5 s and 1 step per job: too short for the figure "
+                                "to mean much (under 30 s or 5 steps per job))")
+    long = {**short, "seconds_measured": 600.0, "steps_measured": 40}
+    assert rate_line(long) == "4321 steps/h"

@@ -102,8 +102,8 @@ def no_signal(flat: list[bool]) -> tuple[int, int]:
 
 
 def warnings(jobs: dict[str, JobSummary]) -> list[str]:
-    """A line per job that learned nothing from its reward in the whole run, or for NO_SIGNAL_STEPS
-    steps in a row or more."""
+    """A line per job whose reward gave it no gradient in the whole run, or for NO_SIGNAL_STEPS steps in
+    a row or more (a job can learn from its other steps: the line says how many there were)."""
     out = []
     for name, j in jobs.items():
         if j.steps and j.no_signal_steps == j.steps:
@@ -112,5 +112,6 @@ def warnings(jobs: dict[str, JobSummary]) -> list[str]:
                        "or a reward that does not depend on the completion?)")
         elif j.no_signal_streak >= NO_SIGNAL_STEPS:
             out.append(f"job {name}: every group's rewards were equal for {j.no_signal_streak} steps in a row "
-                       f"({j.no_signal_steps} of its {j.steps} steps in all): it learned nothing from them")
+                       f"({j.no_signal_steps} of its {j.steps} steps in all): its reward gave it no gradient in "
+                       f"those steps, only in the other {j.steps - j.no_signal_steps}")
     return out

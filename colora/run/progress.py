@@ -56,7 +56,7 @@ class RunOutput:
         if s is not None:
             s.open_log(self.file)
             if s.progress is not None:
-                self._task = s.progress.add_task(label, total=self.total, info=self.phase)
+                self._task = s.progress.add_task(label, total=self.steps, info=self.phase)
 
     # the counts
     @property
@@ -67,6 +67,13 @@ class RunOutput:
     def total(self) -> int:
         """Job-steps of the run: every running job's steps, a stopped job's as far as it got."""
         return sum(n if j in self.stopped else self.steps for j, n in self.job_step.items())
+
+    def steps_shown(self) -> int:
+        """The run's progress in steps of a job, out of `steps` (experiment.steps), as the bar and the
+        plain lines show it: the share of its job-steps done, so a run of 2 jobs and 4 steps is at 4/4
+        when both did 4, and exactly at k where the jobs step together."""
+        total = self.total
+        return self.steps if self.done >= total else self.steps * self.done // max(1, total)
 
     def eta(self) -> str:
         if self.done >= self.total:
@@ -138,7 +145,7 @@ class RunOutput:
 
     def _update_bar(self) -> None:
         info = self.phase if self.phase != "training" else f"{self.rewards()}  {self.eta()}"
-        self.session.progress.update(self._task, completed=self.done, total=self.total, info=info)
+        self.session.progress.update(self._task, completed=self.steps_shown(), total=self.steps, info=info)
 
     def _show(self) -> None:
         """After each training step of a group: the bar, or a plain line every tenth of the run."""
@@ -152,7 +159,7 @@ class RunOutput:
             return
         self._plain_next = self.done + max(1, math.ceil(self.total / (output.PLAIN_LINES_IN_SWEEP if s.in_sweep
                                                                       else PLAIN_LINES)))
-        s.say(f"{'  ' if s.in_sweep else ''}steps {self.done}/{self.total} | {self.rewards()} | "
+        s.say(f"{'  ' if s.in_sweep else ''}steps {self.steps_shown()}/{self.steps} | {self.rewards()} | "
               f"{output.duration(time.monotonic() - self.t0)} elapsed, {self.eta()}")
 
     def close(self, failed: bool) -> None:
