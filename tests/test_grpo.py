@@ -67,12 +67,12 @@ def test_a_dr_grpo_job_is_not_std_normalised_and_the_others_are():
     d["jobs"] = [{**d["jobs"][0], "name": loss, "loss": loss, "prompts_per_step": 1, "samples_per_prompt": 4}
                  for loss in ("grpo_seq", "grpo_token", "dr_grpo")]
     cfg = resolve(d)
-    rewards = [0.0, 0.0, 0.0, 3.0]  # REWARDS' group 2: centred -0.75 x3, 2.25; std 1.5
+    rewards = [0.0, 0.0, 0.0, 1.0]  # centred -0.25 x3, 0.75; std 0.5 (rewards in [0, 1]: the task contract)
     task = SimpleNamespace(reward=lambda text, item: float(text))
     items = [SimpleNamespace(id=0)]
     jobs = {j.name: j for j in cfg.jobs}
     for name, want in (("grpo_seq", [-0.5, -0.5, -0.5, 1.5]), ("grpo_token", [-0.5, -0.5, -0.5, 1.5]),
-                       ("dr_grpo", [-0.75, -0.75, -0.75, 2.25])):
+                       ("dr_grpo", [-0.25, -0.25, -0.25, 0.75])):
         results = [GenResult(GenRequest(name, (1, 2), 4, 1.0, tag=(0, s)), 0, [3], [-0.1], str(r), "stop")
                    for s, r in enumerate(rewards)]
         got = [r.advantage for r in score(task, jobs[name], items, results)]

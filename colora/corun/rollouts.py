@@ -66,7 +66,7 @@ def call_task(job: str, what: str, fn: Callable, *args, limit_s: float):
 
     t = threading.Thread(target=run, name=f"colora-task-{job}", daemon=True)
     t.start()
-    t.join(limit_s)
+    t.join(None if math.isinf(limit_s) else limit_s)  # join(inf) overflows the platform's time_t
     if t.is_alive():
         raise JobFailure(job, f"its task's {what} did not return within runtime.task_timeout_s ({limit_s:g} s)")
     if "error" in box:
