@@ -142,7 +142,7 @@ class CompilingTrainer:
         self.fn = torch.compile(scale, backend="eager")  # fresh: compiled at its first call
         self.steps = 0
 
-    def step(self, rollouts):
+    def step(self, rollouts, sft=None):
         import torch
 
         self.fn(torch.ones(4))
@@ -254,7 +254,7 @@ class VersionTrainer:
     def __init__(self):
         self.version: dict[str, int] = {}
 
-    def step(self, rollouts):
+    def step(self, rollouts, sft=None):
         out = {}
         for name, rs in rollouts.items():
             v = self.version.get(name, 0)
@@ -401,7 +401,7 @@ class HandshakeTrainer(VersionTrainer):
         self.calls = 0
         self.during_load: bool | None = None
 
-    def step(self, rollouts):
+    def step(self, rollouts, sft=None):
         e, n = self.engine, self.calls
         self.calls += 1
         if n == 0:
@@ -500,7 +500,7 @@ class DroppingEngine(LoopEngine):
 class FailingTrainer(VersionTrainer):
     """Job b's loss is not finite at its second step; the other jobs train on."""
 
-    def step(self, rollouts):
+    def step(self, rollouts, sft=None):
         out = super().step(rollouts)
         if "b" in out and out["b"].version == 2:
             out["b"] = JobStepStats(float("nan"), 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 1, failure="loss is not finite")
@@ -720,7 +720,7 @@ def test_a_gated_co_runner_holds_a_grant_around_each_generation_and_each_step(tm
             return super().yield_()
 
     class Checked(VersionTrainer):
-        def step(self, rollouts):
+        def step(self, rollouts, sft=None):
             assert gate._held, "a training step outside its grant"
             return super().step(rollouts)
 

@@ -47,8 +47,11 @@ class EngineSide:
 
     def requests(self, job: str, step: int) -> tuple[list, list[GenRequest]]:
         """The job's items and engine requests of `step` (a function of the run seed, job and step); a
-        JobFailure where the job's task fails to make them or makes a prompt the engine cannot take."""
+        JobFailure where the job's task fails to make them or makes a prompt the engine cannot take. An
+        sft job's items are its step's conversations, and it asks nothing of the engine."""
         cfg, task = self.specs[job]
+        if cfg.kind == "sft":  # `task` is its SftData (colora/training/sft_data.py)
+            return task.batch(step, cfg.prompts_per_step), []
         return step_requests(task, cfg, self.seed, step, self.prompts, getattr(self.engine, "max_model_len", 0),
                              self.task_timeout_s)
 

@@ -30,6 +30,7 @@ from colora.training import grpo
 from colora.training.export import AdapterExport
 from colora.training.failed_step import keep_failed_step
 from colora.training.lora import AdapterBank
+from colora.training.sft_data import datums as sft_datums
 from colora.training.trainer import JobFailure, MultiJobTrainer
 
 
@@ -88,23 +89,26 @@ class TrainerSide:
                 gen[name], t_gen[name], group_of[name] = (items, results), r.seconds, r.group
         groups = tuple(r.group for r in ready)
         group = groups[0] if len(groups) == 1 else -1
-        rollouts, rewards = {}, {}
+        rollouts, rewards, sft = {}, {}, {}
         for name, (items, results) in gen.items():
             js = self.jobs[name]
+            if js.cfg.kind == "sft":  # its step's conversations: no rollouts to score
+                sft[name] = sft_datums(items)
+                continue
             self.decode(results)
             try:
                 rollouts[name] = score(js.task, js.cfg, items, results, self.task_timeout_s)
                 rewards[name] = float(np.mean([r.reward for r in rollouts[name]]))
             except JobFailure as f:
                 self.stop(js, f.reason)
-        if not rollouts:
+        if not rollouts and not sft:
             return
         if self.gate is not None:  # scoring ran on the CPU, outside the grant
             self.gate.acquire("train")
         t0 = time.perf_counter()
         before = compilewatch.snapshot()
-        with self.timeline.span("train", group=group, groups=list(groups), jobs=tuple(rollouts)) as span:
-            stats = self.trainer.step(rollouts)
+        with self.timeline.span("train", group=group, groups=list(groups), jobs=(*rollouts, *sft)) as span:
+            stats = self.trainer.step(rollouts, sft)
             compiled = compilewatch.since(before)
             if compiled:  # the usual cause of a step far slower than the others
                 span["compiles"] = compiled
@@ -117,37 +121,44 @@ class TrainerSide:
         parts, exports = [], []
         for name, st in stats.items():
             js = self.jobs[name]
-            rs = rollouts[name]
-            by_prompt: dict[int, list[float]] = {}
-            for r in rs:
-                by_prompt.setdefault(r.prompt_index, []).append(r.reward)
-            row = {"job": name, "step": js.step, "group": group_of[name], "reward": rewards[name],
-                   "rollout_versions": sorted({r.version for r in rs}),
-                   "reward_std": float(np.std([r.reward for r in rs])),
-                   # the share of its prompts whose samples all got one reward: no gradient from them
-                   "flat_groups": grpo.flat_groups(torch.tensor(list(by_prompt.values()), dtype=torch.float64)),
-                   "response_len": float(np.mean([len(r.completion_ids) for r in rs])),
-                   "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rs])),
+            row = {"job": name, "step": js.step, "group": group_of[name], "kind": js.cfg.kind,
+                   **(self._rl_row(rollouts[name], rewards[name]) if name in rollouts else {}),
                    "t_generate": t_gen[name], "t_train": t_train, **st.__dict__}
             if st.failure:
                 self.metrics.write({**row, "status": "stopped"})
                 self.stop(js, st.failure)
                 continue
             exports.append(js)
-            self._used_tokens.setdefault(name, []).append(sum(len(r.prompt_ids) + len(r.completion_ids) for r in rs))
+            self._used_tokens.setdefault(name, []).append(
+                sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts[name]) if name in rollouts
+                else sum(len(d.tokens) for d in sft[name]))
             js.step += 1
             js.step_ends.append(now)
             self.metrics.write({**row, "status": "ok"})
-            self._warn_flat(name, row["flat_groups"] == 1.0)
+            if name in rollouts:
+                self._warn_flat(name, row["flat_groups"] == 1.0)
             if js.step >= (js.cfg.steps or self.steps):  # its own steps, else the experiment's
                 js.status = "done"
-            parts.append(f"{name} r={rewards[name]:.2f}")
+            parts.append(f"{name} r={rewards[name]:.2f}" if name in rewards else f"{name} loss={st.loss:.3f}")
         self.export_adapters(exports, group, list(groups))
         if self.gate is not None:
             self.gate.yield_()
         self.log(f"{progress} | {' '.join(parts)} | gen {max(t_gen.values()):.1f}s train {t_train:.1f}s")
         if self.on_step is not None:
             self.on_step()
+
+    @staticmethod
+    def _rl_row(rs: list, reward: float) -> dict:
+        """What a grpo job's metrics row holds of its step's rollouts."""
+        by_prompt: dict[int, list[float]] = {}
+        for r in rs:
+            by_prompt.setdefault(r.prompt_index, []).append(r.reward)
+        return {"reward": reward, "rollout_versions": sorted({r.version for r in rs}),
+                "reward_std": float(np.std([r.reward for r in rs])),
+                # the share of its prompts whose samples all got one reward: no gradient from them
+                "flat_groups": grpo.flat_groups(torch.tensor(list(by_prompt.values()), dtype=torch.float64)),
+                "response_len": float(np.mean([len(r.completion_ids) for r in rs])),
+                "truncated_frac": float(np.mean([r.finish_reason == "length" for r in rs]))}
 
     def _warn_flat(self, name: str, flat: bool) -> None:
         """Say so the moment a job has had no reward variance in any group for NO_SIGNAL_STEPS steps

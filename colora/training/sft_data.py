@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from colora.seeding import derive_seed
+from colora.training.batches import Datum
 
 ROLES = ("system", "user", "assistant")
 
@@ -128,6 +129,19 @@ class SftData:
         rng = np.random.default_rng(derive_seed(self.run_seed, self.job, step, "sft_batch"))
         picks = rng.choice(len(self.train), size=n, replace=n > len(self.train))
         return [self.train[i] for i in picks]
+
+
+def datums(convs: list[Conversation]) -> list[Datum]:
+    """The conversations as cross_entropy datums of one step (or one evaluation): token i predicts
+    token i + 1, each assistant target weighted 1 / (the assistant targets of them all), so the loss is
+    the mean NLL per assistant token and a step's size does not scale the learning rate."""
+    total = sum(c.targets for c in convs)
+    out = []
+    for c in convs:
+        tokens = np.asarray(c.tokens, np.int64)
+        w = np.asarray(c.mask[1:], np.float32) / max(total, 1)
+        out.append(Datum(tokens, tokens[1:], 0, w))
+    return out
 
 
 def resolve_data_path(data: str, dirs: list[Path]) -> Path:

@@ -171,12 +171,16 @@ class MultiJobTrainer:
         return {name: out[name] for name in steps}
 
     # -- colora's GRPO step: one forward_backward and one optim_step -------------------------------
-    def step(self, rollouts: dict[str, list[Rollout]]) -> dict[str, JobStepStats]:
-        """Train each job present on its rollouts; returns stats per job. A job whose loss or
-        gradient is not finite, or whose adapter diverges, is not stepped: its stats carry `failure`,
-        its adapter and AdamW state are as before the step, and the caller stops it."""
+    def step(self, rollouts: dict[str, list[Rollout]],
+             sft: dict[str, list[Datum]] | None = None) -> dict[str, JobStepStats]:
+        """Train each job present on its rollouts, and each sft job on its datums (cross_entropy, their
+        weights the job's normalisation: colora/training/sft_data.py), all in one pass; returns stats per
+        job. A job whose loss or gradient is not finite, or whose adapter diverges, is not stepped: its
+        stats carry `failure`, its adapter and AdamW state are as before the step, and the caller stops it."""
         self._check_versions(rollouts)
-        calls = self._native_calls(rollouts)
+        sft = sft or {}
+        calls = self._native_calls(rollouts) + [ForwardBackwardCall(job, datums, losses.LossSpec("cross_entropy"))
+                                                for job, datums in sft.items()]
         results = self._pass(calls, keep_logprobs=False)
         for c, res in zip(calls, results):
             if res.error and not self.bank.jobs[c.job].bad_gradient:  # a malformed rollout: no update from it
@@ -189,7 +193,8 @@ class MultiJobTrainer:
             stats[c.job] = JobStepStats(
                 loss=m["loss"], grad_norm=o.grad_norm, clip_coef=o.clip_coef, kl=m["kl"] / n,
                 clip_frac=m["clipped"] / n, logprob_gap=m["logprob_gap"] / n, entropy=m["entropy"] / n,
-                tokens=int(m["tokens"]) if math.isfinite(m["tokens"]) else 0, sequences=len(rollouts[c.job]),
+                tokens=int(m["tokens"]) if math.isfinite(m["tokens"]) else 0,
+                sequences=len(rollouts[c.job] if c.job in rollouts else sft[c.job]),
                 version=o.version, failure=o.failure)
         return stats
 
