@@ -43,7 +43,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def print_jobs(summary: dict) -> None:
     for name, j in summary["jobs"].items():
-        ev = "" if j["eval_before"] is None else f" eval {j['eval_before']:.2f} -> {j['eval_after']:.2f}"
+        sft = j.get("kind") == "sft"
+        a, b = (j.get("eval_loss_before"), j.get("eval_loss_after")) if sft else (j["eval_before"], j["eval_after"])
+        ev = "" if a is None and b is None else (f" eval {'loss ' if sft else ''}{'-' if a is None else f'{a:.2f}'} -> "
+                                                f"{'-' if b is None else f'{b:.2f}'}")
         print(f"  {name}: {j['status']}{' (' + j['reason'] + ')' if j['reason'] else ''}, {j['steps']} steps{ev}")
 
 

@@ -27,6 +27,10 @@ class JobSummary:
     # and the longest run of them in a row
     no_signal_steps: int = 0
     no_signal_streak: int = 0
+    kind: str = "grpo"  # grpo | sft (an sft job has no reward: its loss and held-out loss instead)
+    mean_loss: float | None = None  # an sft job's mean over its ok steps of the step's loss (NLL per token)
+    eval_loss_before: float | None = None  # an sft job's held-out loss before training; None without eval
+    eval_loss_after: float | None = None
 
 
 @dataclass
@@ -83,12 +87,14 @@ def job_summaries(jobs: dict, bank, rows: list[dict], before: dict, after: dict)
     out = {}
     for name, js in jobs.items():
         ok = sorted((r for r in rows if r.get("job") == name and r.get("status") == "ok"), key=lambda r: r["step"])
-        rs = [r["reward"] for r in ok]
-        steps, streak = no_signal([r.get("flat_groups") == 1.0 for r in ok])
+        rs = [r["reward"] for r in ok if "reward" in r]
+        ls = [r["loss"] for r in ok if "reward" not in r and "loss" in r]
+        steps, streak = no_signal([r.get("flat_groups") == 1.0 for r in ok if "reward" in r])
         out[name] = JobSummary(js.status, js.reason, js.step, bank.jobs[name].version,
                                sum(rs) / len(rs) if rs else None,
                                before.get(name, {}).get("accuracy"), after.get(name, {}).get("accuracy"),
-                               steps, streak)
+                               steps, streak, js.cfg.kind, sum(ls) / len(ls) if ls else None,
+                               before.get(name, {}).get("loss"), after.get(name, {}).get("loss"))
     return out
 
 

@@ -22,11 +22,14 @@ def closing_rows(summary: dict, rows: list[dict]) -> list[dict]:
     accuracy before and after (summary.json)."""
     out = []
     for name, j in summary["jobs"].items():
-        rs = sorted((r["step"], r["reward"]) for r in rows
-                    if r.get("job") == name and r.get("status") == "ok" and "reward" in r and "event" not in r)
+        sft = j.get("kind") == "sft"  # its loss (NLL per assistant token) where a grpo job has its reward
+        key = "loss" if sft else "reward"
+        rs = sorted((r["step"], r[key]) for r in rows
+                    if r.get("job") == name and r.get("status") == "ok" and key in r and "event" not in r)
         out.append({"job": name, "status": j["status"], "reason": j.get("reason") or "", "steps": j["steps"],
-                    "reward_first": rs[0][1] if rs else None, "reward_last": rs[-1][1] if rs else None,
-                    "eval_before": j.get("eval_before"), "eval_after": j.get("eval_after")})
+                    "sft": sft, "reward_first": rs[0][1] if rs else None, "reward_last": rs[-1][1] if rs else None,
+                    "eval_before": j.get("eval_loss_before" if sft else "eval_before"),
+                    "eval_after": j.get("eval_loss_after" if sft else "eval_after")})
     return out
 
 
@@ -51,14 +54,18 @@ def closing_table(summary: dict, rows: list[dict]) -> tuple[Table, list[str]]:
         t.add_column(col, justify="left" if col in ("job", "status") else "right", no_wrap=True)
     cr = closing_rows(summary, rows)
     for r in cr:
-        t.add_row(r["job"], r["status"], str(r["steps"]), _pair(r["reward_first"], r["reward_last"]),
-                  _pair(r["eval_before"], r["eval_after"]), "")
+        loss = "loss " if r["sft"] else ""
+        t.add_row(r["job"], r["status"], str(r["steps"]), loss + _pair(r["reward_first"], r["reward_last"]),
+                  loss + _pair(r["eval_before"], r["eval_after"]), "")
     sph = summary.get("steps_per_hour")
     t.add_row("all jobs", "", str(sum(r["steps"] for r in cr)), "", "",
               f"{sph:.0f}" if isinstance(sph, (int, float)) and math.isfinite(sph) else "-", end_section=True)
     lines = ["reward: the mean reward of the first -> last step; eval: held-out accuracy before -> after training; "
              f"steps/h: optimizer steps per device-hour summed over jobs, over the {summary.get('steps_measured')} "
              f"job-steps measured in {summary.get('seconds_measured') or 0:.1f} s after the warm-up"]
+    if any(r["sft"] for r in cr):
+        lines.append("loss: an sft job's mean NLL per assistant token, of its first -> last step and held out "
+                     "before -> after training")
     lines += [f"{r['job']} stopped: {r['reason']}" for r in cr if r["reason"]]
     note = short_window(summary.get("seconds_measured") or 0.0, summary.get("steps_measured") or 0, len(cr))
     if note:

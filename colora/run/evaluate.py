@@ -1,11 +1,14 @@
-"""Held-out evaluation: greedy answers to each job's eval split, scored by the job's task."""
+"""Held-out evaluation: greedy answers to each grpo job's eval split, scored by the job's task; each
+sft job's mean loss on its held-out conversations."""
 
 from __future__ import annotations
 
 from colora.corun.rollouts import call_task, check_reward
 from colora.engine.rollout import GenRequest
 from colora.seeding import derive_seed
-from colora.training.trainer import JobFailure
+from colora.training.losses import LossSpec
+from colora.training.sft_data import datums as sft_datums
+from colora.training.trainer import ForwardBackwardCall, JobFailure
 
 
 def evaluate(corunner, names: list[str], n: int, run_seed: int, max_new_tokens: int = 0) -> dict:
@@ -21,6 +24,9 @@ def evaluate(corunner, names: list[str], n: int, run_seed: int, max_new_tokens: 
     """
     if n <= 0:
         return {}
+    sft = [name for name in names if corunner.jobs[name].cfg.kind == "sft"]
+    out_sft = sft_loss(corunner, sft)
+    names = [name for name in names if name not in out_sft]
     limit = corunner.schedule.task_timeout_s
     max_len = getattr(corunner.engine, "max_model_len", 0)
     reqs, items = [], {}
@@ -61,4 +67,19 @@ def evaluate(corunner, names: list[str], n: int, run_seed: int, max_new_tokens: 
         out[name]["items"] = scored
         out[name]["accuracy"] = sum(s for _, s in scored) / len(scored)
         out[name]["version"] = corunner.engine.version(name)
+    return {**out, **out_sft}
+
+
+def sft_loss(corunner, names: list[str]) -> dict:
+    """{job: {"loss": the mean NLL per assistant token of its held-out conversations, "n": how many}}
+    for sft jobs, from the trainer (forward only: no gradient), all jobs in one pass."""
+    if not names:
+        return {}
+    calls = [ForwardBackwardCall(name, sft_datums(corunner.jobs[name].task.eval), LossSpec("cross_entropy"),
+                                 forward_only=True) for name in names]
+    out = {}
+    for name, res in zip(names, corunner.trainer_side.trainer.forward_backward(calls)):
+        n = len(corunner.jobs[name].task.eval)
+        out[name] = ({"n": n, "loss": None, "accuracy": None, "error": res.error} if res.error else
+                     {"n": n, "loss": res.metrics["loss:sum"], "accuracy": None})
     return out

@@ -33,7 +33,8 @@ from colora.models.smollm2 import build_smollm2
 from colora.run import mps
 from colora.run.mps import MpsDaemon, MpsShareError, MpsUnavailable
 from colora.seeding import derive_seed
-from colora.tasks import TaskError, get_task
+from colora.tasks import TaskError, get_task, task_dirs
+from colora.training.sft_data import SftData, SftDataError, resolve_data_path
 
 MPS_ARMS = ("mps", "overlap_mps")
 # builtin:NAME -> its folder in colora's model cache. The folder names the builder's revision, so a
@@ -95,8 +96,11 @@ def torch_dtype(name: str):
 
 
 def load_tasks(jobs: tuple[JobConfig, ...]) -> dict:
+    """Each grpo job's task, built with its options (sft jobs have data instead: `load_sft_data`)."""
     tasks = {}
     for i, j in enumerate(jobs):
+        if j.kind == "sft":
+            continue
         try:
             tasks[j.name] = get_task(j.task, **j.task_options)
         except Exception as e:
@@ -111,7 +115,9 @@ def check_sizes(cfg: Config, tasks: dict) -> None:
     sample of each split, with the run's seeds."""
     seed = cfg.experiment.seed
     for i, j in enumerate(cfg.jobs):
-        task = tasks[j.name]
+        task = tasks.get(j.name)
+        if task is None:  # an sft job: load_sft_data checks its conversations
+            continue
         wants = (("eval", cfg.experiment.eval_size, "experiment.eval_size", derive_seed(seed, j.name, "eval")),
                  ("train", j.prompts_per_step, f"jobs.{i}.prompts_per_step", derive_seed(seed, j.name, 0, "prompts")))
         for split, n, key, sseed in wants:
@@ -306,11 +312,34 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     model_dir = resolve_model(cfg.experiment.model, log)
     check_model_len(cfg, model_dir)
     check_prompt_lengths(cfg, model_dir, tasks)
+    tasks.update(load_sft_data(cfg, model_dir))
     removed = remove_stale_adapter_sync()
     if removed:
         log(f"removed {len(removed)} adapter-sync folder(s) of runs that are gone from {SHM}: "
             + ", ".join(p.name for p in removed))
     return Setup(cfg, out, model_dir, tasks, sync)
+
+
+def load_sft_data(cfg: Config, model_dir: Path) -> dict:
+    """Each sft job's conversations (colora/training/sft_data.py), read, tokenized with the model's chat
+    template and split; `data` relative to the config file's folder or the current directory. Every
+    problem of the file is a RunError naming jobs.N.data, before the engine starts."""
+    jobs = [(i, j) for i, j in enumerate(cfg.jobs) if j.kind == "sft"]
+    if not jobs:
+        return {}
+    try:
+        tok = load_tokenizer(model_dir)
+    except (ModelDirError, OSError, ValueError) as e:
+        raise RunError(f"experiment.model: {e}") from None
+    out = {}
+    for i, j in jobs:
+        try:
+            path = resolve_data_path(j.data, [*task_dirs(), Path.cwd()])
+            out[j.name] = SftData(path, tok, job=j.name, run_seed=cfg.experiment.seed,
+                                  eval_size=cfg.experiment.eval_size, max_len=cfg.engine.max_model_len)
+        except SftDataError as e:
+            raise RunError(f"jobs.{i}.data (job {j.name!r}): {e}") from None
+    return out
 
 
 def resolve_adapter_sync(cfg: Config, log: Callable[[str], None]) -> str:

@@ -352,10 +352,12 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     """The jobs' states (restored from the checkpoint when resuming), the checkpointer, the co-runner,
     every job's adapter in the engine, and the engine warmed up. Returns (corunner, checkpointer)."""
     cfg, out = r.cfg, r.setup.out
-    scratch = adapter_scratch(out)  # for adapters that go by disk
+    scratch = adapter_scratch(out, r.setup.adapter_sync)  # for adapters that go by disk
     stack.callback(shutil.rmtree, scratch, True)
     stack.enter_context(r.stop.on_abort(lambda: shutil.rmtree(scratch, True)))  # a second signal
-    jobs = {j.name: JobState(j, r.setup.tasks[j.name]) for j in cfg.jobs}
+    joins = cfg.experiment.arm != "dedicated"  # where every job runs alone, a later one simply runs later
+    jobs = {j.name: JobState(j, r.setup.tasks[j.name], status="waiting" if j.start_after and joins else "running")
+            for j in cfg.jobs}
     ckpt = Checkpointer(out, cfg, bank, jobs, cfg.runtime.checkpoint_every, cfg.runtime.checkpoint_keep, r.log,
                         r.timeline)
     stack.callback(ckpt.close)  # a write in flight lands before the run's status names its checkpoint
@@ -365,6 +367,7 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     stack.callback(export.close)
     corunner = CoRunner(Schedule.of(cfg), engine, trainer, bank, export, r.tokenizer, jobs, r.timeline, r.metrics,
                         r.log, on_step=ckpt.maybe_save, stop_request=r.stop)
+    # every job's current version, a job that joins later too (its evaluation before training serves it)
     engine.set_adapters([export.export(bank, name) for name in jobs])
     if not engine.warmed:  # once per engine: its compiled kernels stay for every later run
         with r.timeline.span("engine_warmup"):
@@ -405,6 +408,16 @@ def _train(r: _Run, corunner, engine, ckpt):
                                 f"{path}; continue with: colora run --resume {r.setup.out}") from e
             r.log(f"the engine ended with the stop request ({e})")
             raise Interrupted(r.stop.signal) from None
+        except (RunFailed, Interrupted):
+            raise
+        except Exception as e:  # the run's own failure mid-step: each job's last completed step is whole
+            try:
+                path = ckpt.save_now()
+            except Exception as again:  # noqa: BLE001  (the original failure is the one to report)
+                raise RunFailed(f"the run failed mid-training ({type(e).__name__}: {e}) and its checkpoint "
+                                f"could not be written ({type(again).__name__}: {again})") from e
+            raise RunFailed(f"the run failed mid-training ({type(e).__name__}: {e}); every job's last completed "
+                            f"step is saved in {path}; continue with: colora run --resume {r.setup.out}") from e
     except Interrupted:
         ckpt.finish()  # the last completed step, unless checkpoints are off or it is saved already
         raise
