@@ -56,24 +56,42 @@ def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, ti
     assert set(Path("/dev/shm").glob("colora-adapter-sync-*")) == segments, "a closed engine leaves its segments"
 
 
+@pytest.fixture(scope="module")
+def remote(tiny_model_dir):
+    """One engine in a process of its own for the tests below, its adapters by disk."""
+    from colora.engine.process import RemoteEngine
+
+    eng = RemoteEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=512, enforce_eager=True),
+                       max_loras=1, max_lora_rank=8, dtype="float32", seed=0, device="cpu", adapter_sync="disk")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def remote_bank(tiny_model_dir):
+    import torch
+
+    from colora.models.base import load_base_model
+    from colora.training.lora import AdapterBank, inject_lora
+
+    bank = AdapterBank("cpu", "torch")
+    inject_lora(load_base_model(tiny_model_dir, torch.float32, "cpu"), bank)
+    bank.add_job("a", 8, 16.0, ("q_proj", "v_proj"), 0, 1e-3)
+    return bank
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, tiny_model_dir):
+def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, remote, remote_bank):
     """Also the fallback: an engine started with adapter_sync "disk" exports PEFT directories, serves
     them, and refuses an in-memory adapter."""
     import torch
 
-    from colora.engine.process import EngineProcessError, RemoteEngine
+    from colora.engine.process import EngineProcessError
     from colora.engine.rollout import GenRequest
-    from colora.models.base import load_base_model
     from colora.training.export import AdapterExport, SharedAdapters
-    from colora.training.lora import AdapterBank, inject_lora
 
-    eng = RemoteEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=512, enforce_eager=True),
-                       max_loras=1, max_lora_rank=8, dtype="float32", seed=0, device="cpu", adapter_sync="disk")
-    bank = AdapterBank("cpu", "torch")
-    inject_lora(load_base_model(tiny_model_dir, torch.float32, "cpu"), bank)
-    bank.add_job("a", 8, 16.0, ("q_proj", "v_proj"), 0, 1e-3)
+    eng, bank = remote, remote_bank
     shared = SharedAdapters()
     try:
         with pytest.raises(EngineProcessError, match="set_adapter"):
@@ -91,8 +109,54 @@ def test_refused_adapter_is_an_error_and_the_engine_goes_on(tmp_path, tiny_model
         assert res[0].version == 0 and len(eng.loaded_adapters()) == 1
     finally:
         shared.close()
-        eng.close()
-    assert eng.dead()  # closed: its processes are gone
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_snapshots_aborts_and_resets_through_the_engine_process(tmp_path, remote, remote_bank):
+    """RolloutEngine's snapshots, drop and reset through the child: a snapshot serves its version and is
+    refused once released; a job dropped with a request in flight gets it back aborted; a run's end with
+    requests in flight (drop_all) returns and leaves nothing behind; the EngineCache hands the engine on
+    reset, and it serves again."""
+    import threading
+
+    from colora.engine.adapters import AdapterDir
+    from colora.engine.cache import EngineCache
+    from colora.engine.rollout import GenRequest
+
+    eng, bank = remote, remote_bank
+    path = str(bank.export_peft("a", tmp_path / "snap", "tiny"))
+    eng.register_snapshot("s", AdapterDir("a", 4, path))
+    assert eng.generate([GenRequest(None, (5, 6, 7), 3, 1.0, seed=1, snapshot="s")])[0].version == 4
+    eng.release_snapshot("s")
+    with pytest.raises(KeyError, match="snapshot 's' is not registered"):
+        eng.submit("x", [GenRequest(None, (5, 6, 7), 3, 1.0, snapshot="s")])
+    eng.set_adapter("a", 5, path)
+    long = GenRequest("a", tuple(range(20, 50)), 300, 1.0, seed=2, ignore_eos=True)
+    eng.submit("dropped", [long, GenRequest(None, (5, 6, 7), 3, 1.0, seed=3)])
+    eng.drop("a")
+    done = []
+    while not done:
+        done = eng.poll()
+    assert [r.finish_reason for r in done[0][1]][0] == "abort" and done[0][0] == "dropped"
+    eng.set_adapter("a", 6, path)
+    eng.submit("failing", [long])
+    ended = threading.Thread(target=eng.drop_all, daemon=True)
+    ended.start()
+    ended.join(120)  # a bound on a wait that had no end, not a speed
+    assert not ended.is_alive() and not eng.busy() and eng.poll() == [] and not eng.dead()
+    cache = EngineCache()
+    cache._engines["settings"] = eng
+    assert cache.get("settings", lambda: pytest.fail("a fresh engine was started")) is eng and cache.replaced == []
+    eng.set_adapter("a", 7, path)
+    assert eng.generate([GenRequest("a", (5, 6, 7), 3, 1.0, seed=1)])[0].version == 7
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_closed_engine_process_is_gone(remote):
+    remote.close()
+    assert remote.dead()  # closed: its processes are gone
 
 
 @pytest.mark.parametrize("send", [False, True])
