@@ -12,6 +12,7 @@
     colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR [--deadline S]
     colora report RUNS... [--prereg FILE] --out reports/NAME
     colora prereg lock CONFIG --out prereg/NAME.md | colora prereg check PREREG CONFIG
+    colora serve --model DIR --out DIR [--any-key | --api-keys FILE] [--port P]   the Tinker API (docs/serving.md)
 
 Errors in the input (config, model directory, task, output directory) print one line naming what
 is wrong and exit with status 2; a failure during a run, and a run that ends with jobs that failed
@@ -230,6 +231,7 @@ PASSTHROUGH = {
     "report": ("colora.studies.report", "statistics and figures over runs; gates with --prereg"),
     "prereg": ("colora.studies.prereg", "lock a pre-registration, or check a config against one"),
     "replay-step": ("colora.run.replay", "run a failed training step again, by itself"),
+    "serve": ("colora.service.cli", "the Tinker API over one base model: users' own loops, many at once"),
 }
 
 

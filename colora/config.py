@@ -183,7 +183,7 @@ class RuntimeConfig:
     pre-registration lock leave them out; the runner resolves them once and records them in
     summary.json."""
 
-    # Optimizer steps between checkpoints (of the slowest running job), plus one when training ends,
+    # A checkpoint once any job has done this many steps since the last one, plus one when training ends,
     # so that a killed run continues with `colora run --resume DIR`; 0: no checkpoints. The periodic
     # ones are written in the background while training goes on.
     checkpoint_every: int = 5

@@ -3,7 +3,7 @@
 colora is configured by its config file and flags (`[runtime]` for how a run executes). The process
 environment is used only where something else reads it from there and nowhere else: vLLM's CPU
 build and its worker start method, the CUDA driver's MPS client settings and visible devices, the
-tag by which a co-runner's reaper finds its processes (colora/cluster/reaper.py), and the folder of
+tag by which a run's watcher finds its processes (colora/run/watcher.py), and the folder of
 colora's cache (COLORA_HOME, XDG_CACHE_HOME).
 """
 
@@ -85,7 +85,7 @@ COCORUNNER_TAG = "COLORA_CORUNNER"  # inherited by every process a co-runner sta
 
 def tag_processes(token: str) -> None:
     """Mark this process and every process it starts from now on with `token` (read back from
-    /proc/PID/environ by colora/cluster/reaper.py, which kills what a dead co-runner left)."""
+    /proc/PID/environ by colora/run/watcher.py, which kills what a dead run left)."""
     os.environ[COCORUNNER_TAG] = token
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 from colora.tasks.base import Draft, ProceduralTask
@@ -58,8 +59,8 @@ class Interrupting(CoinFlip):
     """CoinFlip (the same items and rewards: the same name) that signals the colora run it is in,
     once per process, where the environment variable COIN_TASK_SIGNAL = "SIGNAL:TARGET:PHASE:STEP[:COUNT]" says:
     TARGET "self" (this process, as `kill` does), "group" (its process group, as a terminal's Ctrl-C
-    does) or "parent" (the process that started this one: a benchmark's, whose runs are children); PHASE "generate" (when the step's prompts are drawn, on the engine thread, just before its
-    rollouts are queued) or "train" (at the step's first reward, on the trainer's thread, inside the
+    does) or "parent" (the process that started this one: a benchmark's, whose runs are children); PHASE "generate" (when the step's prompts are drawn, on a task thread of the engine thread's, just
+    before its rollouts are queued) or "train" (at the step's first reward, on the trainer's thread, inside the
     training step); COUNT signals, 0.2 s apart (2: the second one that exits at once). Without the
     variable (the uninterrupted reference, a resume) it is CoinFlip."""
 
@@ -73,7 +74,9 @@ class Interrupting(CoinFlip):
 
     def sample(self, n, seed, split="train"):
         items = super().sample(n, seed, split)
-        if split == "train":
+        # only the run's own draws count, made on a job's task thread (colora/corun/rollouts.py call_task);
+        # the pre-flight check draws the first steps' prompts on the main thread, before the run begins
+        if split == "train" and threading.current_thread().name.startswith("colora-task-"):
             if seed not in self._seeds:  # the overlap arms draw step 0 twice (once to weigh the groups)
                 self._seeds.append(seed)
             self._maybe("generate")

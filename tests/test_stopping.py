@@ -673,7 +673,7 @@ def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm, 
         assert took < 10.0, (i, took)  # bounded: a wait the stop does not wake would hang here (it takes ms)
         rows = [r for r in read_jsonl(d / "metrics.jsonl") if r.get("status") == "ok" and "reward" in r]
         for name, job in c.jobs.items():
-            assert job.step == c.trainer.version.get(name, 0) < 500, (i, name, job.step, c.trainer.version)
+            assert job.step == c.trainer_side.trainer.version.get(name, 0) < 500, (i, name, job.step, c.trainer_side.trainer.version)
             assert sorted(r["step"] for r in rows if r["job"] == name) == list(range(job.step)), (i, name)
         time.sleep(0.05)
         assert not _engine_threads() - before, i

@@ -96,15 +96,15 @@ class CoRunner:
         self.jobs = jobs
         self.timeline = timeline
         self.metrics = metrics
-        self.stop_request = stop_request or StopRequest()  # set by a signal (colora/stopping.py)
+        self._stop_request = stop_request or StopRequest()  # set by a signal (colora/stopping.py)
         self.prompts = Prompts(tokenizer)  # the jobs' prompts as token ids, each once
-        self.shipping = Shipping(engine.dead, self.stop_request)
+        self.shipping = Shipping(engine.dead, self._stop_request)
         # The time-slicing arm's grant around each GPU phase (colora/timeslice/gate.py: acquire(phase),
         # yield_()); None in every other arm. Phases alternate only with one group: a gated run has one.
         assert gate is None or schedule.groups == 1, "a gated co-runner runs one group"
         self.gate = gate
         self.engine_side = EngineSide(engine, self.prompts, {n: (js.cfg, js.task) for n, js in jobs.items()},
-                                      schedule.seed, timeline, metrics, self.shipping, self.stop_request,
+                                      schedule.seed, timeline, metrics, self.shipping, self._stop_request,
                                       schedule.task_timeout_s)
         self.trainer_side = TrainerSide(jobs, trainer, bank, export, steps=schedule.steps,
                                         warmup_steps=schedule.warmup_steps, timeline=timeline, metrics=metrics,
@@ -114,6 +114,15 @@ class CoRunner:
         self._loaded: dict[int, threading.Event] = {}  # group -> set once its adapters are loaded, queued
         self._in_flight: set[int] = set()  # groups handed to the engine thread, their rollouts not yet back
         self._running: set[str] = set()  # the running jobs at the last step boundary (who joined, who left)
+
+    @property
+    def stop_request(self) -> StopRequest:
+        """The stop request every wait of both threads looks at (a signal sets it)."""
+        return self._stop_request
+
+    @stop_request.setter
+    def stop_request(self, stop: StopRequest) -> None:
+        self._stop_request = self.shipping.stop_request = self.engine_side.stop_request = stop
 
     def _drop(self, job: str) -> None:
         """A stopped job's adapter out of the engine: through the engine thread while it runs (it owns

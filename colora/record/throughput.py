@@ -92,3 +92,13 @@ def short_window(seconds: float, steps: int, jobs: int) -> str | None:
     return (f"measured over {seconds:.1f} s and {per_job:.3g} step{'' if per_job == 1 else 's'} per job: too short "
             "for the figure to mean much "
             f"(under {SHORT_WINDOW_S:.0f} s or {SHORT_WINDOW_STEPS} steps per job)")
+
+
+def rate_line(summary: dict) -> str:
+    """A finished run's steps per device-hour for its line in a sweep, with the note the closing table
+    and the report give where its measured window is too short for the figure to mean much."""
+    sph = summary.get("steps_per_hour")
+    rate = f"{sph:.0f} steps/h" if isinstance(sph, (int, float)) else f"steps/h {sph}"
+    note = short_window(float(summary.get("seconds_measured") or 0.0), int(summary.get("steps_measured") or 0),
+                        len(summary.get("jobs") or {}) or 1)
+    return f"{rate} ({note})" if note else rate

@@ -440,14 +440,20 @@ def start_mps(cfg: Config, stack: contextlib.ExitStack, log: Callable[[str], Non
     """MPS for this run: the process-wide daemon if there is one, else our own for an MPS arm
     (stopped by `stack` after the engine; told to quit without waiting on a second signal of `stop`,
     a stopping.StopRequest), else none. Returns (daemon or None, note for the summary)."""
-    ov, arm = cfg.overlap, cfg.experiment.arm
+    return start_mps_for(cfg.overlap, cfg.experiment.arm, cfg.experiment.device, stack, log, process_mps, stop)
+
+
+def start_mps_for(ov, arm: str, device: str, stack: contextlib.ExitStack, log: Callable[[str], None], process_mps,
+                  stop=None):
+    """`start_mps` from its parts: the [overlap] section's shares, the arm and experiment.device (a
+    server, which has no experiment, passes overlap_mps and its device)."""
     if arm not in MPS_ARMS:
         return None, "not used by this arm"
     note = f"on: engine {ov.mps_engine_percentage}%, trainer {ov.mps_trainer_percentage}%"
     if process_mps is not None:
         note = _claim_shares(process_mps, ov, note)
         return process_mps, note + " (process-wide daemon)"
-    if cfg.experiment.device == "cpu":
+    if device == "cpu":
         return None, "UNAVAILABLE (CPU run): arm ran without MPS"
     mps = MpsDaemon()
     try:

