@@ -174,6 +174,18 @@ def test_the_same_seed_gives_the_same_samples_and_each_sample_its_own_seed(engin
         samples(req, 0)
 
 
+def test_a_batch_with_a_request_the_engine_refuses_is_refused_whole(engine):
+    """A prompt the engine cannot hold or a value vLLM refuses: an error naming it, nothing in flight
+    (no batch left waiting for requests that never ran), and the engine goes on."""
+    ok = GenRequest(None, PROMPT, 3, 1.0, seed=1)
+    with pytest.raises(ValueError, match=r"prompt_ids: 1024 tokens; a prompt needs 1 to engine.max_model_len - 1 \(1023\)"):
+        engine.submit("long", [ok, GenRequest(None, (5,) * 1024, 3, 1.0)])
+    with pytest.raises(Exception, match="top_k must be 0"):  # vLLM's VLLMValidationError
+        engine.submit("top_k", [ok, GenRequest(None, PROMPT, 3, 1.0, top_k=-5)])
+    assert not engine.busy() and engine.poll() == []
+    assert engine.generate([ok])[0].stop_reason in ("stop", "length")
+
+
 def test_a_request_names_a_job_or_a_snapshot_and_stop_strings_as_a_tuple():
     with pytest.raises(ValueError, match="job 'a' and snapshot 's'"):
         GenRequest("a", (1, 2), 4, 1.0, snapshot="s")

@@ -1,40 +1,33 @@
 """The rollout engine: one `vllm.LLM` serving every job's current LoRA adapter, frozen snapshots of
 adapters, and the base model.
 
-Each job's requests carry that job's adapter. After every optimizer step the trainer exports the
-job's adapter (colora/training/export.py: into shared memory that vLLM's worker reads, or as a PEFT
-directory on tmpfs; colora/engine/adapters.py says which where) and `set_adapters` loads a group's new versions
-into the engine, each under a LoRA id of its own and a name unique for the engine's lifetime,
-`<job>@v<version>#<lora id>` (adapters.lora_name), and removes the old version at once so it holds no
-adapter slot. vLLM 0.32 keys prefix-cache blocks by the LoRA's name and path, not its id, so that name
-is what keeps KV computed under other weights from a request: an old version's (an in-place reload
-kept serving the old KV until `reset_prefix_cache()`, docs/architecture.md), and another run's on an
-engine kept across runs (a repeated `a@v1` was served the previous run's `a@v1` KV: a log-prob error
-of 4.02). Every result is tagged with the (job, version) of the adapter that produced it; the trainer
-refuses any other version.
+After every optimizer step the trainer exports the job's adapter (colora/training/export.py: into
+shared memory that vLLM's worker reads, or as a PEFT directory; colora/engine/adapters.py says which
+where) and `set_adapters` loads a group's new versions, each under a LoRA id of its own and a name
+unique for the engine's lifetime, `<job>@v<version>#<lora id>`, and removes the old version at once.
+vLLM 0.32 keys prefix-cache blocks by the LoRA's name and path, not its id: that name keeps KV computed
+under other weights from a request, an old version's (an in-place reload kept serving the old KV,
+docs/architecture.md) and another run's on an engine kept across runs (a repeated `a@v1` was served the
+previous run's `a@v1` KV: a log-prob error of 4.02). Every result is tagged with the (job, version) of
+the adapter that produced it; the trainer refuses any other version.
 
-Snapshots (`register_snapshot`) are adapters frozen under a key of their own, served until released
-whatever versions their job loads since: a PEFT directory and a LoRA id each. vLLM keeps at most
+Snapshots (`register_snapshot`) are adapters frozen under a key of their own, a PEFT directory and a
+LoRA id each, served until released whatever versions their job loads since. vLLM keeps at most
 `max_cpu_loras` adapters loaded and `max_loras` in use per step, evicting the least recently used and
-reloading it from its directory when a request needs it again; the adapters built in memory are
-pinned in that cache (colora/engine/worker.py), as they cannot be reloaded. A snapshot's directory must
-stay until it is released.
+reloading it from its directory when a request needs it; adapters built in memory are pinned in that
+cache (colora/engine/worker.py), as they cannot be reloaded.
 
-Per-request sampling seeds make a run's rollouts a function of its seed. What a request may ask and
-what comes back: colora/engine/sampling.py.
+Per-request seeds make a run's rollouts a function of its seed; what a request may ask and what comes
+back: colora/engine/sampling.py. Generation is continuous: `submit(key, requests)` queues a batch in
+the running engine at any time and `poll()` runs one engine step and returns the batches that finished.
+One thread owns the engine and makes every call.
 
-Generation is continuous: `submit(key, requests)` queues a batch in the running engine at any time
-(a group's next step joins the other groups' sequences still decoding) and `poll()` runs one engine
-step and returns the batches that finished. One thread owns the engine and makes every call.
-
-An adapter never leaves vLLM while a request decodes with it: vLLM would load it again for the
-request's next step, and a load that fails (an adapter built in memory has no path) kills vLLM's
-engine core, after which vLLM's client waits forever for an answer to any call. So `drop`,
-`release_snapshot` and `drop_all` abort the requests first, and `set_adapters` refuses to replace a
-version that requests still decode with. Every call into the engine core ends when the core dies.
-
-`EngineCache` keeps engines alive across the runs of one process (sweeps, benchmarks) and hands one
-out only clean (`reset`) and alive.
+An adapter never leaves vLLM while a request decodes with it: vLLM would load it again for the next
+step, and a load that fails (an adapter built in memory has no path) kills the engine core, after which
+vLLM's client waits forever for any call. So `drop`, `release_snapshot` and `drop_all` abort the
+requests first, `set_adapters` refuses to replace a version in use, and every call into the engine core
+ends when the core dies. `EngineCache` (colora/engine/cache.py) hands a kept engine on only alive and
+clean (`reset`).
 """
 
 from __future__ import annotations
@@ -443,14 +436,28 @@ class RolloutEngine:
             if not os.path.isfile(os.path.join(path, "adapter_config.json")):
                 raise FileNotFoundError(f"snapshot {key_!r}: its directory {path} has no adapter_config.json; "
                                         "it must stay until the snapshot is released")
+        for r in requests:
+            if not 0 < len(r.prompt_ids) < self.max_model_len:
+                raise ValueError(f"prompt_ids: {len(r.prompt_ids)} tokens; a prompt needs 1 to "
+                                 f"engine.max_model_len - 1 ({self.max_model_len - 1})")
+        params = [sampling_params(r, self.logprobs) for r in requests]  # vLLM checks the values here
         engine = self.llm.llm_engine
         self._batches[key] = _Batch([None] * len(requests), len(requests))
-        for i, (r, (version, lora)) in enumerate(zip(requests, served)):
-            rid = f"colora-{self._next_request}"  # outputs carry this external id
-            self._next_request += 1
-            engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids)}, sampling_params(r, self.logprobs),
-                               lora_request=lora)
-            self._inflight[rid] = (key, i, r, version)
+        added = []
+        try:
+            for i, (r, (version, lora), sp) in enumerate(zip(requests, served, params)):
+                rid = f"colora-{self._next_request}"  # outputs carry this external id
+                self._next_request += 1
+                engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids)}, sp, lora_request=lora)
+                added.append(rid)
+                self._inflight[rid] = (key, i, r, version)
+        except BaseException:  # the batch goes whole or not at all
+            if added:
+                engine.abort_request(added)
+            for rid in added:
+                del self._inflight[rid]
+            del self._batches[key]
+            raise
 
     def poll(self) -> list[tuple[Any, list[GenResult]]]:
         """Run one engine step; return the batches that completed in it (and those whose last requests
