@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from colora.tables import ConfigError, build
+from colora.tables import ConfigError, build, parse_override, set_override
 from colora.tasks import add_task_dirs
 
-ARMS = ("dedicated", "shared_sync", "overlap", "mps", "overlap_mps")
+ARMS = ("dedicated", "shared_sync", "overlap", "mps", "overlap_mps", "timeslice")
 OVERLAP_ARMS = ("overlap", "overlap_mps")  # the arms whose groups generate while another trains
 
 
@@ -112,7 +112,7 @@ class ExperimentConfig:
     # "builtin:smollm2", built once into colora's model cache.
     model: str = "builtin:tiny"
     # how the jobs share the GPU (README.md, "The arms"); a sweep sets it per run
-    arm: Literal["dedicated", "shared_sync", "overlap", "mps", "overlap_mps"] = "shared_sync"
+    arm: Literal["dedicated", "shared_sync", "overlap", "mps", "overlap_mps", "timeslice"] = "shared_sync"
     steps: int = 2  # optimizer steps per job
     warmup_steps: int = 1  # each job's first steps, excluded from steps per device-hour (compilation, autotuning)
     eval_size: int = 16  # held-out items per job, evaluated greedily before and after training; 0: none
@@ -178,6 +178,20 @@ class OverlapConfig:
 
 
 @dataclass(frozen=True)
+class TimesliceConfig:
+    """The time-slicing arm (the seeds' design, measured beside colora's: colora/timeslice/): tenants with
+    an engine and a trainer each, one broker granting the GPU to one of them at a time."""
+
+    tenant_jobs: int = 1  # jobs per tenant (each tenant runs its jobs as one group); 1: a tenant per job
+    # when a tenant's state leaves the GPU: lazy (llm-d: at a yield, only when another tenant waits),
+    # eager (OpenRL's daemon: at every yield), never (a mutex: every tenant stays resident)
+    park: Literal["lazy", "eager", "never"] = "lazy"
+    # how a tenant parks: app (vLLM's sleep mode, level 1, for the engine; pinned host copies for the
+    # trainer), or cuda_checkpoint (NVIDIA's CUDA checkpoint API on the engine's processes; the trainer as app)
+    parking: Literal["app", "cuda_checkpoint"] = "app"
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """Run options: how a run executes, not what the experiment is. `Config.hash()` and the
     pre-registration lock leave them out; the runner resolves them once and records them in
@@ -209,6 +223,7 @@ class Config:
     overlap: OverlapConfig
     runtime: RuntimeConfig
     jobs: tuple[JobConfig, ...]
+    timeslice: TimesliceConfig = field(default_factory=TimesliceConfig)
 
     def to_dict(self) -> dict:
         return _to_jsonable(self)
@@ -231,6 +246,7 @@ _SECTIONS = {
     "trainer": TrainerConfig,
     "overlap": OverlapConfig,
     "runtime": RuntimeConfig,
+    "timeslice": TimesliceConfig,
 }
 
 # Checkpoint settings are run options; the configs locked before they were (prereg/reference8.md)
@@ -248,6 +264,8 @@ def experiment_dict(d: dict) -> dict:
     older run's config.json): everything but the run options. `Config.hash()` and the
     pre-registration lock hash this."""
     out = {k: v for k, v in d.items() if k not in ("runtime", *_LOCKED_PLACEHOLDER)}
+    if out.get("timeslice") == _to_jsonable(TimesliceConfig()):  # a section added after configs were locked
+        out.pop("timeslice")
     if isinstance(out.get("jobs"), list):
         out["jobs"] = [{k: v for k, v in j.items() if _LATER_JOB_KEYS.get(k, object()) != v} if isinstance(j, dict)
                        else j for j in out["jobs"]]
@@ -316,6 +334,7 @@ def _check(cfg: Config) -> None:
     need(t.max_adapter_weight >= 0, "trainer.max_adapter_weight", t.max_adapter_weight, "must be at least 0 (0: off)")
     o = cfg.overlap
     need(o.groups >= 1, "overlap.groups", o.groups, "must be at least 1")
+    need(cfg.timeslice.tenant_jobs >= 1, "timeslice.tenant_jobs", cfg.timeslice.tenant_jobs, "must be at least 1")
     for k in ("mps_engine_percentage", "mps_trainer_percentage"):
         v = getattr(o, k)
         need(1 <= v <= 100, f"overlap.{k}", v, "must be an integer from 1 to 100")
@@ -381,55 +400,6 @@ def _check(cfg: Config) -> None:
              f"must be at least the largest job rank ({top})")
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """`key=value` with a TOML value (`3`, `1e-4`, `true`, `"x"`, `[1, 2]`); a bare word is a string."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like key=value (e.g. experiment.steps=3)")
-    key, raw = (s.strip() for s in text.split("=", 1))
-    if not key:
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return key, value
-
-
-def _set(raw: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    if parts[0] == "jobs":
-        jobs = raw.get("jobs", [])
-        if len(parts) < 3:
-            raise ConfigError(f"override {key!r}: use jobs.<index|name|*>.<key>, e.g. jobs.0.learning_rate")
-        sel, rest = parts[1], parts[2:]
-        if sel == "*":
-            targets = jobs
-        elif sel.isdigit():
-            if int(sel) >= len(jobs):
-                raise ConfigError(f"override {key!r}: there are only {len(jobs)} jobs (indices 0-{len(jobs) - 1})")
-            targets = [jobs[int(sel)]]
-        else:
-            targets = [j for j in jobs if j.get("name") == sel]
-            if not targets:
-                names = ", ".join(str(j.get("name")) for j in jobs)
-                raise ConfigError(f"override {key!r}: no job named {sel!r}; jobs are: {names}")
-        for j in targets:
-            _set_path(j, rest, value)
-        return
-    if parts[0] not in _SECTIONS and parts[0] != "job_defaults":
-        raise ConfigError(f"unknown key {key!r}; the top level accepts: "
-                          f"{', '.join(list(_SECTIONS) + ['job_defaults', 'jobs'])}{_hint(parts[0])}")
-    _set_path(raw.setdefault(parts[0], {}), parts[1:], value)
-
-
-def _set_path(d: dict, parts: list[str], value: Any) -> None:
-    for p in parts[:-1]:
-        d = d.setdefault(p, {})
-        if not isinstance(d, dict):
-            raise ConfigError(f"override path through {p!r} is not a table")
-    d[parts[-1]] = value
-
-
 def _hint(section: str) -> str:
     return (" (how often a run checkpoints is a run option: runtime.checkpoint_every, runtime.checkpoint_keep)"
             if section in _LOCKED_PLACEHOLDER else "")
@@ -439,7 +409,7 @@ def resolve(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Raw TOML dict + overrides -> validated frozen Config."""
     raw = json.loads(json.dumps(raw))  # deep copy; TOML values are JSON-representable here
     for text in overrides:
-        _set(raw, *parse_override(text))
+        set_override(raw, *parse_override(text), sections=(*_SECTIONS, "job_defaults"), hint=_hint)
     allowed = set(_SECTIONS) | {"job_defaults", "jobs"}
     unknown = sorted(set(raw) - allowed)
     if unknown:

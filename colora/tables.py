@@ -4,12 +4,14 @@
 `Literal`, bool, int, float, str, dict, tuples (fixed or `tuple[T, ...]`) and nested dataclasses. The
 only conversion is int -> float. A dataclass whose class attribute `SHORTHAND` names a field also
 accepts a string `s` for `{SHORTHAND: s}`. A problem raises `ConfigError` naming the key, the value
-and what would be accepted.
+and what would be accepted. `parse_override` and `set_override` put a `--set key=value` into a raw
+config dict.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import typing
 from typing import Any, Literal, get_args, get_origin
 
@@ -90,3 +92,54 @@ def build(cls: type, raw: dict, prefix: str) -> Any:
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in kwargs]
         raise ConfigError(f"{prefix or 'config'} is missing required key(s): {', '.join(missing)}") from e
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` with a TOML value (`3`, `1e-4`, `true`, `"x"`, `[1, 2]`); a bare word is a string."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key=value (e.g. experiment.steps=3)")
+    key, raw = (s.strip() for s in text.split("=", 1))
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+def set_override(raw: dict, key: str, value: Any, *, sections: tuple[str, ...], hint=lambda section: "") -> None:
+    """`key = value` into a raw config dict: `section.key...`, or `jobs.<index|name|*>.key` into every
+    job it selects; an error names the key and what is accepted (`hint(section)` adds to it)."""
+    parts = key.split(".")
+    if parts[0] == "jobs":
+        jobs = raw.get("jobs", [])
+        if len(parts) < 3:
+            raise ConfigError(f"override {key!r}: use jobs.<index|name|*>.<key>, e.g. jobs.0.learning_rate")
+        sel, rest = parts[1], parts[2:]
+        if sel == "*":
+            targets = jobs
+        elif sel.isdigit():
+            if int(sel) >= len(jobs):
+                raise ConfigError(f"override {key!r}: there are only {len(jobs)} jobs (indices 0-{len(jobs) - 1})")
+            targets = [jobs[int(sel)]]
+        else:
+            targets = [j for j in jobs if j.get("name") == sel]
+            if not targets:
+                names = ", ".join(str(j.get("name")) for j in jobs)
+                raise ConfigError(f"override {key!r}: no job named {sel!r}; jobs are: {names}")
+        for j in targets:
+            _set_path(j, rest, value)
+        return
+    if parts[0] not in sections:
+        raise ConfigError(f"unknown key {key!r}; the top level accepts: "
+                          f"{', '.join([*sections, 'jobs'])}{hint(parts[0])}")
+    _set_path(raw.setdefault(parts[0], {}), parts[1:], value)
+
+
+def _set_path(d: dict, parts: list[str], value: Any) -> None:
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"override path through {p!r} is not a table")
+    d[parts[-1]] = value

@@ -51,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
 def sections(args: argparse.Namespace):
     """(EngineConfig, TrainerConfig) from --engine and --trainer, each key and value checked as in a config
     file; the engine's memory share defaults to what a CPU machine can give (0.3) off the GPU."""
-    from colora.config import EngineConfig, TrainerConfig, parse_override
+    from colora.config import EngineConfig, TrainerConfig
+    from colora.tables import parse_override
     from colora.tables import ConfigError, build
 
     out = []

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from colora.config import EngineConfig, parse_override
+from colora.config import EngineConfig
+from colora.tables import parse_override
 from colora.engine.rollout import GenRequest, RolloutEngine
 from colora.models.base import load_tokenizer
 from colora.run.preflight import resolve_model
