@@ -121,7 +121,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     with session(args.verbose):
         say(f"colora: {cfg.experiment.name} ({cfg.experiment.arm}, seed {cfg.experiment.seed}, "
             f"{len(cfg.jobs)} jobs, config {cfg.hash()}) -> {out}; full log: {out / 'run.log'}")
-        summary = run(cfg, out)
+        if cfg.experiment.arm == "timeslice":  # a broker and a process per tenant (colora/timeslice/arm.py)
+            from colora.timeslice.arm import run_timeslice
+
+            summary = run_timeslice(cfg, out, say)
+        else:
+            summary = run(cfg, out)
         say(f"done in {duration(summary['wall_s'])} (engine start {summary['engine_start_s']:.0f}s); results in {out}")
         print_closing(summary, out)
     return end_of_run(summary, out)  # after the session: the terminal's last line

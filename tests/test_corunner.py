@@ -729,5 +729,5 @@ def test_a_gated_co_runner_holds_a_grant_around_each_generation_and_each_step(tm
                      trainer_cls=Checked)
     c.gate = c.trainer_side.gate = gate
     c.run()
-    assert gate.log == ["generate", "yield", "train", "yield"] * 3 and not gate._held
+    assert gate.log == ["generate", "yield", "train", "yield"] * 3 + ["reload", "yield"] and not gate._held
     assert all(js.step == 3 for js in c.jobs.values())

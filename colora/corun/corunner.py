@@ -218,7 +218,11 @@ class CoRunner:
             if thread.is_alive():
                 self.trainer_side.log(f"warning: the engine thread did not stop within {wait:.0f} s; left behind")
             self._submit_q = None
-        self.load_pending()  # the final adapters, for evaluation
+        if self.gate is not None:  # an engine call: inside a grant like every other
+            with self.gate.phase("reload"):
+                self.load_pending()  # the final adapters, for evaluation
+        else:
+            self.load_pending()
 
     def _admit(self, groups: list[list[str]], ready: list[int]) -> None:
         """Jobs that join now (`start_after`: once some job of the run has done that many steps) go into

@@ -88,7 +88,8 @@ class RunFailed(RuntimeError):
 
 
 def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, restart: bool = False,
-        log: Callable[[str], None] | None = None, engine_cache: EngineCache | None = None, process_mps=None) -> dict:
+        log: Callable[[str], None] | None = None, engine_cache: EngineCache | None = None, process_mps=None,
+        tenant=None) -> dict:
     """Run one experiment into `out` (or continue it from `resume_state`, a checkpoint's state, or
     with `restart` run it again from the start in `out`, an interrupted run's directory); returns the
     summary as summary.json holds it. Raises RunError on bad input or a directory another process
@@ -97,8 +98,15 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
     receives colora's lines of the run, which go to run.log and, in a command's session, to the
     terminal as colora/output.py decides; engine_cache: engines kept across the runs of this process;
     process_mps: the MPS daemon this whole process is a client of (colora/sweeps/orchestrate.py starts
-    one per MPS process)."""
+    one per MPS process); tenant: the time-slicing arm's hooks when this run is one of its tenants
+    (colora/timeslice/tenant.py): `gate` (a grant around each GPU phase: the engine's start, the trainer's
+    build and the warm-up in one, each evaluation, each generation and each training step),
+    `engine_args` (vLLM's, for its sleep mode), `origin` (the timeline's clock, shared by the tenants) and
+    `park(engine, trainer, bank)`, called inside the first grant to register the parkers."""
     out = Path(out)
+    if cfg.experiment.arm == "timeslice" and tenant is None:
+        raise RunError("experiment.arm = 'timeslice' runs as a broker and a process per tenant: use `colora run` or "
+                       "`colora sweep` (colora/timeslice/arm.py); a time-sliced run is not resumed, run it again")
     with handling_signals() as stop:
         stop.phase = "checking the input"
         setup = prepare(cfg, out, resume_state is not None or restart, log or say, process_mps)
@@ -110,7 +118,8 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
                             log) as shown:
                 try:
                     with stop.on_abort(lambda: _mark_aborted(out, stop)):
-                        summary = _execute(setup, shown, engine_cache, process_mps, resume_state, stop).to_dict()
+                        summary = _execute(setup, shown, engine_cache, process_mps, resume_state, stop,
+                                           tenant).to_dict()
                 except Interrupted as e:
                     status = _interrupted(e, stop, cfg, out)
                     write_json_atomic(out / "status.json", status)
@@ -128,6 +137,11 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
             write_json_atomic(out / "summary.json", summary)
             write_json_atomic(out / "status.json", status)
     return summary
+
+
+def _phase(gate, name: str):
+    """The time-slicing arm's grant around a GPU phase (colora/timeslice/gate.py), or nothing."""
+    return gate.phase(name) if gate is not None else contextlib.nullcontext()
 
 
 def _open_run_dir(cfg: Config, out: Path, resume_state: dict | None, restart: bool) -> None:
@@ -262,6 +276,7 @@ class _Run:
     mps_note: str = ""
     remote: bool = False  # the engine's client in a process of its own (runtime.engine_process)
     tokenizer: object = None
+    tenant: object = None  # the time-slicing arm's hooks (`run`'s docstring), or None
 
     @property
     def cfg(self) -> Config:
@@ -269,13 +284,15 @@ class _Run:
 
 
 def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
-             resume_state: dict | None, stop: StopRequest) -> RunSummary:
+             resume_state: dict | None, stop: StopRequest, tenant=None) -> RunSummary:
     """The run's steps; `shown` (colora/run/progress.py RunOutput) takes its lines and its record's rows;
     `stop.phase` names the step in progress (status.json of an interrupted run)."""
     out, cfg = setup.out, setup.cfg
     t_start = time.perf_counter()
     r = _Run(setup, shown.log, JsonlWriter(out / "metrics.jsonl", on_row=shown.metric),
-             Timeline(JsonlWriter(out / "timeline.jsonl", on_row=shown.span)), stop)
+             Timeline(JsonlWriter(out / "timeline.jsonl", on_row=shown.span), getattr(tenant, "origin", None)),
+             stop, tenant=tenant)
+    gate = getattr(tenant, "gate", None)
     corunner = None
     try:
         with contextlib.ExitStack() as stack:
@@ -285,17 +302,22 @@ def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
             r.device, r.dtype = resolve_device(cfg)
             r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
             r.tokenizer = load_tokenizer(setup.model_dir)
-            engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
-            stop.phase = "building the trainer"
-            bank, trainer, trainer_setup_s = _build_trainer(r)
-            stop.phase = "loading the adapters and warming up the engine"
-            corunner, ckpt = _assemble(r, stack, engine, bank, trainer, resume_state)
+            with _phase(gate, "start"):  # a tenant of the time-slicing arm sets up inside one grant
+                engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
+                stop.phase = "building the trainer"
+                bank, trainer, trainer_setup_s = _build_trainer(r)
+                stop.phase = "loading the adapters and warming up the engine"
+                corunner, ckpt = _assemble(r, stack, engine, bank, trainer, resume_state)
+                if tenant is not None:
+                    tenant.park(engine, trainer, bank)
             stop.phase = "the evaluation before training"
-            before = _evaluate_before(r, corunner, resumed=resume_state is not None)
+            with _phase(gate, "eval"):
+                before = _evaluate_before(r, corunner, resumed=resume_state is not None)
             stop.phase = "training"
             window, gpu = _train(r, corunner, engine, ckpt)
             stop.phase = "the evaluation after training"
-            after = _evaluate_after(r, corunner, bank, before)
+            with _phase(gate, "eval"):
+                after = _evaluate_after(r, corunner, bank, before)
             stop.phase = "closing the engine"
     except Interrupted as e:
         if corunner is not None:  # the steps every job has completed
@@ -317,8 +339,10 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
         r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs"
               + (", its client in a process of its own" if r.remote else ""))
         Engine = RemoteEngine if r.remote else RolloutEngine
+        extra = getattr(r.tenant, "engine_args", None)  # a tenant's engine is in-process (its arm sets it so)
         return Engine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
-                      dtype=r.dtype, seed=cfg.experiment.seed, device=r.device, adapter_sync=setup.adapter_sync)
+                      dtype=r.dtype, seed=cfg.experiment.seed, device=r.device, adapter_sync=setup.adapter_sync,
+                      **({"engine_args": extra} if extra else {}))
 
     if engine_cache is not None and (cfg.experiment.arm not in MPS_ARMS or shared):
         key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, r.dtype, r.device, r.remote,
@@ -366,7 +390,7 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     export = AdapterExport(engine.adapter_sync, engine.dtype, str(r.setup.model_dir), scratch)
     stack.callback(export.close)
     corunner = CoRunner(Schedule.of(cfg), engine, trainer, bank, export, r.tokenizer, jobs, r.timeline, r.metrics,
-                        r.log, on_step=ckpt.maybe_save, stop_request=r.stop)
+                        r.log, on_step=ckpt.maybe_save, stop_request=r.stop, gate=getattr(r.tenant, "gate", None))
     # every job's current version, a job that joins later too (its evaluation before training serves it)
     engine.set_adapters([export.export(bank, name) for name in jobs])
     if not engine.warmed:  # once per engine: its compiled kernels stay for every later run

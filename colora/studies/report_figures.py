@@ -14,7 +14,7 @@ from colora.studies import stats
 from colora.studies.report_data import METRICS, RunData
 
 ARM_COLORS = {"dedicated": "#7f7f7f", "shared_sync": "#1f77b4", "overlap": "#ff7f0e", "mps": "#2ca02c",
-              "overlap_mps": "#d62728"}
+              "overlap_mps": "#d62728", "timeslice": "#9467bd"}
 PHASE_COLORS = {"generate": "#4c72b0", "train": "#dd8452", "export": "#8c8c8c", "reload": "#55a868", "eval": "#8172b3",
                 "checkpoint": "#937860", "checkpoint_write": "#c8b79e"}
 

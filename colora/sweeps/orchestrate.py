@@ -68,6 +68,7 @@ from colora.studies.prereg import lock_hash
 from colora.sweeps.on_cluster import run_on_cluster
 from colora.sweeps.plan import PlannedRun, Record, check_existing, estimate
 from colora.tasks import add_task_dirs, task_dirs
+from colora.timeslice.arm import run_timeslice
 
 RunFn = Callable[[Config, Path, EngineCache, Callable[[str], None]], dict]
 ResumeFn = Callable[[Path, EngineCache, Callable[[str], None]], dict]
@@ -119,6 +120,8 @@ def on_gpu(group: ProcessGroup, base: Config) -> bool:
 
 # -- running --------------------------------------------------------------------------------------
 def run_in_process(cfg: Config, out: Path, cache: EngineCache, log: Callable[[str], None], process_mps=None) -> dict:
+    if cfg.experiment.arm == "timeslice":  # its tenants are processes of their own (colora/timeslice/arm.py)
+        return run_timeslice(cfg, out, log)
     return runner.run(cfg, out, log=log, engine_cache=cache, process_mps=process_mps)
 
 
