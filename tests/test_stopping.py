@@ -446,7 +446,7 @@ def test_a_stop_request_in_a_training_step_ends_the_loop_after_that_step(tmp_pat
     stop, before = StopRequest(), _engine_threads()
 
     class AskingTrainer(VersionTrainer):
-        def step(self, rollouts):
+        def step(self, rollouts, sft=None):
             if "a" in rollouts and self.version.get("a", 0) == 2:
                 stop.request("SIGTERM")  # as the signal handler does, inside the step
             return super().step(rollouts)
@@ -647,7 +647,7 @@ def test_signals_at_many_moments_always_stop_between_whole_steps(tmp_path, arm, 
     from colora.record.runlog import read_jsonl
 
     class SlowTrainer(VersionTrainer):
-        def step(self, rollouts):
+        def step(self, rollouts, sft=None):
             time.sleep(0.004)
             return super().step(rollouts)
 
