@@ -731,3 +731,24 @@ def test_a_gated_co_runner_holds_a_grant_around_each_generation_and_each_step(tm
     c.run()
     assert gate.log == ["generate", "yield", "train", "yield"] * 3 + ["reload", "yield"] and not gate._held
     assert all(js.step == 3 for js in c.jobs.values())
+
+
+def test_an_adapter_that_cannot_be_exported_stops_its_job_and_the_others_go_on(tmp_path):
+    """Issue 49 item 10: a full disk (or /dev/shm) while a step's adapters are exported was an error of
+    the whole run, with no checkpoint; now that job stops with the reason and the others train on."""
+    import errno
+    import os
+
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=3"], {"a": 8, "b": 8})
+    bank = c.trainer_side.bank
+    real = bank.export_peft
+
+    def full(name, *a, **k):
+        if name == "b":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(name, *a, **k)
+
+    bank.export_peft = full
+    c.run()
+    assert c.jobs["a"].status == "done" and c.jobs["a"].step == 3
+    assert c.jobs["b"].status == "stopped" and "could not be exported (OSError" in c.jobs["b"].reason

@@ -179,7 +179,12 @@ class TrainerSide:
                                                  jobs=tuple(js.name for js in exports)) as span:
             for js in exports:
                 t0 = time.perf_counter()
-                js.pending = self.export.export(self.bank, js.name)
+                try:
+                    js.pending = self.export.export(self.bank, js.name)
+                except OSError as e:  # a full disk or /dev/shm: this job's version cannot reach the engine
+                    self.stop(js, f"its adapter version {self.bank.jobs[js.name].version} could not be exported "
+                                  f"({type(e).__name__}: {e})")
+                    continue
                 span["adapter_seconds"][f"{js.name}@v{js.pending.version}"] = round(time.perf_counter() - t0, 6)
 
     def stop(self, js: JobState, reason: str) -> None:
