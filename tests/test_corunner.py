@@ -238,6 +238,11 @@ class LoopEngine:
     def busy(self):
         return bool(self.queue)
 
+    def abort_all(self):
+        keys = [k for k, _ in self.queue]
+        self.queue.clear()
+        return keys
+
     def dead(self):
         return ""
 

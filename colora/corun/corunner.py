@@ -217,6 +217,8 @@ class CoRunner:
             thread.join(timeout=wait)
             if thread.is_alive():
                 self.trainer_side.log(f"warning: the engine thread did not stop within {wait:.0f} s; left behind")
+            elif self.engine.busy() and not self.engine.dead():  # a stop with rollouts in flight: none outlive
+                self.engine.abort_all()  # the loop (the next user of the engine gets it clean)
             self._submit_q = None
         if self.gate is not None:  # an engine call: inside a grant like every other
             with self.gate.phase("reload"):
