@@ -27,7 +27,8 @@ def closing_rows(summary: dict, rows: list[dict]) -> list[dict]:
         rs = sorted((r["step"], r[key]) for r in rows
                     if r.get("job") == name and r.get("status") == "ok" and key in r and "event" not in r)
         out.append({"job": name, "status": j["status"], "reason": j.get("reason") or "", "steps": j["steps"],
-                    "sft": sft, "reward_first": rs[0][1] if rs else None, "reward_last": rs[-1][1] if rs else None,
+                    **({"sft": True} if sft else {}),  # reward_* and eval_* then hold its losses
+                    "reward_first": rs[0][1] if rs else None, "reward_last": rs[-1][1] if rs else None,
                     "eval_before": j.get("eval_loss_before" if sft else "eval_before"),
                     "eval_after": j.get("eval_loss_after" if sft else "eval_after")})
     return out
@@ -54,16 +55,19 @@ def closing_table(summary: dict, rows: list[dict]) -> tuple[Table, list[str]]:
         t.add_column(col, justify="left" if col in ("job", "status") else "right", no_wrap=True)
     cr = closing_rows(summary, rows)
     for r in cr:
-        loss = "loss " if r["sft"] else ""
-        t.add_row(r["job"], r["status"], str(r["steps"]), loss + _pair(r["reward_first"], r["reward_last"]),
-                  loss + _pair(r["eval_before"], r["eval_after"]), "")
+        def cell(a, b, sft=r.get("sft", False)):
+            pair = _pair(a, b)
+            return f"loss {pair}" if sft and pair != "-" else pair
+
+        t.add_row(r["job"], r["status"], str(r["steps"]), cell(r["reward_first"], r["reward_last"]),
+                  cell(r["eval_before"], r["eval_after"]), "")
     sph = summary.get("steps_per_hour")
     t.add_row("all jobs", "", str(sum(r["steps"] for r in cr)), "", "",
               f"{sph:.0f}" if isinstance(sph, (int, float)) and math.isfinite(sph) else "-", end_section=True)
     lines = ["reward: the mean reward of the first -> last step; eval: held-out accuracy before -> after training; "
              f"steps/h: optimizer steps per device-hour summed over jobs, over the {summary.get('steps_measured')} "
              f"job-steps measured in {summary.get('seconds_measured') or 0:.1f} s after the warm-up"]
-    if any(r["sft"] for r in cr):
+    if any(r.get("sft") for r in cr):
         lines.append("loss: an sft job's mean NLL per assistant token, of its first -> last step and held out "
                      "before -> after training")
     lines += [f"{r['job']} stopped: {r['reason']}" for r in cr if r["reason"]]

@@ -43,6 +43,7 @@ class RunOutput:
         self.job_step = {j: 0 for j in jobs}
         self.first_reward: dict[str, float] = {}
         self.last_reward: dict[str, float] = {}
+        self.last_loss: dict[str, float] = {}  # an sft job's (it has no reward)
         self.stopped: set[str] = set()
         self._pending_jobs: set[str] = set()
         self._lock = threading.Lock()
@@ -84,10 +85,12 @@ class RunOutput:
         return f"ETA {output.duration((self.total - self.done) / rate)}"
 
     def rewards(self) -> str:
-        """Each job's latest step's mean reward ("-" before its first step)."""
+        """Each job's latest step's mean reward, an sft job's loss ("-" before its first step)."""
         def one(j: str) -> str:
             if j in self.stopped:
                 return "stopped"
+            if j in self.last_loss:
+                return f"loss {self.last_loss[j]:.2f}"
             return format(self.last_reward[j], ".2f") if j in self.last_reward else "-"
 
         return " ".join(f"{j} {one(j)}" for j in self.job_step)
@@ -121,6 +124,9 @@ class RunOutput:
                 self.job_step[job] = int(row["step"]) + 1
                 self.first_reward.setdefault(job, float(row["reward"]))
                 self.last_reward[job] = float(row["reward"])
+            elif row.get("status") == "ok" and row.get("kind") == "sft" and "event" not in row:
+                self.job_step[job] = int(row["step"]) + 1
+                self.last_loss[job] = float(row["loss"])
             self._pending_jobs.discard(job)
             if self.t_train is None:  # a resumed run evaluates nothing first: the rate starts here
                 self.phase, self.t_train, self.done_at_train = "training", time.monotonic(), self.done
