@@ -55,7 +55,9 @@ def closing_table(summary: dict, rows: list[dict]) -> tuple[Table, list[str]]:
         t.add_column(col, justify="left" if col in ("job", "status") else "right", no_wrap=True)
     cr = closing_rows(summary, rows)
     for r in cr:
-        def cell(a, b, sft=r.get("sft", False)):
+        sft = r.get("sft", False)
+
+        def cell(a, b, sft=sft):
             pair = _pair(a, b)
             return f"loss {pair}" if sft and pair != "-" else pair
 
