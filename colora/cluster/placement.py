@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from colora.config import Config, JobConfig, from_dict
+from colora.record.summary import failed_jobs
 
 
 def job_cost(job: JobConfig) -> float:
@@ -113,6 +114,7 @@ def merge_summaries(cfg: Config, outcomes: list[Outcome]) -> dict:
                                                                    "device", "mps")} if o.summary else {})}
                       for o in outcomes},
         "jobs": jobs,
+        "failed_jobs": failed_jobs(jobs),  # as a one-GPU run's summary names them (colora/record/summary.py)
     }
 
 
