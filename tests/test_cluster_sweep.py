@@ -223,6 +223,10 @@ def test_the_deadline_on_the_cluster(tmp_path, monkeypatch, tiny_model_dir):
 
 
 def test_gpus_flags_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys):
+    from colora.cluster import require_ray
+
+    for mod in (sweep, bench_arms):  # the commands' own check for Ray, which the fixture passes over
+        monkeypatch.setattr(mod, "require_ray", require_ray)
     monkeypatch.setattr(driver, "run_shares", lambda *a, **k: pytest.fail("nothing may run"))
     assert sweep.main(_argv(tmp_path / "a", "--gpus", "0")) == 2
     assert "--gpus (0) must be at least 1" in capsys.readouterr().err
