@@ -2,7 +2,7 @@
 server that speaks the Tinker API: what `colora run CONFIG --server URL` runs for each job, each in a process
 of its own (colora/service/client_run.py).
 
-    colora run experiments/smoke.toml --server http://127.0.0.1:8000 --api-key tml-mine
+    colora run experiments/reference8_throughput.toml --server http://127.0.0.1:8000 --api-key tml-mine
 
 A grpo job's step k, strictly on-policy:
 1. the step's items and requests as a native run makes them (colora/corun/rollouts.py `step_requests`: the
