@@ -58,7 +58,7 @@ from colora.run.preflight import (
 from colora.run.progress import run_output
 from colora.run.rundir import holding
 from colora.service.client import job_process, unsupported
-from colora.stopping import Interrupted, handling_signals
+from colora.stopping import Interrupted, StopRequest, handling_signals
 from colora.tasks import task_dirs
 
 POLL_S = 0.5  # the longest the run waits for a job's message before it looks at the job processes
@@ -154,7 +154,7 @@ def run_on_server(cfg: Config, out: str | Path, url: str, key: str | None = None
     summary as summary.json holds it. RunError on bad input (before anything is written), Interrupted on a
     signal (after every job's process has stopped)."""
     out = Path(out)
-    with handling_signals():
+    with handling_signals() as request:
         key = api_key(key)
         info = check(cfg, out, url, key, only)
         out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +166,7 @@ def run_on_server(cfg: Config, out: str | Path, url: str, key: str | None = None
             with run_output(out / "run.log", f"clients of {url}", info["jobs"], steps, log) as shown:
                 shown.log(f"{len(info['jobs'])} jobs as clients of {url} (model {info['base_model']})")
                 try:
-                    summary = _run(cfg, out, url, key, info, shown)
+                    summary = _run(cfg, out, url, key, info, shown, request)
                 except Interrupted as e:
                     e.message = (f"interrupted by {e.signal}; a run against a server does not resume (its jobs' "
                                  f"sessions ended): run it again into a new directory")
@@ -182,7 +182,9 @@ def run_on_server(cfg: Config, out: str | Path, url: str, key: str | None = None
     return summary
 
 
-def _run(cfg: Config, out: Path, url: str, key: str, info: dict, shown) -> dict:
+def _run(cfg: Config, out: Path, url: str, key: str, info: dict, shown, request: StopRequest) -> dict:
+    """Start the jobs' processes, take their messages, let them train and evaluate when it is time; on a stop
+    request (a signal, deferred: `request`) each job finishes its step and closes its session."""
     t_start = time.time()
     names = info["jobs"]
     ctx = mp.get_context("spawn")  # a fresh interpreter per job: nothing of this process's threads or locks
@@ -200,8 +202,12 @@ def _run(cfg: Config, out: Path, url: str, key: str, info: dict, shown) -> dict:
     try:
         for p in procs.values():
             p.start()
-        try:
+        with request.deferred():  # it raises Interrupted as it ends, once the jobs have wound down
             while not all(j.ended for j in jobs.values()):
+                if request.requested:
+                    stop.set()
+                    _wind_down(procs, jobs, to_parent)
+                    break
                 try:
                     name, kind, payload = to_parent.get(timeout=POLL_S)
                 except queue.Empty:
@@ -213,16 +219,18 @@ def _run(cfg: Config, out: Path, url: str, key: str, info: dict, shown) -> dict:
                     shown.log("every job evaluated: training starts")
                 if t0 is not None:
                     _release(cfg, names, jobs, go, finish, metrics, shown)
-        except Interrupted:
-            stop.set()
-            _wind_down(procs, jobs, to_parent)
-            raise
     finally:
         metrics.close()
         for p in procs.values():
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=10)
+        to_parent.close()
+        # The queue's and events' semaphores are unlinked here, where the last references go: after a stop
+        # request the signal handling reaps multiprocessing's resource tracker, which would unlink them
+        # first, and their finalizers would then fail at exit.
+        del procs, go, finish, stop, to_parent
     return _summary(cfg, out, url, info, jobs, t0 if t0 is not None else t_start, time.time() - t_start)
 
 
