@@ -5,9 +5,9 @@ at a time and, with --beside, beside a `colora run` of the same jobs: optimizer 
 
 e.g. the throughput workload's 8 jobs, each a GRPO loop of its shape, beside the overlap_mps arm's run of them:
 
-    colora run experiments/reference8_throughput.toml --set experiment.steps=8 --set engine.logprobs=true \\
-        --out runs/native8
-    colora bench serve experiments/reference8_throughput.toml --clients 8 --steps 8 --beside runs/native8 \\
+    colora run experiments/reference8_throughput.toml --set experiment.steps=10 --set engine.logprobs=true \\
+        --set runtime.checkpoint_every=0 --out runs/native10
+    colora bench serve experiments/reference8_throughput.toml --clients 8 --steps 10 --beside runs/native10 \\
         --out runs/bench/serve
 
 What runs, one after another on this machine:
@@ -162,6 +162,7 @@ def read_beside(path: str, names: list[str]) -> dict:
     jobs = list(s.get("jobs", {}))
     return {"run": str(path), "arm": s.get("arm"), "seed": s.get("seed"), "jobs": jobs, "same_jobs": jobs == names,
             "steps": cfg["experiment"]["steps"], "engine_logprobs": cfg["engine"].get("logprobs"),
+            "checkpoint_every": (cfg.get("runtime") or {}).get("checkpoint_every"),
             "steps_per_hour": s.get("steps_per_hour"), "steps_measured": s.get("steps_measured"),
             "seconds_measured": s.get("seconds_measured"), "code_version": s.get("code_version")}
 
