@@ -226,6 +226,7 @@ def test_cuda_checkpoint_parker_refusals():
 @pytest.mark.gpu
 def test_trainer_parker_on_cuda_frees_the_device_and_restores_bit_exact():
     """Parked, the tenant holds as much device memory as if it had been deleted: none."""
+    gc.collect()  # an earlier test's garbage, freed by this test's collect below, would move the count
     model, opt = _trained(device="cuda")
     before = _state(model, opt)
     parker = TrainerParker(model, [opt])
