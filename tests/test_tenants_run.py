@@ -54,9 +54,19 @@ def _cfg(tmp_path, tiny_model_dir, chats, *extra):
     return resolve(raw, list(extra))
 
 
-def test_sft_beside_grpo_with_a_job_joining_and_one_leaving(tmp_path, tiny_model_dir, chats, cache):
-    cfg = _cfg(tmp_path, tiny_model_dir, chats, "experiment.arm=shared_sync", "experiment.steps=5")
-    summary = run(cfg, tmp_path / "mixed", engine_cache=cache, log=lambda s: None)
+MIXED = ("experiment.arm=shared_sync", "experiment.steps=5")
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, tiny_model_dir, chats, cache):
+    """The mixed run (a grpo job, one that joins at step 2, an sft job that leaves after step 3), whole."""
+    out = tmp_path_factory.mktemp("mixed") / "mixed"
+    return out, run(_cfg(out.parent, tiny_model_dir, chats, *MIXED), out, engine_cache=cache, log=lambda s: None)
+
+
+def test_sft_beside_grpo_with_a_job_joining_and_one_leaving(tmp_path, tiny_model_dir, chats, cache, mixed):
+    (tmp_path / "mixed").symlink_to(mixed[0])
+    summary = mixed[1]
     rows = read_jsonl(tmp_path / "mixed" / "metrics.jsonl")
     ok = {n: sorted((r for r in rows if r.get("job") == n and r.get("status") == "ok"), key=lambda r: r["step"])
           for n in "acs"}
@@ -86,3 +96,31 @@ def test_sft_beside_grpo_with_a_job_joining_and_one_leaving(tmp_path, tiny_model
     solo = load_file(str(tmp_path / "alone" / "adapters" / "c" / "adapter_model.safetensors"))
     for k in mine:
         torch.testing.assert_close(mine[k], solo[k], atol=2e-5, rtol=1e-4)
+
+
+def test_a_run_with_a_joining_job_resumes_to_the_adapters_of_one_not_stopped(tmp_path, tiny_model_dir, chats, cache,
+                                                                             mixed, monkeypatch):
+    """Interrupted (SIGINT at job a's step 3, inside the training step: the step ends, its checkpoint is
+    written) after c joined and while s is leaving, then resumed: every job ends where the run that was not
+    stopped ends, the joining job and the sft job included."""
+    import coin_task
+
+    from colora.stopping import Interrupted
+
+    monkeypatch.setattr(coin_task.Interrupting, "fired", False)
+    monkeypatch.setenv("COIN_TASK_SIGNAL", "SIGINT:self:train:3")
+    cfg = _cfg(tmp_path, tiny_model_dir, chats, *MIXED, "runtime.checkpoint_every=1", 'jobs.a.task="coin_task:Interrupting"')
+    out = tmp_path / "stopped"
+    with pytest.raises(Interrupted):
+        run(cfg, out, engine_cache=cache, log=lambda s: None)
+    assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
+    monkeypatch.delenv("COIN_TASK_SIGNAL")
+    from colora.run.runner import resume
+
+    summary = resume(out, engine_cache=cache)
+    assert {n: j["steps"] for n, j in summary["jobs"].items()} == {n: j["steps"] for n, j in mixed[1]["jobs"].items()}
+    for name in ("a", "c", "s"):
+        mine = load_file(str(out / "adapters" / name / "adapter_model.safetensors"))
+        whole = load_file(str(mixed[0] / "adapters" / name / "adapter_model.safetensors"))
+        for k in mine:
+            torch.testing.assert_close(mine[k], whole[k], atol=2e-5, rtol=1e-4)
