@@ -1,5 +1,5 @@
-"""Shared by the kernel tests (CPU and GPU): random grouped-LoRA problems, the tolerance table, and the
-error measure.
+"""Shared by the kernel tests (CPU and GPU): the kernels package K (interpreted where there is no GPU),
+the device and dtypes, random grouped-LoRA problems, the tolerance table, and the error measure.
 
 Errors are ||out - ref|| / ||ref|| against the reference run in float64 on the same (rounded)
 inputs. One tolerance per dtype, each set by what the dtype's rounding allows, not by what the
@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 import torch
 from colora.kernels import LoRABatchMeta
+from colora.kernels.backend import interpreted_kernels
+
+K = interpreted_kernels()  # re-imports the kernels if a test module imported them compiled
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 LORA_TOL = {
     # fp32 in, IEEE fp32 dots and fp32 accumulation: only the summation order differs (K <= 3072

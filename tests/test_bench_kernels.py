@@ -1,30 +1,14 @@
 """`colora bench kernels` on the CPU: its tables, its timing sums, its tuning search and the compile
 check of every tuning candidate.
 
-    pytest tests/test_bench_kernels.py -q            (CPU: TRITON_INTERPRET=1 is set here when there is no GPU)
-
-Small odd shapes (rows not a multiple of the tiles, mixed ranks including 0, empty segments, all three
-dtypes); every check draws fresh random inputs and poisons the outputs it can. The realistic sweep is
-tests/test_kernels_gpu.py.
+    pytest tests/test_bench_kernels.py -q            (CPU: conftest.py sets TRITON_INTERPRET=1 without a GPU)
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton's jit
-
-
-import pytest  # noqa: E402
-from colora.kernels.backend import interpreted_kernels  # noqa: E402
-from kernel_cases import LORA_TOL, lora_case, lora_grads, rel_err  # noqa: E402
-
-K = interpreted_kernels()  # re-imports the kernels if another test module imported them compiled
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+from kernel_cases import DEV, K, LORA_TOL, lora_case, lora_grads, rel_err
 
 
 def test_bench_kernels_reduce_writes_its_table(tmp_path):

@@ -1,29 +1,16 @@
 """RMSNorm, rotary embedding and SiLU*up kernels against the model's own code.
 
-    pytest tests/test_kernel_elementwise.py -q            (CPU: TRITON_INTERPRET=1 is set here when there is no GPU)
+    pytest tests/test_kernel_elementwise.py -q            (CPU: conftest.py sets TRITON_INTERPRET=1 without a GPU)
 
-Small odd shapes (rows not a multiple of the tiles, mixed ranks including 0, empty segments, all three
-dtypes); every check draws fresh random inputs and poisons the outputs it can. The realistic sweep is
+Small odd shapes (odd widths, empty inputs, all three dtypes). The realistic sweep is
 tests/test_kernels_gpu.py.
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton's jit
-
-
-import pytest  # noqa: E402
-from colora.kernels.backend import interpreted_kernels  # noqa: E402
-from kernel_cases import rel_err  # noqa: E402
-
-K = interpreted_kernels()  # re-imports the kernels if another test module imported them compiled
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+from kernel_cases import DEV, rel_err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

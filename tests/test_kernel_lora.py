@@ -1,7 +1,7 @@
 """The grouped-LoRA op against its plain torch reference: every dtype, mixed ranks, empty segments,
 packed projections, the base product inside the op, fp32 gradients from low-precision copies.
 
-    pytest tests/test_kernel_lora.py -q            (CPU: TRITON_INTERPRET=1 is set here when there is no GPU)
+    pytest tests/test_kernel_lora.py -q            (CPU: conftest.py sets TRITON_INTERPRET=1 without a GPU)
 
 Small odd shapes (rows not a multiple of the tiles, mixed ranks including 0, empty segments, all three
 dtypes); every check draws fresh random inputs and poisons the outputs it can. The realistic sweep is
@@ -10,22 +10,11 @@ tests/test_kernels_gpu.py.
 
 from __future__ import annotations
 
-import os
+import zlib
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton's jit
-
-import zlib  # noqa: E402
-
-import pytest  # noqa: E402
-from colora.kernels.backend import interpreted_kernels  # noqa: E402
-from kernel_cases import LORA_TOL, lora_case, lora_grads, rel_err  # noqa: E402
-
-K = interpreted_kernels()  # re-imports the kernels if another test module imported them compiled
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+from kernel_cases import DEV, DTYPES, K, LORA_TOL, lora_case, lora_grads, rel_err
 
 
 LORA_CASES = [
