@@ -33,6 +33,8 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
+from colora.training.adamw import AdamParams  # the service's optimizer settings are the trainer's
+
 # The losses the protocol layer passes to a backend; every other Tinker loss is refused before it
 # (dro, gspo and stable_reinforce need inputs and sampler records that are not specified here yet).
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
@@ -86,19 +88,6 @@ class LoraSpec:
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = False
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """One optimizer step's settings, torch.optim.AdamW semantics (decoupled weight decay).
-    grad_clip_norm clips the model's own gradient norm; 0 means no clipping."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 @dataclass(frozen=True)

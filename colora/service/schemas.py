@@ -6,7 +6,6 @@ every release); a field it uses with a wrong type is an error naming it.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -170,10 +169,6 @@ def adam_params(body: OptimStep) -> AdamParams:
         err = e.errors()[0]
         raise ValueError(f"adam_params.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     params = AdamParams(**{k: v for k, v in p.model_dump().items() if k != "type"})
-    checks = [("learning_rate", params.learning_rate >= 0, ">= 0"), ("beta1", 0 <= params.beta1 < 1, "in [0, 1)"),
-              ("beta2", 0 <= params.beta2 < 1, "in [0, 1)"), ("eps", params.eps > 0, "> 0"),
-              ("weight_decay", params.weight_decay >= 0, ">= 0"), ("grad_clip_norm", params.grad_clip_norm >= 0, ">= 0")]
-    for name, ok, want in checks:
-        if not ok:
-            raise ValueError(f"adam_params.{name} ({asdict(params)[name]}) must be {want}")
+    if problem := params.problem():
+        raise ValueError(problem)
     return params
