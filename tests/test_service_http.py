@@ -191,6 +191,20 @@ def test_a_poll_is_held_then_answered_408_and_a_retried_post_gets_the_same_futur
         assert len(out.loss_fn_outputs[0].fields["logprobs"].data) == 4 * 4  # 4 float32 log-probs
 
 
+def test_a_retried_create_model_gets_the_first_future_and_makes_one_model(tmp_path):
+    c, backend = make(tmp_path)
+    with c:
+        sid = post(c, "create_session", {}).json()["session_id"]
+        body = {"session_id": sid, "model_seq_id": 0, "base_model": MODEL, "lora_config": {"rank": 4}}
+        first, again = post(c, "create_model", body).json(), post(c, "create_model", body).json()
+        assert again["request_id"] == first["request_id"]
+        assert result(c, first["request_id"])["model_id"] == f"{sid}:train:0"
+        assert backend.model_ids == [f"{sid}:train:0"]
+        other = post(c, "create_model", {**body, "model_seq_id": 1}).json()
+        assert other["request_id"] != first["request_id"] and "error" not in result(c, other["request_id"])
+        assert len(backend.model_ids) == 2
+
+
 def test_two_tenants_models_share_a_cycle_behind_a_busy_trainer(tmp_path):
     c, backend = make(tmp_path)
     with c:

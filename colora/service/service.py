@@ -115,6 +115,16 @@ class Service:
         self.futures.create(rid, tenant)
         return rid
 
+    def _creation(self, tenant: str, s: Session, model_seq_id: int) -> tuple[str, bool]:
+        """The request id that creates model `model_seq_id` of session s, and whether it is new: a
+        retried create (or load) gets the first one's id, and only the first creates a model."""
+        key = (s.id, model_seq_id)
+        with self._lock:
+            if key in self._creations:
+                return self._creations[key], False
+            self._creations[key] = rid = self._future(tenant)
+        return rid, True
+
     # -- lookups (404 for what is not the tenant's) ------------------------------------------------
     def _session(self, tenant: str, session_id: str, live: bool = True) -> Session:
         s = self.sessions.get(session_id)
@@ -193,13 +203,9 @@ class Service:
     # -- models ------------------------------------------------------------------------------------
     def create_model(self, tenant: str, body: schemas.CreateModel) -> dict:
         s = self._session(tenant, body.session_id)
-        key = (s.id, body.model_seq_id)
-        with self._lock:
-            if key in self._creations:
-                return {"request_id": self._creations[key]}
-        rid = self._future(tenant)
-        with self._lock:
-            self._creations[key] = rid
+        rid, new = self._creation(tenant, s, body.model_seq_id)
+        if not new:
+            return {"request_id": rid}
         model_id = f"{s.id}:train:{body.model_seq_id}"
         try:
             spec = self._lora_spec(body.base_model, body.lora_config or schemas.LoraConfig(), model_id,
@@ -353,13 +359,9 @@ class Service:
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError(400, "load_weights needs model_id and seq_id, or session_id and model_seq_id")
         s = self._session(tenant, body.session_id)
-        key = (s.id, body.model_seq_id)
-        with self._lock:
-            if key in self._creations:
-                return {"request_id": self._creations[key]}
-        rid = self._future(tenant)
-        with self._lock:
-            self._creations[key] = rid
+        rid, new = self._creation(tenant, s, body.model_seq_id)
+        if not new:
+            return {"request_id": rid}
         model_id = f"{s.id}:train:{body.model_seq_id}"
 
         def create_from(b: Backend) -> dict:
