@@ -43,10 +43,13 @@ def test_serves_the_fake_backend_until_stopped(tiny_model_dir, tmp_path):
         proc.wait(timeout=30)
 
 
-def test_refuses_without_keys_and_without_the_fake_backend(tiny_model_dir, tmp_path, capsys):
+def test_refuses_without_keys_and_a_folder_that_holds_no_model(tiny_model_dir, tmp_path, capsys):
     assert main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "--fake"]) == 2
     assert "--api-keys FILE" in capsys.readouterr().err
-    assert main(["--model", str(tiny_model_dir), "--out", str(tmp_path), "--any-key"]) == 2
-    assert "the co-runner backend is not wired yet" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["--model", str(empty), "--out", str(tmp_path / "out"), "--any-key"]) == 2  # the co-runner's check
+    err = capsys.readouterr().err
+    assert err.startswith("colora serve: --model:") and str(empty) in err, err
     assert main(["--model", str(tmp_path), "--out", str(tmp_path), "--any-key", "--fake"]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err

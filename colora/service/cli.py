@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ServeConfig(out=args.out, api_keys=load_api_keys(args.api_keys) if args.api_keys else {},
                              allow_any_key=args.any_key, heartbeat_timeout_s=args.heartbeat_timeout)
         backend = build_backend(args)
-    except (ServeConfigError, NotImplementedError) as e:
+    except ServeConfigError as e:
         print(f"colora serve: {e}", file=sys.stderr)
         return 2
 
