@@ -45,16 +45,6 @@ class Raising(CoinFlip):
         return super().reward(completion, item)
 
 
-class HugeReward(CoinFlip):
-    """A customer's reward on an absurd scale: finite, but its group statistics overflow, so the
-    advantages and the loss are NaN."""
-
-    name = "huge_reward"
-
-    def reward(self, completion, item) -> float:
-        return 1e308 if len(completion) % 2 == 0 else -1e308
-
-
 class Interrupting(CoinFlip):
     """CoinFlip (the same items and rewards: the same name) that signals the colora run it is in,
     once per process, where the environment variable COIN_TASK_SIGNAL = "SIGNAL:TARGET:PHASE:STEP[:COUNT]" says:
