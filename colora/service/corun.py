@@ -65,8 +65,13 @@ IDLE_WAIT_S = 0.5  # the longest the engine thread waits for work while nothing 
 
 class EngineLoop:
     """The engine's thread: the only caller of the engine. Work arrives through `put` from any thread:
-    ("sample", SampleCall, done), ("register", key, path, box), ("release", key). A sample's requests
-    join the running batch at once; `done` is called when its last sequence finishes."""
+    ("sample", SampleCall, done), ("register", key, path, reply), ("release", key, then), ("snapshots", reply).
+    A sample's requests join the running batch at once; `done` is called when its last sequence finishes.
+    A release is not waited for (it may come from a sample's `done`, on this thread); `then` runs after it.
+
+    A sampler whose folder is gone (its checkpoint deleted by its tenant) fails its samples before they
+    reach the engine: vLLM reloads an evicted adapter from its folder inside a step, and a load that fails
+    there would end the engine for every tenant."""
 
     def __init__(self, engine, log: Callable[[str], None]):
         self.engine = engine
@@ -74,6 +79,7 @@ class EngineLoop:
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._ids = itertools.count()
+        self._paths: dict[str, Path] = {}  # registered sampler key -> its folder
         self._thread = threading.Thread(target=self._run, name="colora-serve-engine", daemon=True)
         self._thread.start()
 
@@ -81,7 +87,8 @@ class EngineLoop:
         self._q.put(item)
 
     def call(self, *item, timeout: float = 600.0):
-        """put(item) and wait for its answer (register, release)."""
+        """put(item) and wait for its answer (register, snapshots); never from the engine's thread."""
+        assert threading.current_thread() is not self._thread, "a call from the engine's thread waits for itself"
         box: dict = {}
         done = threading.Event()
         self.put(*item, (box, done))
@@ -106,10 +113,12 @@ class EngineLoop:
                     finished = self.engine.poll()
                 except Exception as e:  # noqa: BLE001  (the engine failed: every sample in flight hears it)
                     self._fail_all(inflight, BackendError(f"the engine failed: {type(e).__name__}: {e}", "server"))
+                    self._forget_all()
                     continue
                 for key, results in finished:
-                    call, done = inflight.pop(key)
-                    _answer(done, lambda: _result(call, results))
+                    call, done = inflight.pop(key, (None, None))
+                    if done is not None:  # None: failed already, when the engine failed
+                        _answer(done, lambda: _result(call, results))
 
     def _take(self, item, inflight) -> None:
         op = item[0]
@@ -119,6 +128,12 @@ class EngineLoop:
             return
         if op == "sample":
             _, call, done = item
+            path = self._paths.get(call.sampler) if call.sampler is not None else None
+            if call.sampler is not None and (path is None or not (path / "adapter_config.json").is_file()):
+                err = BackendError(f"the sampler's weights are gone ({path}): its checkpoint was deleted; "
+                                   "create a sampling client from a checkpoint that exists", "user")
+                _answer(done, lambda: err)
+                return
             key = next(self._ids)
             try:
                 self.engine.submit(key, samples(_request(call), call.num_samples))
@@ -128,16 +143,35 @@ class EngineLoop:
                 return
             inflight[key] = (call, done)
             return
+        if op == "release":
+            _, key, then = item
+            self._paths.pop(key, None)
+            try:
+                self.engine.release_snapshot(key)
+            except Exception as e:  # noqa: BLE001  (nobody waits for a release: say it, go on)
+                self.log(f"releasing sampler {key} failed: {type(e).__name__}: {e}")
+            if then is not None:
+                then()
+            return
         *args, (box, event) = item[1:]
         try:
             if op == "register":
                 key, path = args
                 box["value"] = self.engine.register_snapshot(key, AdapterDir(key, 0, str(path)))
-            elif op == "release":
-                self.engine.release_snapshot(args[0])
+                self._paths[key] = Path(path)
+            elif op == "snapshots":
+                box["value"] = sorted(self.engine.snapshots())
         except Exception as e:  # noqa: BLE001  (handed to the caller's thread)
             box["error"] = BackendError(f"{type(e).__name__}: {e}", "server")
         event.set()
+
+    def _forget_all(self) -> None:
+        """After the engine failed: what it still had in flight is aborted, so that it is idle again
+        (the samples were answered) and the next samples run, if it lives."""
+        try:
+            self.engine.abort_all()
+        except Exception as e:  # noqa: BLE001  (a dead engine: its next calls fail the same way)
+            self.log(f"the engine failed and its requests could not be aborted: {type(e).__name__}: {e}")
 
     @staticmethod
     def _fail_all(inflight: dict, err: BackendError) -> None:
@@ -233,7 +267,8 @@ class CorunBackend(Backend):
             raise BackendError(f"lora_config.rank ({spec.rank}) is above this server's largest ({self.max_lora_rank})",
                                "user")
         try:
-            self.bank.add_job(model_id, spec.rank, ALPHA, targets, spec.seed)
+            # the init is the client's seed's alone (LoraConfig.seed): two models of one seed start equal
+            self.bank.add_job(model_id, spec.rank, ALPHA, targets, spec.seed, init_name="tinker")
         except ValueError as e:
             raise BackendError(str(e), "user") from None
 
@@ -278,10 +313,9 @@ class CorunBackend(Backend):
         if not optimizer:  # fresh AdamW state: no moments, no step count
             state["optimizer"] = {**ad.optimizer.state_dict(), "state": {}}
         try:
-            self.bank.load_job_state(model_id, state)
+            self.bank.load_job_state(model_id, state)  # also drops the gradient accumulated since the last step
         except ValueError as e:
             raise BackendError(str(e), "user") from None
-        self.trainer.drop_gradient(model_id)
 
     def save_for_sampler(self, model_id: str, directory: Path | None):
         key = f"sampler-{next(self._samplers)}"
@@ -301,12 +335,16 @@ class CorunBackend(Backend):
         return key
 
     def release_sampler(self, ref) -> None:
+        """Returns at once (it is called from samples' callbacks, on the engine's thread too); the
+        engine lets the sampler go between two of its steps, then its own folder is removed."""
         if ref is None:
             return
-        self.loop.call("release", ref)
         path = self._own.pop(ref, None)
-        if path is not None:
-            shutil.rmtree(path, ignore_errors=True)
+        self.loop.put("release", ref, None if path is None else lambda: shutil.rmtree(path, ignore_errors=True))
+
+    def held(self) -> dict[str, list[str]]:
+        """What this backend holds now: the models' adapters in the trainer, the samplers in the engine."""
+        return {"models": sorted(self.bank.jobs), "samplers": self.loop.call("snapshots")}
 
     def sample(self, call: SampleCall, done: Callable[[SampleResult | BackendError], None]) -> None:
         self.loop.put("sample", call, done)

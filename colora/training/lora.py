@@ -122,15 +122,19 @@ class AdapterBank:
 
     # -- jobs -----------------------------------------------------------------------------------
     def add_job(self, name: str, rank: int, alpha: float, target_modules: tuple[str, ...], run_seed: int,
-                lr: float = 1e-4, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8) -> JobAdapter:
+                lr: float = 1e-4, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
+                init_name: str | None = None) -> JobAdapter:
         """PEFT's default init (A kaiming-uniform with a=sqrt(5), B zero), from a seed derived from
-        the run seed and the job's name only: a job starts the same alone or beside others. The AdamW
-        settings are its optimizer's until an optimizer step sets its own (the trainer's `optim_step`)."""
+        the run seed and the job's name only (or `init_name` in its place: a Tinker model's init is a
+        function of its client's seed, not of the id the server gave it): a job starts the same alone or
+        beside others. The AdamW settings are its optimizer's until an optimizer step sets its own (the
+        trainer's `optim_step`)."""
         if name in self.jobs:
             raise ValueError(f"job {name!r} already has an adapter")
         if not self.modules:
             raise RuntimeError("inject_lora must run before add_job")
-        gen = torch.Generator().manual_seed(derive_seed(run_seed, name, "lora_init"))
+        key = name if init_name is None else init_name
+        gen = torch.Generator().manual_seed(derive_seed(run_seed, key, "lora_init"))
         job = JobAdapter(name, rank, alpha, tuple(target_modules))
         for path, lin in self.modules.items():
             if path.rsplit(".", 1)[-1] not in job.target_modules:
@@ -151,7 +155,11 @@ class AdapterBank:
         return job
 
     def remove_job(self, name: str) -> None:
+        """Forget the job: its adapter, AdamW state and page-locked export buffers (a server removes
+        tenants' models for as long as it runs)."""
         self.jobs.pop(name, None)
+        for key in [k for k in self._host if k[0] == name]:
+            del self._host[key]
 
     # -- the forward seam -------------------------------------------------------------------------
     @contextlib.contextmanager
