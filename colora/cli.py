@@ -11,6 +11,7 @@
     colora bench engine CONFIG [--adapters K ...] [--profile] | colora bench trl CONFIG --job NAME
     colora bench adapter-sync CONFIG [--rounds 11]           adapter export + load per adapter, memory and disk
     colora bench serve CONFIG [--clients 8] [--steps S]      SDK clients on `colora serve`: all at once, one by one
+    colora bench park CONFIG [--rounds 10]                   the time-slicing arm's parking ways, timed and checked
     colora sweep CONFIG --seeds 1 2 3 [--arms ...] --out DIR [--deadline S]
     colora report RUNS... [--prereg FILE] --out reports/NAME
     colora prereg lock CONFIG --out prereg/NAME.md | colora prereg check PREREG CONFIG
@@ -208,6 +209,7 @@ BENCH = {
     "adapter-sync": ("colora.bench.adapter_sync", "adapter export and load, memory and disk"),
     "trl": ("colora.bench.trl_grpo", "TRL's GRPOTrainer on one job, the peer baseline"),
     "serve": ("colora.bench.serve", "SDK clients on `colora serve`, all at once and one by one"),
+    "park": ("colora.bench.park", "the time-slicing arm's parking ways, timed and checked"),
 }
 
 
@@ -261,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                     help="a task option, e.g. --option digits=2 (repeat for more)")
 
-    b = sub.add_parser("bench", help="GPU benchmarks: kernels, trainer, engine, adapter-sync, arms, trl, serve",
+    b = sub.add_parser("bench", help="GPU benchmarks: kernels, trainer, engine, adapter-sync, arms, trl, serve, park",
                        description="GPU benchmarks; `colora bench WHAT --help` shows each one's options.")
     b.add_argument("what", choices=list(BENCH), help="the benchmark: " + "; ".join(f"{k}: {v[1]}"
                                                                                 for k, v in BENCH.items()))

@@ -1,0 +1,51 @@
+"""`colora bench park`: the trainer's parking timed and checked bit for bit on the CPU (where vLLM has
+no sleep mode, which the report says); on a GPU the engine's sleep and the CUDA checkpoint API too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from colora.cli import main
+
+SMOKE = str(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml")
+
+
+def test_bench_park_on_the_cpu_times_the_trainer_and_says_the_engine_cannot_sleep(tmp_path, tiny_model_dir):
+    out = tmp_path / "park"
+    assert main(["bench", "park", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--set",
+                 "experiment.device=cpu", "--rounds", "3", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    t = res["trainer"]
+    assert t["bit_exact"] and t["checks"] == [True] * 3
+    assert len(t["park_s"]) == len(t["restore_s"]) == 3 and all(x >= 0 for x in t["park_s"] + t["restore_s"])
+    # every tensor has its host buffer: base, adapters, gradients and AdamW's state
+    assert t["host_bytes"] >= t["state_bytes"] > 0 and t["allocations"] >= t["tensors"]
+    assert "no sleep mode" in res["engine"]["unavailable"]
+    md = out.with_suffix(".md").read_text()
+    assert md.splitlines()[2] == "```" and "colora bench park" in md and "| trainer: host copies made once | 3 |" in md
+
+
+def test_bench_park_refuses_zero_rounds(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "park", SMOKE, "--rounds", "0", "--out", str(tmp_path / "p")])
+    assert e.value.code == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_park_on_a_gpu_wakes_every_adapter(tmp_path, tiny_model_dir):
+    out = tmp_path / "park"
+    assert main(["bench", "park", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--set",
+                 "engine.enforce_eager=true", "--set", "engine.gpu_memory_utilization=0.2", "--rounds", "2",
+                 "--checkpoint-rounds", "1", "--out", str(out)]) == 0
+    res = json.loads(out.with_suffix(".json").read_text())
+    e = res["engine"]
+    assert res["trainer"]["bit_exact"] and res["trainer"]["pinned"]
+    assert e["adapter_rows_differ_from_base"] > 0  # the adapters matter, so a lost one would show
+    assert e["sleep"]["ok"] and all(c["adapter_rows_equal_to_base"] < e["adapter_rows"] for c in e["sleep"]["checks"])
+    assert max(e["sleep"]["freed_bytes"]) > 0
+    assert "refused" in e["cuda_checkpoint"] or e["cuda_checkpoint"]["ok"]
