@@ -350,6 +350,32 @@ def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
     assert data["config_hash"] == cfg.hash() and len(data["runs"]) == 4
 
 
+def test_the_report_gives_each_timeslice_runs_switches_waits_and_tenants(tmp_path):
+    from colora.timeslice.record import summarize
+
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["dedicated"], headline="timeslice",
+                                      vary=["timeslice.park=never,lazy"]))
+    log = [{"kind": "start", "policy": "lazy"}]
+    for i, (t, park, restore) in enumerate([("tenant-0", 0.0, 0.0), ("tenant-1", 0.5, 0.25), ("tenant-0", 1.0, 0.5)]):
+        log.append({"kind": "grant", "tenant": t, "phase": "generate", "requested": 10.0 * i, "granted": 10.0 * i + 1,
+                    "released": 10.0 * i + 6, "parked": [] if i == 0 else ["x"], "restored": i > 0,
+                    "park_s": park, "restore_s": restore})
+    ts = {"policy": "lazy", "parking": "app", "makespan_s": 30.0, "broker": summarize(log),
+          "tenants": [{"seconds_per_step": 2.5, "pinned_host_bytes": 2**30},
+                      {"seconds_per_step": 3.0, "pinned_host_bytes": 2**30}]}
+    for r in runs:
+        extra = {"timeslice": ts} if r.arm == "timeslice" and "lazy" in r.tag else {}
+        write_json_atomic(tmp_path / r.rel / "summary.json", {"steps_per_hour": 1000.0, **extra})
+    rows = bench_arms.collect(runs, tmp_path)
+    bench_arms.write_report(rows, tmp_path / "rep", "colora bench arms smoke.toml", cfg)
+    md = (tmp_path / "rep.md").read_text()
+    # two switches (0.75 s and 1.5 s), three waits of 1 s, held 15 s of a 26 s window
+    assert ("| vary:timeslice.park=lazy | lazy | app | 2 | 1.12 / 1.43 (n=2) | - | - | 1.00 / 1.00 (n=3) | 58% "
+            "| 30 | 2.50, 3.00 | 2.00 | - |") in md
+    assert "vary:timeslice.park=never | never" not in md  # a run without the arm's figures has no row
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
@@ -516,3 +542,18 @@ def test_a_run_with_other_engine_settings_is_estimated_with_an_engine_start(tmp_
                                   progress=lambda s: None)
     assert started == [(1, True), (2, True)]
     assert states["shared_sync/seed1-vary-engine.enable_prefix_caching-false"] == "skipped"
+
+
+def test_a_timeslice_run_starts_with_no_engine_of_an_earlier_run_beside_it(monkeypatch, tmp_path):
+    """The arm's tenants have the GPU to themselves: the process's cached engines close first."""
+    closed, seen = [], []
+
+    class Engine:
+        def close(self):
+            closed.append(True)
+
+    cache = orchestrate.EngineCache()
+    cache.get(("k",), Engine)
+    monkeypatch.setattr(orchestrate, "run_timeslice", lambda cfg, out, log: seen.append(list(closed)) or {})
+    orchestrate.run_in_process(load_config(SMOKE, ["experiment.arm=timeslice"]), tmp_path, cache, print)
+    assert seen == [[True]]

@@ -190,6 +190,7 @@ def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> st
             lines.append(f"| {r['label']} | {r['arm']} | {r['jobs']} | {r['seed']} | "
                          f"{_fmt(r['steps_per_hour'], 0)} | {_fmt(r['ratio'], 3)} | "
                          f"{_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
+    lines += _timeslice_table(rows)
     lines += ["", "Per run: phase times and engine start (reported apart from throughput):", "",
               "| arm | seed | label | engine start s | engine and trainer | measured steps | steps a job | measured s "
               "| busy | GPU util | MPS |",
@@ -300,6 +301,43 @@ def _per_job(counts: dict[str, int]) -> str:
         return "-"
     lo, hi = min(counts.values()), max(counts.values())
     return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+# the seeds' own figures (seed 001, the llm-d time-slicing study): the report puts colora's beside them
+SEED_SWITCH_S = "0.5-1.6"
+SEED_QUEUE_WAIT_S = "1-15"
+
+
+def _q(d: dict | None) -> str:
+    """A quantiles dict (colora/timeslice/record.py) as 'median / p90 (n)'."""
+    if not d or not d.get("n"):
+        return "-"
+    return f"{d['median']:.2f} / {d['p90']:.2f} (n={d['n']})"
+
+
+def _timeslice_table(rows: list[dict]) -> list[str]:
+    """The time-slicing runs' broker figures (summary["timeslice"]), beside the seeds' medians."""
+    ts = [r for r in rows if (r["summary"] or {}).get("timeslice")]
+    if not ts:
+        return []
+    lines = ["", "The time-slicing runs (colora/timeslice/): each switch (the park before a grant plus the "
+             f"restore, seconds), each queue wait (request to grant), median / p90 (count); the seeds report "
+             f"switches of {SEED_SWITCH_S} s and queue waits of {SEED_QUEUE_WAIT_S} s (medians, seed 001). Duty: the "
+             "share of the window some tenant held the grant. Makespan: first span to last of all tenants; "
+             "s/step: each tenant's measured seconds per step:", "",
+             "| label | park | parking | tenants | switch s | park s | restore s | queue wait s | duty | makespan s "
+             "| s/step per tenant | pinned host GiB | failed |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ts:
+        t = r["summary"]["timeslice"]
+        b = t.get("broker") or {}
+        tenants = t.get("tenants", [])
+        per = ", ".join(_fmt(x.get("seconds_per_step")) for x in tenants)
+        pinned = sum(x.get("pinned_host_bytes") or 0 for x in tenants) / 2**30
+        lines.append(f"| {r['label']} | {t['policy']} | {t['parking']} | {len(tenants)} | {_q(b.get('switch_s'))} | "
+                     f"{_q(b.get('park_s'))} | {_q(b.get('restore_s'))} | {_q(b.get('queue_wait_s'))} | "
+                     f"{_share(b.get('duty'))} | {_fmt(t.get('makespan_s'), 0)} | {per} | {pinned:.2f} | "
+                     f"{', '.join(b.get('failed') or []) or '-'} |")
+    return lines
 
 
 def _share(v: float | None) -> str:

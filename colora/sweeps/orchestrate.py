@@ -121,6 +121,8 @@ def on_gpu(group: ProcessGroup, base: Config) -> bool:
 # -- running --------------------------------------------------------------------------------------
 def run_in_process(cfg: Config, out: Path, cache: EngineCache, log: Callable[[str], None], process_mps=None) -> dict:
     if cfg.experiment.arm == "timeslice":  # its tenants are processes of their own (colora/timeslice/arm.py)
+        cache.close()  # the arm's tenants have the GPU to themselves: no engine of an earlier run beside them
+        release_cuda_cache()
         return run_timeslice(cfg, out, log)
     return runner.run(cfg, out, log=log, engine_cache=cache, process_mps=process_mps)
 
