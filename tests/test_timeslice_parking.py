@@ -220,6 +220,29 @@ def test_cuda_checkpoint_parker_refusals():
             CudaCheckpointParker([1])
 
 
+def test_cuda_checkpoint_parker_leaves_out_processes_without_cuda(monkeypatch):
+    """vLLM's engine core has a child without CUDA: the driver answers NOT_INITIALIZED for it."""
+    from types import SimpleNamespace
+
+    from colora.timeslice import parking
+
+    R = SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_NOT_INITIALIZED=3)
+    calls = []
+    drv = SimpleNamespace(
+        CUresult=R, cuInit=lambda flags: (R.CUDA_SUCCESS,),
+        cuCheckpointProcessGetState=lambda pid: (R.CUDA_SUCCESS if pid == 11 else R.CUDA_ERROR_NOT_INITIALIZED, None),
+        CUcheckpointLockArgs=SimpleNamespace,
+        cuCheckpointProcessLock=lambda pid, a: calls.append(("lock", pid)) or (R.CUDA_SUCCESS,),
+        cuCheckpointProcessCheckpoint=lambda pid, a: calls.append(("checkpoint", pid)) or (R.CUDA_SUCCESS,))
+    monkeypatch.setattr(parking, "_cuda_driver", lambda: drv)
+    p = CudaCheckpointParker([10, 11])
+    assert p.pids == [11] and p.without_cuda == [10] and p.label == "cuda-checkpoint: pids [11]"
+    p.park()
+    assert calls == [("lock", 11), ("checkpoint", 11)]
+    with pytest.raises(ValueError, match="none of PIDs \\[10, 12\\] uses CUDA"):
+        CudaCheckpointParker([10, 12])
+
+
 # ---- on a GPU
 
 

@@ -261,7 +261,8 @@ class CudaCheckpointParker:
     driver-managed host memory, GPU resources released); restore = restore each (same addresses),
     then unlock each. A park that fails half-way undoes what it did and raises. A process cannot
     checkpoint itself: give a tenant's other processes (vLLM's engine core), or run this parker
-    outside the tenant. UVM and IPC memory are refused by the driver. `bytes` is the device's
+    outside the tenant. PIDs without CUDA are left out (`without_cuda`). UVM and IPC memory are
+    refused by the driver. `bytes` is the device's
     free-memory change (device-wide), 0 where this process has no CUDA."""
 
     def __init__(self, pids: Sequence[int], *, lock_timeout_ms: int = 10_000):
@@ -273,6 +274,13 @@ class CudaCheckpointParker:
         self.lock_timeout_ms = int(lock_timeout_ms)
         self._drv = _cuda_driver()
         self._check(self._drv.cuInit(0), "cuInit")
+        # A process without CUDA answers CUDA_ERROR_NOT_INITIALIZED (seen on the H200: vLLM's engine core
+        # has a child without CUDA beside it); only the processes with CUDA are parked.
+        self.without_cuda = [p for p in self.pids if self._drv.cuCheckpointProcessGetState(p)[0] ==
+                             self._drv.CUresult.CUDA_ERROR_NOT_INITIALIZED]
+        self.pids = [p for p in self.pids if p not in self.without_cuda]
+        if not self.pids:
+            raise ValueError(f"CudaCheckpointParker: none of PIDs {self.without_cuda} uses CUDA")
         self.label = f"cuda-checkpoint: pids {self.pids}"
 
     def _check(self, result: tuple, what: str, pid: int | None = None) -> Any:
