@@ -465,10 +465,12 @@ def test_run_seconds_come_from_the_finished_runs(tmp_path):
     _summary(tmp_path / "shared_sync" / "seed1-main", "shared_sync", 8, 100.0, 150.0, True)
     _summary(tmp_path / "overlap_mps" / "seed1-jobs2", "overlap_mps", 2, 40.0, 80.0, True)
     r = rundirs.PlannedRun("overlap_mps", 1, "main", jobs=8)
-    assert rundirs.estimate(r, 8, tmp_path, starts_engine=False) == pytest.approx(95.0)  # median at 8 jobs
-    assert rundirs.estimate(r, 8, tmp_path, starts_engine=True) == pytest.approx(245.0)  # + longest start
-    assert rundirs.estimate(r, 2, tmp_path, False) == pytest.approx(40.0)  # its own arm
-    assert rundirs.estimate(r, 16, tmp_path, True) is None  # nothing to go by: run it
+    assert rundirs.estimate(r, 8, tmp_path, engine_starts=0) == pytest.approx(95.0)  # median at 8 jobs
+    assert rundirs.estimate(r, 8, tmp_path, engine_starts=1) == pytest.approx(245.0)  # + longest start
+    assert rundirs.estimate(r, 2, tmp_path, 0) == pytest.approx(40.0)  # its own arm
+    assert rundirs.estimate(r, 16, tmp_path, 1) is None  # nothing to go by: run it
+    ts = rundirs.PlannedRun("timeslice", 1, "main", jobs=8)
+    assert rundirs.estimate(ts, 8, tmp_path, engine_starts=2) == pytest.approx(395.0)  # two tenants: two starts
 
 
 def _finished(root: Path, p, cfg, wall: float, start: float, reused: bool) -> dict:
@@ -542,6 +544,30 @@ def test_a_run_with_other_engine_settings_is_estimated_with_an_engine_start(tmp_
                                   progress=lambda s: None)
     assert started == [(1, True), (2, True)]
     assert states["shared_sync/seed1-vary-engine.enable_prefix_caching-false"] == "skipped"
+
+
+def test_a_timeslice_run_is_estimated_with_an_engine_start_per_tenant(tmp_path):
+    """A timeslice run starts no engine in the benchmark's process, but each of its tenants starts one,
+    one after another: on the H200 a run started with 111 s left was cut while its first tenant's engine
+    was still starting. Same engine settings as the finished run or not, it counts a start per tenant."""
+    cfg = load_config(SMOKE)  # two jobs: two tenants of one job each
+    root = tmp_path / "runs"
+    done = rundirs.PlannedRun("dedicated", 1, "main", jobs=2)
+    _finished(root, done, cfg, 100.0, 50.0, False)  # 50 s + a 50 s engine start
+    runs = [done, rundirs.PlannedRun("timeslice", 1, "main", jobs=2)]
+    started = []
+
+    def fake_run(c, out, cache, log):
+        started.append(c.experiment.arm)
+        return _finished(out.parent.parent, runs[1], cfg, 60.0, 0.0, False)
+
+    # 50 s + two starts of 50 s = 150 s; 140 s left: not started
+    states = orchestrate.run_plan(cfg, runs, root, run_fn=fake_run, deadline_s=140.0, clock=lambda: 0.0,
+                                  progress=lambda s: None)
+    assert started == [] and states["timeslice/seed1-main"] == "skipped"
+    states = orchestrate.run_plan(cfg, runs, root, run_fn=fake_run, deadline_s=160.0, clock=lambda: 0.0,
+                                  progress=lambda s: None)
+    assert started == ["timeslice"] and states["timeslice/seed1-main"] == "complete"
 
 
 def test_a_timeslice_run_starts_with_no_engine_of_an_earlier_run_beside_it(monkeypatch, tmp_path):

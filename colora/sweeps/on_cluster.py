@@ -103,7 +103,7 @@ def run_on_cluster(base: Config, planned: list, root: Path, record: Record, prog
         if r.state == "running":
             return None  # a later part of a run that started
         p, d = r.planned, root / r.planned.rel
-        need = estimate(p, len(r.cfg.jobs), root, True)
+        need = estimate(p, len(r.cfg.jobs), root, 1)
         if deadline is not None and (clock() >= deadline or (need is not None and clock() + need > deadline)):
             say(f"{r.tag}: not started, it needs about {_dur(need or 0.0)} and the deadline comes in "
                 f"{_dur(max(0.0, deadline - clock()))}")

@@ -68,7 +68,7 @@ from colora.studies.prereg import lock_hash
 from colora.sweeps.on_cluster import run_on_cluster
 from colora.sweeps.plan import PlannedRun, Record, check_existing, estimate
 from colora.tasks import add_task_dirs, task_dirs
-from colora.timeslice.arm import run_timeslice
+from colora.timeslice.arm import run_timeslice, tenants_of
 
 RunFn = Callable[[Config, Path, EngineCache, Callable[[str], None]], dict]
 ResumeFn = Callable[[Path, EngineCache, Callable[[str], None]], dict]
@@ -169,7 +169,9 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
             say(f"{tag}: complete, skipped")
             continue
         engine = (engine_process(cfg.runtime.engine_process, p.arm), cfg.engine)  # --vary engine.* starts another
-        need = estimate(p, len(cfg.jobs), root, engine not in engines)
+        # a timeslice run's tenants each start an engine of their own, one after another
+        starts = len(tenants_of(cfg)) if p.arm == "timeslice" else int(engine not in engines)
+        need = estimate(p, len(cfg.jobs), root, starts)
         if deadline is not None and (clock() >= deadline or (need is not None and clock() + need > deadline)):
             say(f"{tag}: not started, it needs about {_dur(need or 0.0)} and the deadline comes in "
                 f"{_dur(max(0.0, deadline - clock()))}")

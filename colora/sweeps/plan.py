@@ -99,11 +99,12 @@ def check_existing(root: Path, base: Config, planned: list[PlannedRun]) -> dict[
     return states
 
 
-def estimate(p: PlannedRun, jobs: int, root: Path, starts_engine: bool) -> float | None:
+def estimate(p: PlannedRun, jobs: int, root: Path, engine_starts: int) -> float | None:
     """About how long run `p` (of `jobs` jobs) will take, from the finished runs under `root` (their
     summaries' wall time): the median of the same arm's runs at the same job count, else of every run
-    at that job count, plus the longest engine start seen if `p` starts an engine; None before any
-    run of its job count has finished."""
+    at that job count, plus the longest engine start seen once per engine `p` starts (0 for a cached
+    engine; a timeslice run starts one per tenant, one after another); None before any run of its job
+    count has finished."""
     walls, same, starts = [], [], []
     for f in root.glob("*/*/summary.json"):
         s = json.loads(f.read_text())
@@ -115,7 +116,7 @@ def estimate(p: PlannedRun, jobs: int, root: Path, starts_engine: bool) -> float
                 same.append(s["wall_s"] - start)
     if not walls:
         return None
-    return statistics.median(same or walls) + (max(starts) if starts_engine else 0.0)
+    return statistics.median(same or walls) + engine_starts * max(starts)
 
 
 class Record:
