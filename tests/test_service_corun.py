@@ -13,6 +13,7 @@ The references (transformers + peft, torch's AdamW) run here. The last test rest
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "tinker_client"
 HEARTBEAT_S = 20.0  # above the SDK's 10 s between heartbeats
 TENANTS = ("alice", "bob", "victim", "eve", "sl", "rl", "gone", "dave", "numbers")
 KEY = {t: f"tml-{t}-0123456789" for t in TENANTS}
+SAFETY_ROUNDS = 2  # rounds of the victim's training beside the other tenant's failing calls (corun_checks.safety)
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 pytestmark = [pytest.mark.vllm,
@@ -115,13 +117,12 @@ def make_data(vocab: int) -> dict:
             "advantages": rng.normal(0, 1, n).tolist()} for n in (9, 6)]
     poison = [{"tokens": ids(6), "target_tokens": ids(6), "logprobs": [-1e4] * 6, "advantages": [1.0] * 6}]
     malformed = [{"tokens": ids(6), "target_tokens": ids(6), "weights": [1.0] * 3}]  # 3 weights for 6 tokens
-    ballast = [{"tokens": ids(250), "target_tokens": ids(250), "weights": [1.0] * 250} for _ in range(48)]
     adam = [dict(learning_rate=0.01, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.05),
             # eps large beside the gradients: the update's size, not only its sign, depends on them (and on the
             # first step's clip, through the moments); a small eps would amplify fp32 rounding where g ~ 0
             dict(learning_rate=0.005, beta1=0.8, beta2=0.9, eps=0.05, weight_decay=0.0, grad_clip_norm=0.0)]
     return {"rank": 4, "seed": 7, "ce": ce, "is": is_, "poison": poison, "malformed": malformed, "adam": adam,
-            "prompt": ids(10), "ballast": ballast}
+            "prompt": ids(10)}
 
 
 @pytest.fixture(scope="module")
@@ -294,9 +295,48 @@ def test_a_lora_seed_alone_sets_the_initial_adapter(server):
 
 
 # -- tenancy and safety --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def cycles_shared(server: Served, tenant: str, other: str, wait_s: float = 5.0):
+    """While the block runs, a trainer cycle about to train one of the two tenants' forward_backward
+    calls or optim_steps without the other's first waits, at most wait_s, for the other's: when
+    `tenant`'s is ready and `other` has a model, or when `other`'s is ready and `tenant` has requests
+    already in (the SDK sends a call's chunks at once, the first one last, so a call's later chunks can
+    be in before its first). The safety check sends the two tenants' calls back to back; this makes
+    them share cycles whatever the machine's load."""
+    sched, models = server.service.scheduler, server.service.models
+    run_cycle = sched.run_cycle
+
+    def trains(w) -> bool:
+        return w.kind == "optim" or (w.kind == "forward" and w.payload is not None and not w.payload.forward_only)
+
+    def hold() -> bool:
+        with sched._cond:
+            ready = [w for q in sched._models.values() for w in [q.pending.get(q.next_seq)] if w]
+            later = [w for q in sched._models.values() for k, w in q.pending.items() if k != q.next_seq]
+        owner = {w.model_id: getattr(models.get(w.model_id), "tenant", None) for w in ready + later}
+        mine = any(owner[w.model_id] == tenant and trains(w) for w in ready)
+        theirs = any(owner[w.model_id] == other and trains(w) for w in ready)
+        other_has_model = any(m.tenant == other for m in list(models.values()))
+        return (mine and not theirs and other_has_model) or (
+            theirs and not mine and any(owner[w.model_id] == tenant for w in later))
+
+    def held() -> bool:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and hold():
+            time.sleep(0.005)
+        return run_cycle()
+
+    sched.run_cycle = held
+    try:
+        yield
+    finally:
+        sched.run_cycle = run_cycle
+
+
 @pytest.fixture(scope="module")
 def safety(server):
-    return check(server, "victim", "safety", OTHER_TENANT_KEY=KEY["eve"])
+    with cycles_shared(server, "victim", "eve"):
+        return check(server, "victim", "safety", OTHER_TENANT_KEY=KEY["eve"], SAFETY_ROUNDS=SAFETY_ROUNDS)
 
 
 def test_refusals_name_the_field(safety):
@@ -317,12 +357,12 @@ def test_another_tenants_failures_in_the_same_cycles_leave_a_tenants_training_as
     np.testing.assert_allclose(safety["victim_losses"], safety["ref_losses"], rtol=1e-5)
     alone, beside = weights(server, "victim", safety["ref_state"]), weights(server, "victim", safety["victim_state"])
     assert max_diff(alone, beside) < 1e-6
-    # corun_checks.SAFETY_ROUNDS rounds, each arranged to share a cycle by timing (a busy trainer while both
-    # arrive): on a quiet 2-core machine they do; with both cores taken by other work all four missed once
-    shared = [r for r in server.rows() if {models["victim"], models["bad"]} <= {f[0] for f in r["forward"]}]
-    if not shared:
-        pytest.skip("the failing calls shared no trainer cycle with the victim's this time (a loaded machine): "
-                    "the victim's training was checked beside them in separate cycles only")
+    # every round's forward_backward calls and optim_steps of both tenants shared a cycle (cycles_shared)
+    rows = server.rows()
+    pair = {models["victim"], models["bad"]}
+    shared = [r for r in rows if pair <= {f[0] for f in r["forward"]} or pair <= {o[0] for o in r["optim"]}]
+    assert len(shared) >= 2 * SAFETY_ROUNDS, [(r["forward"], r["optim"]) for r in rows
+                                          if set(r["models"]) & pair]
 
 
 def test_a_tenant_sees_and_changes_only_its_own(safety):
