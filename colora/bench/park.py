@@ -39,7 +39,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from colora.bench.engine import _adapters
 from colora.config import load_config
@@ -47,7 +46,7 @@ from colora.engine.rollout import GenRequest, RolloutEngine, plain_token_ids
 from colora.models.base import load_base_model
 from colora.record.runlog import write_report
 from colora.run.preflight import resolve_device, resolve_model, torch_dtype
-from colora.timeslice.parking import CudaCheckpointParker, EngineParker, TrainerParker, sleep_mode_available
+from colora.timeslice.parking import CudaCheckpointParker, EngineParker, sleep_mode_available, trainer_parker
 from colora.training.lora import AdapterBank, inject_lora
 
 LOGPROB_TOL = 1e-3  # after a restore, log-probs within the engine's own noise plus this of the first decode
@@ -78,11 +77,8 @@ def trainer_case(cfg, model_dir: Path, device: str, dtype: str, rounds: int) -> 
         for p in job.parameters():
             p.grad = torch.empty_like(p).normal_()  # the parameter's layout, as fused AdamW wants
         job.optimizer.step()  # its moments exist from here on, as after a run's first step
-    holder = nn.Module()
-    holder.base = model
-    holder.adapters = nn.ParameterList([p for ad in bank.jobs.values() for p in ad.parameters()])
-    optims = [ad.optimizer for ad in bank.jobs.values()]
-    parker = TrainerParker(holder, optims, label="trainer")
+    parker = trainer_parker(model, bank)
+    holder, optims = parker.module, parker.optimizers
 
     def tensors() -> list[torch.Tensor]:
         ts = [t for t in holder.parameters()] + [p.grad for p in holder.adapters if p.grad is not None]

@@ -173,6 +173,16 @@ class TrainerParker:
         return ParkStats(time.perf_counter() - t0, moved, moved)
 
 
+def trainer_parker(model: torch.nn.Module, bank) -> TrainerParker:
+    """A tenant's trainer parker: the base model and every adapter of `bank` (colora/training/lora.py's
+    AdapterBank) as one module, with the adapters' AdamW optimizers."""
+    holder = torch.nn.Module()
+    holder.base = model
+    holder.adapters = torch.nn.ParameterList([p for ad in bank.jobs.values() for p in ad.parameters()])
+    return TrainerParker(holder, [ad.optimizer for ad in bank.jobs.values() if ad.optimizer is not None],
+                         label="trainer")
+
+
 def _refuse_shared_storage(named: list[tuple[str, torch.Tensor, bool]]) -> None:
     """Two tensors on one storage (a view registered as a second parameter) would be restored as two
     storages, untied; refuse them by name."""

@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from colora.config import from_dict
 from colora.record.runlog import write_json_atomic
 from colora.run.runner import run
 from colora.tasks import add_task_dirs
 from colora.timeslice.gate import GpuGate
-from colora.timeslice.parking import CudaCheckpointParker, TrainerParker, engine_parker, sleep_mode_available
+from colora.timeslice.parking import CudaCheckpointParker, engine_parker, sleep_mode_available, trainer_parker
 
 
 @dataclass
@@ -46,11 +45,7 @@ class Tenant:
 
     def park(self, engine, trainer, bank) -> None:
         """Register this tenant's parkers (inside its first grant: the broker never parks a holder)."""
-        holder = nn.Module()  # the base model and every adapter, one module for the trainer's parker
-        holder.base = trainer.model
-        holder.adapters = nn.ParameterList([p for ad in bank.jobs.values() for p in ad.parameters()])
-        optims = [ad.optimizer for ad in bank.jobs.values() if ad.optimizer is not None]
-        self.parkers.append(TrainerParker(holder, optims, label="trainer"))
+        self.parkers.append(trainer_parker(trainer.model, bank))
         if self.parking == "cuda_checkpoint":
             pids = [p.pid for p in getattr(engine, "_procs", [])]
             self.parkers.append(CudaCheckpointParker(pids))
