@@ -4,7 +4,9 @@ builtin models are cached under their builder's revision."""
 from __future__ import annotations
 
 import json
+import shutil
 
+import pytest
 import torch
 
 from colora.models.base import TINY_SHAPE, load_base_model, load_tokenizer
@@ -44,3 +46,27 @@ def test_builtin_tiny_is_cached_under_its_builders_revision(tmp_path, monkeypatc
     mtime = (got / "config.json").stat().st_mtime_ns
     assert resolve_model("builtin:tiny", log=lambda s: None) == got  # built once
     assert (got / "config.json").stat().st_mtime_ns == mtime
+
+
+def test_a_builtin_build_that_loses_the_race_serves_the_winners_folder(tmp_path, monkeypatch):
+    """Two processes (a timeslice arm's tenants) building one builtin model at once: the one whose
+    rename comes second finds the folder the other finished, and serves it."""
+    from colora.run import preflight
+
+    monkeypatch.setenv("COLORA_HOME", str(tmp_path))
+    out = tmp_path / "models" / preflight.BUILTIN_MODELS["tiny"]
+    build = preflight.build_tiny
+
+    def racing(tmp, complete=True):
+        build(tmp)
+        out.mkdir(parents=True)  # the other process's rename lands first
+        (out / ("config.json" if complete else "partial")).write_text("{}")
+
+    monkeypatch.setattr(preflight, "build_tiny", racing)
+    assert preflight.resolve_model("builtin:tiny", log=lambda s: None) == out
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # our own build is gone
+    shutil.rmtree(out)
+    monkeypatch.setattr(preflight, "build_tiny", lambda tmp: racing(tmp, complete=False))
+    with pytest.raises(OSError):  # what stands there is no model: the error is not hidden
+        preflight.resolve_model("builtin:tiny", log=lambda s: None)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]

@@ -71,7 +71,13 @@ def resolve_model(spec: str, log: Callable[[str], None] = print) -> Path:
         else:
             shutil.rmtree(tmp)
             build_smollm2(tmp)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # another process (a timeslice arm's other tenant, a parallel sweep) finished the same
+            # build first: its complete folder serves, ours is dropped
+            if not (out / "config.json").exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
