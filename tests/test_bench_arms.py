@@ -376,6 +376,39 @@ def test_the_report_gives_each_timeslice_runs_switches_waits_and_tenants(tmp_pat
     assert "vary:timeslice.park=never | never" not in md  # a run without the arm's figures has no row
 
 
+def test_a_run_whose_jobs_failed_is_marked_and_a_failed_runs_nan_is_no_figure(tmp_path):
+    """A timeslice run whose tenant died counts the other tenant's steps only: the report and the
+    sweep's line say how many jobs failed and which tenant; a run that failed whole writes "nan"."""
+    from colora.record.throughput import rate_line
+
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["dedicated"], headline="timeslice",
+                                      vary=["timeslice.park=never,lazy"]))
+    jobs = {"count": {"status": "failed", "steps": 0}, "mod": {"status": "complete", "steps": 4}}
+    ts = {"policy": "lazy", "parking": "app", "makespan_s": 30.0, "broker": {"failed": []},
+          "tenants": [{"tenant": 0, "complete": False, "seconds_per_step": None},
+                      {"tenant": 1, "complete": True, "seconds_per_step": 2.0}]}
+    for r in runs:
+        if r.arm == "dedicated":
+            s = {"steps_per_hour": 1000.0}
+        elif "lazy" in r.tag:
+            s = {"steps_per_hour": 2900.0, "jobs": jobs, "failed_jobs": ["count"], "timeslice": ts}
+        else:
+            s = {"steps_per_hour": "nan", "jobs": {k: {"status": "failed"} for k in jobs},
+                 "failed_jobs": ["count", "mod"]}
+        write_json_atomic(tmp_path / r.rel / "summary.json", s)
+    rows = bench_arms.collect(runs, tmp_path)
+    assert {r["label"]: r["steps_per_hour"] for r in rows if r["arm"] == "timeslice"} == {
+        "vary:timeslice.park=never": None, "vary:timeslice.park=lazy": 2900.0}
+    bench_arms.write_report(rows, tmp_path / "rep", "colora bench arms smoke.toml", cfg)
+    md = (tmp_path / "rep.md").read_text()
+    assert "| vary:timeslice.park=lazy | timeslice | 2 | 1 | 2900 (1 of 2 jobs failed) | 2.900 |" in md
+    assert "| vary:timeslice.park=never | timeslice | 2 | 1 | - (2 of 2 jobs failed) | - |" in md
+    assert "| 30 | -, 2.00 | 0.00 | tenant-0 |" in md
+    assert rate_line({"steps_per_hour": 2900.0, "jobs": jobs, "failed_jobs": ["count"], "seconds_measured": 60,
+                      "steps_measured": 20}) == "2900 steps/h (1 of 2 jobs failed)"
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -148,7 +149,9 @@ def collect(runs: list[PlannedRun], root: Path, steady_from: int = 0) -> list[di
                      "summary": s, "phases": phases, "steps_per_job": steps_per_job(w),
                      "steady_steps_per_hour": throughput(again) if again and again["seconds"] > 0 else None})
     for r in rows:
-        r["steps_per_hour"] = r["summary"]["steps_per_hour"] if r["summary"] else None
+        # a failed run's summary holds "nan" (as its JSON writes a NaN): no figure
+        v = (r["summary"] or {}).get("steps_per_hour")
+        r["steps_per_hour"] = v if isinstance(v, (int, float)) and math.isfinite(v) else None
     for key, ratio in (("steps_per_hour", "ratio"), ("steady_steps_per_hour", "steady_ratio")):
         base = {r["seed"]: r[key] for r in rows
                 if r["arm"] == "dedicated" and r["label"] == "main" and r[key] is not None}

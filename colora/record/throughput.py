@@ -96,9 +96,18 @@ def short_window(seconds: float, steps: int, jobs: int) -> str | None:
 
 def rate_line(summary: dict) -> str:
     """A finished run's steps per device-hour for its line in a sweep, with the note the closing table
-    and the report give where its measured window is too short for the figure to mean much."""
+    and the report give where its measured window is too short for the figure to mean much, and how
+    many of its jobs failed (the figure counts the others' steps only)."""
     sph = summary.get("steps_per_hour")
     rate = f"{sph:.0f} steps/h" if isinstance(sph, (int, float)) else f"steps/h {sph}"
-    note = short_window(float(summary.get("seconds_measured") or 0.0), int(summary.get("steps_measured") or 0),
-                        len(summary.get("jobs") or {}) or 1)
-    return f"{rate} ({note})" if note else rate
+    notes = [failed_note(summary), short_window(float(summary.get("seconds_measured") or 0.0),
+                                                int(summary.get("steps_measured") or 0),
+                                                len(summary.get("jobs") or {}) or 1)]
+    notes = [n for n in notes if n]
+    return f"{rate} ({'; '.join(notes)})" if notes else rate
+
+
+def failed_note(summary: dict) -> str | None:
+    """"N of M jobs failed" where a run's summary names failed jobs, else None."""
+    failed = summary.get("failed_jobs") or []
+    return f"{len(failed)} of {len(summary.get('jobs') or {}) or len(failed)} jobs failed" if failed else None

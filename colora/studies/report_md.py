@@ -9,7 +9,7 @@ import math
 from colora.config import ARMS
 from colora.record.compilewatch import describe
 from colora.record.phases import PHASES
-from colora.record.throughput import SHORT_WINDOW_S, SHORT_WINDOW_STEPS
+from colora.record.throughput import SHORT_WINDOW_S, SHORT_WINDOW_STEPS, failed_note
 from colora.studies import stats
 from colora.studies.report_data import METRICS, RunData, display_path
 
@@ -188,7 +188,7 @@ def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> st
         for r in extra:
             s = r["summary"] or {}
             lines.append(f"| {r['label']} | {r['arm']} | {r['jobs']} | {r['seed']} | "
-                         f"{_fmt(r['steps_per_hour'], 0)} | {_fmt(r['ratio'], 3)} | "
+                         f"{_fmt(r['steps_per_hour'], 0)}{_failed(r)} | {_fmt(r['ratio'], 3)} | "
                          f"{_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
     lines += _timeslice_table(rows)
     lines += ["", "Per run: phase times and engine start (reported apart from throughput):", "",
@@ -287,12 +287,18 @@ def _arm_table(rows: list[dict], arms: list[str], seeds: list[int], key: str, ra
             if r is None or r.get(key) is None:
                 cells.append("-")
                 continue
-            cells.append(f"{r[key]:.0f} ({r[ratio]:.3f}x)" if r.get(ratio) else f"{r[key]:.0f}")
+            cells.append((f"{r[key]:.0f} ({r[ratio]:.3f}x)" if r.get(ratio) else f"{r[key]:.0f}") + _failed(r))
             if r.get(ratio):
                 ratios.append(r[ratio])
         mean = f"{sum(ratios) / len(ratios):.3f}x" if ratios else "-"
         lines.append(f"| {a} | " + " | ".join(cells) + f" | {mean} |")
     return lines
+
+
+def _failed(row: dict) -> str:
+    """" (N of M jobs failed)" after a run's figure where some of its jobs failed, else ""."""
+    note = failed_note(row["summary"] or {})
+    return f" ({note})" if note else ""
 
 
 def _per_job(counts: dict[str, int]) -> str:
@@ -324,7 +330,8 @@ def _timeslice_table(rows: list[dict]) -> list[str]:
              f"restore, seconds), each queue wait (request to grant), median / p90 (count); the seeds report "
              f"switches of {SEED_SWITCH_S} s and queue waits of {SEED_QUEUE_WAIT_S} s (medians, seed 001). Duty: the "
              "share of the window some tenant held the grant. Makespan: first span to last of all tenants; "
-             "s/step: each tenant's measured seconds per step:", "",
+             "s/step: each tenant's measured seconds per step; failed: the tenants that died or ended without their "
+             "summary (their jobs' steps are not in the run's figure):", "",
              "| label | park | parking | tenants | switch s | park s | restore s | queue wait s | duty | makespan s "
              "| s/step per tenant | pinned host GiB | failed |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ts:
@@ -333,10 +340,13 @@ def _timeslice_table(rows: list[dict]) -> list[str]:
         tenants = t.get("tenants", [])
         per = ", ".join(_fmt(x.get("seconds_per_step")) for x in tenants)
         pinned = sum(x.get("pinned_host_bytes") or 0 for x in tenants) / 2**30
+        # the broker's (a grant freed by a death) and every tenant that ended without its summary
+        failed = list(dict.fromkeys([*(b.get("failed") or []),
+                                     *(f"tenant-{x['tenant']}" for x in tenants if not x.get("complete", True))]))
         lines.append(f"| {r['label']} | {t['policy']} | {t['parking']} | {len(tenants)} | {_q(b.get('switch_s'))} | "
                      f"{_q(b.get('park_s'))} | {_q(b.get('restore_s'))} | {_q(b.get('queue_wait_s'))} | "
                      f"{_share(b.get('duty'))} | {_fmt(t.get('makespan_s'), 0)} | {per} | {pinned:.2f} | "
-                     f"{', '.join(b.get('failed') or []) or '-'} |")
+                     f"{', '.join(failed) or '-'} |")
     return lines
 
 
