@@ -409,6 +409,25 @@ def test_a_run_whose_jobs_failed_is_marked_and_a_failed_runs_nan_is_no_figure(tm
                       "steps_measured": 20}) == "2900 steps/h (1 of 2 jobs failed)"
 
 
+def test_the_main_table_marks_a_run_whose_jobs_failed_and_one_that_failed_whole(tmp_path):
+    """The headline table, not only the extras: a timeslice run that lost a tenant keeps its figure
+    with the count beside it; a run with no figure says why its cell is empty."""
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["dedicated", "shared_sync", "timeslice"]))
+    jobs = {"count": {"status": "failed", "steps": 0}, "mod": {"status": "complete", "steps": 4}}
+    summaries = {"dedicated": {"steps_per_hour": 1000.0},
+                 "shared_sync": {"steps_per_hour": "nan", "jobs": {k: {"status": "failed"} for k in jobs},
+                                 "failed_jobs": ["count", "mod"]},
+                 "timeslice": {"steps_per_hour": 2900.0, "jobs": jobs, "failed_jobs": ["count"]}}
+    for r in runs:
+        write_json_atomic(tmp_path / r.rel / "summary.json", summaries[r.arm])
+    bench_arms.write_report(bench_arms.collect(runs, tmp_path), tmp_path / "rep", "colora bench arms smoke.toml", cfg)
+    md = (tmp_path / "rep.md").read_text()
+    assert "| dedicated | 1000 (1.000x) | 1.000x |" in md
+    assert "| shared_sync | - (2 of 2 jobs failed) | - |" in md
+    assert "| timeslice | 2900 (2.900x) (1 of 2 jobs failed) | 2.900x |" in md
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):

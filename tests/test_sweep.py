@@ -24,8 +24,9 @@ SMOKE = ROOT / "experiments" / "smoke.toml"
 class FakeRunner:
     """Writes what a run writes; raises for the (arm, seed) pairs in `fail` after starting."""
 
-    def __init__(self, fail=()):
+    def __init__(self, fail=(), summary=None):
         self.fail = set(fail)
+        self.summary = summary or {}  # more of what each run's summary says (failed jobs, say)
         self.calls: list[tuple[str, int]] = []
         self.caches = set()
 
@@ -40,7 +41,7 @@ class FakeRunner:
         if key in self.fail:
             write_json_atomic(out / "status.json", {"state": "failed", "error": "boom"})
             raise RuntimeError("boom")
-        summary = {"arm": key[0], "seed": key[1], "steps_per_hour": 100.0 * (1 + key[1])}
+        summary = {"arm": key[0], "seed": key[1], "steps_per_hour": 100.0 * (1 + key[1]), **self.summary}
         write_json_atomic(out / "summary.json", summary)
         write_json_atomic(out / "status.json", {"state": "complete"})
         return summary
@@ -107,6 +108,19 @@ def test_progress_lines(tmp_path):
     assert lines[2].startswith("[1/2] dedicated seed 3 r0: done in") and "400 steps/h" in lines[2]
     assert "[2/2] shared_sync seed 3 r0: running" in lines[3] and "ETA" in lines[3]
     assert lines[-1].startswith("sweep: 2/2 complete")
+
+
+def test_a_runs_line_says_how_many_of_its_jobs_failed(tmp_path):
+    """A timeslice run whose tenant died completes with the other tenant's steps only: its line must
+    not read as a clean figure."""
+    lines = []
+    jobs = {"count": {"status": "failed"}, "mod": {"status": "complete"}}
+    fake = FakeRunner(summary={"jobs": jobs, "failed_jobs": ["count"], "seconds_measured": 600.0,
+                               "steps_measured": 40})
+    orchestrate.run_plan(load_config(SMOKE), sweep.plan_runs(["dedicated"], [3], 1), tmp_path / "sw", run_fn=fake,
+                         progress=lines.append, clock=lambda: 0.0)
+    done = next(x for x in lines if ": done in" in x)
+    assert done.endswith(", 400 steps/h (1 of 2 jobs failed)")
 
 
 def test_refuses_a_complete_run_of_another_config(tmp_path, capsys):

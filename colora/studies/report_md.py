@@ -285,7 +285,7 @@ def _arm_table(rows: list[dict], arms: list[str], seeds: list[int], key: str, ra
         for s in seeds:
             r = next((r for r in rows if r["arm"] == a and r["seed"] == s and r["label"] == "main"), None)
             if r is None or r.get(key) is None:
-                cells.append("-")
+                cells.append("-" if r is None else "-" + _failed(r))  # a run that failed whole still says so
                 continue
             cells.append((f"{r[key]:.0f} ({r[ratio]:.3f}x)" if r.get(ratio) else f"{r[key]:.0f}") + _failed(r))
             if r.get(ratio):
