@@ -417,7 +417,9 @@ def test_d_ctrl_c_stops_every_corunner_and_engine(cluster, tiny_model_dir, tmp_p
     processes are up: it exits 130, marks the run interrupted, says how to continue, and leaves no
     co-runner and no engine process."""
     out = tmp_path / "run"
-    sets = [x for o in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=50"] for x in ("--set", o)]
+    # long enough that the interrupt lands mid-run however late the scan below sees both engines (in the
+    # full suite on 2 busy cores a 50-step run ended before it did, twice)
+    sets = [x for o in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=400"] for x in ("--set", o)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "colora.cli", "run", str(SMOKE), *sets, "--gpus", "2", "--address",
                              cluster.get_runtime_context().gcs_address, "--out", str(out)], env=env,
