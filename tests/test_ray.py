@@ -419,7 +419,7 @@ def test_d_ctrl_c_stops_every_corunner_and_engine(cluster, tiny_model_dir, tmp_p
     out = tmp_path / "run"
     # long enough that the interrupt lands mid-run however late the scan below sees both engines (in the
     # full suite on 2 busy cores a 50-step run ended before it did, twice)
-    sets = [x for o in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=400"] for x in ("--set", o)]
+    sets = [x for o in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=1000"] for x in ("--set", o)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "colora.cli", "run", str(SMOKE), *sets, "--gpus", "2", "--address",
                              cluster.get_runtime_context().gcs_address, "--out", str(out)], env=env,
