@@ -27,6 +27,7 @@ import re
 import sys
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -57,6 +58,9 @@ class _Capture:
     (a child process started in between inherits the terminal)."""
 
     def __init__(self, route: Callable[[int, bytes], None]):
+        # multiprocessing's resource tracker lives as long as this process: started while 1 and 2
+        # are the pipes, it would hold them open and `close` would wait out its whole `wait_s`.
+        resource_tracker.ensure_running()
         _flush_python_streams()
         self.saved = {fd: os.dup(fd) for fd in (1, 2)}  # the terminal (or whatever 1 and 2 were)
         self.writers: dict[int, int] = {}

@@ -230,6 +230,31 @@ def test_a_run_in_another_process_shows_its_progress_and_warnings(tmp_path, mode
         [f"  [ded] step {n}/8 | a r=0.{n}0" for n in (5, 7, 8)] + ["  [mps] step 2/2 | b r=0.50"]
 
 
+def test_a_lingering_resource_tracker_does_not_hold_the_session_open(tmp_path):
+    """multiprocessing's resource tracker (started by the first spawned child, vLLM's engine core
+    say) lives until the process exits; the session's pipes must not wait for it when it closes.
+    In a fresh process, so that no tracker is running before the session opens."""
+    script = tmp_path / "tracker.py"
+    script.write_text(textwrap.dedent('''
+        import multiprocessing as mp
+        from colora import output
+
+        def child():
+            print("a spawned child's line")
+
+        if __name__ == "__main__":
+            with output.session(verbose=False, stream="stdout") as s:
+                p = mp.get_context("spawn").Process(target=child)
+                p.start()
+                p.join()
+                capture = s._capture
+            print("pipes still held:", sum(t.is_alive() for t in capture.threads))
+    '''))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "pipes still held: 0" in p.stdout, p.stdout + p.stderr
+
+
 def test_a_drain_returns_only_after_what_came_with_its_mark_is_in_the_log():
     """The mark that `Session.drain` writes often arrives in one read with the output before it (the
     failed run's last traceback line): the drain is done only once that output is in the log."""
