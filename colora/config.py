@@ -141,6 +141,15 @@ class EngineConfig:
     max_loras: int = 0  # adapter slots; 0: the number of jobs (more lets runs of other sizes share the engine)
     cudagraph_sizes: tuple[int, ...] = ()  # CUDA-graph batch sizes to capture; []: vLLM's default
     logprobs: bool = True  # return each sampled token's log-prob (diagnostics: clip_frac, logprob_gap)
+    # vLLM's LoRA kernels' grid sized by the adapters active in a step rather than max_loras + 1, CUDA graphs
+    # captured per power-of-2 count of them (vLLM's specialize_active_lora; a longer start)
+    specialize_active_lora: bool = False
+    # vLLM's LoRA kernels on a second CUDA stream beside the base model's (VLLM_LORA_ENABLE_DUAL_STREAM); CUDA only
+    lora_dual_stream: bool = False
+    # every sampled sequence seeded from the run's seed: samples repeatable, a resumed run equal to an
+    # uninterrupted one. false: vLLM's batched sampler draws from the engine's generator (no per-request
+    # generators to step), and samples depend on the batch they share: not repeatable, resume not exact
+    seeded_sampling: bool = True
 
 
 @dataclass(frozen=True)
@@ -257,6 +266,8 @@ _LOCKED_PLACEHOLDER = {"checkpoint": {"every": 0, "keep": 2}}
 # Job keys added after configs were locked (prereg/reference8.md): at these values they are left out of
 # the hashed form, so a locked config's hash holds; set to anything else they are part of it.
 _LATER_JOB_KEYS = {"kind": "grpo", "data": "", "steps": 0, "start_after": 0}
+# The same for a section's keys (issue 48's engine levers).
+_LATER_SECTION_KEYS = {"engine": {"specialize_active_lora": False, "lora_dual_stream": False, "seeded_sampling": True}}
 
 
 def experiment_dict(d: dict) -> dict:
@@ -266,6 +277,9 @@ def experiment_dict(d: dict) -> dict:
     out = {k: v for k, v in d.items() if k not in ("runtime", *_LOCKED_PLACEHOLDER)}
     if out.get("timeslice") == _to_jsonable(TimesliceConfig()):  # a section added after configs were locked
         out.pop("timeslice")
+    for section, later in _LATER_SECTION_KEYS.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if later.get(k, object()) != v}
     if isinstance(out.get("jobs"), list):
         out["jobs"] = [{k: v for k, v in j.items() if _LATER_JOB_KEYS.get(k, object()) != v} if isinstance(j, dict)
                        else j for j in out["jobs"]]

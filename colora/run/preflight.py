@@ -180,8 +180,8 @@ def check_out_dir(out: Path, resume: bool) -> None:
 def check_engine(cfg: Config) -> None:
     """What vLLM refuses of the config only as it starts (colora/engine/rollout.py passes it on): a
     LoRA rank above the largest it serves, and, where the engine runs without chunked prefill (the
-    CPU), a token budget per step below max_model_len. (The scheduler's budgets against each other
-    need no device: colora/config.py checks them.)"""
+    CPU), a token budget per step below max_model_len, and on the CPU the LoRA kernels' second CUDA
+    stream. (The scheduler's budgets against each other need no device: colora/config.py checks them.)"""
     top = VLLM_LORA_RANKS[-1]
     ranks = ", ".join(map(str, VLLM_LORA_RANKS))
     for i, j in enumerate(cfg.jobs):
@@ -196,6 +196,9 @@ def check_engine(cfg: Config) -> None:
         raise RunError(f"engine.max_num_batched_tokens ({g.max_num_batched_tokens}) must be at least "
                        f"engine.max_model_len ({g.max_model_len}) on the CPU, where vLLM runs without chunked "
                        "prefill; raise it, or set it to 0 for vLLM's default")
+    if _cpu_run(cfg) and g.lora_dual_stream:
+        raise RunError("engine.lora_dual_stream = true runs vLLM's LoRA kernels on a second CUDA stream; this run's "
+                       "device is the CPU: set it to false")
 
 
 def _cpu_run(cfg: Config) -> bool:
@@ -323,6 +326,9 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     if removed:
         log(f"removed {len(removed)} adapter-sync folder(s) of runs that are gone from {SHM}: "
             + ", ".join(p.name for p in removed))
+    if not cfg.engine.seeded_sampling:
+        log("warning: engine.seeded_sampling = false: vLLM samples without the run's seeds, so this run's samples "
+            "are not repeatable and a resumed run does not equal an uninterrupted one")
     return Setup(cfg, out, model_dir, tasks, sync)
 
 
