@@ -198,7 +198,7 @@ def test_the_engine_levers_reach_vllms_arguments_and_environment(tiny_model_dir,
     import os
 
     from colora import environment
-    from colora.engine.rollout import vllm_engine_args
+    from colora.engine.vllm_args import vllm_engine_args
 
     kw = dict(max_loras=2, max_lora_rank=8, dtype="float32", seed=0, device="cpu")
     base = vllm_engine_args(str(tiny_model_dir), EngineConfig(), **kw)

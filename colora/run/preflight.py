@@ -26,7 +26,7 @@ import torch
 
 from colora.config import Config, JobConfig
 from colora.engine.adapters import SHM, AdapterSyncUnsupported, resolve
-from colora.engine.rollout import VLLM_LORA_RANKS
+from colora.engine.vllm_args import VLLM_LORA_RANKS
 from colora.environment import colora_home
 from colora.models.base import ModelDirError, build_qwen3_shape, build_tiny, check_model_dir, load_tokenizer
 from colora.models.smollm2 import build_smollm2

@@ -34,7 +34,8 @@ import torch
 from colora.config import EngineConfig, OverlapConfig, TrainerConfig
 from colora.engine.adapters import AdapterDir
 from colora.engine.process import RemoteEngine
-from colora.engine.rollout import RolloutEngine, engine_process, vllm_lora_rank
+from colora.engine.rollout import RolloutEngine, engine_process
+from colora.engine.vllm_args import vllm_lora_rank
 from colora.engine.sampling import GenRequest, samples
 from colora.models.base import load_base_model, load_tokenizer
 from colora.run.preflight import start_mps_for
