@@ -35,10 +35,10 @@ apart what a step costs:
   top kernels, ranges and host events, then vLLM's own table. Profiled batches are not in the timed
   rows.
 - --sample: the batch again per (K, batch), with and without per-request seeds, repeated for at least
-  --sample-seconds while py-spy samples the engine core and its children (colora/bench/engine_sample.py): each thread's busy share and ms a
-  step, and the functions that take it (self and inclusive), with no profiler ranges inflating the
-  host's time per request. OUT.sample.txt holds every case's busiest threads; sampled batches are not
-  in the timed rows either.
+  --sample-seconds while py-spy samples the engine core and its children
+  (colora/bench/engine_sample.py): each thread's busy share and ms a step, and the functions that
+  take it (self and inclusive), with no profiler ranges inflating the host's time per request.
+  OUT.sample.txt holds every case's busiest threads; sampled batches are not in the timed rows either.
 
 One engine, started once as `colora run` starts it for the config's arm: its engine settings, and
 for an MPS arm under colora's MPS daemon with the arm's shares (`--set experiment.arm=dedicated`:
@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="one more batch per (adapters, batch) under vLLM's torch profiler (OUT.profile.txt)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps each profile records")
     p.add_argument("--sample", action="store_true",
-                   help="two more batches per (adapters, batch), seeded and not, sampled by py-spy (OUT.sample.txt)")
+                   help="per (adapters, batch) the batch again, seeded and not, for --sample-seconds each while "
+                        "py-spy samples the engine (OUT.sample.txt)")
     p.add_argument("--sample-rate", type=int, default=250, help="py-spy's samples a second")
     p.add_argument("--sample-seconds", type=float, default=3.0,
                    help="each sampled case repeats its batch for at least this long")

@@ -1,4 +1,4 @@
-"""A sampling profile of vLLM's engine processes while one batch decodes, by py-spy: where the engine
+"""A sampling profile of vLLM's engine processes while batches decode, by py-spy: where the engine
 core's host thread spends a step, without the per-request profiler ranges that vLLM's torch profiler
 adds (`colora bench engine --sample`; --profile is the torch profiler's view).
 

@@ -51,6 +51,7 @@ from colora.engine.liveness import bounded, dead_process
 from colora.engine.steprate import StepRate, time_waits
 from colora.engine.vllm_args import vllm_engine_args
 
+
 @dataclass
 class _Batch:
     results: list
