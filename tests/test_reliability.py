@@ -373,6 +373,31 @@ def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_
     assert_same_adamw_state(state["three"]["bank"]["optimizer"], state["one"]["bank"]["optimizer"], rel=1e-4)
 
 
+def test_a_dead_engine_process_is_named_also_when_it_is_reaped_while_looked_at():
+    import psutil
+
+    from colora.engine.liveness import dead_process
+
+    class Reaped:  # a zombie at the first look, gone by the second (vLLM's own thread reaps it)
+        pid = 7
+
+        def status(self):
+            return psutil.STATUS_ZOMBIE
+
+        def is_running(self):
+            return True
+
+        def name(self):
+            raise psutil.NoSuchProcess(self.pid)
+
+    class Alive(Reaped):
+        def status(self):
+            return psutil.STATUS_RUNNING
+
+    assert dead_process([Alive()]) == ""
+    assert dead_process([Alive(), Reaped()]) == "engine process 7 (gone) died"
+
+
 @pytest.mark.vllm
 def test_engine_death_checkpoints_and_the_run_resumes(tmp_path, tiny_model_dir):
     import psutil

@@ -29,8 +29,18 @@ def dead_process(procs) -> str:
                 continue
         except psutil.NoSuchProcess:
             pass
-        return f"engine process {p.pid} ({p.name() if p.is_running() else 'gone'}) died"
+        return f"engine process {p.pid} ({_name(p)}) died"
     return ""
+
+
+def _name(p) -> str:
+    """The process's name, or 'gone' once it is reaped (a zombie can be reaped between two looks)."""
+    import psutil
+
+    try:
+        return p.name()
+    except psutil.Error:
+        return "gone"
 
 
 def bounded(what: str, dead: Callable[[], str], fn: Callable, *args):
