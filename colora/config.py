@@ -142,14 +142,12 @@ class EngineConfig:
     cudagraph_sizes: tuple[int, ...] = ()  # CUDA-graph batch sizes to capture; []: vLLM's default
     logprobs: bool = True  # return each sampled token's log-prob (diagnostics: clip_frac, logprob_gap)
     # vLLM's LoRA kernels' grid sized by the adapters active in a step rather than max_loras + 1, CUDA graphs
-    # captured per power-of-2 count of them (vLLM's specialize_active_lora; a longer start)
+    # captured per power-of-2 count of them (vLLM's specialize_active_lora; a longer start). H200, 8 jobs:
+    # 1.02x steps/h in one pair of runs (reports/engine_levers_round3)
     specialize_active_lora: bool = False
-    # vLLM's LoRA kernels on a second CUDA stream beside the base model's (VLLM_LORA_ENABLE_DUAL_STREAM); CUDA only
+    # vLLM's LoRA kernels on a second CUDA stream beside the base model's (VLLM_LORA_ENABLE_DUAL_STREAM); CUDA
+    # only. H200, 8 jobs: 1.12x steps/h in one pair of runs (reports/engine_levers_round3)
     lora_dual_stream: bool = False
-    # every sampled sequence seeded from the run's seed: samples repeatable, a resumed run equal to an
-    # uninterrupted one. false: vLLM's batched sampler draws from the engine's generator (no per-request
-    # generators to step), and samples depend on the batch they share: not repeatable, resume not exact
-    seeded_sampling: bool = True
 
 
 @dataclass(frozen=True)
@@ -267,7 +265,7 @@ _LOCKED_PLACEHOLDER = {"checkpoint": {"every": 0, "keep": 2}}
 # the hashed form, so a locked config's hash holds; set to anything else they are part of it.
 _LATER_JOB_KEYS = {"kind": "grpo", "data": "", "steps": 0, "start_after": 0}
 # The same for a section's keys (issue 48's engine levers).
-_LATER_SECTION_KEYS = {"engine": {"specialize_active_lora": False, "lora_dual_stream": False, "seeded_sampling": True}}
+_LATER_SECTION_KEYS = {"engine": {"specialize_active_lora": False, "lora_dual_stream": False}}
 
 
 def experiment_dict(d: dict) -> dict:
@@ -460,10 +458,23 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return resolve(raw, overrides)
 
 
+# Keys older run directories hold that colora no longer has, at the value that does what it does now
+# (engine.seeded_sampling: no faster at 8 adapters, reports/engine_sample).
+_REMOVED_SECTION_KEYS = {"engine": {"seeded_sampling": True}}
+
+
 def from_dict(d: dict) -> Config:
     """Inverse of `Config.to_dict` (a run directory's config.json, a locked sidecar). A hashed form's
-    checkpoint placeholder (`experiment_dict`) is no setting and is left out."""
-    return resolve({k: v for k, v in d.items() if k not in _LOCKED_PLACEHOLDER})
+    checkpoint placeholder (`experiment_dict`) is no setting and is left out, and so is a removed key
+    at the value that does what colora does now (at another, ConfigError says what that run did)."""
+    d = {k: (dict(v) if k in _REMOVED_SECTION_KEYS and isinstance(v, dict) else v) for k, v in d.items()
+         if k not in _LOCKED_PLACEHOLDER}
+    for section, removed in _REMOVED_SECTION_KEYS.items():
+        for key, now in removed.items() if isinstance(d.get(section), dict) else ():
+            if (was := d[section].pop(key, now)) != now:
+                raise ConfigError(f"{section}.{key} = {json.dumps(was)}: a setting colora no longer has (what "
+                                  f"it does now is {key} = {json.dumps(now)})")
+    return resolve(d)
 
 
 def replace(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

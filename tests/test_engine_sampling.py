@@ -174,23 +174,6 @@ def test_the_same_seed_gives_the_same_samples_and_each_sample_its_own_seed(engin
         samples(req, 0)
 
 
-def test_without_seeded_sampling_the_engine_draws_the_samples_itself(engine):
-    """engine.seeded_sampling = false (issue 48: per-request generators defeat vLLM's batched
-    sampling): the requests reach vLLM without their seeds, so the same batch twice differs, where
-    seeded it is the same."""
-    reqs = samples(GenRequest(None, PROMPT, 20, 1.0, seed=7), 3)
-    seeded = [r.completion_ids for r in engine.generate(reqs)]
-    assert seeded == [r.completion_ids for r in engine.generate(reqs)]
-    engine.seeded_sampling = False
-    try:
-        a = [r.completion_ids for r in engine.generate(reqs)]
-        b = [r.completion_ids for r in engine.generate(reqs)]
-    finally:
-        engine.seeded_sampling = True
-    assert a != b and a != seeded
-    assert seeded == [r.completion_ids for r in engine.generate(reqs)]  # seeds again, samples again
-
-
 def test_the_engine_levers_reach_vllms_arguments_and_environment(tiny_model_dir, monkeypatch):
     """engine.specialize_active_lora is vLLM's engine argument of that name, absent unless set;
     engine.lora_dual_stream is VLLM_LORA_ENABLE_DUAL_STREAM, set either way before an engine starts

@@ -60,15 +60,6 @@ def test_the_lora_kernels_second_stream_is_refused_on_the_cpu():
     preflight.check_engine(_cfg("experiment.device=cpu"))
 
 
-def test_a_run_without_seeded_sampling_is_warned_what_it_gives_up(tmp_path, tiny_model_dir):
-    said = []
-    preflight.prepare(_cfg("engine.seeded_sampling=false", model=tiny_model_dir), tmp_path / "a", log=said.append)
-    assert any(s.startswith("warning: engine.seeded_sampling = false") and "not repeatable" in s for s in said), said
-    said.clear()
-    preflight.prepare(_cfg(model=tiny_model_dir), tmp_path / "b", log=said.append)
-    assert not any("seeded_sampling" in s for s in said), said
-
-
 def test_max_model_len_beyond_the_models_context_is_refused(tiny_model_dir):
     assert preflight.model_context(tiny_model_dir) == (2048, "max_position_embeddings")
     with pytest.raises(RunError, match=r"engine\.max_model_len \(4096\) is longer than the model's context \(2048, "

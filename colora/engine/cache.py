@@ -24,9 +24,8 @@ from typing import Callable
 
 class EngineCache:
     """Engines kept alive across runs of one process (sweeps, benchmarks): vLLM's start costs
-    20-160 s, and rollouts do not depend on the engine's own seed (every request carries one; with
-    engine.seeded_sampling false they do, and such runs make no claim to repeat), so runs whose
-    engine settings match share one engine. MPS arms never take a cached engine: whether a
+    20-160 s, and rollouts do not depend on the engine's own seed (every request carries one), so
+    runs whose engine settings match share one engine. MPS arms never take a cached engine: whether a
     process is an MPS client is fixed when its CUDA context is made."""
 
     def __init__(self):

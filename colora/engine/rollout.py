@@ -17,9 +17,8 @@ LoRA id each, served until released whatever versions their job loads since. vLL
 reloading it from its directory when a request needs it; adapters built in memory are pinned in that
 cache (colora/engine/worker.py), as they cannot be reloaded.
 
-Per-request seeds make a run's rollouts a function of its seed (`engine.seeded_sampling`, the default;
-without it vLLM samples the whole batch from the engine's generator); what a request may ask and what
-comes back: colora/engine/sampling.py. Generation is continuous: `submit(key, requests)` queues a batch in
+Per-request seeds make a run's rollouts a function of its seed; what a request may ask and what comes
+back: colora/engine/sampling.py. Generation is continuous: `submit(key, requests)` queues a batch in
 the running engine at any time and `poll()` runs one engine step and returns the batches that finished.
 One thread owns the engine and makes every call.
 
@@ -35,7 +34,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -118,7 +117,6 @@ class RolloutEngine:
         self.dtype = dtype
         self.warmed = False  # set by `warm_up`
         self.logprobs = cfg.logprobs
-        self.seeded_sampling = cfg.seeded_sampling  # false: requests go to vLLM without their seeds
         self._adapters: dict[str, tuple[int, Any]] = {}  # job -> (version, LoRARequest)
         self._snapshots: dict[str, tuple[int, Any]] = {}  # snapshot key -> (its version, LoRARequest)
         self._next_id = 1  # LoRA ids (and so LoRA names) are never given twice in an engine's lifetime
@@ -391,8 +389,7 @@ class RolloutEngine:
                 raise ValueError(f"prompt_ids: {len(r.prompt_ids)} tokens; a prompt needs 1 to "
                                  f"engine.max_model_len - 1 ({self.max_model_len - 1})")
         # vLLM checks the values here
-        params = [sampling_params(r if self.seeded_sampling else replace(r, seed=None), self.logprobs)
-                  for r in requests]
+        params = [sampling_params(r, self.logprobs) for r in requests]
         engine = self.llm.llm_engine
         self._batches[key] = _Batch([None] * len(requests), len(requests))
         added = []

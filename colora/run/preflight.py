@@ -326,9 +326,6 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     if removed:
         log(f"removed {len(removed)} adapter-sync folder(s) of runs that are gone from {SHM}: "
             + ", ".join(p.name for p in removed))
-    if not cfg.engine.seeded_sampling:
-        log("warning: engine.seeded_sampling = false: vLLM samples without the run's seeds, so this run's samples "
-            "are not repeatable and a resumed run does not equal an uninterrupted one")
     return Setup(cfg, out, model_dir, tasks, sync)
 
 
