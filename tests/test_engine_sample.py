@@ -41,6 +41,15 @@ def test_threads_busy_share_self_and_inclusive_time_a_step():
     assert inclusive["run_busy_loop (vllm/v1/engine/core.py)"] == pytest.approx(100 * one)
     assert inclusive["step (vllm/v1/engine/core.py)"] == pytest.approx(80 * one)  # lines of one function merged
     assert inclusive["f (x.py)"] == pytest.approx(20 * one)
+    assert core["areas"] == pytest.approx({"model runner": 50 * one, "scheduler and KV cache": 30 * one,
+                                           "torch and the rest": 20 * one})
+    assert engine_sample.areas(core) is core["areas"]
+    # a summary kept before areas were: its top functions by area, what they leave of its busy time apart
+    older = {"busy_ms": 100 * one, "self": core["self"][:2]}
+    assert engine_sample.areas(older) == pytest.approx({"model runner": 50 * one, "scheduler and KV cache": 30 * one,
+                                                        engine_sample.UNLISTED: 20 * one})
+    assert engine_sample.area("synchronize (torch/cuda/streams.py)") == "waiting on the GPU"
+    assert engine_sample.area("prepare_tensors (vllm/lora/ops/triton_ops/lora_kernel_metadata.py)") == "LoRA bookkeeping"
     text = engine_sample.to_text(s, "== a case ==")
     assert text.startswith("== a case ==\n50 engine steps at 20.00 ms a step, recorded over 1.00 s")
     assert "VLLM::EngineCore / MainThread: busy 50% of the recording, 10.00 ms a step" in text

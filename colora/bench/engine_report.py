@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from colora.bench.engine_profile import HOST_FAMILIES, KERNEL_FAMILIES
+from colora.bench import engine_sample
 
 FAMILY_ORDER = [f for f, _ in KERNEL_FAMILIES] + ["other"]
 
@@ -109,6 +110,14 @@ def _sample_sections(result: dict) -> list[str]:
                      f"{t['busy_ms']:.2f}" if t else "-", top or "-"])
     out += _table(["active adapters", "batch", "per-request seeds", "ms a step", "busiest thread", "busy",
                    "busy ms a step", "most self time, ms a step"], rows)
+    by = [engine_sample.areas(e["summary"]["threads"][0]) if e["summary"]["threads"] else {} for e in samples]
+    names = [a for a, _ in engine_sample.AREAS] + [engine_sample.OTHER, engine_sample.UNLISTED]
+    names = [a for a in names if any(b.get(a) for b in by)]
+    out += ["", "The busiest thread's busy time by where its functions live (self time, ms a step; "
+                "colora/bench/engine_sample.py's AREAS):", ""]
+    out += _table(["active adapters", "batch", "per-request seeds"] + names,
+                  [[_k(e["adapters"]), str(e["batch"]), "yes" if e["seeded"] else "no"]
+                   + [f"{b.get(a, 0.0):.2f}" for a in names] for e, b in zip(samples, by)])
     return out
 
 
@@ -155,15 +164,21 @@ def _profile_sections(result: dict) -> list[str]:
 
 
 def write_figure(result: dict, path: Path) -> None:
-    """Three panels: the timed (seeded) step time against the batch per adapter count with its
-    line; the kernel families and the host families stacked per (adapters, batch)."""
+    """The timed (seeded) step time against the batch per adapter count with its line; with
+    profiles, the kernel families and the host families stacked per (adapters, batch); with
+    samples, the engine core's busy ms a step by area (engine_sample.AREAS) per sampled case."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5), layout="constrained")
-    ax = axes[0]
+    done = [p for p in result.get("profiles", []) if p["summary"]["steps"]]
+    samples = [e for e in result.get("samples", []) if e["summary"]["threads"]]
+    widths = [6.0] + [5.5, 5.5] * bool(done) + [max(5.5, 0.8 * len(samples))] * bool(samples)
+    fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), 5), layout="constrained", squeeze=False,
+                             width_ratios=widths)
+    axes = list(axes[0])
+    ax = axes.pop(0)
     for f in result["fits"]:
         if not f["seeded"]:
             continue
@@ -179,26 +194,42 @@ def write_figure(result: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    done = [p for p in result.get("profiles", []) if p["summary"]["steps"]]
-    labels = [f"{_k(p['adapters'])}\n{p['batch']}" for p in done]
-    kernels = [f for f in FAMILY_ORDER if any(p["summary"]["kernel_families"].get(f) for p in done)]
-    panels = ((axes[1], "GPU kernel time by family (profiled)", kernels, "kernel_families"),
-              (axes[2], "host time on the step thread (profiled)", list(HOST_FAMILIES), "host_families"))
     cmap = plt.get_cmap("tab20")
-    for ax, title, families, key in panels:
-        bottom = [0.0] * len(done)
-        for i, fam in enumerate(families):
-            ys = [p["summary"][key].get(fam, 0.0) for p in done]
-            ax.bar(range(len(done)), ys, 0.7, bottom=bottom, color=cmap((2 * i) % 20 + (2 * i) // 20), label=fam)
-            bottom = [b + y for b, y in zip(bottom, ys)]
-        ax.plot(range(len(done)), [p["summary"]["step_ms"] for p in done], "k_", ms=18, mew=2, label="profiled step")
-        if not families or not done:
-            ax.text(0.5, 0.5, "no GPU events (no GPU)" if done else "no profile", ha="center", va="center",
-                    transform=ax.transAxes)
-        ax.set_xticks(range(len(done)), labels, fontsize=8)
-        ax.set(title=title, xlabel="active adapters / batch", ylabel="ms per step")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7, ncol=2)
-        ax.grid(axis="y", alpha=0.3)
+    if done:
+        kernels = [f for f in FAMILY_ORDER if any(p["summary"]["kernel_families"].get(f) for p in done)]
+        for ax, title, families, key in ((axes.pop(0), "GPU kernel time by family (profiled)", kernels,
+                                          "kernel_families"),
+                                         (axes.pop(0), "host time on the step thread (profiled)", list(HOST_FAMILIES),
+                                          "host_families")):
+            _stack(ax, [[p["summary"][key].get(fam, 0.0) for p in done] for fam in families], families,
+                   [p["summary"]["step_ms"] for p in done], "profiled step",
+                   [f"{_k(p['adapters'])}\n{p['batch']}" for p in done], cmap)
+            if not families:
+                ax.text(0.5, 0.5, "no GPU events (no GPU)", ha="center", va="center", transform=ax.transAxes)
+            ax.set(title=title, xlabel="active adapters / batch")
+    if samples:
+        ax = axes.pop(0)
+        by = [engine_sample.areas(e["summary"]["threads"][0]) for e in samples]
+        names = [a for a, _ in engine_sample.AREAS] + [engine_sample.OTHER, engine_sample.UNLISTED]
+        names = [a for a in names if any(b.get(a) for b in by)]
+        _stack(ax, [[b.get(a, 0.0) for b in by] for a in names], names, [e["summary"]["ms_per_step"] for e in samples],
+               "step while sampled", [f"{_k(e['adapters'])}/{e['batch']}\n{'seeded' if e['seeded'] else 'unseeded'}"
+                                      for e in samples], cmap)
+        ax.set(title="busiest thread's busy time by area (py-spy)", xlabel="active adapters / batch")
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _stack(ax, heights: list[list[float]], labels: list[str], total: list[float], total_label: str,
+           ticks: list[str], cmap) -> None:
+    """Stacked bars, one series per label, and each bar's total as a mark."""
+    bottom = [0.0] * len(ticks)
+    for i, (ys, label) in enumerate(zip(heights, labels)):
+        ax.bar(range(len(ticks)), ys, 0.7, bottom=bottom, color=cmap((2 * i) % 20 + (2 * i) // 20), label=label)
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax.plot(range(len(ticks)), total, "k_", ms=18, mew=2, label=total_label)
+    ax.set_xticks(range(len(ticks)), ticks, fontsize=7)
+    ax.set(ylabel="ms per step")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(axis="y", alpha=0.3)

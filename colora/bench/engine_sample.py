@@ -13,7 +13,9 @@ the GIL, so samples over (rate x seconds) is the share of the wall time it was b
   its own) counts that time as busy;
 - self: samples whose innermost frame is the function, in ms a step (the function's own time);
 - inclusive: samples with the function anywhere on the stack, in ms a step (each sample counted once
-  per function however deep it recurses).
+  per function however deep it recurses);
+- areas: self time in ms a step by where the function lives (AREAS: waiting on the GPU, vLLM's
+  scheduler and KV cache, its LoRA bookkeeping, its model runner, the rest of vLLM, torch and the rest).
 
 A function is `name (file)`, the line dropped. The threads are named by their process's command line
 (vLLM sets its processes' titles: `VLLM::EngineCore`, `VLLM::Worker`) and the thread's name.
@@ -128,6 +130,35 @@ def parse(text: str) -> list[tuple[str, list[str], int]]:
     return out
 
 
+# Where a function's self time goes, by its source (first match): the areas of the sampling figure.
+AREAS = (("waiting on the GPU", lambda name, file: "synchronize" in name),
+         ("scheduler and KV cache", lambda name, file: file.startswith("vllm/v1/core/")),
+         ("LoRA bookkeeping", lambda name, file: file.startswith("vllm/lora/")),
+         ("model runner", lambda name, file: file.startswith(("vllm/v1/worker/", "vllm/model_executor/"))),
+         ("engine loop and output", lambda name, file: file.startswith(("vllm/v1/", "vllm/"))))
+OTHER = "torch and the rest"
+UNLISTED = "outside the top functions"  # an older summary's remainder (see `areas`)
+
+
+def area(function: str) -> str:
+    """The area of a function `name (file)` (AREAS; OTHER where none matches)."""
+    m = FRAME.match(function)
+    name, file = (m.group(1), m.group(2)) if m else (function, "")
+    return next((a for a, hit in AREAS if hit(name, file)), OTHER)
+
+
+def areas(thread: dict) -> dict[str, float]:
+    """A summarized thread's busy ms a step by area of its self time. A summary made before areas
+    were kept has only its top functions by self time: what those leave of busy_ms is UNLISTED."""
+    if "areas" in thread:
+        return thread["areas"]
+    out = Counter()
+    for f, ms in thread["self"]:
+        out[area(f)] += ms
+    out[UNLISTED] = max(0.0, thread["busy_ms"] - sum(out.values()))
+    return dict(out)
+
+
 def summarize(text: str, seconds: float, rate: int, steps: int, batch_seconds: float | None = None,
               top: int = 15) -> dict:
     """Per thread: busy share of the recording's `seconds`, busy ms a step over the `steps` the
@@ -136,10 +167,11 @@ def summarize(text: str, seconds: float, rate: int, steps: int, batch_seconds: f
     default the recording's) over the steps."""
     per = {}
     for label, frames, n in parse(text):
-        t = per.setdefault(label, {"samples": 0, "self": Counter(), "inclusive": Counter()})
+        t = per.setdefault(label, {"samples": 0, "self": Counter(), "inclusive": Counter(), "areas": Counter()})
         t["samples"] += n
         if frames:
             t["self"][frames[-1]] += n
+        t["areas"][area(frames[-1]) if frames else OTHER] += n
         for f in set(frames):
             t["inclusive"][f] += n
     ms = 1e3 / rate / max(steps, 1)  # one sample, in ms a step
@@ -149,7 +181,8 @@ def summarize(text: str, seconds: float, rate: int, steps: int, batch_seconds: f
         threads.append({"thread": label, "samples": t["samples"], "busy": busy,
                         "busy_ms": t["samples"] * ms,
                         "self": [[f, n * ms] for f, n in t["self"].most_common(top)],
-                        "inclusive": [[f, n * ms] for f, n in t["inclusive"].most_common(top)]})
+                        "inclusive": [[f, n * ms] for f, n in t["inclusive"].most_common(top)],
+                        "areas": {a: n * ms for a, n in t["areas"].most_common()}})
     wall = seconds if batch_seconds is None else batch_seconds
     return {"seconds": seconds, "rate": rate, "steps": steps, "ms_per_step": 1e3 * wall / max(steps, 1),
             "threads": threads}
