@@ -350,6 +350,30 @@ def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
     assert data["config_hash"] == cfg.hash() and len(data["runs"]) == 4
 
 
+def test_a_tuning_run_is_set_beside_its_seeds_main_run_of_the_same_arm(tmp_path):
+    """A lever measured on and off (`--vary`, issue 48): its run's throughput over the main run's of
+    the same arm and seed, over the whole window and from the steady step on, with no dedicated run."""
+    from colora.record.throughput import measure_window
+
+    cfg = load_config(SMOKE)
+    runs = bench_arms.plan(cfg, _args(seeds=[1], arms=["overlap_mps"], vary=["engine.specialize_active_lora=true"]))
+    # main: 1 s a step with a 3 s stall at the second; the lever: 0.8 s a step, the same stall
+    main = measure_window({"add": [1.0, 4.0, 5.0, 6.0, 7.0]}, 0.0, 1)
+    lever = measure_window({"add": [0.8, 3.8, 4.6, 5.4, 6.2]}, 0.0, 1)
+    for r, w in zip(runs, (main, lever)):
+        write_json_atomic(tmp_path / r.rel / "summary.json", {"steps_per_hour": w["steps"] / w["seconds"] * 3600,
+                                                              "window": w, "steps_measured": w["steps"]})
+    rows = bench_arms.collect(runs, tmp_path, steady_from=3)
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg, steady_from=3)
+    md = (tmp_path / "rep.md").read_text()
+    assert "| run | arm | jobs | seed | steps/h | ratio | x main | from step 3 | x main | busy | GPU util |" in md
+    # whole window: 4 steps in 6.0 s against 5.4 s; from step 3: 3 steps in 3 s against 2.4 s
+    assert "| vary:engine.specialize_active_lora=true | overlap_mps | 2 | 1 | 2667 | - | 1.111 | 4500 | 1.250 |" in md
+    bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg)
+    assert "| vary:engine.specialize_active_lora=true | overlap_mps | 2 | 1 | 2667 | - | 1.111 | - | - |" in (
+        tmp_path / "rep.md").read_text()  # steady_from 0: no steady columns
+
+
 def test_the_report_gives_each_timeslice_runs_switches_waits_and_tenants(tmp_path):
     from colora.timeslice.record import summarize
 

@@ -164,6 +164,10 @@ def render(res: dict, runs: list[RunData], command: str, gates: stats.Gates | No
     return "\n".join(L) + "\n"
 
 
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> str:
     """The arms benchmark's report (colora/bench/arms.py): steps per device-hour and the ratio to the
     seed's dedicated run per arm, the job-count and tuning runs, and per run its engine, phase times,
@@ -183,13 +187,24 @@ def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> st
         lines += _arm_table(rows, arms, seeds, "steady_steps_per_hour", "steady_ratio")
     extra = [r for r in rows if r["label"] != "main"]
     if extra:
-        lines += ["", "Job-count scaling and tuning (baseline: the seed's dedicated run of the base workload):", "",
-                  "| run | arm | jobs | seed | steps/h | ratio | busy | GPU util |", "|---|---|---|---|---|---|---|---|"]
+        steady = steady_from and any(r.get("steady_steps_per_hour") is not None for r in extra)
+        lines += ["", "Job-count scaling and tuning (ratio: to the seed's dedicated run of the base workload; "
+                  "x main: to the same arm's main run of the seed, the baseline of a tuning run"
+                  + (f"; from step {steady_from}: as above" if steady else "") + "):", "",
+                  "| run | arm | jobs | seed | steps/h | ratio | x main |"
+                  + (f" from step {steady_from} | x main |" if steady else "") + " busy | GPU util |",
+                  "|---|---|---|---|---|---|---|" + ("---|---|" if steady else "") + "---|---|"]
         for r in extra:
             s = r["summary"] or {}
-            lines.append(f"| {r['label']} | {r['arm']} | {r['jobs']} | {r['seed']} | "
-                         f"{_fmt(r['steps_per_hour'], 0)}{_failed(r)} | {_fmt(r['ratio'], 3)} | "
-                         f"{_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
+            main = next((m for m in rows if m["label"] == "main" and m["arm"] == r["arm"] and m["seed"] == r["seed"]),
+                        {})
+            cells = [_fmt(r["steps_per_hour"], 0) + _failed(r), _fmt(r["ratio"], 3),
+                     _fmt(_over(r.get("steps_per_hour"), main.get("steps_per_hour")), 3)]
+            if steady:
+                cells += [_fmt(r.get("steady_steps_per_hour"), 0),
+                          _fmt(_over(r.get("steady_steps_per_hour"), main.get("steady_steps_per_hour")), 3)]
+            lines.append(f"| {r['label']} | {r['arm']} | {r['jobs']} | {r['seed']} | " + " | ".join(cells)
+                         + f" | {_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
     lines += _timeslice_table(rows)
     lines += ["", "Per run: phase times and engine start (reported apart from throughput):", "",
               "| arm | seed | label | engine start s | engine and trainer | measured steps | steps a job | measured s "
