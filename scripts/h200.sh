@@ -105,4 +105,11 @@ case "$1" in
     timeout "${COLORA_TIMEOUT:-0}" python3 -P -m colora.cli "$@" >> "$LOG" 2>&1; echo "colora $1: $?" >> "$LOG"
     ;;
 esac
+# What comes back is a few files at most (the device tool leaves the rest out): everything but the log in one
+# archive, $OUT/out.tgz (tar xzf out.tgz there).
+mapfile -t made < <(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name "$1.log" ! -name out.tgz)
+if [ ${#made[@]} -gt 0 ]; then
+  tar czf /tmp/colora-out.tgz -C "$OUT" "${made[@]}" && (cd "$OUT" && rm -rf "${made[@]}") &&
+    mv /tmp/colora-out.tgz "$OUT/out.tgz" || echo "h200.sh: could not pack $OUT into out.tgz" | tee -a "$LOG"
+fi
 grep -v -E "^\(|INFO|WARNING" "$LOG" | tail -60
