@@ -467,13 +467,15 @@ def from_dict(d: dict) -> Config:
     """Inverse of `Config.to_dict` (a run directory's config.json, a locked sidecar). A hashed form's
     checkpoint placeholder (`experiment_dict`) is no setting and is left out, and so is a removed key
     at the value that does what colora does now (at another, ConfigError says what that run did)."""
-    d = {k: (dict(v) if k in _REMOVED_SECTION_KEYS and isinstance(v, dict) else v) for k, v in d.items()
-         if k not in _LOCKED_PLACEHOLDER}
+    d = {k: v for k, v in d.items() if k not in _LOCKED_PLACEHOLDER}
     for section, removed in _REMOVED_SECTION_KEYS.items():
-        for key, now in removed.items() if isinstance(d.get(section), dict) else ():
-            if (was := d[section].pop(key, now)) != now:
-                raise ConfigError(f"{section}.{key} = {json.dumps(was)}: a setting colora no longer has (what "
-                                  f"it does now is {key} = {json.dumps(now)})")
+        table = d.get(section)
+        if isinstance(table, dict):
+            for key in sorted(removed.keys() & table.keys()):
+                if table[key] != removed[key]:
+                    raise ConfigError(f"{section}.{key} = {json.dumps(table[key])}: a setting colora no longer has "
+                                      f"(what it does now is {key} = {json.dumps(removed[key])})")
+            d[section] = {k: v for k, v in table.items() if k not in removed}
     return resolve(d)
 
 

@@ -110,15 +110,21 @@ def _sample_sections(result: dict) -> list[str]:
                      f"{t['busy_ms']:.2f}" if t else "-", top or "-"])
     out += _table(["active adapters", "batch", "per-request seeds", "ms a step", "busiest thread", "busy",
                    "busy ms a step", "most self time, ms a step"], rows)
-    by = [engine_sample.areas(e["summary"]["threads"][0]) if e["summary"]["threads"] else {} for e in samples]
-    names = [a for a, _ in engine_sample.AREAS] + [engine_sample.OTHER, engine_sample.UNLISTED]
-    names = [a for a in names if any(b.get(a) for b in by)]
+    by, names = _sample_areas(samples)
     out += ["", "The busiest thread's busy time by where its functions live (self time, ms a step; "
                 "colora/bench/engine_sample.py's AREAS):", ""]
     out += _table(["active adapters", "batch", "per-request seeds"] + names,
                   [[_k(e["adapters"]), str(e["batch"]), "yes" if e["seeded"] else "no"]
                    + [f"{b.get(a, 0.0):.2f}" for a in names] for e, b in zip(samples, by)])
     return out
+
+
+def _sample_areas(samples: list[dict]) -> tuple[list[dict[str, float]], list[str]]:
+    """Per sampled case its busiest thread's busy ms a step by area (engine_sample.areas), and the
+    areas that any case has, in AREAS order."""
+    by = [engine_sample.areas(e["summary"]["threads"][0]) if e["summary"]["threads"] else {} for e in samples]
+    names = [a for a, _ in engine_sample.AREAS] + [engine_sample.OTHER, engine_sample.UNLISTED]
+    return by, [a for a in names if any(b.get(a) for b in by)]
 
 
 def _profile_sections(result: dict) -> list[str]:
@@ -209,9 +215,7 @@ def write_figure(result: dict, path: Path) -> None:
             ax.set(title=title, xlabel="active adapters / batch")
     if samples:
         ax = axes.pop(0)
-        by = [engine_sample.areas(e["summary"]["threads"][0]) for e in samples]
-        names = [a for a, _ in engine_sample.AREAS] + [engine_sample.OTHER, engine_sample.UNLISTED]
-        names = [a for a in names if any(b.get(a) for b in by)]
+        by, names = _sample_areas(samples)
         _stack(ax, [[b.get(a, 0.0) for b in by] for a in names], names, [e["summary"]["ms_per_step"] for e in samples],
                "step while sampled", [f"{_k(e['adapters'])}/{e['batch']}\n{'seeded' if e['seeded'] else 'unseeded'}"
                                       for e in samples], cmap)

@@ -135,7 +135,7 @@ AREAS = (("waiting on the GPU", lambda name, file: "synchronize" in name),
          ("scheduler and KV cache", lambda name, file: file.startswith("vllm/v1/core/")),
          ("LoRA bookkeeping", lambda name, file: file.startswith("vllm/lora/")),
          ("model runner", lambda name, file: file.startswith(("vllm/v1/worker/", "vllm/model_executor/"))),
-         ("engine loop and output", lambda name, file: file.startswith(("vllm/v1/", "vllm/"))))
+         ("engine loop and output", lambda name, file: file.startswith("vllm/")))
 OTHER = "torch and the rest"
 UNLISTED = "outside the top functions"  # an older summary's remainder (see `areas`)
 
