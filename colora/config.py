@@ -7,7 +7,7 @@ one `[[jobs]]` table per customer job. `--set key=value` overrides any resolved 
 
     experiment.steps=3          jobs.0.learning_rate=1e-4
     jobs.math.lora_rank=32      jobs.*.max_new_tokens=64
-    runtime.checkpoint_every=0
+    runtime.checkpoint_every=0  jobs=math,code   (only these jobs)
 
 Every key is checked up front; an unknown key or an invalid value raises `ConfigError` naming the
 key, the value and what would be accepted. The resolved config (defaults filled in) has a canonical
@@ -66,7 +66,8 @@ class ResponseLength:
 class JobConfig:
     """One customer's job: its task, its LoRA adapter, its optimizer and its sampling. One `[[jobs]]`
     table per job; `[job_defaults]` takes the same keys and is merged under every job, and `--set
-    jobs.<index|name|*>.<key>=VALUE` overrides a key of one job, of a named one or of all."""
+    jobs.<index|name|*>.<key>=VALUE` overrides a key of one job, of a named one or of all; `--set
+    jobs=A,B` keeps only the jobs named, in that order."""
 
     name: str  # unique among the jobs: 1-64 letters, digits, '_', '-' or '.'; names the adapter and the metrics
     # grpo: rollouts from the engine, scored by the task's reward (group-relative advantages); sft: supervised

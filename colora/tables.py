@@ -109,9 +109,13 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def set_override(raw: dict, key: str, value: Any, *, sections: tuple[str, ...], hint=lambda section: "") -> None:
-    """`key = value` into a raw config dict: `section.key...`, or `jobs.<index|name|*>.key` into every
-    job it selects; an error names the key and what is accepted (`hint(section)` adds to it)."""
+    """`key = value` into a raw config dict: `section.key...`, `jobs.<index|name|*>.key` into every
+    job it selects, or `jobs = ["a", "b"]` (`jobs=a,b`): only those jobs, in that order. An error names
+    the key and what is accepted (`hint(section)` adds to it)."""
     parts = key.split(".")
+    if parts == ["jobs"]:
+        raw["jobs"] = _select_jobs(raw.get("jobs", []), value)
+        return
     if parts[0] == "jobs":
         jobs = raw.get("jobs", [])
         if len(parts) < 3:
@@ -135,6 +139,23 @@ def set_override(raw: dict, key: str, value: Any, *, sections: tuple[str, ...], 
         raise ConfigError(f"unknown key {key!r}; the top level accepts: "
                           f"{', '.join([*sections, 'jobs'])}{hint(parts[0])}")
     _set_path(raw.setdefault(parts[0], {}), parts[1:], value)
+
+
+def _select_jobs(jobs: list, names: Any) -> list:
+    names_now = ", ".join(str(j.get("name")) for j in jobs if isinstance(j, dict))
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",")]
+    if not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
+        raise ConfigError(f"override 'jobs' takes a list of job names, e.g. jobs=a,b "
+                          f"(got {names!r}); jobs are: {names_now}")
+    by_name = {j.get("name"): j for j in jobs if isinstance(j, dict)}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ConfigError(f"override 'jobs': no job named {unknown[0]!r}; jobs are: {names_now}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"override 'jobs': {twice[0]!r} is named more than once")
+    return [by_name[n] for n in names]
 
 
 def _set_path(d: dict, parts: list[str], value: Any) -> None:

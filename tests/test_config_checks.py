@@ -64,3 +64,27 @@ def test_scheduler_budgets_vllm_would_refuse(sets, message):
 ])
 def test_scheduler_budgets_vllm_takes(sets):
     _load(*sets)
+
+
+THROUGHPUT = SMOKE.parent / "reference8_throughput.toml"
+
+
+@pytest.mark.parametrize("value", ["gsm,countdown", '["gsm", "countdown"]', " gsm , countdown "])
+def test_jobs_override_keeps_the_jobs_named_in_that_order(value):
+    cfg = load_config(THROUGHPUT, [f"jobs={value}"])
+    assert [j.name for j in cfg.jobs] == ["gsm", "countdown"]
+    assert cfg.jobs[1].task == "countdown" and cfg.jobs[1].lora_rank == 16  # the job whole, defaults merged
+    reordered = load_config(THROUGHPUT, ["jobs=reverse,gsm", "jobs.0.lora_rank=8"])  # later keys see the new order
+    assert [(j.name, j.lora_rank) for j in reordered.jobs] == [("reverse", 8), ("gsm", 16)]
+
+
+@pytest.mark.parametrize("value, message", [
+    ("gsm,nobody", r"no job named 'nobody'; jobs are: gsm, countdown, modular"),
+    ("gsm,gsm", r"'gsm' is named more than once"),
+    ("[]", r"takes a list of job names"),
+    ("3", r"takes a list of job names.*\(got 3\)"),
+    ("gsm,,countdown", r"takes a list of job names"),
+])
+def test_a_bad_jobs_override_names_what_is_wrong(value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(THROUGHPUT, [f"jobs={value}"])
