@@ -80,6 +80,25 @@ def test_every_arm_runs_the_configs_steps_and_the_report_gives_the_steady_figure
     assert "measured from step" not in md  # steady_from 0: no second table
 
 
+def test_a_timeslice_window_opens_when_every_tenant_is_warm():
+    """The timeslice arm's tenants measured as one run on one GPU (issue 50): the window opens when the
+    last tenant's warm-up ends, as a shared-GPU arm's does, not at the first tenant's; the report's
+    steady figure measures it again from the tenants' step ends."""
+    from colora.record.throughput import measure_window, remeasure, shared_window, steps_per_job
+
+    # tenant 0 warms up by 1.0 s, tenant 1 (its engine compiling) by 4.0 s; then they alternate, 1 s a step
+    t0 = measure_window({"add": [1.0, 2.0, 5.0, 7.0, 9.0]}, 0.0, 1)
+    t1 = measure_window({"mod": [4.0, 6.0, 8.0, 10.0]}, 0.1, 1)
+    w = shared_window([t0, t1])
+    assert (w["start"], w["end"], w["seconds"]) == (4.0, 10.0, 6.0)
+    assert w["steps"] == 6 and steps_per_job(w) == {"add": 3, "mod": 3}  # add's 2.0 s step is before every tenant is warm
+    assert w["tenants"] == [t0, t1]
+    again = remeasure(w, 2)  # from each job's third step: add's 5.0 and mod's 6.0 out
+    assert (again["start"], again["steps"], again["seconds"]) == (6.0, 4, 4.0)
+    failed_tenant_only = shared_window([])
+    assert (failed_tenant_only["steps"], failed_tenant_only["seconds"]) == (0, 0.0)
+
+
 def test_vary_sets_a_run_option_for_its_run_alone():
     """`--vary runtime.engine_process=off,on`: one headline run per value, the option set in that run's
     config only; a key that is neither a config key nor a run option is refused by name."""

@@ -32,6 +32,16 @@ def combine_windows(windows: list[dict]) -> dict:
             "windows": windows}
 
 
+def shared_window(windows: list[dict]) -> dict:
+    """Several processes' windows over one GPU and one clock (the timeslice arm's tenants) measured as
+    one run's: `measure_window` over every job's step ends, so the window opens when every job of every
+    process has finished its warm-up, as a shared-GPU arm's does; `tenants` keeps the windows given."""
+    ends = {n: e for w in windows for n, e in w.get("ends", {}).items()}
+    t0 = min((w["t0"] for w in windows if "t0" in w), default=0.0)
+    warmup = max((w.get("warmup", 0) for w in windows), default=0)
+    return {**measure_window(ends, t0, warmup), "tenants": windows}
+
+
 def remeasure(window: dict, warmup: int) -> dict | None:
     """The same run's window measured with another warm-up, from the step ends it kept; None for a
     window that kept none (summaries written before windows kept them)."""

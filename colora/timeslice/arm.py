@@ -8,8 +8,8 @@ GPU: colora/timeslice/broker.py), and each tenant is a process of its own with i
 trainer, running colora's usual loop on its jobs with every GPU phase inside a grant
 (colora/timeslice/tenant.py) into DIR/tenants/<k>/. Their timelines share one clock, so DIR gets what a
 run leaves: config.json, metrics.jsonl, timeline.jsonl (each span tagged with its tenant), eval.json,
-adapters/<job>/ and summary.json, whose throughput is the steps of every tenant's measured window over
-the arm's measured window (the first measured start to the last step's end: one GPU for all of them);
+adapters/<job>/ and summary.json, whose throughput is measured over every tenant's step ends as one
+run's (from the moment every job has finished its warm-up to the last step's end: one GPU for all);
 `timeslice` in the summary holds the broker's figures (colora/timeslice/record.py: each switch, each
 queue wait, the duty), the makespan, each tenant's seconds per step and what it kept in host memory.
 
@@ -34,7 +34,7 @@ from typing import Callable
 from colora import python_m
 from colora.config import Config, replace
 from colora.record.runlog import read_jsonl, write_json_atomic
-from colora.record.throughput import throughput
+from colora.record.throughput import shared_window, throughput
 from colora.run.rundir import holding
 from colora.stopping import handling_signals
 from colora.tasks import task_dirs
@@ -137,10 +137,7 @@ def merge(cfg: Config, out: Path, parts: list[list[str]], origin: float) -> dict
                     dst.parent.mkdir(exist_ok=True)
                     if not dst.exists():
                         shutil.copytree(a, dst)
-    window = {"steps": sum(w["steps"] for w in windows),
-              "start": min((w["start"] for w in windows), default=0.0),
-              "end": max((w["end"] for w in windows), default=0.0), "tenants": windows}
-    window["seconds"] = window["end"] - window["start"]
+    window = shared_window(windows)
     evals = {"before": {}, "after": {}}
     jobs = {}
     for s, k in zip(summaries, range(len(parts))):
