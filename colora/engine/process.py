@@ -116,7 +116,8 @@ class RemoteEngine:
     set_adapter = RolloutEngine.set_adapter
 
     def __init__(self, model_dir: str, cfg: EngineConfig, *, max_loras: int, max_lora_rank: int,
-                 dtype: str, seed: int, device: str, adapter_sync: str = "auto"):
+                 dtype: str, seed: int, device: str, adapter_sync: str = "auto",
+                 engine_args: dict | None = None):
         import psutil
 
 
@@ -127,7 +128,7 @@ class RemoteEngine:
         self._procs = []
         self._conn, child = ctx.Pipe()
         kwargs = dict(model_dir=model_dir, cfg=cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
-                      seed=seed, device=device, adapter_sync=self.adapter_sync)
+                      seed=seed, device=device, adapter_sync=self.adapter_sync, engine_args=engine_args)
         self._proc = ctx.Process(target=_serve, args=(child, kwargs), name="colora-engine")
         t0 = time.perf_counter()
         self._proc.start()

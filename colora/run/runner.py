@@ -334,19 +334,24 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     cfg, setup = r.cfg, r.setup
     max_rank = max(j.lora_rank for j in cfg.jobs)
     max_loras = cfg.engine.max_loras or len(cfg.jobs)  # at least the jobs (config.py checks)
+    extra = dict(getattr(r.tenant, "engine_args", None) or {})  # vLLM's, over colora's (a tenant: its sleep mode)
+    if cfg.experiment.arm == "dedicated":
+        # each job alone, as on a GPU of its own: vLLM's LoRA kernels sized for one adapter, not for the slots
+        # the config gives the shared arms' engine; its CPU cache still holds every job's adapter
+        extra["max_loras"] = 1
 
     def start():
-        r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs"
-              + (", its client in a process of its own" if r.remote else ""))
+        slots = extra.get("max_loras", max_loras)
+        r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs, {slots} adapter "
+              f"slot{'s' * (slots != 1)}" + (", its client in a process of its own" if r.remote else ""))
         Engine = RemoteEngine if r.remote else RolloutEngine
-        extra = getattr(r.tenant, "engine_args", None)  # a tenant's engine is in-process (its arm sets it so)
         return Engine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
                       dtype=r.dtype, seed=cfg.experiment.seed, device=r.device, adapter_sync=setup.adapter_sync,
-                      **({"engine_args": extra} if extra else {}))
+                      engine_args=extra)
 
     if engine_cache is not None and (cfg.experiment.arm not in MPS_ARMS or shared):
         key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, r.dtype, r.device, r.remote,
-               setup.adapter_sync)
+               setup.adapter_sync, tuple(sorted(extra.items())))
         engine = engine_cache.get(key, start, exclusive=r.device != "cpu")
         # the next run starts with no adapters of this one; after a stop request no run comes next
         stack.callback(lambda: None if r.stop.requested else engine.drop_all())
