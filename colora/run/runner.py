@@ -327,6 +327,19 @@ def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
                       trainer_setup_s=trainer_setup_s, wall_s=time.perf_counter() - t_start)
 
 
+def memory_hint(e: BaseException, cfg: Config) -> str:
+    """What a user can change when `e` is the GPU running out of memory ("" otherwise): the engine and the
+    trainer share the GPU, so the two settings that size them."""
+    import torch
+
+    if not isinstance(e, torch.OutOfMemoryError):
+        return ""
+    return (f". The engine holds engine.gpu_memory_utilization = {cfg.engine.gpu_memory_utilization} of the GPU and "
+            f"the trainer the rest, its passes up to trainer.micro_batch_tokens = {cfg.trainer.micro_batch_tokens} "
+            f"tokens: a run with either lower fits a smaller GPU (e.g. --set trainer.micro_batch_tokens="
+            f"{max(16, cfg.trainer.micro_batch_tokens // 2)})")
+
+
 def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache | None, shared: bool):
     """The engine for the run: a cached one whose settings match, else a new one (closed with the
     run). A cached engine is shared only by runs of one MPS state: a process's MPS membership is fixed
@@ -445,8 +458,8 @@ def _train(r: _Run, corunner, engine, ckpt):
             except Exception as again:  # noqa: BLE001  (the original failure is the one to report)
                 raise RunFailed(f"the run failed mid-training ({type(e).__name__}: {e}) and its checkpoint "
                                 f"could not be written ({type(again).__name__}: {again})") from e
-            raise RunFailed(f"the run failed mid-training ({type(e).__name__}: {e}); every job's last completed "
-                            f"step is saved in {path}; continue with: colora run --resume {r.setup.out}") from e
+            raise RunFailed(f"the run failed mid-training ({type(e).__name__}: {e}){memory_hint(e, r.cfg)}; every job's "
+                            f"last completed step is saved in {path}; continue with: colora run --resume {r.setup.out}") from e
     except Interrupted:
         ckpt.finish()  # the last completed step, unless checkpoints are off or it is saved already
         raise
