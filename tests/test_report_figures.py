@@ -130,3 +130,24 @@ def test_paired_differences_say_so_where_every_pair_is_equal(tmp_path):
         assert not any(len(ln.get_xdata()) == 2 and ln.get_xdata()[0] == ln.get_xdata()[1] for ln in ax.get_lines()
                        if ln.get_linestyle() == "-" and ln.get_linewidth() > 1)
     assert layout_problems(fig) == []
+
+
+def test_a_timeslice_timeline_has_a_lane_per_tenant_and_the_brokers_duty(tmp_path):
+    """The timeslice arm's tenants each number their groups from 0: the timeline keeps them apart, a lane
+    per tenant named by its jobs, and its title gives the broker's duty where the arm has no busy share."""
+    from colora.studies.report_data import RunData
+
+    spans = [{"phase": ph, "group": 0, "jobs": [job], "tenant": k, "start": t, "end": t + 0.9}
+             for k, job in enumerate(("gsm", "countdown")) for i, ph in enumerate(("generate", "train"))
+             for t in [2.0 * i + k]]
+    spans.append({"phase": "eval", "group": -1, "jobs": ["gsm"], "tenant": 0, "start": 5.0, "end": 5.5})
+    run = RunData(tmp_path, "timeslice", 1, 0, "", {"steps_per_hour": 1540.0, "groups": [["gsm"], ["countdown"]],
+                                                     "busy_fraction": None, "timeslice": {"broker": {"duty": 0.92}},
+                                                     "window": {"start": 1.0, "end": 4.0, "seconds": 3.0}},
+                  {}, {}, {}, spans)
+    fig = report_figures.fig_timeline([run], tmp_path / "tl.png")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["tenant 0: gsm", "tenant 1: countdown",
+                                                             "eval, checkpoints (all jobs)"]
+    assert "the grant held 92% of the broker's window" in ax.get_title()
+    assert layout_problems(fig) == []

@@ -212,7 +212,7 @@ def fig_paired(res: dict, gates: stats.Gates | None, path: Path):
 
 def fig_timeline(runs: list[RunData], path: Path):
     """The timeline of one run per arm (the first of `runs` of each), one lane per group (per job for
-    dedicated), the measured window shaded; the phases' legend below the panels. Sweeps and the arms
+    dedicated, per tenant for timeslice), the measured window shaded; the phases' legend below the panels. Sweeps and the arms
     benchmark draw theirs with this. Returns the figure (closed, saved)."""
     plt = _plt()
     picks = [next(r for r in runs if r.arm == a) for a in ARMS if any(r.arm == a for r in runs)]
@@ -235,6 +235,8 @@ def fig_timeline(runs: list[RunData], path: Path):
                 return ["eval, checkpoints (all jobs)"]
             if r.arm == "dedicated":
                 return ["job " + ",".join(s["jobs"])]
+            if "tenant" in s:  # the timeslice arm: a lane per tenant, whose groups number from 0 each
+                return [f"tenant {s['tenant']}: " + ",".join(r.summary["groups"][s["tenant"]])[:40]]
             if s["group"] < 0 and s.get("groups"):  # one training step for several ready groups
                 return [group_lane(g) for g in s["groups"]]
             return [group_lane(s["group"])] if s["group"] >= 0 else ["eval, checkpoints (all jobs)"]
@@ -253,8 +255,11 @@ def fig_timeline(runs: list[RunData], path: Path):
         ax.invert_yaxis()
         start = ("engine reused" if r.summary.get("engine_reused")
                  else f"engine start {r.summary.get('engine_start_s', 0):.0f}s not drawn")
-        ax.set_title(f"{r.arm}, seed {r.seed} r{r.repeat}: {r.steps_per_hour:.0f} steps/h, "
-                     f"busy {r.summary.get('busy_fraction') or 0:.0%} ({start})", fontsize=9)
+        busy, duty = r.summary.get("busy_fraction"), ((r.summary.get("timeslice") or {}).get("broker") or {}).get("duty")
+        held = (f"busy {busy:.0%}" if busy is not None
+                else f"the grant held {duty:.0%} of the broker's window" if duty is not None else "busy -")
+        ax.set_title(f"{r.arm}, seed {r.seed} r{r.repeat}: {r.steps_per_hour:.0f} steps/h, {held} ({start})",
+                     fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, color="y", alpha=0.3))
     fig.legend(handles, list(PHASE_COLORS) + ["measured window"], loc="outside lower center", ncol=len(handles),
