@@ -340,6 +340,12 @@ def memory_hint(e: BaseException, cfg: Config) -> str:
             f"{max(16, cfg.trainer.micro_batch_tokens // 2)})")
 
 
+def adapter_slots(cfg: Config) -> int:
+    """The adapters vLLM serves in one step (its `max_loras`, which sizes its LoRA kernels): the config's,
+    or one in the dedicated arm, each job alone as on a GPU of its own."""
+    return 1 if cfg.experiment.arm == "dedicated" else cfg.engine.max_loras or len(cfg.jobs)
+
+
 def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache | None, shared: bool):
     """The engine for the run: a cached one whose settings match, else a new one (closed with the
     run). A cached engine is shared only by runs of one MPS state: a process's MPS membership is fixed
@@ -348,13 +354,11 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     max_rank = max(j.lora_rank for j in cfg.jobs)
     max_loras = cfg.engine.max_loras or len(cfg.jobs)  # at least the jobs (config.py checks)
     extra = dict(getattr(r.tenant, "engine_args", None) or {})  # vLLM's, over colora's (a tenant: its sleep mode)
-    if cfg.experiment.arm == "dedicated":
-        # each job alone, as on a GPU of its own: vLLM's LoRA kernels sized for one adapter, not for the slots
-        # the config gives the shared arms' engine; its CPU cache still holds every job's adapter
-        extra["max_loras"] = 1
+    slots = adapter_slots(cfg)
+    if slots != max_loras:  # the dedicated arm: its CPU cache still holds every job's adapter, for eval
+        extra["max_loras"] = slots
 
     def start():
-        slots = extra.get("max_loras", max_loras)
         r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs, {slots} adapter "
               f"slot{'s' * (slots != 1)}" + (", its client in a process of its own" if r.remote else ""))
         Engine = RemoteEngine if r.remote else RolloutEngine

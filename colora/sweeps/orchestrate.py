@@ -168,8 +168,8 @@ def run_group(base: Config, runs: list[PlannedRun], root: Path, record: Record, 
         if run_state(d) == "complete":
             say(f"{tag}: complete, skipped")
             continue
-        # --vary engine.* starts another engine, and so does the dedicated arm (one adapter slot: colora/run/runner.py)
-        engine = (engine_process(cfg.runtime.engine_process, p.arm), cfg.engine, p.arm == "dedicated")
+        # --vary engine.* starts another engine, and so does another slot count (the dedicated arm's one)
+        engine = (engine_process(cfg.runtime.engine_process, p.arm), cfg.engine, runner.adapter_slots(cfg))
         # a timeslice run's tenants each start an engine of their own, one after another
         starts = len(tenants_of(cfg)) if p.arm == "timeslice" else int(engine not in engines)
         need = estimate(p, len(cfg.jobs), root, starts)
