@@ -74,6 +74,24 @@ def fake_mps_control(tmp_path, monkeypatch):
     return make
 
 
+@pytest.fixture
+def adapter_sync_folders(monkeypatch) -> list[Path]:
+    """The /dev/shm folders that this test's adapter exports make (colora/training/export.py), in the
+    order made: a test asserts they are gone without counting the other xdist worker's, which come
+    and go while it runs."""
+    from colora.training.export import SharedAdapters
+
+    made: list[Path] = []
+    init = SharedAdapters.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self.dir)
+
+    monkeypatch.setattr(SharedAdapters, "__init__", recording)
+    return made
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random tiny Qwen3 with its byte-level BPE tokenizer (fp32), built once per session."""

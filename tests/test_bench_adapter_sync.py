@@ -15,9 +15,8 @@ SMOKE = str(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml")
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_bench_adapter_sync_times_both_paths_per_adapter(tmp_path, tiny_model_dir):
+def test_bench_adapter_sync_times_both_paths_per_adapter(tmp_path, tiny_model_dir, adapter_sync_folders):
     out = tmp_path / "sync"
-    segments = set(Path("/dev/shm").glob("colora-adapter-sync-*"))  # what was there before (another worker's too)
     assert main(["bench", "adapter-sync", SMOKE, "--set", f'experiment.model="{tiny_model_dir}"',
                  "--set", "engine.max_model_len=64", "--rounds", "3", "--decoding", "3", "--out", str(out)]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
@@ -32,7 +31,7 @@ def test_bench_adapter_sync_times_both_paths_per_adapter(tmp_path, tiny_model_di
             assert st["n"] == 2 * jobs and 0 < st["p50_ms"] <= st["max_ms"]
     md = out.with_suffix(".md").read_text()
     assert "| memory | decoding | 4 |" in md and "| disk | idle | 4 |" in md
-    assert not set(Path("/dev/shm").glob("colora-adapter-sync-*")) - segments  # the engine's are gone
+    assert adapter_sync_folders and not [d for d in adapter_sync_folders if d.exists()]  # the engine's are gone
 
 
 @pytest.mark.parametrize("args, message", [(["--rounds", "1"], "--rounds (1) must be at least 2"),
