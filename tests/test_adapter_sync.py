@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from colora.engine import adapters as adapter_sync
 from colora.engine.adapters import AdapterSyncUnsupported, resolve
 from colora.engine.worker import _read
 from colora.models.base import load_base_model
+from colora.run.preflight import remove_stale_adapter_sync
 from colora.training.export import AdapterExport, SharedAdapters
 from colora.training.lora import AdapterBank, inject_lora
 
@@ -128,6 +130,24 @@ def test_segments_are_removed_on_release_and_close_and_remade_for_a_new_shape(ba
     assert again != b and not b.exists() and again.exists()
     shared.close()
     assert not again.exists() and not shared.dir.exists()
+
+
+def test_a_folder_removed_as_stale_while_no_job_held_a_segment_is_made_again(bank):
+    """A service whose tenants have all left holds an empty folder that nothing maps; another colora's
+    start removes it as a killed run's (preflight.remove_stale_adapter_sync), and the next tenant's
+    adapter must still go through memory."""
+    shared = SharedAdapters()
+    try:
+        shared.write(bank, "a", torch.float32, "base")
+        shared.release("a")
+        old = time.time() - 3600
+        os.utime(shared.dir, (old, old))
+        assert shared.dir in remove_stale_adapter_sync(shared.dir.parent) and not shared.dir.exists()
+        seg = Path(shared.write(bank, "b", torch.float32, "base").path)
+        assert seg.parent == shared.dir and seg.is_file()
+    finally:
+        shared.close()
+    assert not shared.dir.exists()
 
 
 def test_a_full_dev_shm_is_refused_before_any_write_and_that_version_goes_by_disk(bank, monkeypatch, tmp_path):

@@ -86,6 +86,9 @@ class SharedAdapters:
                 seg[0].unlink(missing_ok=True)
             self._made += 1
             path = self.dir / f"{self._made}-{job.replace('/', '_')}"
+            # While no job holds a segment the folder is empty and unmapped, and another colora's start
+            # removes it as a killed run's (colora/run/preflight.py): the next job makes it again.
+            self.dir.mkdir(mode=0o700, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 # Reserve the pages now: a write into tmpfs that has run out kills the writer (SIGBUS).
