@@ -311,28 +311,6 @@ def _equal_to_reference(root: Path, run: Path, jobs: list[str]) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_b_four_jobs_on_two_corunners(reference, tmp_path):
-    from colora.cluster.driver import run_cluster
-
-    cfg, root, _ = reference
-    out = tmp_path / "run"
-    s = run_cluster(cfg, out, 2, log=lambda s: None)
-    assert json.loads((out / "status.json").read_text()) == {"state": "complete"}
-    placement = json.loads((out / "cluster.json").read_text())["placement"]
-    assert placement == [["count", "mod"], ["count2", "mod2"]]  # equal costs: two a GPU, ties by name
-    assert {s["corunners"][i]["gpu_ids"][0] for i in "01"} == {"0", "1"}
-    assert all(j["status"] == "done" and j["steps"] == 3 for j in s["jobs"].values()) and len(s["jobs"]) == 4
-    per = [json.loads((out / "gpus" / i / "summary.json").read_text()) for i in "01"]
-    assert s["steps_measured"] == sum(p["steps_measured"] for p in per) == 12
-    assert s["steps_per_hour"] == pytest.approx(12 / sum(p["seconds_measured"] for p in per) * 3600)
-    ev = json.loads((out / "eval.json").read_text())
-    assert set(ev["before"]) == set(ev["after"]) == {"count", "mod", "count2", "mod2"}
-    for i, names in enumerate(placement):
-        _equal_to_reference(root, out / "gpus" / str(i), names)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
 def test_b_a_sweeps_dedicated_run_goes_in_parts_side_by_side(reference, tmp_path):
     """`colora sweep --arms dedicated --gpus 2` (run_plan with gpus=2) of the 4-job experiment: two
     parts of two jobs, one a GPU, at once, merged into the directory a one-GPU run makes. The
@@ -367,7 +345,11 @@ def test_b_a_sweeps_dedicated_run_goes_in_parts_side_by_side(reference, tmp_path
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_c_a_killed_corunner_fails_its_jobs_and_resume_finishes_them(reference, tmp_path):
+def test_c_four_jobs_on_two_corunners_one_killed_and_resumed(reference, tmp_path):
+    """A cluster run of 4 jobs on 2 co-runners, two jobs a GPU; co-runner 1 is killed after its first
+    checkpoint: its jobs fail and the other co-runner's finish, equal to the one-process run; resume
+    finishes the killed co-runner's jobs from their checkpoint to the same adapters, and the merged
+    summary is the per-GPU runs' steps over their summed seconds."""
     from colora.cluster.driver import resume_cluster, run_cluster
 
     cfg, root, _ = reference
@@ -388,7 +370,9 @@ def test_c_a_killed_corunner_fails_its_jobs_and_resume_finishes_them(reference, 
     s = run_cluster(cfg, out, 2, log=lambda s: None)
     killer.join()
     assert killed, "co-runner 1 finished before it could be killed"
-    lost = json.loads((out / "cluster.json").read_text())["placement"][1]
+    placement = json.loads((out / "cluster.json").read_text())["placement"]
+    assert placement == [["count", "mod"], ["count2", "mod2"]]  # equal costs: two a GPU, ties by name
+    lost = placement[1]
     for name, j in s["jobs"].items():
         if name in lost:
             assert j["status"] == "failed" and j["reason"].startswith("co-runner 1 failed: ActorDiedError"), j
@@ -397,15 +381,23 @@ def test_c_a_killed_corunner_fails_its_jobs_and_resume_finishes_them(reference, 
             assert j["status"] == "done" and j["steps"] == 3  # the other co-runner went on
     status = json.loads((out / "status.json").read_text())
     assert status["state"] == "failed" and status["corunners"] == {"0": "complete", "1": "failed"}
+    assert {s["corunners"][i]["gpu_ids"][0] for i in "01"} == {"0", "1"}  # one GPU each
     for _ in range(100):  # its watcher stops the engine the dead co-runner left
         if not tagged(killed["token"]):
             break
         time.sleep(0.1)
     assert tagged(killed["token"]) == []
 
+    _equal_to_reference(root, out / "gpus" / "0", placement[0])
+
     s = resume_cluster(out, log=lambda s: None)
     assert json.loads((out / "status.json").read_text()) == {"state": "complete"}
-    assert all(j["status"] == "done" and j["steps"] == 3 for j in s["jobs"].values())
+    assert all(j["status"] == "done" and j["steps"] == 3 for j in s["jobs"].values()) and len(s["jobs"]) == 4
+    per = [json.loads((out / "gpus" / i / "summary.json").read_text()) for i in "01"]
+    assert s["steps_measured"] == sum(p["steps_measured"] for p in per)
+    assert s["steps_per_hour"] == pytest.approx(s["steps_measured"] / sum(p["seconds_measured"] for p in per) * 3600)
+    ev = json.loads((out / "eval.json").read_text())
+    assert set(ev["before"]) == set(ev["after"]) == {"count", "mod", "count2", "mod2"}
     # the resumed jobs continued from their checkpoint to the very adapters of an uninterrupted run
     _equal_to_reference(root, out / "gpus" / "1", lost)
 
