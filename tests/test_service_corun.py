@@ -436,14 +436,44 @@ def t4(server):
     return log
 
 
+@contextlib.contextmanager
+def forwards_meet(scheduler, timeout: float = 300):
+    """Until two models have a forward_backward ready at once (or `timeout`), the trainer holds back each model whose
+    next request is a forward; their other work (loads, saves for the sampler, optim_steps) goes on. Two clients
+    started together then share a cycle whatever the machine's load: the SL recipe's 14 queued steps can otherwise
+    end before the RL recipe, still sampling, sends its first forward_backward. The batching is the scheduler's own."""
+    take, met, deadline = scheduler._take, [False], time.monotonic() + timeout
+
+    def gated():
+        with scheduler._cond:
+            ready = [m for m, q in scheduler._models.items()
+                     if getattr(q.pending.get(q.next_seq), "kind", None) == "forward"]
+            met[0] = met[0] or len(ready) > 1 or time.monotonic() > deadline
+            if met[0]:
+                return take()
+            held = {m: scheduler._models.pop(m) for m in ready}
+            try:
+                return take()
+            finally:
+                scheduler._models.update(held)
+
+    scheduler._take = gated
+    try:
+        yield
+    finally:
+        del scheduler._take
+
+
 @pytest.fixture(scope="module")
 def t5(server, sl_init, t3, t4):
-    """The supervised run (CONTINUOUS) alone, then beside T4; (solo log, SL log, RL log, the stats rows of both)."""
+    """The supervised run (CONTINUOUS) alone, then beside T4, meeting at a forward_backward (`forwards_meet`);
+    (solo log, SL log, RL log, the stats rows of both)."""
     solo = server.folder / "t5-solo"
     finish(supervised(server, solo, LOAD_CHECKPOINT=sl_init, **CONTINUOUS))
     before = len(server.rows())
     sl, rl = server.folder / "t5-sl", server.folder / "t5-rl"
-    finish(supervised(server, sl, LOAD_CHECKPOINT=sl_init, **CONTINUOUS), math_rl(server, rl))
+    with forwards_meet(server.service.scheduler):
+        finish(supervised(server, sl, LOAD_CHECKPOINT=sl_init, **CONTINUOUS), math_rl(server, rl))
     return solo, sl, rl, server.rows()[before:]
 
 
