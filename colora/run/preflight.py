@@ -401,8 +401,9 @@ STALE_AFTER_S = 60.0  # a folder this new may be a starting run's, whose first s
 def remove_stale_adapter_sync(shm: Path = SHM, now: float | None = None) -> list[Path]:
     """Remove the adapter-sync folders (`colora-adapter-sync-*`, colora/training/export.py) that runs
     killed before they could clean up left in `shm`; returns those removed. A folder is a live run's
-    while any process maps or holds open a file in it: its trainer maps every job's segment for as
-    long as the job runs (also once the engine's client has unlinked the file). Folders of other
+    while any process holds it open, or maps or holds open a file in it: its trainer holds the folder
+    for its life and maps every job's segment for as long as the job runs (also once the engine's
+    client has unlinked the file). Folders of other
     users, and those changed in the last STALE_AFTER_S seconds, are left alone."""
     now = time.time() if now is None else now
     candidates = []
@@ -419,7 +420,7 @@ def remove_stale_adapter_sync(shm: Path = SHM, now: float | None = None) -> list
     removed = []
     for d in candidates:
         prefix = str(d) + "/"
-        if not any(u.startswith(prefix) for u in used):
+        if not any(u == str(d) or u.startswith(prefix) for u in used):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed

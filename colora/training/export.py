@@ -73,6 +73,9 @@ class SharedAdapters:
 
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="colora-adapter-sync-", dir=SHM))
+        # Held open for the folder's life: another colora's start keeps a folder that a live process holds
+        # (colora/run/preflight.py), also while no job has a segment in it (a service all of whose tenants left).
+        self._hold = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         self._segments: dict[str, tuple[Path, torch.Tensor]] = {}  # job -> (its file, its bytes)
         self._made = 0
         self._lock = threading.Lock()
@@ -86,9 +89,6 @@ class SharedAdapters:
                 seg[0].unlink(missing_ok=True)
             self._made += 1
             path = self.dir / f"{self._made}-{job.replace('/', '_')}"
-            # While no job holds a segment the folder is empty and unmapped, and another colora's start
-            # removes it as a killed run's (colora/run/preflight.py): the next job makes it again.
-            self.dir.mkdir(mode=0o700, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 # Reserve the pages now: a write into tmpfs that has run out kills the writer (SIGBUS).
@@ -126,4 +126,7 @@ class SharedAdapters:
     def close(self) -> None:
         for job in list(self._segments):
             self.release(job)
+        if self._hold is not None:
+            os.close(self._hold)
+            self._hold = None
         shutil.rmtree(self.dir, ignore_errors=True)
