@@ -442,14 +442,15 @@ def forwards_meet(scheduler, timeout: float = 300):
     next request is a forward; their other work (loads, saves for the sampler, optim_steps) goes on. Two clients
     started together then share a cycle whatever the machine's load: the SL recipe's 14 queued steps can otherwise
     end before the RL recipe, still sampling, sends its first forward_backward. The batching is the scheduler's own."""
-    take, met, deadline = scheduler._take, [False], time.monotonic() + timeout
+    take, met, deadline = scheduler._take, False, time.monotonic() + timeout
 
     def gated():
+        nonlocal met
         with scheduler._cond:
             ready = [m for m, q in scheduler._models.items()
                      if getattr(q.pending.get(q.next_seq), "kind", None) == "forward"]
-            met[0] = met[0] or len(ready) > 1 or time.monotonic() > deadline
-            if met[0]:
+            met = met or len(ready) > 1 or time.monotonic() > deadline
+            if met:
                 return take()
             held = {m: scheduler._models.pop(m) for m in ready}
             try:

@@ -135,7 +135,7 @@ def test_a_run_killed_outright_leaves_no_engine_and_resumes_to_the_uninterrupted
         sets += ["--set", s]
     full = _start(["run", str(SMOKE), *sets, "--out", str(tmp_path / "full")], tmp_path / "full.log")
     proc = _start(["run", str(SMOKE), *sets, "--out", str(d)], log)
-    engine: list = []
+    resumed, engine = None, []
     try:
         deadline = time.monotonic() + 900
         while len(checkpoints(d)) < 2 and proc.poll() is None and time.monotonic() < deadline:
@@ -165,7 +165,7 @@ def test_a_run_killed_outright_leaves_no_engine_and_resumes_to_the_uninterrupted
                 for run in (d, tmp_path / "full")}
         assert rows[d] == rows[tmp_path / "full"] and [s for j, s in rows[d] if j == "count"] == [0, 1, 2, 3]
     finally:
-        for p in (proc, full):
-            if p.poll() is None:
+        for p in (proc, full, resumed):
+            if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
         _kill(p.pid for p in engine)

@@ -403,8 +403,8 @@ def remove_stale_adapter_sync(shm: Path = SHM, now: float | None = None) -> list
     killed before they could clean up left in `shm`; returns those removed. A folder is a live run's
     while any process holds it open, or maps or holds open a file in it: its trainer holds the folder
     for its life and maps every job's segment for as long as the job runs (also once the engine's
-    client has unlinked the file). Folders of other
-    users, and those changed in the last STALE_AFTER_S seconds, are left alone."""
+    client has unlinked the file). Folders of other users, and those changed in the last
+    STALE_AFTER_S seconds, are left alone."""
     now = time.time() if now is None else now
     candidates = []
     for d in shm.glob("colora-adapter-sync-*"):
