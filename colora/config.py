@@ -35,6 +35,10 @@ OVERLAP_ARMS = ("overlap", "overlap_mps")  # the arms whose groups generate whil
 
 
 LOSSES = ("grpo_seq", "grpo_token", "dr_grpo")
+# The sampling settings vLLM accepts (its SamplingParams refuses others when a request is built, in the engine's
+# process, where the refusal would fail every request of the batch): checked in a run's config and in every
+# request of the service before they reach the engine.
+MAX_TEMPERATURE = 2.0
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # a job's and an experiment's name: it names files and directories (adapters/<job>, runs/<experiment>/)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -394,7 +398,8 @@ def _check(cfg: Config) -> None:
         need(j.max_new_tokens >= 1, f"{p}.max_new_tokens", j.max_new_tokens, "must be at least 1")
         need(j.max_new_tokens < g.max_model_len, f"{p}.max_new_tokens", j.max_new_tokens,
              f"must be below engine.max_model_len ({g.max_model_len}) to leave room for the prompt")
-        need(j.temperature > 0, f"{p}.temperature", j.temperature, "must be positive (sampling; eval is greedy)")
+        need(0 < j.temperature <= MAX_TEMPERATURE, f"{p}.temperature", j.temperature,
+             f"must be above 0 and at most {MAX_TEMPERATURE} (sampling; eval is greedy)")
         need(0 < j.top_p <= 1, f"{p}.top_p", j.top_p, "must be in (0, 1]")
         need(j.kl_coef >= 0, f"{p}.kl_coef", j.kl_coef, "must be at least 0")
         need(j.format_reward_weight >= 0, f"{p}.format_reward_weight", j.format_reward_weight, "must be at least 0")

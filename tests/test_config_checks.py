@@ -88,3 +88,15 @@ def test_jobs_override_keeps_the_jobs_named_in_that_order(value):
 def test_a_bad_jobs_override_names_what_is_wrong(value, message):
     with pytest.raises(ConfigError, match=message):
         load_config(THROUGHPUT, [f"jobs={value}"])
+
+
+@pytest.mark.parametrize("value", ["2.5", "0", "-1"])
+def test_a_temperature_vllm_refuses_is_refused_before_anything_starts(value):
+    """vLLM's SamplingParams refuses a temperature above 2 in the engine's process, where the refusal
+    failed every job's batch of the step, on every resume."""
+    with pytest.raises(ConfigError, match=r"jobs\.0\.temperature \(\S+\) must be above 0 and at most 2"):
+        _load(f"jobs.0.temperature={value}")
+
+
+def test_the_largest_temperature_vllm_takes_passes():
+    assert _load("jobs.0.temperature=2.0").jobs[0].temperature == 2.0
