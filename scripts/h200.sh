@@ -19,6 +19,9 @@
 #   bash scripts/h200.sh smollm2            build builtin:smollm2 from the kit's GGUF (COLORA_KIT_SMOLLM2=1)
 #   bash scripts/h200.sh trl ARGS...        colora bench trl ARGS... --out $OUT/trl/report (the peer baseline;
 #                                           TRL's wheels from scripts/peer-kit.sh carried as .peer, installed once)
+#   bash scripts/h200.sh serve ARGS...      colora bench serve ARGS... --out $OUT/serve (N Tinker SDK clients against
+#                                           colora serve; the SDK's and the server's wheels from
+#                                           scripts/serve-kit.sh carried as .serve, installed once)
 #   bash scripts/h200.sh cli ARGS...        colora ARGS... (run, sweep, ...; the log is $OUT/cli.log;
 #                                           COLORA_TIMEOUT=S stops it after S seconds)
 set -uo pipefail
@@ -98,6 +101,16 @@ case "$1" in
     python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" >> "$LOG" 2>&1
     python3 -m pip list 2>/dev/null | grep -i -E "^(pyarrow|pandas|fsspec|huggingface.hub|accelerate|peft|dill|multiprocess) " >> "$LOG"
     python3 -P -m colora.cli bench trl "$@" --out "$OUT/trl/report" >> "$LOG" 2>&1; echo "bench trl: $?" >> "$LOG"
+    ;;
+  serve)
+    shift
+    if [ ! -f /tmp/colora-serve/.done ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/colora-serve "$ROOT"/.serve/*.whl >> "$LOG" 2>&1 &&
+        touch /tmp/colora-serve/.done || { echo "serve: the serve kit's wheels (.serve) did not install" | tee -a "$LOG"; exit 2; }
+    fi
+    export PYTHONPATH=/tmp/colora-serve:$PYTHONPATH
+    python3 -c "import tinker, uvicorn, fastapi; print('tinker', tinker.__version__, 'uvicorn', uvicorn.__version__, 'fastapi', fastapi.__version__)" >> "$LOG" 2>&1
+    python3 -P -m colora.cli bench serve "$@" --out "$OUT/serve" >> "$LOG" 2>&1; echo "bench serve: $?" >> "$LOG"
     ;;
   cli)
     shift
