@@ -735,8 +735,11 @@ def test_a_gated_co_runner_holds_a_grant_around_each_generation_and_each_step(tm
     c = _loop_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=3"], {"a": 8, "b": 8},
                      trainer_cls=Checked)
     c.gate = c.trainer_side.gate = gate
+    # the checkpoint's snapshot reads the trainer's state: inside the step's grant, before a PARK can empty it
+    c.trainer_side.on_step = lambda: gate.log.append("checkpoint" if gate._held else "checkpoint outside a grant")
     c.run()
-    assert gate.log == ["generate", "yield", "train", "yield"] * 3 + ["reload", "yield"] and not gate._held
+    assert gate.log == ["generate", "yield", "train", "checkpoint", "yield"] * 3 + ["reload", "yield"]
+    assert not gate._held
     assert all(js.step == 3 for js in c.jobs.values())
 
 
@@ -759,3 +762,86 @@ def test_an_adapter_that_cannot_be_exported_stops_its_job_and_the_others_go_on(t
     c.run()
     assert c.jobs["a"].status == "done" and c.jobs["a"].step == 3
     assert c.jobs["b"].status == "stopped" and "could not be exported (OSError" in c.jobs["b"].reason
+
+
+# -- a step of sft jobs alone in which one job's update is refused ------------------------------------
+class _Chats:
+    """An sft job's data as the engine thread asks it (colora/training/sft_data.py SftData.batch)."""
+
+    def batch(self, step, n):
+        from colora.training.sft_data import Conversation
+
+        return [Conversation(i + 1, (1, 2, 3, 4), (False, False, True, True)) for i in range(n)]
+
+
+class SftVersionTrainer(VersionTrainer):
+    """Steps rollouts as VersionTrainer does and sft jobs too; job b's update is refused at its second
+    step (as trainer.max_adapter_weight refuses a diverged one: its version stays)."""
+
+    def step(self, rollouts, sft=None):
+        out = super().step(rollouts)
+        for name, datums in (sft or {}).items():
+            v = self.version.get(name, 0)
+            if name == "b" and v == 1:
+                out[name] = JobStepStats(0.5, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 4, len(datums), v,
+                                         failure="adapter diverged: max |weight| 1 > trainer.max_adapter_weight (0.5)")
+                continue
+            self.version[name] = v + 1
+            out[name] = JobStepStats(0.5, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 4, len(datums), v + 1)
+        return out
+
+
+def _sft_runner(tmp_path, overrides: list[str]) -> CoRunner:
+    """The loop runner with jobs a and b made sft jobs on `_Chats`, trained by SftVersionTrainer."""
+    from colora.config import resolve
+
+    d = load_config(SMOKE).to_dict()
+    d["jobs"] = [{**d["jobs"][0], "name": n, "kind": "sft", "task": "", "task_options": {}, "data": "chats.jsonl"}
+                 for n in "ab"]
+    cfg = resolve(d, overrides)
+    ref: list = []
+    jobs = {j.name: JobState(j, _Chats()) for j in cfg.jobs}
+    c = CoRunner(Schedule.of(cfg), LoopEngine({n: 0 for n in "ab"}), SftVersionTrainer(), FakeBank(ref),
+                 AdapterExport("disk", "bfloat16", "base", tmp_path), ThreeTokens(), jobs, Timeline(),
+                 JsonlWriter(tmp_path / "metrics.jsonl"), log=lambda m: None)
+    ref.append(c)
+    return c
+
+
+def test_a_refused_update_in_a_step_of_sft_jobs_alone_stops_that_job_and_the_other_trains_on(tmp_path):
+    """Two sft jobs and no grpo job: b's update is refused at its second step. b stops with the reason,
+    a does every step, and a's step counter and its adapter's version agree throughout."""
+    from colora.record.runlog import read_jsonl
+
+    c = _sft_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=3", "experiment.warmup_steps=0"])
+    c.run()
+    c.metrics.close()
+    assert c.jobs["a"].status == "done" and c.jobs["a"].step == 3 == c.trainer_side.trainer.version["a"]
+    assert c.jobs["b"].status == "stopped" and c.jobs["b"].step == 1 == c.trainer_side.trainer.version["b"]
+    assert "trainer.max_adapter_weight" in c.jobs["b"].reason
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows if r.get("job") == "a" and r.get("status") == "ok"] == [0, 1, 2]
+    assert [r["version"] for r in rows if r.get("job") == "a" and r.get("status") == "ok"] == [1, 2, 3]
+    assert not (tmp_path / "failed_steps").exists()  # no rollouts to keep for a replay of the step
+
+
+def test_a_failure_after_the_update_leaves_every_applied_jobs_step_counted(tmp_path):
+    """Anything that raises once the optimizer has stepped (here: the train span's row, on a full disk)
+    finds each updated job's step counted: a checkpoint taken then holds weights and steps that agree,
+    so a resume does not apply the update again."""
+    import errno
+
+    c = _sft_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=3", "experiment.warmup_steps=0"])
+
+    class FullDisk(JsonlWriter):
+        def write(self, row):
+            if row.get("phase") == "train":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().write(row)
+
+    c.timeline.writer = FullDisk(tmp_path / "timeline.jsonl")
+    with pytest.raises(OSError, match="No space left"):
+        c.run()
+    trainer = c.trainer_side.trainer
+    assert trainer.version == {"a": 1, "b": 1}
+    assert {n: js.step for n, js in c.jobs.items()} == {"a": 1, "b": 1}

@@ -107,21 +107,21 @@ class TrainerSide:
             self.gate.acquire("train")
         t0 = time.perf_counter()
         before = compilewatch.snapshot()
+        at = {n: self.jobs[n].step for n in (*rollouts, *sft)}  # each job's step being trained
         with self.timeline.span("train", group=group, groups=list(groups), jobs=(*rollouts, *sft)) as span:
             stats = self.trainer.step(rollouts, sft)
+            self._count_steps(stats)  # first: a checkpoint taken after any later error holds whole steps
             compiled = compilewatch.since(before)
             if compiled:  # the usual cause of a step far slower than the others
                 span["compiles"] = compiled
-        if any(st.failure for st in stats.values()):
-            step = min(self.jobs[n].step for n in rollouts)
-            kept = keep_failed_step(self.metrics.path.parent, step, group, rollouts, stats, self.bank)
+        if any(st.failure for st in stats.values()) and rollouts:  # sft datums alone: nothing to replay
+            kept = keep_failed_step(self.metrics.path.parent, min(at.values()), group, rollouts, stats, self.bank)
             self.log(f"kept what the failed training step ran on in {kept} (colora replay-step DIR runs it again)")
         t_train = time.perf_counter() - t0
-        now = self.timeline.now()
         parts, exports = [], []
         for name, st in stats.items():
             js = self.jobs[name]
-            row = {"job": name, "step": js.step, "group": group_of[name], "kind": js.cfg.kind,
+            row = {"job": name, "step": at[name], "group": group_of[name], "kind": js.cfg.kind,
                    **(self._rl_row(rollouts[name], rewards[name]) if name in rollouts else {}),
                    "t_generate": t_gen[name], "t_train": t_train, **st.__dict__}
             if st.failure:
@@ -132,20 +132,29 @@ class TrainerSide:
             self._used_tokens.setdefault(name, []).append(
                 sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts[name]) if name in rollouts
                 else sum(len(d.tokens) for d in sft[name]))
-            js.step += 1
-            js.step_ends.append(now)
             self.metrics.write({**row, "status": "ok"})
             if name in rollouts:
                 self._warn_flat(name, row["flat_groups"] == 1.0)
-            if js.step >= (js.cfg.steps or self.steps):  # its own steps, else the experiment's
-                js.status = "done"
             parts.append(f"{name} r={rewards[name]:.2f}" if name in rewards else f"{name} loss={st.loss:.3f}")
         self.export_adapters(exports, group, list(groups))
+        self.log(f"{progress} | {' '.join(parts)} | gen {max(t_gen.values()):.1f}s train {t_train:.1f}s")
+        if self.on_step is not None:  # the checkpoint's snapshot: inside the grant, before a PARK can empty it
+            self.on_step()
         if self.gate is not None:
             self.gate.yield_()
-        self.log(f"{progress} | {' '.join(parts)} | gen {max(t_gen.values()):.1f}s train {t_train:.1f}s")
-        if self.on_step is not None:
-            self.on_step()
+
+    def _count_steps(self, stats: dict) -> None:
+        """Each job whose update was applied has done one more step (at the timeline's time now); one
+        that reached its steps is done. Runs right after the optimizer, before anything else can raise."""
+        now = self.timeline.now()
+        for name, st in stats.items():
+            js = self.jobs[name]
+            if st.failure:
+                continue
+            js.step += 1
+            js.step_ends.append(now)
+            if js.step >= (js.cfg.steps or self.steps):  # its own steps, else the experiment's
+                js.status = "done"
 
     @staticmethod
     def _rl_row(rs: list, reward: float) -> dict:
