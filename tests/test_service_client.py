@@ -121,17 +121,32 @@ def test_each_request_is_sampled_with_the_native_requests_seed_and_length(tiny_m
     assert sampling_params(GenRequest("j", (1,), 5, 1.0, seed=3, ignore_eos=True)).stop == []
 
 
-@pytest.mark.parametrize("key, value, needle", [
-    ("lora_alpha", 16.0, "jobs.1.lora_alpha (16) must be 32"),
-    ("target_modules", ("q_proj", "v_proj"), "jobs.1.target_modules (['q_proj', 'v_proj'])"),
-    ("kl_coef", 0.1, "jobs.1.kl_coef (0.1) must be 0"),
-    ("temperature", 0.7, "jobs.1.temperature (0.7) must be 1"),
-    ("top_p", 0.9, "jobs.1.top_p (0.9) must be 1"),
+@pytest.mark.parametrize("key, value, needle, flag", [
+    ("lora_alpha", 16.0, "jobs.1.lora_alpha (16) must be 32", "jobs.a.lora_alpha=32"),
+    ("target_modules", ("q_proj", "v_proj"), "jobs.1.target_modules (['q_proj', 'v_proj'])",
+     'jobs.a.target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]'),
+    ("kl_coef", 0.1, "jobs.1.kl_coef (0.1) must be 0", "jobs.a.kl_coef=0"),
+    ("temperature", 0.7, "jobs.1.temperature (0.7) must be 1", "jobs.a.temperature=1"),
+    ("top_p", 0.9, "jobs.1.top_p (0.9) must be 1", "jobs.a.top_p=1"),
 ])
-def test_what_the_api_cannot_express_is_refused_by_name(key, value, needle):
-    assert unsupported(1, JobConfig(name="a", task="counting")) == ""
-    assert unsupported(1, JobConfig(name="a", task="counting", target_modules=("gate_proj", "up_proj", "down_proj"))) == ""
-    assert needle in unsupported(1, JobConfig(name="a", task="counting", **{key: value}))
+def test_what_the_api_cannot_express_is_refused_by_name(key, value, needle, flag):
+    assert unsupported(1, JobConfig(name="a", task="counting")) == []
+    assert unsupported(1, JobConfig(name="a", task="counting", target_modules=("gate_proj", "up_proj", "down_proj"))) == []
+    [(why, fix)] = unsupported(1, JobConfig(name="a", task="counting", **{key: value}))
+    assert needle in why and fix == flag
+
+
+def test_every_job_problem_is_refused_in_one_message_with_the_flags_that_fix_it(tmp_path):
+    """The README's own smoke config was refused one setting at a time, each after a model was built."""
+    from colora.config import load_config
+    from colora.service.client import refusal
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml")
+    why = refusal(cfg.jobs, cfg.jobs)
+    assert "jobs.0.lora_alpha (16)" in why and "jobs.1.lora_alpha (16)" in why and "jobs.1.target_modules" in why
+    sets = [a.split("'")[1] for a in why.split("--set ")[1:]]
+    fixed = load_config(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml", sets)
+    assert refusal(fixed.jobs, fixed.jobs) == ""
 
 
 def test_flags_that_make_no_sense_with_a_server_are_refused(capsys, tmp_path, tiny_model_dir):

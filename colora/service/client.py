@@ -28,11 +28,12 @@ settings and clip, sampling from the current adapter only. What differs (the API
 - the adapter's initial draw: the server's, from the seed the client sends (the native run's derivation) and
   the model's id, so it differs from a native run's;
 - the trainer scores every position of a Tinker datum, a native step the completion's only.
-What the API cannot express is refused before the run starts (`unsupported`).
+What the API cannot express is refused before the run starts, all of it in one message (`refusal`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -56,26 +57,42 @@ SERVER_ALPHA = 32.0  # the API sends no LoRA alpha; colora serve's adapters use 
 WAIT_S = 0.5  # the longest a job waits on the run's events before it looks whether it should stop
 
 
-def unsupported(i: int, job: JobConfig) -> str:
-    """Why job `i` cannot run as a Tinker client with the update it gets natively ("" when it can): the API
-    has no LoRA alpha (the server's is 32), adapts all attention and/or all MLP projections, has no KL term,
-    and its losses read log-probs at temperature 1 over the whole vocabulary."""
-    p, targets = f"jobs.{i}", set(job.target_modules)
+def unsupported(i: int, job: JobConfig) -> list[tuple[str, str]]:
+    """What of job `i` cannot run as a Tinker client with the update it gets natively, each as (why, the
+    `--set` that makes it expressible); empty when it can. The API has no LoRA alpha (the server's is 32),
+    adapts all attention and/or all MLP projections, has no KL term, and its losses read log-probs at
+    temperature 1 over the whole vocabulary."""
+    p, targets, out = f"jobs.{i}", set(job.target_modules), []
     if job.lora_alpha != SERVER_ALPHA:
-        return f"{p}.lora_alpha ({job.lora_alpha:g}) must be {SERVER_ALPHA:g} with --server: the Tinker API sends no " \
-               "alpha and colora serve's adapters use 32"
+        out.append((f"{p}.lora_alpha ({job.lora_alpha:g}) must be {SERVER_ALPHA:g} with --server: the Tinker API "
+                    "sends no alpha and colora serve's adapters use 32", f"jobs.{job.name}.lora_alpha={SERVER_ALPHA:g}"))
     if targets not in (set(ATTN), set(MLP), set(ATTN) | set(MLP)):
-        return (f"{p}.target_modules ({sorted(targets)}) must be all of {list(ATTN)}, all of {list(MLP)} or both with "
-                "--server: the Tinker API adapts attention and MLP projections as wholes")
+        whole = (ATTN if targets & set(ATTN) else ()) + (MLP if targets & set(MLP) else ())
+        out.append((f"{p}.target_modules ({sorted(targets)}) must be all of {list(ATTN)}, all of {list(MLP)} or both "
+                    "with --server: the Tinker API adapts attention and MLP projections as wholes",
+                    f"jobs.{job.name}.target_modules={json.dumps(list(whole))}"))
     if job.kind == "sft":
-        return ""
+        return out
     if job.kl_coef:
-        return f"{p}.kl_coef ({job.kl_coef:g}) must be 0 with --server: the Tinker API's losses have no KL term"
-    if job.temperature != 1.0 or job.top_p != 1.0:
-        key, v = ("temperature", job.temperature) if job.temperature != 1.0 else ("top_p", job.top_p)
-        return (f"{p}.{key} ({v:g}) must be 1 with --server: Tinker's importance_sampling takes the trainer's "
-                "log-probs at temperature 1 over the whole vocabulary, so the update would not be the native one")
-    return ""
+        out.append((f"{p}.kl_coef ({job.kl_coef:g}) must be 0 with --server: the Tinker API's losses have no KL term",
+                    f"jobs.{job.name}.kl_coef=0"))
+    for key, v in (("temperature", job.temperature), ("top_p", job.top_p)):
+        if v != 1.0:
+            out.append((f"{p}.{key} ({v:g}) must be 1 with --server: Tinker's importance_sampling takes the trainer's "
+                        "log-probs at temperature 1 over the whole vocabulary, so the update would not be the native "
+                        "one", f"jobs.{job.name}.{key}=1"))
+    return out
+
+
+def refusal(cfg_jobs, chosen) -> str:
+    """Every problem of every chosen job in one message, with the `--set` flags that make the config run
+    ("" when there is none)."""
+    found = [x for i, j in enumerate(cfg_jobs) if j in chosen for x in unsupported(i, j)]
+    if not found:
+        return ""
+    sets = " ".join(f"--set '{s}'" for _, s in found)
+    return ("the Tinker API cannot express these settings: " + "; ".join(why for why, _ in found)
+            + f". The same jobs run as clients with {sets}")
 
 
 # -- what crosses the API ------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from colora.run.preflight import (
 )
 from colora.run.progress import run_output
 from colora.run.rundir import holding
-from colora.service.client import job_process, unsupported
+from colora.service.client import job_process, refusal
 from colora.stopping import Interrupted, StopRequest, handling_signals
 from colora.tasks import task_dirs
 
@@ -125,9 +125,8 @@ def check(cfg: Config, out: Path, url: str, key: str, only: list[str] | None) ->
         if n not in names:
             raise RunError(f"--jobs: {n!r} is not a job of the config (its jobs: {', '.join(names)})")
     chosen = tuple(j for j in cfg.jobs if not only or j.name in only)
-    for i, j in enumerate(cfg.jobs):
-        if j in chosen and (why := unsupported(i, j)):
-            raise RunError(why)
+    if why := refusal(cfg.jobs, chosen):
+        raise RunError(why)
     try:
         import tinker  # noqa: F401
     except ImportError as e:
