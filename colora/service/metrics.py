@@ -1,0 +1,151 @@
+"""`GET /metrics`: the service's figures in Prometheus' text format, read from `Service.snapshot`.
+
+    curl -H "X-API-Key: $KEY" http://127.0.0.1:8000/metrics
+
+What a key sees: the admin key every tenant's series (label `tenant`) and the server's; a tenant's key
+its own tenant's series and the server's, which are sums over everyone and name no tenant. A scraper
+uses one key, so a tenant can scrape its own usage and the operator the whole server. Any other key is
+a 401 with the service's error body.
+
+Counters (`_total`) count from the server's start; gauges are the value now. The exposition is built
+per scrape from one snapshot with `prometheus_client`'s metric families, in a registry of its own (the
+process-wide default registry is left alone: tests start many apps in one process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from colora.service.config import ServeConfig
+from colora.service.service import ApiError
+
+IsAdmin = Callable[[str | None], bool]
+ServiceOf = Callable[[Request], Any]  # the object with `snapshot(tenant | None) -> dict`
+
+# (snapshot key, metric name, help); a counter's exposed name gains `_total`
+TENANT_COUNTERS = [
+    ("requests", "colora_tenant_requests", "API requests the tenant sent"),
+    ("errors", "colora_tenant_errors", "requests of the tenant answered with an error"),
+    ("forward_calls", "colora_tenant_forward_calls", "forward and forward_backward calls run"),
+    ("forward_datums", "colora_tenant_forward_datums", "datums in the forward calls run"),
+    ("trained_tokens", "colora_tenant_trained_tokens", "tokens of the datums in the forward calls run"),
+    ("optim_steps", "colora_tenant_optim_steps", "optimizer steps taken"),
+    ("samples", "colora_tenant_samples", "sample requests answered"),
+    ("sampled_sequences", "colora_tenant_sampled_sequences", "sequences sampled"),
+    ("sampled_tokens", "colora_tenant_sampled_tokens", "tokens sampled"),
+]
+TENANT_GAUGES = [
+    ("sessions", "colora_tenant_sessions", "live sessions"),
+    ("models", "colora_tenant_models", "live training models (LoRA adapters)"),
+    ("samplers", "colora_tenant_samplers", "live sampling sessions"),
+    ("queue_depth", "colora_tenant_queue_depth", "requests queued for the trainer, not yet run"),
+    ("pending_bytes", "colora_tenant_pending_bytes", "bytes of the queued requests' bodies"),
+    ("disk_bytes", "colora_tenant_disk_bytes", "bytes of the tenant's checkpoints on disk"),
+]
+SERVER_COUNTERS = [
+    ("cycles", "colora_trainer_cycles", "trainer cycles that did work"),
+    ("cycle_seconds_sum", "colora_trainer_cycle_seconds", "seconds the trainer spent in its cycles"),
+    ("cycle_models_sum", "colora_trainer_cycle_models", "models summed over cycles (divide by cycles: models per cycle)"),
+    ("multi_model_cycles", "colora_trainer_multi_model_cycles", "cycles that held more than one model"),
+]
+SERVER_GAUGES = [
+    ("uptime_s", "colora_uptime_seconds", "seconds since the server started"),
+    ("last_cycle_seconds", "colora_trainer_last_cycle_seconds", "seconds of the trainer's last cycle"),
+    ("live_sessions", "colora_live_sessions", "live sessions of every tenant"),
+    ("futures_pending", "colora_futures_pending", "futures not yet answered"),
+]
+HEALTH_COUNTERS = [("engine_restarts", "colora_engine_restarts", "times the engine was restarted")]
+HEALTH_GAUGES = [
+    ("samplers_loaded", "colora_engine_samplers_loaded", "samplers the engine holds"),
+    ("engine_requests_in_flight", "colora_engine_requests_in_flight", "sample requests inside the engine"),
+    ("gpu_memory_bytes", "colora_gpu_memory_bytes", "GPU memory in use by the service's process"),
+]
+HEALTH_STATES = ("ok", "degraded", "restarting")
+
+
+def scope_of(request: Request, config: ServeConfig, is_admin: IsAdmin) -> str | None:
+    """Whose figures the caller may see: a tenant's name, or None for every tenant (the admin key).
+    Any other key is a 401, as on every route of the API."""
+    key = request.headers.get("x-api-key")
+    if is_admin(key):
+        return None
+    tenant = config.tenant_of(key)
+    if tenant is None:
+        raise ApiError(401, "the X-API-Key header holds no key of this server (a tenant's key or the admin key)")
+    return tenant
+
+
+def no_admin(key: str | None) -> bool:
+    return False
+
+
+def default_service(request: Request) -> Any:
+    return request.app.state.service
+
+
+async def snapshot(request: Request, service: ServiceOf, scope: str | None) -> dict:
+    """The service's snapshot for `scope`, read off the event loop (it may sum folders on disk), holding
+    only the scope's tenant and errors whatever the service returned: tenancy does not rest on it alone."""
+    snap = await asyncio.to_thread(service(request).snapshot, scope)
+    if scope is None:
+        return snap
+    tenants = {scope: snap["tenants"][scope]} if scope in snap["tenants"] else {}
+    return {**snap, "tenants": tenants, "errors": [e for e in snap["errors"] if e.get("tenant") == scope]}
+
+
+def families(snap: dict) -> list[Metric]:
+    """The metric families of one snapshot (every tenant in it; the caller's scope chose which)."""
+    out: list[Metric] = []
+    tenants = snap["tenants"]
+    for specs, cls in ((TENANT_COUNTERS, CounterMetricFamily), (TENANT_GAUGES, GaugeMetricFamily)):
+        for key, name, doc in specs:
+            fam = cls(name, doc, labels=["tenant"])
+            for tenant, t in sorted(tenants.items()):
+                fam.add_metric([tenant], float(t[key]))
+            out.append(fam)
+    server, health = snap["server"], snap["server"]["health"]
+    for src, specs, cls in ((server, SERVER_COUNTERS, CounterMetricFamily), (server, SERVER_GAUGES, GaugeMetricFamily),
+                            (health, HEALTH_COUNTERS, CounterMetricFamily), (health, HEALTH_GAUGES, GaugeMetricFamily)):
+        for key, name, doc in specs:
+            out.append(cls(name, doc, value=float(src[key])))
+    status = GaugeMetricFamily("colora_engine_status", "1 for the engine's state now (ok, degraded, restarting), "
+                               "0 for the others", labels=["status"])
+    for state in sorted({*HEALTH_STATES, health["status"]}):
+        status.add_metric([state], 1.0 if state == health["status"] else 0.0)
+    out.append(status)
+    return out
+
+
+class _Snapshot:
+    """A collector over one snapshot, for a registry of one scrape."""
+
+    def __init__(self, snap: dict):
+        self._snap = snap
+
+    def collect(self):
+        return families(self._snap)
+
+
+def exposition(snap: dict) -> bytes:
+    """The Prometheus text format (version 0.0.4) of one snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(snap))
+    return generate_latest(registry)
+
+
+def install(app: FastAPI, config: ServeConfig, is_admin: IsAdmin | None = None,
+            service: ServiceOf | None = None) -> None:
+    """Adds `GET /metrics` to the app. `is_admin(key)` says whether a key is the server's admin key;
+    `service(request)` gives the object whose `snapshot(tenant | None)` is read (the app's Service)."""
+    is_admin, service = is_admin or no_admin, service or default_service
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        scope = scope_of(request, config, is_admin)
+        body = exposition(await snapshot(request, service, scope))
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
