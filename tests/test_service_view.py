@@ -46,13 +46,14 @@ class StandIn:
             "tenants": {
                 "alice": {**tenant_figures(1), "models_detail": [
                     {"model_id": "s1-aa:train:0", "session_id": "s1-aa", "rank": 8, "optim_steps": 3,
-                     "recent_losses": [[1, 9.5, 1.0e9], [2, 7.25, 1.0e9 + 1], [3, 6.0, 1.0e9 + 2]]}]},
+                     "recent_losses": [[0, None, 1.0e9], [1, 9.5, 1.0e9], [2, 7.25, 1.0e9 + 1], [3, 6.0, 1.0e9 + 2]]}]},
                 "bob": {**tenant_figures(2), "models_detail": [
                     {"model_id": "s2-bb:train:0", "session_id": "s2-bb", "rank": 4, "optim_steps": 1,
                      "recent_losses": [[1, 3.5, 1.0e9]]}]},
             },
             "server": {"uptime_s": 123.5, "cycles": 40, "cycle_seconds_sum": 2.5, "last_cycle_seconds": 0.0625,
-                       "cycle_models_sum": 60, "multi_model_cycles": 20, "live_sessions": 2, "futures_pending": 5,
+                       "cycle_models_sum": 60, "multi_model_cycles": 20, "live_sessions": 2, "live_models": 2,
+                       "live_samplers": 1, "futures_pending": 5,
                        "health": {"status": "degraded", "engine_restarts": 2, "last_engine_error": "EOF from the engine",
                                   "samplers_loaded": 3, "engine_requests_in_flight": 7, "gpu_memory_bytes": 2 << 30}},
             "errors": [{"time": 1.0e9, "tenant": "alice", "route": "/api/v1/optim_step", "status": 400,
@@ -123,7 +124,11 @@ def test_metrics_of_a_tenant_key_hold_only_its_tenant(view):
     assert tenants == {"bob"}
     assert got[("colora_tenant_optim_steps", "counter", "colora_tenant_optim_steps_total", (("tenant", "bob"),))] == \
         standin.snap["tenants"]["bob"]["optim_steps"]
-    assert got[("colora_uptime_seconds", "gauge", "colora_uptime_seconds", ())] == 123.5  # the server's, no tenant's
+    # of the server: its uptime and the engine's health, not the trainer's or the sessions' sums
+    families = {k[0] for k in got}
+    assert {"colora_uptime_seconds", "colora_engine_status", "colora_engine_restarts"} <= families
+    assert not families & {"colora_trainer_cycles", "colora_live_sessions", "colora_futures_pending"}
+    assert got[("colora_uptime_seconds", "gauge", "colora_uptime_seconds", ())] == 123.5
 
 
 def test_the_view_refuses_a_missing_or_unknown_key_with_the_error_body(view):
@@ -145,7 +150,7 @@ def test_status_json_holds_the_scope_of_its_key(view):
     assert mine["scope"] == "tenant" and mine["tenant"] == "alice"
     assert list(mine["tenants"]) == ["alice"]
     assert [e["tenant"] for e in mine["errors"]] == ["alice"]
-    assert mine["server"]["health"]["status"] == "degraded"
+    assert set(mine["server"]) == {"uptime_s", "health"} and mine["server"]["health"]["status"] == "degraded"
 
 
 def test_the_page_is_served_without_a_key_and_loads_nothing_from_elsewhere(view):
@@ -276,7 +281,7 @@ def test_the_page_in_chromium_shows_each_tenant_and_follows_new_steps(tmp_path, 
         assert browser.js("location.hash") == ""  # the key left the address bar
         assert browser.js("document.getElementById('health').textContent") == "engine degraded, 2 restarts"
         alice = "s1-aa:train:0"
-        assert browser.js(model_row(alice, "steps")) == "3"
+        assert browser.js(model_row(alice, "steps")) == "3"  # 4 steps, the first without a loss: 3 points
         assert browser.js(f"document.querySelector('#models tr[data-model=\"{alice}\"] polyline')"
                           ".getAttribute('points').split(' ').length") == 3
         # an error's reason is shown as text, never parsed as HTML

@@ -3,9 +3,9 @@
     curl -H "X-API-Key: $KEY" http://127.0.0.1:8000/metrics
 
 What a key sees: the admin key every tenant's series (label `tenant`) and the server's; a tenant's key
-its own tenant's series and the server's, which are sums over everyone and name no tenant. A scraper
-uses one key, so a tenant can scrape its own usage and the operator the whole server. Any other key is
-a 401 with the service's error body.
+its own tenant's series and, of the server, its uptime and the engine's health (the trainer's and
+the sessions' sums are the operator's). A scraper uses one key, so a tenant can scrape its own usage
+and the operator the whole server. Any other key is a 401 with the service's error body.
 
 Counters (`_total`) count from the server's start; gauges are the value now. The exposition is built
 per scrape from one snapshot with `prometheus_client`'s metric families, in a registry of its own (the
@@ -46,6 +46,8 @@ TENANT_GAUGES = [
     ("queue_depth", "colora_tenant_queue_depth", "requests queued for the trainer, not yet run"),
     ("pending_bytes", "colora_tenant_pending_bytes", "bytes of the queued requests' bodies"),
     ("disk_bytes", "colora_tenant_disk_bytes", "bytes of the tenant's checkpoints on disk"),
+    ("checkpoints", "colora_tenant_checkpoints", "checkpoints of the tenant on disk"),
+    ("samples_in_flight", "colora_tenant_samples_in_flight", "sample requests accepted and not yet answered"),
 ]
 SERVER_COUNTERS = [
     ("cycles", "colora_trainer_cycles", "trainer cycles that did work"),
@@ -57,6 +59,8 @@ SERVER_GAUGES = [
     ("uptime_s", "colora_uptime_seconds", "seconds since the server started"),
     ("last_cycle_seconds", "colora_trainer_last_cycle_seconds", "seconds of the trainer's last cycle"),
     ("live_sessions", "colora_live_sessions", "live sessions of every tenant"),
+    ("live_models", "colora_live_models", "live training models of every tenant"),
+    ("live_samplers", "colora_live_samplers", "live sampling sessions of every tenant"),
     ("futures_pending", "colora_futures_pending", "futures not yet answered"),
 ]
 HEALTH_COUNTERS = [("engine_restarts", "colora_engine_restarts", "times the engine was restarted")]
@@ -66,6 +70,7 @@ HEALTH_GAUGES = [
     ("gpu_memory_bytes", "colora_gpu_memory_bytes", "GPU memory in use by the service's process"),
 ]
 HEALTH_STATES = ("ok", "degraded", "restarting")
+TENANT_SERVER_KEYS = ("uptime_s", "health")  # what a tenant's key sees of the server
 
 
 def scope_of(request: Request, config: ServeConfig, is_admin: IsAdmin) -> str | None:
@@ -89,17 +94,20 @@ def default_service(request: Request) -> Any:
 
 
 async def snapshot(request: Request, service: ServiceOf, scope: str | None) -> dict:
-    """The service's snapshot for `scope`, read off the event loop (it may sum folders on disk), holding
-    only the scope's tenant and errors whatever the service returned: tenancy does not rest on it alone."""
+    """The service's snapshot for `scope`, read off the event loop, holding only what the scope may see
+    whatever the service returned (tenancy does not rest on it alone): a tenant's own entry and errors,
+    and of the server its uptime and health."""
     snap = await asyncio.to_thread(service(request).snapshot, scope)
     if scope is None:
         return snap
-    tenants = {scope: snap["tenants"][scope]} if scope in snap["tenants"] else {}
-    return {**snap, "tenants": tenants, "errors": [e for e in snap["errors"] if e.get("tenant") == scope]}
+    return {"tenants": {scope: snap["tenants"][scope]} if scope in snap["tenants"] else {},
+            "server": {k: snap["server"][k] for k in TENANT_SERVER_KEYS},
+            "errors": [e for e in snap["errors"] if e.get("tenant") == scope]}
 
 
 def families(snap: dict) -> list[Metric]:
-    """The metric families of one snapshot (every tenant in it; the caller's scope chose which)."""
+    """The metric families of one snapshot: every tenant in it, and the server's figures it holds (a
+    tenant's scope holds only uptime and health)."""
     out: list[Metric] = []
     tenants = snap["tenants"]
     for specs, cls in ((TENANT_COUNTERS, CounterMetricFamily), (TENANT_GAUGES, GaugeMetricFamily)):
@@ -111,8 +119,7 @@ def families(snap: dict) -> list[Metric]:
     server, health = snap["server"], snap["server"]["health"]
     for src, specs, cls in ((server, SERVER_COUNTERS, CounterMetricFamily), (server, SERVER_GAUGES, GaugeMetricFamily),
                             (health, HEALTH_COUNTERS, CounterMetricFamily), (health, HEALTH_GAUGES, GaugeMetricFamily)):
-        for key, name, doc in specs:
-            out.append(cls(name, doc, value=float(src[key])))
+        out += [cls(name, doc, value=float(src[key])) for key, name, doc in specs if key in src]
     status = GaugeMetricFamily("colora_engine_status", "1 for the engine's state now (ok, degraded, restarting), "
                                "0 for the others", labels=["status"])
     for state in sorted({*HEALTH_STATES, health["status"]}):

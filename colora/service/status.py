@@ -8,9 +8,9 @@ so it is served without a key. It takes the key from the URL's fragment (which n
 server, and which the page then clears from the address bar) or from its form, keeps it in the tab's
 sessionStorage, and every 2 s fetches `GET /api/v1/colora/status.json` with it as `X-API-Key`.
 
-status.json is the service's snapshot (`Service.snapshot`) as the key may see it: the admin key every
-tenant, a tenant's key its own tenant and errors (`colora/service/metrics.py`, `scope_of`), with the
-scope it was read for. The page shows the engine's health and restarts, the trainer's cycles, each
+status.json is the service's snapshot (`Service.snapshot`) as the key may see it, with the scope it was
+read for: the admin key every tenant and the whole server; a tenant's key its own tenant and errors,
+and of the server its uptime and the engine's health (`colora/service/metrics.py`, `snapshot`). The page shows the engine's health and restarts, the trainer's cycles, each
 tenant's sessions, models, samplers, queue and counts, each model's recent losses as a small SVG plot,
 and the last errors.
 """
