@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from colora.joining import join_bounds
 from colora.tables import ConfigError, build, parse_override, set_override
 from colora.tasks import add_task_dirs
 
@@ -409,6 +410,11 @@ def _check(cfg: Config) -> None:
         if r.dist == "lognormal":  # the only length draw that reads min
             need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
                  f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
+    if e.arm != "dedicated":  # where every job runs alone in its turn, start_after means nothing
+        where = " in its tenant (timeslice.tenant_jobs)" if e.arm == "timeslice" else ""
+        for i, reach in join_bounds(cfg.jobs, e.steps, cfg.timeslice.tenant_jobs if where else len(cfg.jobs)).items():
+            need(cfg.jobs[i].start_after < reach, f"jobs.{i}.start_after", cfg.jobs[i].start_after, f"must be below "
+                 f"{reach}, the most steps of the jobs that start at once{where} and of those that join before it")
     need(not g.max_loras or g.max_loras >= len(cfg.jobs), "engine.max_loras", g.max_loras,
          f"must be at least the number of jobs ({len(cfg.jobs)}), or 0 for that many")
     if e.arm in OVERLAP_ARMS:  # the arms that split the jobs into groups (a group holds at least one)

@@ -100,3 +100,39 @@ def test_a_temperature_vllm_refuses_is_refused_before_anything_starts(value):
 
 def test_the_largest_temperature_vllm_takes_passes():
     assert _load("jobs.0.temperature=2.0").jobs[0].temperature == 2.0
+
+
+# -- a job that joins later must be able to join ------------------------------------------------------
+@pytest.mark.parametrize("sets, message", [
+    # smoke's steps are 24: the jobs that start at once do at most 24, so 24 is never reached
+    (["jobs.1.start_after=24"], r"jobs\.1\.start_after \(24\) must be below 24, the most steps"),
+    (["jobs.1.start_after=5", "jobs.0.steps=5"], r"jobs\.1\.start_after \(5\) must be below 5, the most steps"),
+    # no job starts at once: none ever reaches any step
+    (["jobs.*.start_after=1"], r"jobs\.0\.start_after \(1\) must be below 0, the most steps"),
+])
+def test_a_start_after_no_job_reaches_is_refused(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(*sets)
+
+
+def test_a_start_after_that_a_job_joining_before_reaches_passes():
+    """count starts with 5 steps; mod joins at 4 and does 24, so a third job may join at 20."""
+    from colora.config import resolve
+
+    d = _load("jobs.0.steps=5", "jobs.1.start_after=4").to_dict()
+    d["jobs"].append({**d["jobs"][0], "name": "late", "steps": 0, "start_after": 20})
+    assert resolve(d).jobs[2].start_after == 20
+    d["jobs"][2]["start_after"] = 24
+    with pytest.raises(ConfigError, match=r"jobs\.2\.start_after \(24\) must be below 24"):
+        resolve(d)
+
+
+def test_start_after_is_not_checked_where_every_job_runs_alone():
+    assert _load("experiment.arm=dedicated", "jobs.1.start_after=30").jobs[1].start_after == 30
+
+
+def test_in_the_time_slicing_arm_a_job_joins_only_its_tenants_jobs():
+    """Each tenant runs its own jobs: one alone in its tenant (tenant_jobs = 1) never joins anything."""
+    with pytest.raises(ConfigError, match=r"jobs\.1\.start_after \(3\) must be below 0, the most steps .*tenant"):
+        _load("experiment.arm=timeslice", "jobs.1.start_after=3")
+    assert _load("experiment.arm=timeslice", "timeslice.tenant_jobs=2", "jobs.1.start_after=3").jobs[1].start_after == 3

@@ -845,3 +845,32 @@ def test_a_failure_after_the_update_leaves_every_applied_jobs_step_counted(tmp_p
     trainer = c.trainer_side.trainer
     assert trainer.version == {"a": 1, "b": 1}
     assert {n: js.step for n, js in c.jobs.items()} == {"a": 1, "b": 1}
+
+
+# -- a job whose start_after is never reached -------------------------------------------------------
+class FirstStepFails(VersionTrainer):
+    """Job a's first update is refused: it stops having done no step."""
+
+    def step(self, rollouts, sft=None):
+        out = super().step(rollouts)
+        if "a" in out:
+            out["a"] = JobStepStats(float("nan"), 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 0, failure="loss is not finite")
+        return out
+
+
+def test_a_job_still_waiting_when_the_run_ends_failed_and_says_it_never_joined(tmp_path):
+    """b joins once some job has done 2 steps; a, the only job that starts, stops at its first. b ends as
+    failed with why (never joined), not as a job still waiting in a run that went well."""
+    from colora.record.runlog import read_jsonl
+
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=3", "experiment.warmup_steps=0",
+                                "jobs.b.start_after=2"], {"a": 8, "b": 8}, trainer_cls=FirstStepFails)
+    c.jobs["b"].status = "waiting"  # as the runner makes a job with start_after
+    c.run()
+    c.metrics.close()
+    assert c.jobs["a"].status == "stopped"
+    b = c.jobs["b"]
+    assert b.status == "failed" and b.step == 0
+    assert b.reason.startswith("never joined: start_after = 2 was not reached") and "at most 0 steps" in b.reason
+    [row] = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("job") == "b"]
+    assert row["status"] == "failed" and row["reason"] == b.reason

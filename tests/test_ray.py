@@ -218,6 +218,20 @@ def test_a_cluster_run_checks_the_splits_before_any_directory(tmp_path, tiny_mod
     assert not (tmp_path / "run").exists()
 
 
+def test_a_job_that_could_join_only_a_job_on_another_corunner_is_refused_before_any_directory(tmp_path, tiny_model_dir):
+    """mod joins once count has done 2 steps; placed on two co-runners, mod's has no job that starts: it
+    would never join there. Refused by name before cluster.json is written."""
+    pytest.importorskip("ray")
+    from colora.cluster.driver import run_cluster
+    from colora.run.preflight import RunError
+
+    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "jobs.1.start_after=2"])
+    with pytest.raises(RunError, match=r"--gpus 2: co-runner 1 runs jobs \['mod'\] alone.*jobs\.0\.start_after "
+                                       r"\(2\) must be below 0"):
+        run_cluster(cfg, tmp_path / "run", 2)
+    assert not (tmp_path / "run").exists()
+
+
 # -- without Ray --------------------------------------------------------------------------------------
 def test_without_ray_one_gpu_runs_as_today_and_more_names_the_extra(monkeypatch, capsys, tiny_model_dir):
     import colora.run.runner

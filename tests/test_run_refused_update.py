@@ -123,3 +123,24 @@ def test_a_refused_update_stops_its_job_and_a_failure_after_an_update_resumes_wi
     mine, want = _adapter(out, "good"), _adapter(tmp_path / "whole", "good")
     for k in want:  # the update of the step that failed was applied once, as in the run that did not fail
         torch.testing.assert_close(mine[k], want[k], atol=1e-6, rtol=1e-5)
+
+
+def test_a_job_that_never_joins_fails_the_run_and_exports_no_adapter(tmp_path, tiny_model_dir, chats, monkeypatch,
+                                                                      capsys):
+    """late joins once some job has done 1 step; bad, the only job that starts, stops at its first. The run
+    ends with late failed (never joined), no adapters/late of an adapter it never trained, and the exit
+    status of a run whose jobs failed."""
+    from colora.cli import end_of_run
+
+    monkeypatch.setattr(runner, "RolloutEngine", NoGenEngine)
+    d = _cfg(tiny_model_dir, chats).to_dict()
+    d["jobs"] = [d["jobs"][1], {**d["jobs"][0], "name": "late", "start_after": 1}]
+    out = tmp_path / "run"
+    summary = runner.run(resolve(d), out, log=lambda s: None)
+    late = summary["jobs"]["late"]
+    assert late["status"] == "failed" and late["reason"].startswith("never joined: start_after = 1") and late["steps"] == 0
+    assert summary["failed_jobs"] == ["bad", "late"]
+    assert (out / "adapters" / "bad").is_dir() and not (out / "adapters" / "late").exists()
+    status = json.loads((out / "status.json").read_text())
+    assert status["state"] == "complete" and status["failed_jobs"] == ["bad", "late"] and "never joined" in status["reason"]
+    assert end_of_run(summary, out) == 1 and "late: never joined" in capsys.readouterr().err

@@ -49,7 +49,7 @@ from colora.cluster import require_ray
 from colora.cluster.actor import CoRunnerActor
 from colora.cluster.placement import Outcome, job_cost, merge_eval, merge_summaries, place_jobs, share_config
 from colora.cluster.reaper import reap
-from colora.config import Config, from_dict
+from colora.config import Config, ConfigError, from_dict
 from colora.record.runlog import read_jsonl, write_json_atomic
 from colora.run.preflight import RunError, check_sizes, load_tasks, resolve_model
 from colora.run.rundir import move_aside, run_state
@@ -356,6 +356,12 @@ def run_cluster(cfg: Config, out: str | Path, gpus: int, address: str | None = N
         placement = place_jobs({j.name: job_cost(j) for j in cfg.jobs}, gpus)
     except ValueError as e:
         raise RunError(str(e)) from None
+    for i, names in enumerate(placement):  # a co-runner runs its jobs alone: a job joins only its own jobs
+        try:
+            share_config(cfg, names)
+        except ConfigError as e:
+            raise RunError(f"--gpus {gpus}: co-runner {i} runs jobs {names} alone, as a run of their own: {e}"
+                           ) from None
     _check_inputs(cfg, log)
     write_json_atomic(out / "cluster.json", {"config": cfg.to_dict(), "hash": cfg.hash(), "gpus": gpus,
                                              "placement": placement})

@@ -53,6 +53,7 @@ from colora.corun.handoff import Drop, EngineFailure, Failed, Generate, Generate
 from colora.corun.rollouts import Prompts
 from colora.corun.trainer_side import JobState, TrainerSide
 from colora.record.runlog import JsonlWriter, Timeline
+from colora.record.summary import never_joined
 from colora.record.throughput import combine_windows, measure_window
 from colora.stopping import StopRequest
 from colora.training.export import AdapterExport
@@ -293,7 +294,19 @@ class CoRunner:
         groups = split_groups(names, n_groups, cost)
         t0 = self.timeline.now()
         self.run_groups(groups)
+        self._never_joined()
         w = measure_window({n: self.jobs[n].step_ends for n in names}, t0, sch.warmup_steps)
         w["groups"] = groups
         return w
+
+    def _never_joined(self) -> None:
+        """The jobs still waiting to join once the run has ended (the jobs that ran stopped, or ended, before
+        their start_after) failed: recorded with why, as a stopped job is."""
+        done = max((js.step for js in self.jobs.values() if js.status != "waiting"), default=0)
+        for js in self.jobs.values():
+            if js.status == "waiting":
+                js.status, js.reason = "failed", never_joined(js.cfg.start_after, done)
+                self.metrics.write({"job": js.name, "step": js.step, "event": "stopped", "status": "failed",
+                                    "reason": js.reason})
+                self.trainer_side.log(f"job {js.name} failed: {js.reason}")
 

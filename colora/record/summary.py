@@ -16,8 +16,10 @@ NO_SIGNAL_STEPS = 5  # steps in a row without reward variance that get a warning
 class JobSummary:
     """One job's outcome."""
 
-    status: str  # done | stopped | running (a run that ended before the job's last step)
-    reason: str  # why it stopped ("" otherwise)
+    # done | stopped | failed (never joined: its start_after was not reached) | running (a run that ended before
+    # the job's last step)
+    status: str
+    reason: str  # why it stopped or failed ("" otherwise)
     steps: int  # optimizer steps done
     version: int  # its adapter's version at the end
     mean_reward: float | None  # the mean over its ok steps of the step's mean reward
@@ -74,6 +76,13 @@ class RunSummary:
 
 
 FAILED = ("stopped", "failed")  # a job's status when it did not get through: stopped by the run, lost with a co-runner
+
+
+def never_joined(start_after: int, done: int) -> str:
+    """The reason of a job that was still waiting to join when its run ended: the jobs that ran stopped
+    or ended before any of them had done `start_after` steps (the most was `done`)."""
+    return (f"never joined: start_after = {start_after} was not reached (the jobs that ran did at most {done} steps "
+            "before they ended or stopped); it did not train, and no adapter of it is exported")
 
 
 def failed_jobs(jobs: dict) -> list[str]:

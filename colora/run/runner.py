@@ -477,13 +477,13 @@ def _train(r: _Run, corunner, engine, ckpt):
 
 def _evaluate_after(r: _Run, corunner, bank, before: dict) -> dict:
     """Held-out accuracy after training of the jobs still in the engine (a stopped job's adapter left
-    it), into eval.json; every job's final adapter into adapters/<job>/."""
+    it), into eval.json; every job's final adapter into adapters/<job>/, but one that never joined."""
     exp, out = r.cfg.experiment, r.setup.out
-    live = [n for n, js in corunner.jobs.items() if js.status != "stopped"]
+    live = [n for n, js in corunner.jobs.items() if js.status not in ("stopped", "failed")]
     with r.timeline.span("eval", jobs=tuple(live), when="after"):
         after = evaluate(corunner, live, exp.eval_size, exp.seed, exp.eval_max_new_tokens)
     write_json_atomic(out / "eval.json", {"n": exp.eval_size, "before": before, "after": after})
-    for name in corunner.jobs:
+    for name in (n for n, js in corunner.jobs.items() if js.status != "failed"):
         bank.export_peft(name, out / "adapters" / name, str(r.setup.model_dir))
     return after
 
