@@ -176,6 +176,45 @@ def test_a_hung_write_ends_the_wait_after_its_timeout(tmp_path, monkeypatch):
         gate.set()
 
 
+# -- the time-slicing arm: a snapshot reads the trainer's state inside a grant --------------------------
+def test_a_snapshot_taken_outside_a_grant_takes_one_and_one_inside_uses_it(tmp_path):
+    """In the time-slicing arm another tenant's grant may PARK this one's trainer, emptying its tensors:
+    the end of training's and a failure's checkpoints (outside any grant) take one around the snapshot;
+    the periodic one, taken inside the training step's grant, uses that one."""
+    from colora.timeslice.gate import NullGate
+
+    class Gate(NullGate):
+        def __init__(self):
+            super().__init__("t")
+            self.log = []
+
+        def acquire(self, phase):
+            self.log.append(phase)
+            return super().acquire(phase)
+
+        def yield_(self):
+            self.log.append("yield")
+            return super().yield_()
+
+    gate = Gate()
+    jobs = {"a": _Job()}
+    ck = Checkpointer(tmp_path, load_config(SMOKE), _Bank(jobs), jobs, 1, 10, log=lambda s: None, gate=gate)
+    real = ck.bank.job_state
+    ck.bank.job_state = lambda name: (gate.log.append("snapshot" if gate.holds else "snapshot outside a grant"),
+                                      real(name))[1]
+    jobs["a"].step = 1
+    ck.save_now()
+    gate.acquire("train")
+    jobs["a"].step = 2
+    ck.maybe_save()
+    gate.yield_()
+    jobs["a"].step = 3
+    assert ck.finish() is not None
+    assert gate.log == ["checkpoint", "snapshot", "yield", "train", "snapshot", "yield", "checkpoint", "snapshot",
+                        "yield"]
+    assert [_steps(p)["a"] for p in checkpoints(tmp_path)] == [1, 2, 3]
+
+
 # -- what a checkpoint may hold -------------------------------------------------------------------
 class _Payload:
     """What a checkpoint from someone else might hold: unpickling it creates a file."""

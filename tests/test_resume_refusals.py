@@ -123,3 +123,55 @@ def test_a_resume_imports_no_task_from_the_folders_config_json_names(tmp_path, t
     with pytest.raises(Reached):
         runner.resume(d, log=lambda s: None)
     assert marker.exists()
+
+
+# -- an sft job's data changed since the run began ------------------------------------------------
+def test_a_resume_whose_sft_data_changed_is_refused_naming_the_job_the_file_and_both_hashes(tmp_path, tiny_model_dir,
+                                                                                          no_steps):
+    """The run records its sft data's sha256 as it begins; a resume (here: the same run, interrupted)
+    that would read other conversations from that file is refused before anything starts."""
+    from colora.config import resolve
+    from colora.record.runlog import sha256_file
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"w{i}"},
+                                                     {"role": "assistant", "content": "yes"}]}) + "\n"
+                            for i in range(6)))
+    raw = load_config(SMOKE, [f'experiment.model="{tiny_model_dir}"', "experiment.eval_size=0"]).to_dict()
+    raw["jobs"][1] = {**raw["jobs"][1], "kind": "sft", "task": "", "task_options": {}, "data": str(data),
+                      "prompts_per_step": 2}
+    raw["jobs"][0] = {**raw["jobs"][0], "task": "coin_task:CoinFlip", "task_options": {}}
+    cfg = resolve(raw)
+    d = tmp_path / "run"
+    with pytest.raises(Reached):
+        runner.run(cfg, d, log=lambda s: None)
+    first = sha256_file(data)
+    assert json.loads((d / "config.json").read_text())["data"] == {"mod": {"file": str(data), "sha256": first}}
+    write_json_atomic(d / "status.json", {"state": "interrupted", "signal": "SIGTERM"})
+    with pytest.raises(Reached):  # the same data: it goes on
+        runner.resume(d, log=lambda s: None)
+    write_json_atomic(d / "status.json", {"state": "interrupted", "signal": "SIGTERM"})
+    with open(data, "a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "new"}, {"role": "assistant", "content": "no"}]})
+                + "\n")
+    with pytest.raises(RunError) as e:
+        runner.resume(d, log=lambda s: None)
+    for needle in ("jobs.1.data", "'mod'", str(data), first, sha256_file(data)):
+        assert needle in str(e.value), (needle, str(e.value))
+    assert json.loads((d / "status.json").read_text())["state"] == "interrupted"
+
+
+# -- a tenant of the time-slicing arm -------------------------------------------------------------
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_tenant_of_the_time_slicing_arm_is_not_resumed(tmp_path, tiny_model_dir, no_steps, marked):
+    """Its run is driven by the arm (the broker, the grants, the parkers): resumed alone it would run
+    outside any grant. Refused, naming the arm's directory; so is a tenant directory that its
+    config.json does not mark (the arm's layout: DIR/tenants/<k> beside <k>.spec.json)."""
+    d = tmp_path / "ts" / "tenants" / "0"
+    saved = _run_dir(d, tiny_model_dir)
+    if marked:
+        (d / "config.json").write_text(json.dumps({**saved, "timeslice_tenant": "tenant-0"}))
+    else:
+        (d.parent / "0.spec.json").write_text("{}")
+    with pytest.raises(RunError, match=r"time-slicing arm's run .*/ts.*not resumed"):
+        runner.resume(d, log=lambda s: None)

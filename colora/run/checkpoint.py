@@ -171,11 +171,12 @@ class Checkpointer:
     docstring); `save_now` and `finish` return with the checkpoint on disk."""
 
     def __init__(self, out: Path, cfg, bank, jobs: dict, every: int, keep: int, log: Callable[[str], None] = print,
-                 timeline=None):
+                 timeline=None, gate=None):
         """timeline: a runlog.Timeline that gets a "checkpoint" span per snapshot (what holds the
-        trainer's thread) and a "checkpoint_write" span per background write."""
+        trainer's thread) and a "checkpoint_write" span per background write. gate: the time-slicing
+        arm's (colora/timeslice/gate.py), inside whose grant every snapshot reads the trainer's state."""
         self.out, self.cfg, self.bank, self.jobs, self.log = out, cfg, bank, jobs, log
-        self.every, self.keep, self.timeline = every, keep, timeline
+        self.every, self.keep, self.timeline, self.gate = every, keep, timeline, gate
         # each job's (step, status) in the newest checkpoint (taken or being written); none yet: step 0
         self._saved: dict = {n: (0, None) for n in jobs}
         self._written: dict = dict(self._saved)  # ... in the newest checkpoint on disk
@@ -188,6 +189,15 @@ class Checkpointer:
         return {"config_hash": self.cfg.hash(),
                 "jobs": {n: {"bank": self.bank.job_state(n), "step": js.step, "status": js.status,
                              "reason": js.reason} for n, js in self.jobs.items()}}
+
+    def _snapshot(self) -> dict:
+        """`state()`, copied to the CPU; in the time-slicing arm inside a grant, where another tenant's
+        grant cannot PARK this trainer (emptying the tensors copied): the grant held now (a training step's),
+        else one taken for it."""
+        if self.gate is None or self.gate.holds:
+            return self.state()
+        with self.gate.phase("checkpoint"):
+            return self.state()
 
     def _step(self) -> int:
         """The steps every job has completed: a checkpoint's tag."""
@@ -207,7 +217,7 @@ class Checkpointer:
         self.wait()
         marks = self._marks()
         with self._span("checkpoint"):
-            path = save(self.out, self._step(), self.state(), self.keep)
+            path = save(self.out, self._step(), self._snapshot(), self.keep)
         self._saved = self._written = marks
         self._saved_path = path
         self.log(f"checkpoint {path.name} written")
@@ -223,7 +233,7 @@ class Checkpointer:
         self.wait()
         tag, marks = self._step(), self._marks()
         with self._span("checkpoint"):
-            state = self.state()  # copies on the CPU: the next steps do not change them
+            state = self._snapshot()  # copies on the CPU: the next steps do not change them
         self._saved = marks
         self._writer = threading.Thread(target=self._write, args=(tag, state, marks), name="colora-checkpoint",
                                         daemon=True)  # a write hung in the file system must not hold the exit

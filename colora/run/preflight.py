@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +30,7 @@ from colora.engine.vllm_args import VLLM_LORA_RANKS
 from colora.environment import colora_home
 from colora.models.base import ModelDirError, build_qwen3_shape, build_tiny, check_model_dir, load_tokenizer
 from colora.models.smollm2 import build_smollm2
+from colora.record.runlog import sha256_file
 from colora.run import mps
 from colora.run.mps import MpsDaemon, MpsShareError, MpsUnavailable
 from colora.seeding import derive_seed
@@ -306,6 +307,7 @@ class Setup:
     model_dir: Path
     tasks: dict
     adapter_sync: str = "disk"  # runtime.adapter_sync resolved: "memory" or "disk"
+    data: dict = field(default_factory=dict)  # each sft job's data file as read: {job: {"file", "sha256"}}
 
 
 def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], None] = print,
@@ -321,12 +323,28 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     model_dir = resolve_model(cfg.experiment.model, log)
     check_model_len(cfg, model_dir)
     check_prompt_lengths(cfg, model_dir, tasks)
-    tasks.update(load_sft_data(cfg, model_dir))
+    sft = load_sft_data(cfg, model_dir)
+    tasks.update(sft)
     removed = remove_stale_adapter_sync()
     if removed:
         log(f"removed {len(removed)} adapter-sync folder(s) of runs that are gone from {SHM}: "
             + ", ".join(p.name for p in removed))
-    return Setup(cfg, out, model_dir, tasks, sync)
+    return Setup(cfg, out, model_dir, tasks, sync, {n: {"file": str(d.path), "sha256": sha256_file(d.path)}
+                                                    for n, d in sft.items()})
+
+
+def check_data(out: Path, cfg: Config, data: dict) -> None:
+    """A resume of the run in `out` reads each sft job's data again, where this process finds it: refused
+    (RunError naming the job, the file and both hashes) when it is not the file the run began with, by
+    its sha256 (config.json's `data`; a run that recorded none is not checked)."""
+    began = json.loads((out / "config.json").read_text()).get("data") or {}
+    for i, j in enumerate(cfg.jobs):
+        was, now = began.get(j.name), data.get(j.name)
+        if was and now and was.get("sha256") != now["sha256"]:
+            raise RunError(f"--resume {str(out)!r}: jobs.{i}.data (job {j.name!r}) is {now['file']} with sha256 "
+                           f"{now['sha256']}; the run began on {was.get('file')} with sha256 {was.get('sha256')}: "
+                           "the job would train on other conversations. Put the file back as it was, or run "
+                           "the experiment again in a new directory")
 
 
 def load_sft_data(cfg: Config, model_dir: Path) -> dict:

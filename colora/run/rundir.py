@@ -245,3 +245,12 @@ def move_aside(path: Path) -> Path:
         n += 1
     path.rename(dest)
     return dest
+
+
+def timeslice_tenant(path: Path, saved: dict) -> bool:
+    """Whether the run directory `path` (config.json as `saved`) is a tenant's of the time-slicing arm: its
+    config.json says so, or it lies where the arm puts its tenants, DIR/tenants/<k> beside <k>.spec.json
+    (colora/timeslice/arm.py). Such a run is driven by the arm (the broker's grants, the parkers): never
+    resumed alone."""
+    return bool(saved.get("timeslice_tenant")) or (
+        path.parent.name == "tenants" and (path.parent / f"{path.name}.spec.json").is_file())

@@ -67,13 +67,14 @@ from colora.run.preflight import (
     RunError,
     Setup,
     adapter_scratch,
+    check_data,
     prepare,
     resolve_device,
     start_mps,
     torch_dtype,
 )
 from colora.run.progress import run_output
-from colora.run.rundir import holding, this_process
+from colora.run.rundir import holding, this_process, timeslice_tenant
 from colora.run.watcher import watch_this_process
 from colora.stopping import Interrupted, StopRequest, handling_signals
 from colora.tasks import TaskError, add_task_dirs, task_class, task_dirs
@@ -112,7 +113,7 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
         setup = prepare(cfg, out, resume_state is not None or restart, log or say, process_mps)
         out.mkdir(parents=True, exist_ok=True)
         with holding(out, log or say):
-            _open_run_dir(cfg, out, resume_state, restart)
+            _open_run_dir(setup, resume_state, restart, tenant)
             exp = cfg.experiment
             with run_output(out / "run.log", f"{exp.arm} seed {exp.seed}", [j.name for j in cfg.jobs], exp.steps,
                             log) as shown:
@@ -144,16 +145,20 @@ def _phase(gate, name: str):
     return gate.phase(name) if gate is not None else contextlib.nullcontext()
 
 
-def _open_run_dir(cfg: Config, out: Path, resume_state: dict | None, restart: bool) -> None:
+def _open_run_dir(setup: Setup, resume_state: dict | None, restart: bool, tenant) -> None:
     """What a run writes before it starts anything, with its directory's lock held: config.json (a
-    new run's; a resume keeps the one it checked), its logs rewound to the checkpoint (a resume),
-    and status.json "running" with this process's pid and start time, by which a reader tells a live
-    run from a killed one. The process's watcher starts here, before the MPS daemon and the engine
-    (colora/run/watcher.py)."""
-    watch_this_process()
+    new run's, with its sft data's hashes; a resume keeps the one it checked, and its data must hash
+    the same), its logs rewound to the checkpoint (a resume), and status.json "running" with this
+    process's pid and start time, by which a reader tells a live run from a killed one. The process's
+    watcher starts here, before the MPS daemon and the engine (colora/run/watcher.py)."""
+    cfg, out = setup.cfg, setup.out
     if resume_state is None and not restart:  # task_dirs: named in the message of a resume that cannot find a task
-        write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(),
-                                                "task_dirs": task_dirs()})
+        write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash(), "task_dirs": task_dirs(),
+                                                "data": setup.data, **({"timeslice_tenant": tenant.gate.tenant}
+                                                                       if tenant is not None else {})})
+    else:
+        check_data(out, cfg, setup.data)
+    watch_this_process()
     if resume_state is not None or restart:
         rewind_logs(out, resume_state or {"jobs": {j.name: {"step": 0} for j in cfg.jobs}})
     rec = this_process()
@@ -241,6 +246,9 @@ def _resumed_config(out: Path, task_folders: tuple[str, ...]) -> Config:
     directory were), only where the user points now (the installed packages, the current directory,
     `task_folders`, and the config files this process loaded)."""
     saved = json.loads((out / "config.json").read_text())
+    if timeslice_tenant(out, saved):
+        raise RunError(f"--resume {str(out)!r}: a tenant of a time-slicing arm's run ({out.parent.parent}), which the "
+                       "arm drives (its broker grants the GPU to each phase): it is not resumed; run it again")
     cfg = from_dict(saved["config"])
     if saved.get("hash") != cfg.hash():
         raise RunError(f"--resume {str(out)!r}: the experiment in config.json hashes to {cfg.hash()}, the run began "
@@ -405,7 +413,7 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     jobs = {j.name: JobState(j, r.setup.tasks[j.name], status="waiting" if j.start_after and joins else "running")
             for j in cfg.jobs}
     ckpt = Checkpointer(out, cfg, bank, jobs, cfg.runtime.checkpoint_every, cfg.runtime.checkpoint_keep, r.log,
-                        r.timeline)
+                        r.timeline, getattr(r.tenant, "gate", None))
     stack.callback(ckpt.close)  # a write in flight lands before the run's status names its checkpoint
     if resume_state is not None:
         ckpt.restore(resume_state)
