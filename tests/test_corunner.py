@@ -874,3 +874,42 @@ def test_a_job_still_waiting_when_the_run_ends_failed_and_says_it_never_joined(t
     assert b.reason.startswith("never joined: start_after = 2 was not reached") and "at most 0 steps" in b.reason
     [row] = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("job") == "b"]
     assert row["status"] == "failed" and row["reason"] == b.reason
+
+
+def test_a_gated_co_runners_drop_runs_inside_a_grant_before_the_next_generation(tmp_path):
+    """Time-slicing arm: b's reward raises, so b stops while its step is scored, outside any grant (another
+    tenant may hold the GPU, this engine may be parked). Its adapter leaves the engine with the next
+    generation's grant, before that generation's requests; and a job stopped in the last step leaves it
+    within the final reload's grant."""
+    from colora.timeslice.gate import NullGate
+
+    gate = NullGate("t")
+
+    class Watching(DroppingEngine):
+        def __init__(self, lengths):
+            super().__init__(lengths)
+            self.events = []
+
+        def drop(self, job):
+            self.events.append(("drop", job, gate.holds))
+            super().drop(job)
+
+        def submit(self, key, reqs):
+            self.events.append(("submit", tuple(sorted({r.job for r in reqs})), gate.holds))
+            super().submit(key, reqs)
+
+    class LastStepFails(VersionTrainer):
+        def step(self, rollouts, sft=None):
+            out = super().step(rollouts)
+            if "a" in out and out["a"].version == 3:
+                out["a"] = JobStepStats(float("nan"), 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1, 1, 2, failure="loss is not finite")
+            return out
+
+    c = _loop_runner(tmp_path, ["experiment.arm=shared_sync", "experiment.steps=3"], {"a": 8, "b": 8, "c": 8},
+                     engine_cls=Watching, trainer_cls=LastStepFails)
+    c.gate = c.trainer_side.gate = gate
+    c.jobs["b"].task = _Task(reward=lambda it: 1 / 0)
+    c.run()
+    assert c.jobs["b"].status == "stopped" and c.jobs["a"].status == "stopped" and c.jobs["c"].step == 3
+    assert c.engine.events == [("submit", ("a", "b", "c"), True), ("drop", "b", True), ("submit", ("a", "c"), True),
+                               ("submit", ("a", "c"), True), ("drop", "a", True)]

@@ -115,6 +115,7 @@ class CoRunner:
         self._loaded: dict[int, threading.Event] = {}  # group -> set once its adapters are loaded, queued
         self._in_flight: set[int] = set()  # groups handed to the engine thread, their rollouts not yet back
         self._running: set[str] = set()  # the running jobs at the last step boundary (who joined, who left)
+        self._drops: list[str] = []  # gated: stopped jobs whose adapters leave the engine in its next grant
 
     @property
     def stop_request(self) -> StopRequest:
@@ -127,8 +128,12 @@ class CoRunner:
 
     def _drop(self, job: str) -> None:
         """A stopped job's adapter out of the engine: through the engine thread while it runs (it owns
-        the engine), else here."""
-        if self._submit_q is not None:
+        the engine), else here. Gated, with the engine's next grant (the next `Generate`, else the final
+        reload): a job may stop outside any grant, while it scores its step, and the engine is then
+        another tenant's GPU's, or parked."""
+        if self.gate is not None:
+            self._drops.append(job)
+        elif self._submit_q is not None:
             self._submit_q.put(Drop(job))
         else:
             self.engine.drop(job)
@@ -141,13 +146,17 @@ class CoRunner:
             self.gate.acquire("generate")
         self._loaded[group] = threading.Event()
         self._in_flight.add(group)
+        drops, self._drops = tuple(self._drops), []
         submit_q.put(Generate(group, running, self.trainer_side.take_pending(names), self.timeline.now(),
-                              self._loaded[group]))
+                              self._loaded[group], drops))
 
     def load_pending(self) -> None:
         """The adapter versions exported and not yet loaded (each job's last), into the engine now:
         for the evaluation after training. Only where no engine thread runs."""
         assert self._submit_q is None, "the engine thread owns the engine while it runs"
+        drops, self._drops = self._drops, []
+        for job in drops:  # gated: stopped since the last generation
+            self.engine.drop(job)
         self.engine_side.load(list(self.trainer_side.take_pending(list(self.jobs))), -1)
 
     def run_groups(self, groups: list[list[str]]) -> None:

@@ -78,7 +78,9 @@ class EngineSide:
     def submit(self, msg: Generate) -> tuple[dict, dict]:
         """Load the group's new adapters, then queue one step of rollouts for its running jobs.
         Returns ({job: items} for the scoring of this step, {job: why} for the jobs that failed to make
-        their requests: the others' go to the engine as ever)."""
+        their requests: the others' go to the engine as ever). Stopped jobs' adapters leave it first."""
+        for job in msg.drops:
+            self.engine.drop(job)
         self.load(list(msg.adapters), msg.group)
         items, reqs, failed = {}, [], {}
         for name, step in msg.jobs:

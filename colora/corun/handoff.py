@@ -26,19 +26,22 @@ class EngineFailure(RuntimeError):
 
 @dataclass(frozen=True)
 class Generate:
-    """To the engine thread: load `adapters` (the group's new versions), then queue one step of
-    rollouts for each (job, step) of `jobs` (the group's running jobs), then set `loaded`."""
+    """To the engine thread: take the adapters of `drops` out (stopped jobs' that wait for a grant: the
+    time-slicing arm's), load `adapters` (the group's new versions), then queue one step of rollouts
+    for each (job, step) of `jobs` (the group's running jobs), then set `loaded`."""
 
     group: int
     jobs: tuple[tuple[str, int], ...]
     adapters: tuple[Adapter, ...]
     queued_at: float  # timeline seconds when the trainer handed the group over
     loaded: threading.Event
+    drops: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Drop:
-    """To the engine thread: take a stopped job's adapter out of the engine."""
+    """To the engine thread: take a stopped job's adapter out of the engine (at once: in the time-slicing
+    arm a stopped job's adapter waits for the next grant instead, in a `Generate`)."""
 
     job: str
 
