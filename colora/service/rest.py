@@ -104,9 +104,9 @@ def checkpoint_dir(store: Store, tenant: str, model_id: str, checkpoint_id: str)
 def run_ids(store: Store, tenant: str) -> list[str]:
     """The tenant's training runs (models with a record), newest first."""
     folder = store.root / "tenants" / tenant
-    runs = [(store.read_run(tenant, d.name), d.name) for d in folder.iterdir() if (d / "run.json").is_file()] \
-        if folder.is_dir() else []
-    return [mid for run, mid in sorted(runs, key=lambda r: (r[0]["created"], r[1]), reverse=True)]
+    runs = [(run["created"], d.name) for d in (folder.iterdir() if folder.is_dir() else ())
+            if (run := store.read_run(tenant, d.name)) is not None]  # a folder may go while this reads
+    return [mid for _, mid in sorted(runs, reverse=True)]
 
 
 def page(request: Request) -> tuple[int, int]:
