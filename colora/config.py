@@ -204,6 +204,9 @@ class TimesliceConfig:
     # how a tenant parks: app (vLLM's sleep mode, level 1, for the engine; pinned host copies for the
     # trainer), or cuda_checkpoint (NVIDIA's CUDA checkpoint API on the engine's processes; the trainer as app)
     parking: Literal["app", "cuda_checkpoint"] = "app"
+    # seconds one tenant may hold the grant; past it the broker fails the tenant (stuck in a phase) and grants the
+    # next. Above any phase a healthy tenant holds (its engine's start and warm-up: minutes; not measured at 8B)
+    hold_timeout_s: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,8 @@ _LOCKED_PLACEHOLDER = {"checkpoint": {"every": 0, "keep": 2}}
 # the hashed form, so a locked config's hash holds; set to anything else they are part of it.
 _LATER_JOB_KEYS = {"kind": "grpo", "data": "", "steps": 0, "start_after": 0}
 # The same for a section's keys (issue 48's engine levers).
-_LATER_SECTION_KEYS = {"engine": {"specialize_active_lora": False, "lora_dual_stream": False}}
+_LATER_SECTION_KEYS = {"engine": {"specialize_active_lora": False, "lora_dual_stream": False},
+                       "timeslice": {"hold_timeout_s": 1800.0}}
 
 
 def experiment_dict(d: dict) -> dict:
@@ -355,6 +359,7 @@ def _check(cfg: Config) -> None:
     o = cfg.overlap
     need(o.groups >= 1, "overlap.groups", o.groups, "must be at least 1")
     need(cfg.timeslice.tenant_jobs >= 1, "timeslice.tenant_jobs", cfg.timeslice.tenant_jobs, "must be at least 1")
+    need(cfg.timeslice.hold_timeout_s > 0, "timeslice.hold_timeout_s", cfg.timeslice.hold_timeout_s, "must be above 0")
     for k in ("mps_engine_percentage", "mps_trainer_percentage"):
         v = getattr(o, k)
         need(1 <= v <= 100, f"overlap.{k}", v, "must be an integer from 1 to 100")
@@ -410,11 +415,8 @@ def _check(cfg: Config) -> None:
         if r.dist == "lognormal":  # the only length draw that reads min
             need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
                  f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
-    if e.arm != "dedicated":  # where every job runs alone in its turn, start_after means nothing
-        where = " in its tenant (timeslice.tenant_jobs)" if e.arm == "timeslice" else ""
-        for i, reach in join_bounds(cfg.jobs, e.steps, cfg.timeslice.tenant_jobs if where else len(cfg.jobs)).items():
-            need(cfg.jobs[i].start_after < reach, f"jobs.{i}.start_after", cfg.jobs[i].start_after, f"must be below "
-                 f"{reach}, the most steps of the jobs that start at once{where} and of those that join before it")
+    for i, (bound, rule) in join_bounds(cfg).items():  # a later job joins once a running one did start_after steps
+        need(cfg.jobs[i].start_after < bound, f"jobs.{i}.start_after", cfg.jobs[i].start_after, rule)
     need(not g.max_loras or g.max_loras >= len(cfg.jobs), "engine.max_loras", g.max_loras,
          f"must be at least the number of jobs ({len(cfg.jobs)}), or 0 for that many")
     if e.arm in OVERLAP_ARMS:  # the arms that split the jobs into groups (a group holds at least one)

@@ -40,9 +40,9 @@ def sock_dir():
 class _InThread:
     """A Broker serving in a thread of this process."""
 
-    def __init__(self, d: Path, policy: str):
+    def __init__(self, d: Path, policy: str, **kw):
         self.sock, self.log = str(d / "ts.sock"), d / "timeslice.jsonl"
-        self.broker = Broker(self.sock, policy, self.log)
+        self.broker = Broker(self.sock, policy, self.log, **kw)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.broker.serve()), daemon=True)
         self.thread.start()
         wait_listening(self.sock, WAIT_S, alive=self.thread.is_alive)
@@ -223,6 +223,82 @@ def test_bad_settings_are_refused_by_name(sock_dir):
         Broker(sock_dir / ("x" * 120), "lazy")
     with pytest.raises(ValueError, match="switch_timeout_s"):
         Broker(sock_dir / "ts.sock", "lazy", switch_timeout_s=0)
+    with pytest.raises(ValueError, match=r"hold_timeout_s \(0\) must be positive"):
+        Broker(sock_dir / "ts.sock", "lazy", hold_timeout_s=0)
+
+
+def test_a_wait_for_the_grant_ends_on_the_runs_stop_request(lazy, monkeypatch):
+    """b waits for the grant a holds (a tenant stuck in its phase, say) when its run is asked to stop
+    (a signal, deferred while it trains: the stop request of the handlers the run installed): its acquire
+    raises Interrupted instead of waiting on; once b has left, the broker's queue no longer holds it."""
+    from colora import stopping
+    from colora.stopping import Interrupted, StopRequest
+
+    holder = GpuGate(lazy.sock, "a")
+    holder.acquire("train")
+    stop = StopRequest()
+    monkeypatch.setattr(stopping, "_active", stop)  # as `handling_signals` in the tenant's run sets it
+    waiting = GpuGate(lazy.sock, "b")
+    outcome: list = []
+
+    def waiter() -> None:
+        try:
+            waiting.acquire("train")
+            outcome.append("granted")
+        except Interrupted as e:
+            outcome.append(e.signal)
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    deadline = time.monotonic() + WAIT_S
+    while holder.status()["queue"] != ["b"]:
+        assert time.monotonic() < deadline and t.is_alive()
+        time.sleep(0.01)
+    stop.request("SIGTERM")
+    t.join(WAIT_S)
+    assert not t.is_alive() and outcome == ["SIGTERM"]
+    with pytest.raises(Interrupted):  # a stop requested: no new wait begins
+        waiting.acquire("checkpoint")
+    waiting.close()
+    assert holder.status()["queue"] == [] and holder.status()["tenants"]["b"]["failed"] is None
+    holder.yield_()
+    holder.close()
+
+
+def test_a_tenant_that_holds_the_grant_past_the_limit_is_failed_and_the_grant_freed(sock_dir):
+    """a takes the grant and never gives it back (stuck in its phase); past hold_timeout_s the broker fails
+    it, says why, and grants b; a hears why at its next call."""
+    b = _InThread(sock_dir, "lazy", hold_timeout_s=0.2)
+    try:
+        stuck = GpuGate(b.sock, "a")
+        stuck.acquire("generate")
+        other = GpuGate(b.sock, "b")
+        with other.phase("train"):  # granted only once a is failed
+            tenants = other.status()["tenants"]
+            assert tenants["a"]["failed"].startswith("held the grant past timeslice.hold_timeout_s (0.2 s)")
+            assert not tenants["a"]["alive"]
+        with pytest.raises((BrokerRefused, BrokerGone), match=r"held the grant past timeslice.hold_timeout_s"):
+            stuck.yield_()
+        other.close()
+        stuck.close(timeout_s=1.0)
+    finally:
+        b.stop()
+    grants = [r for r in read_log(b.log) if r["kind"] == "grant"]
+    assert [(g["tenant"], g["failed"]) for g in grants] == [("a", True), ("b", False)]
+
+
+def test_the_broker_process_takes_its_hold_limit(sock_dir):
+    """start_broker's hold_timeout_s reaches the broker process (the arm passes timeslice.hold_timeout_s)."""
+    with start_broker(sock_dir / "ts.sock", "never", sock_dir / "ts.jsonl", hold_timeout_s=0.2) as proc:
+        stuck = GpuGate(proc.sock_path, "a")
+        stuck.acquire("train")
+        other = GpuGate(proc.sock_path, "b")
+        with other.phase("train"):
+            assert "timeslice.hold_timeout_s (0.2 s)" in other.status()["tenants"]["a"]["failed"]
+        other.close()
+        stuck.close(timeout_s=1.0)
+    with pytest.raises(ValueError, match=r"hold_timeout_s \(-1\) must be positive"):
+        start_broker(sock_dir / "ts2.sock", "never", hold_timeout_s=-1)
 
 
 def test_a_second_broker_on_a_live_socket_is_refused(lazy):

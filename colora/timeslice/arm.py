@@ -74,7 +74,8 @@ def run_timeslice(cfg: Config, out: str | Path, log: Callable[[str], None] = pri
         parts = tenants_of(cfg)
         sock = Path(tempfile.mkdtemp(prefix="colora-ts-")) / "broker.sock"  # short: a socket path is < 108 bytes
         origin = time.perf_counter()
-        broker = start_broker(sock, cfg.timeslice.park, out / "timeslice.jsonl")
+        broker = start_broker(sock, cfg.timeslice.park, out / "timeslice.jsonl",
+                              hold_timeout_s=cfg.timeslice.hold_timeout_s)
         procs = []
         try:
             for k, jobs in enumerate(parts):

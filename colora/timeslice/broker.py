@@ -21,6 +21,9 @@ wraps every GPU phase in ACQUIRE / YIELD (protocol.py gives the messages). The b
 - reads EOF of a tenant's connection without BYE as its death: its grant is freed, it leaves the
   queue, it is marked failed, and the queue goes on (a process-shared lock held by a dead process
   would stay held: that is why this is a socket);
+- fails a tenant that holds one grant longer than `hold_timeout_s` (stuck in its phase): it is told why
+  (ERROR), its connection is closed and the grant goes on to the next in the queue, so one stuck tenant
+  does not stall every other. What it still runs on the GPU is its own process's to end;
 - records every grant, park, restore and failure in `timeslice.jsonl` (record.py summarises it).
 
 A grant row carries the switch that preceded it: the tenants parked since the last grant, their
@@ -38,6 +41,8 @@ import time
 
 from colora.record.runlog import JsonlWriter
 from colora.timeslice.protocol import ProtocolError, check_policy, check_sock_path, decode, encode
+
+HOLD_TIMEOUT_S = 1800.0  # timeslice.hold_timeout_s's default (colora/config.py says why)
 
 
 @dataclasses.dataclass(eq=False)
@@ -81,12 +86,16 @@ class Broker:
     may be called from any thread or a signal handler."""
 
     def __init__(self, sock_path: str | os.PathLike, policy: str = "lazy", log_path: str | os.PathLike | None = None,
-                 *, switch_timeout_s: float = 600.0):
+                 *, switch_timeout_s: float = 600.0, hold_timeout_s: float = HOLD_TIMEOUT_S):
         self.sock_path = check_sock_path(sock_path)
         self.policy = check_policy(policy)
         if not switch_timeout_s > 0:
             raise ValueError(f"switch_timeout_s ({switch_timeout_s}) must be positive")
+        if not hold_timeout_s > 0:
+            raise ValueError(f"hold_timeout_s ({hold_timeout_s}) must be positive (seconds; timeslice.hold_timeout_s)")
         self.switch_timeout_s = switch_timeout_s
+        self.hold_timeout_s = hold_timeout_s
+        self._hold_timer: asyncio.TimerHandle | None = None  # fails the holder past hold_timeout_s
         self.origin = time.monotonic()
         self.rows: list[dict] = []  # the record, also kept here
         self._log = JsonlWriter(log_path) if log_path is not None else None
@@ -283,6 +292,9 @@ class Broker:
     # ---- grants and switches
 
     def _release(self, **extra) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
         row, self._grant, self._holder = self._grant, None, None
         row.update(released=_r(self.now()), **extra)
         self._record(**row)
@@ -329,7 +341,18 @@ class Broker:
                        "restored": restored, "failed": False}
         self._send(head, {"op": "GRANT", "waited_s": now - req.requested, "restored": restored,
                           "parked": sw.parked, "granted": now})
+        self._hold_timer = self._loop.call_later(self.hold_timeout_s, self._overheld, head, self._grant)
         return True
+
+    def _overheld(self, t: _Tenant, grant: dict) -> None:
+        """The holder of `grant` still holds it past hold_timeout_s: it is failed, told why, and the grant
+        goes on."""
+        if self._grant is not grant or self._holder is not t or self._stopping:
+            return
+        why = (f"held the grant past timeslice.hold_timeout_s ({self.hold_timeout_s:g} s) in its phase "
+               f"{grant['phase']!r}; the broker failed it and granted the next tenant")
+        self._send(t, {"op": "ERROR", "error": f"tenant {t.name!r} {why}"})
+        self._fail(t, why)
 
     async def _command(self, t: _Tenant, op: str) -> None:
         """Send PARK or RESTORE and wait for the tenant's DONE; a failure or a silence past

@@ -6,8 +6,10 @@
     gate.add_parker(trainer_parker)       # while holding: parkers made inside a grant join later
     gate.close()                          # BYE: leaves cleanly (a process that dies is marked failed)
 
-The tenant's main thread calls `acquire` / `yield_` (or `phase`). A listener thread reads the
-connection: replies go to the main thread, and PARK / RESTORE are served there and then by the parkers
+The tenant's main thread calls `acquire` / `yield_` (or `phase`). A wait for the grant looks at the run's
+stop request every WAIT_S (a signal while the tenant trains only records it: colora/stopping.py) and
+raises `Interrupted` on one; its ACQUIRE stays with the broker, and `close` gives back a grant that came
+meanwhile. A listener thread reads the connection: replies go to the main thread, and PARK / RESTORE are served there and then by the parkers
 (PARK in the order given, RESTORE in reverse) and answered DONE with the seconds and the device bytes.
 The broker sends neither to the holder of the grant; the listener checks it and answers a broken
 promise with a failed DONE, which fails this tenant rather than parking state a phase is using.
@@ -26,7 +28,10 @@ import threading
 import time
 from typing import Iterator, Protocol, Sequence
 
+from colora import stopping
 from colora.timeslice.protocol import ProtocolError, check_sock_path, decode, encode
+
+WAIT_S = 0.5  # the longest a wait for the broker's answer goes without looking at the stop request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,9 +152,13 @@ class GpuGate(_GateBase):
     restores this tenant served: op, at (shared clock), seconds, bytes, and each parker's part."""
 
     def __init__(self, sock_path: str | os.PathLike, tenant: str, parkers: Sequence[Parker] = (), *,
-                 pids: Sequence[int] | None = None, resident_bytes: int = 0, connect_timeout_s: float = 30.0):
+                 pids: Sequence[int] | None = None, resident_bytes: int = 0, connect_timeout_s: float = 30.0,
+                 stop_request: stopping.StopRequest | None = None):
+        """stop_request: what a wait for the grant looks at; None: the stop request of the signal
+        handlers installed when it waits (the tenant's run's: colora/stopping.py `active`)."""
         super().__init__()
         self.tenant = tenant
+        self.stop_request = stop_request
         self.sock_path = check_sock_path(sock_path)
         self._parkers = list(parkers)
         self.events: list[dict] = []
@@ -191,9 +200,10 @@ class GpuGate(_GateBase):
 
     def acquire(self, phase: str) -> Grant:
         """Wait for the grant (FIFO behind the tenants asking before). Raises BrokerGone if the
-        broker stops meanwhile."""
+        broker stops meanwhile, Interrupted on a stop request (none is begun after one)."""
         self._check_acquire()
-        r = self._call({"op": "ACQUIRE", "tenant": self.tenant, "phase": phase}, "GRANT")
+        self._stop_check()
+        r = self._call({"op": "ACQUIRE", "tenant": self.tenant, "phase": phase}, "GRANT", stoppable=True)
         return Grant(float(r["waited_s"]), bool(r["restored"]), tuple(r["parked"]), float(r["granted"]))
 
     def yield_(self) -> Yielded:
@@ -229,15 +239,25 @@ class GpuGate(_GateBase):
         with self._wlock:
             self._sock.sendall(encode(msg))
 
-    def _call(self, msg: dict, expect: str) -> dict:
+    def _stop_check(self) -> None:
+        stop = self.stop_request or stopping.active()
+        if stop is not None:
+            stop.check()
+
+    def _call(self, msg: dict, expect: str, stoppable: bool = False) -> dict:
         with self._call_lock:
             if self._closed:
                 raise BrokerGone(f"tenant {self.tenant!r}'s gate is closed")
             try:
                 self._send(msg)
             except OSError as e:
-                raise BrokerGone(f"tenant {self.tenant!r}: {self._gone_reason} ({e})") from None
-            reply = self._replies.get()
+                raise BrokerGone(f"tenant {self.tenant!r}: {self._why_gone()} ({e})") from None
+            while True:  # the broker answers every message but ACQUIRE at once
+                try:
+                    reply = self._replies.get(timeout=WAIT_S if stoppable else None)
+                    break
+                except queue.Empty:
+                    self._stop_check()
             if reply is _EOF:
                 self._replies.put(_EOF)  # every later call sees it too
                 raise BrokerGone(f"tenant {self.tenant!r}: {self._gone_reason}")
@@ -246,6 +266,17 @@ class GpuGate(_GateBase):
             if reply["op"] != expect:
                 raise ProtocolError(f"tenant {self.tenant!r} expected {expect} and got {reply}")
             return reply
+
+    def _why_gone(self) -> str:
+        """Why the connection is gone: the ERROR the broker sent before it closed it (it fails a tenant
+        that holds the grant too long so), else how it ended. Read once the listener has read the end."""
+        self._listener.join(WAIT_S)
+        with contextlib.suppress(queue.Empty):
+            while (r := self._replies.get_nowait()) is not _EOF:
+                if r["op"] == "ERROR":
+                    self._gone_reason = r["error"]
+        self._replies.put(_EOF)
+        return self._gone_reason
 
     def _listen(self) -> None:
         try:
