@@ -176,6 +176,44 @@ def test_a_hung_write_ends_the_wait_after_its_timeout(tmp_path, monkeypatch):
         gate.set()
 
 
+def test_no_second_write_begins_beside_a_hung_one(tmp_path, monkeypatch):
+    """After the wait for a hung write gave up, the run's failure path asks for a checkpoint: it is
+    refused at once while the hung write lives (a second writer in the same checkpoints/ would sweep the
+    first one's temporary folder as torn), and the checkpoints go on once that write has ended."""
+    jobs = {"a": _Job()}
+    said = []
+    ck = _checkpointer(tmp_path, jobs, every=1, said=said)
+    hung, calls = threading.Event(), []
+    real = checkpoint.save
+
+    def save(*a, **k):
+        calls.append(a[1])
+        if len(calls) == 1:
+            hung.wait(60)
+        return real(*a, **k)
+
+    monkeypatch.setattr(checkpoint, "save", save)
+    monkeypatch.setattr(checkpoint, "WRITE_TIMEOUT_S", 0.2)
+    jobs["a"].step = 1
+    ck.maybe_save()
+    try:
+        with pytest.raises(CheckpointError, match="still being written"):
+            ck.wait()
+        jobs["a"].step = 2
+        with pytest.raises(CheckpointError, match="still being written"):
+            ck.save_now()
+        with pytest.raises(CheckpointError, match="still being written"):
+            ck.finish()
+        assert calls == [1], "a second write began beside the hung one"
+    finally:
+        hung.set()
+    for t in threading.enumerate():
+        if t.name == "colora-checkpoint":
+            t.join(30)
+    path = ck.save_now()  # the hung write has ended (and is logged): checkpoints go on
+    assert calls == [1, 2] and [_steps(p)["a"] for p in checkpoints(tmp_path)] == [1, 2] and path.name == "step-000002"
+
+
 # -- the time-slicing arm: a snapshot reads the trainer's state inside a grant --------------------------
 def test_a_snapshot_taken_outside_a_grant_takes_one_and_one_inside_uses_it(tmp_path):
     """In the time-slicing arm another tenant's grant may PARK this one's trainer, emptying its tensors:

@@ -182,6 +182,7 @@ class Checkpointer:
         self._written: dict = dict(self._saved)  # ... in the newest checkpoint on disk
         self._saved_path: Path | None = None
         self._writer: threading.Thread | None = None
+        self._overdue = False  # the write in flight outlived a wait (WRITE_TIMEOUT_S)
         # the last write's (tag, path or error, seconds, marks), until logged
         self._result: tuple[int, Path | BaseException, float, dict] | None = None
 
@@ -251,16 +252,19 @@ class Checkpointer:
     def wait(self) -> None:
         """Returns when no checkpoint is being written, having logged the last one; raises
         CheckpointError if it failed, or is still not written after WRITE_TIMEOUT_S (the checkpoints
-        before it are as they were)."""
-        writer, self._writer = self._writer, None
+        before it are as they were). A write that outlived one wait stays the one in flight: every later
+        wait raises at once while it lives, so no second write begins beside it in checkpoints/ (its
+        sweep of torn folders would remove the first one's)."""
+        writer = self._writer
         if writer is None:
             return
-        writer.join(WRITE_TIMEOUT_S)
+        writer.join(0.0 if self._overdue else WRITE_TIMEOUT_S)
         if writer.is_alive():
-            self._saved = self._written
+            self._saved, self._overdue = self._written, True
             raise CheckpointError(f"a checkpoint in {self.out / 'checkpoints'} is still being written after "
                                   f"{WRITE_TIMEOUT_S:.0f}s (a hung or very slow file system?); the checkpoints "
-                                  "before it are as they were")
+                                  "before it are as they were, and no other is written while it lasts")
+        self._writer, self._overdue = None, False
         (tag, result, secs, marks), self._result = self._result, None
         if isinstance(result, BaseException):
             self._saved = self._written  # due again as if this one had never been taken
