@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -18,6 +19,7 @@ from colora.service.backend import (
     ForwardResult,
 )
 from colora.service.scheduler import (
+    Backlog,
     Scheduler,
     SeqError,
     barrier_work,
@@ -193,3 +195,90 @@ def test_control_operations_run_first_on_the_trainer_thread(sched):
         sched.stop()
     assert threads == ["colora-trainer"]
     assert sched.backend.log[0] == ("create", "C") and sched.backend.log[1][0] == "cycle"
+
+
+def big(rid: str, model: str, seq: int, datums: int) -> object:
+    d = Datum(np.array([1, 2]), {"target_tokens": np.array([2, 3]), "weights": np.ones(2, np.float32)})
+    return forward_work(rid, ForwardCall(model, seq, (d,) * datums, "cross_entropy", {}))
+
+
+def test_a_small_models_step_waits_about_one_cycle_beside_a_heavy_backlog(tmp_path):
+    """A heavy tenant pipelines 20 requests of 600 datums; a small one sends one step. Counted in cycles
+    and in the heavy tenant's requests run first: the small step is answered in the first cycle, beside
+    one share of the backlog (1024 datums: one request a cycle), and the backlog runs on after it."""
+    answers, order = {}, []
+
+    def done(rid, o):
+        answers[rid] = o
+        order.append(rid)
+
+    s = Scheduler(Recorder(), done, tmp_path / "stats.jsonl", cycle_datums=1024, cycle_tokens=1 << 20)
+    s.add_model("heavy")
+    s.add_model("small")
+    for i in range(1, 21):
+        s.submit("heavy", big(f"h{i}", "heavy", i, 600))
+    s.submit("small", fwd("s1", "small", 1))
+    s.submit("small", optim_work("s2", "small", 2, AdamParams()))
+    s.run_cycle()
+    assert {"s1", "s2"} <= set(answers)
+    assert [r for r in order if r.startswith("h")] == ["h1"]  # one share of the backlog went first
+    cycles_run = 1
+    while s.run_cycle():
+        cycles_run += 1
+    assert cycles_run == 20 and all(f"h{i}" in answers for i in range(1, 21))
+    assert all(len([f for f in c[1] if f[0] == "heavy"]) == 1 for c in cycles(s))  # a share each cycle
+
+
+def test_a_share_always_holds_the_first_request_and_a_barrier_ends_it(tmp_path):
+    s = Scheduler(Recorder(), lambda *a: None, cycle_datums=2, cycle_tokens=1 << 20)
+    s.add_model("A")
+    s.submit("A", big("r1", "A", 1, 5))  # alone over the share: it runs, alone
+    s.submit("A", big("r2", "A", 2, 1))
+    s.submit("A", optim_work("r3", "A", 3, AdamParams()))
+    s.run_cycle()
+    s.run_cycle()
+    assert cycles(s) == [("cycle", [("A", 1)], []), ("cycle", [("A", 2)], [("A", 3)])]
+
+
+def test_submit_refuses_a_far_seq_id_a_full_queue_and_an_owners_bytes_without_taking_a_slot(sched):
+    s = Scheduler(Recorder(), lambda *a: None)
+    s.add_model("A", owner="alice")
+    s.add_model("B", owner="alice")
+    with pytest.raises(Backlog) as e:
+        s.submit("A", fwd("far", "A", 1 + 9), window=8)
+    assert e.value.limit == "seq_window" and e.value.value == 8 and "9 ahead" in e.value.message
+    s.submit("A", fwd("a2", "A", 2), window=8, max_pending=2)
+    s.submit("A", fwd("a3", "A", 3), window=8, max_pending=2)
+    with pytest.raises(Backlog) as e:
+        s.submit("A", fwd("a4", "A", 4), window=8, max_pending=2)
+    assert (e.value.limit, e.value.count) == ("pending_requests", 2)
+    s.submit("B", dataclasses.replace(fwd("b2", "B", 2), nbytes=700), max_owner_bytes=1000)
+    with pytest.raises(Backlog) as e:  # alice's two models share her bytes
+        s.submit("B", dataclasses.replace(fwd("b3", "B", 3), nbytes=400), max_owner_bytes=1000)
+    assert (e.value.limit, e.value.count) == ("pending_bytes", 700)
+    assert s.pending("alice") == (3, 700)
+    s.submit("A", fwd("a1", "A", 1))
+    s.submit("B", fwd("b1", "B", 1))
+    s.run_cycle()
+    assert s.pending("alice") == (0, 0)
+    assert s.submit("A", fwd("a4", "A", 4), window=8, max_pending=2) == ("a4", True)  # the refused one, again
+
+
+def test_a_failed_stats_write_answers_every_future_and_is_logged_once_per_burst(tmp_path, caplog):
+    stats = tmp_path / "stats-dir"
+    stats.mkdir()  # appending to a directory fails, as a full disk does
+    answers = {}
+    s = Scheduler(Recorder(), lambda rid, o: answers.__setitem__(rid, o), stats)
+    s.add_model("A")
+    with caplog.at_level("INFO", logger="colora.service"):
+        for i in range(1, 4):
+            s.submit("A", fwd(f"r{i}", "A", i))
+            s.run_cycle()
+        assert set(answers) == {"r1", "r2", "r3"} and all(o.error is None for o in answers.values())
+        failures = [r for r in caplog.records if "stats-dir" in r.getMessage() and r.levelname == "ERROR"]
+        assert len(failures) == 1, [r.getMessage() for r in caplog.records]
+        stats.rmdir()
+        s.submit("A", fwd("r4", "A", 4))
+        s.run_cycle()
+    assert "r4" in answers and any("written again (3 rows were dropped)" in r.getMessage() for r in caplog.records)
+    assert json.loads(stats.read_text())["forward"] == [["A", 4, 1, False]]

@@ -4,11 +4,13 @@
 thread (the trainer thread, the engine's) and wakes the loop with `call_soon_threadsafe`. A future
 belongs to the tenant whose request made it: another tenant's poll finds nothing. A resolved future
 is kept `ttl_s` for repeated polls (the SDK re-polls after a lost answer), then `sweep` drops it.
+`failure_answer` is the one place where a failed request's outcome becomes an HTTP answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,10 +18,22 @@ from dataclasses import dataclass, field
 from colora.service.scheduler import Outcome
 
 
+# What retrieve_future answers for a failure that may succeed if sent again (Outcome.retry). The SDK
+# raises RequestFailedError at a 200 with {error, category}; 410 would make its sampling client resubmit.
+RETRY_STATUS = 200
+
+
+def failure_answer(outcome: Outcome) -> tuple[int, dict]:
+    """(HTTP status, body) of retrieve_future for a failed request."""
+    body = {"error": outcome.error, "category": outcome.category}
+    return (RETRY_STATUS if outcome.retry else 200), body
+
+
 @dataclass
 class _Entry:
     tenant: str
     event: asyncio.Event
+    route: str = ""
     outcome: Outcome | None = None
     resolved_at: float = field(default=0.0)
 
@@ -31,21 +45,28 @@ class FutureStore:
         self._entries: dict[str, _Entry] = {}
         self._lock = threading.Lock()
 
-    def create(self, request_id: str, tenant: str) -> None:
+    def create(self, request_id: str, tenant: str, route: str = "") -> None:
         with self._lock:
-            self._entries[request_id] = _Entry(tenant, asyncio.Event())
+            self._entries[request_id] = _Entry(tenant, asyncio.Event(), route)
 
     def discard(self, request_id: str) -> None:
         with self._lock:
             self._entries.pop(request_id, None)
 
-    def resolve(self, request_id: str, outcome: Outcome) -> None:
+    def resolve(self, request_id: str, outcome: Outcome) -> tuple[str, str] | None:
+        """Answers the request; returns its (tenant, route), or None when it was unknown or answered."""
         with self._lock:
             e = self._entries.get(request_id)
             if e is None or e.outcome is not None:
-                return
+                return None
             e.outcome, e.resolved_at = outcome, time.monotonic()
-        self._loop.call_soon_threadsafe(e.event.set)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the server stopped, nobody polls
+            self._loop.call_soon_threadsafe(e.event.set)
+        return e.tenant, e.route
+
+    def unresolved(self) -> int:
+        with self._lock:
+            return sum(e.outcome is None for e in self._entries.values())
 
     def known(self, request_id: str, tenant: str) -> bool:
         with self._lock:

@@ -12,14 +12,24 @@ scheduler (invalid content) still takes its seq_id slot: it is answered with its
 the model goes on. Control operations (create, delete, load into a new model) run on the same thread
 at the start of a cycle, so the backend's training side is only ever touched from this thread.
 
-Each cycle that did work is one line of `stats.jsonl`: which models, which (model, seq_id) forward
-calls with how many datums, which optim_steps; `stats()` sums them (cycles, models per cycle, ...).
+Fairness: a model's share of one cycle is bounded (`cycle_datums`, `cycle_tokens` of forward calls; its
+first ready call always runs, however large). What is left waits for the next cycle, where every model
+again takes its share, the first model taken turning round from cycle to cycle. A tenant that
+pipelines a large backlog therefore delays another's step by about one cycle of shares, never by its
+whole backlog. What waits is bounded too: `submit` refuses a seq_id too far ahead of the one a model
+runs next, more pending requests than a model may hold, and more pending bytes than their owner (the
+tenant) may hold (`Backlog`, which the service answers 429).
+
+Each cycle that did work is one line of `stats.jsonl` (written after its futures are answered, so a
+full disk never leaves a request unanswered): which models, which (model, seq_id) forward calls with
+how many datums, which optim_steps; `stats()` sums them (cycles, models per cycle, ...).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,13 +42,19 @@ log = logging.getLogger("colora.service")
 SEEN_KEPT = 4096  # a model's most recent seq_ids whose request ids answer a retried POST
 
 
+STATS_MAX_BYTES = 256 << 20  # stats.jsonl is moved to stats.jsonl.1 (replacing it) past this size
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """What a request's future resolves to: a result, or an error with its category."""
+    """What a request's future resolves to: a result, or an error with its category. `retry`: the failure
+    is transient and the same request may succeed if sent again (an engine that restarted under it);
+    `colora/service/futures.py` `failure_answer` is the one place that maps it to an HTTP answer."""
 
     result: Any = None
     error: str | None = None
     category: Literal["user", "server"] = "user"
+    retry: bool = False
 
 
 Done = Callable[[str, Outcome], None]  # (request_id, outcome), called on the trainer thread
@@ -57,11 +73,19 @@ class Work:
     payload: Any = None
     error: str | None = None
     label: str = ""  # for the record: "save_weights", "load_weights", ...
+    nbytes: int = 0  # the request's body, counted against its owner's pending bytes while it waits
+
+    def size(self) -> tuple[int, int]:
+        """(datums, tokens) of a forward call; (0, 0) for anything else."""
+        if self.kind != "forward" or self.error is not None:
+            return 0, 0
+        return len(self.payload.datums), sum(len(d.tokens) for d in self.payload.datums)
 
 
 @dataclass
 class _Queue:
     next_seq: int
+    owner: str = ""
     pending: dict[int, Work] = field(default_factory=dict)
     seen: dict[int, str] = field(default_factory=dict)  # seq_id -> request_id, for retried POSTs
 
@@ -70,28 +94,45 @@ class SeqError(ValueError):
     """A seq_id that can no longer run (its turn has passed without it)."""
 
 
+class Backlog(Exception):
+    """A request refused because too much already waits: `limit` (a `Limits` field) of `value`, and the
+    `count` it would exceed; the message says so."""
+
+    def __init__(self, limit: str, value: int, count: int, message: str):
+        super().__init__(message)
+        self.limit, self.value, self.count, self.message = limit, value, count, message
+
+
 class Scheduler:
     """See the module docstring. `submit`, `add_model`, `remove_model` and `control` are thread-safe;
     `run_cycle` runs on the trainer thread (`start`), or is called directly by tests."""
 
-    def __init__(self, backend: Backend, done: Done, stats_path: Path | None = None, batch_window_s: float = 0.0):
+    def __init__(self, backend: Backend, done: Done, stats_path: Path | None = None, batch_window_s: float = 0.0,
+                 cycle_datums: int = 1 << 62, cycle_tokens: int = 1 << 62,
+                 observe: Callable[[list[tuple[Work, Outcome]]], None] | None = None):
         self.backend = backend
         self._done = done
         self._stats_path = stats_path
         self._window = batch_window_s
+        self._share = (cycle_datums, cycle_tokens)
+        self._observe = observe  # called on the trainer thread with each cycle's (work, outcome) pairs
         self._models: dict[str, _Queue] = {}
+        self._owner_bytes: dict[str, int] = {}
+        self._turn = 0  # which model takes its share first this cycle
         self._control: list[tuple[str | None, Callable[[Backend], Any]]] = []
         self._cond = threading.Condition()
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._stats_failing = 0  # rows not written since the stats file last failed (logged once per burst)
         self._totals = {"cycles": 0, "forward_calls": 0, "forward_datums": 0, "optim_steps": 0, "barriers": 0,
                         "max_models_per_cycle": 0, "multi_model_cycles": 0, "max_forward_calls_per_cycle": 0,
-                        "max_optim_steps_per_pass": 0, "multi_model_optim_passes": 0}
+                        "max_optim_steps_per_pass": 0, "multi_model_optim_passes": 0, "cycle_seconds_sum": 0.0,
+                        "last_cycle_seconds": 0.0, "cycle_models_sum": 0}
 
     # -- submission (any thread) -------------------------------------------------------------------
-    def add_model(self, model_id: str, next_seq: int = 1) -> None:
+    def add_model(self, model_id: str, next_seq: int = 1, owner: str = "") -> None:
         with self._cond:
-            self._models[model_id] = _Queue(next_seq)
+            self._models[model_id] = _Queue(next_seq, owner)
 
     def has_model(self, model_id: str) -> bool:
         with self._cond:
@@ -101,13 +142,18 @@ class Scheduler:
         """Forgets the model; its requests still waiting are answered with `reason`."""
         with self._cond:
             q = self._models.pop(model_id, None)
+            for w in (q.pending.values() if q else ()):
+                self._owner_bytes[q.owner] -= w.nbytes
         for w in (q.pending.values() if q else ()):
             self._done(w.request_id, Outcome(error=reason, category="user"))
 
-    def submit(self, model_id: str, work: Work) -> tuple[str, bool]:
+    def submit(self, model_id: str, work: Work, window: int | None = None, max_pending: int | None = None,
+               max_owner_bytes: int | None = None) -> tuple[str, bool]:
         """Queues `work` in its model's seq order. Returns (request_id, new): a seq_id seen before returns
         the first request's id and new=False. Raises KeyError for an unknown model, SeqError for a
-        seq_id whose turn has passed."""
+        seq_id whose turn has passed, Backlog for a seq_id beyond the model's next plus `window`, a
+        model holding `max_pending` requests already, or an owner whose pending bytes would pass
+        `max_owner_bytes` (a request alone is never refused for its size: max_request_bytes bounds it)."""
         assert work.model_id == model_id, (work.model_id, model_id)
         with self._cond:
             q = self._models[model_id]
@@ -116,10 +162,30 @@ class Scheduler:
             if work.seq_id < q.next_seq:
                 raise SeqError(f"seq_id {work.seq_id} of model {model_id} comes after its turn (or is too old to "
                                f"answer again): the model is at seq_id {q.next_seq}")
+            if window is not None and work.seq_id > q.next_seq + window:
+                raise Backlog("seq_window", window, work.seq_id - q.next_seq,
+                              f"seq_id {work.seq_id} of model {model_id} is {work.seq_id - q.next_seq} ahead of the "
+                              f"one it runs next ({q.next_seq}); limits.seq_window = {window}")
+            if max_pending is not None and len(q.pending) >= max_pending:
+                raise Backlog("pending_requests", max_pending, len(q.pending),
+                              f"model {model_id} holds {len(q.pending)} requests not yet run; limits.pending_requests = "
+                              f"{max_pending}: wait for their results")
+            held = self._owner_bytes.get(q.owner, 0)
+            if max_owner_bytes is not None and held and held + work.nbytes > max_owner_bytes:
+                raise Backlog("pending_bytes", max_owner_bytes, held,
+                              f"requests of {held} bytes wait to run; this one's {work.nbytes} would pass "
+                              f"limits.pending_bytes = {max_owner_bytes}: wait for their results")
             q.pending[work.seq_id] = work
             q.seen[work.seq_id] = work.request_id
+            self._owner_bytes[q.owner] = held + work.nbytes
             self._cond.notify()
             return work.request_id, True
+
+    def pending(self, owner: str) -> tuple[int, int]:
+        """(requests, bytes) of `owner`'s models accepted and not yet run."""
+        with self._cond:
+            return (sum(len(q.pending) for q in self._models.values() if q.owner == owner),
+                    self._owner_bytes.get(owner, 0))
 
     def control(self, request_id: str | None, fn: Callable[[Backend], Any]) -> None:
         """Runs fn(backend) on the trainer thread before the next cycle; answers request_id with its
@@ -171,9 +237,15 @@ class Scheduler:
         results = list(zip(forward, fwd_out)) + list(zip(optim, opt_out))
         for w in barriers:
             results.append((w, _call(lambda: w.payload(self.backend))))
-        self._record(forward, optim, barriers, time.perf_counter() - t0)
-        for w, outcome in results:
+        seconds = time.perf_counter() - t0
+        for w, outcome in results:  # first: whatever fails after, every request of the cycle is answered
             self._done(w.request_id, outcome)
+        if self._observe is not None:
+            try:
+                self._observe(results)
+            except Exception:
+                log.exception("counting a cycle's results failed")
+        self._record(forward, optim, barriers, seconds)
         return True
 
     def _run_control(self) -> list:
@@ -186,13 +258,26 @@ class Scheduler:
         return control
 
     def _take(self) -> tuple[list[Work], list[Work], list[Work], list[Work]]:
-        """Every model's ready requests up to and including its first barrier, out of the queues."""
+        """Every model's share of ready requests (module docstring), up to and including its first
+        barrier, out of the queues."""
         forward, optim, barriers, failed = [], [], [], []
         with self._cond:
-            for q in self._models.values():
+            queues = list(self._models.values())
+            if queues:
+                first = self._turn % len(queues)
+                queues = queues[first:] + queues[:first]
+                self._turn = first + 1
+            for q in queues:
+                datums = tokens = 0
                 while q.next_seq in q.pending:
-                    w = q.pending.pop(q.next_seq)
+                    w = q.pending[q.next_seq]
+                    d, t = w.size()
+                    if (datums or tokens) and (datums + d > self._share[0] or tokens + t > self._share[1]):
+                        break  # the model's share of this cycle is spent: the rest waits for the next
+                    del q.pending[q.next_seq]
+                    self._owner_bytes[q.owner] -= w.nbytes
                     q.next_seq += 1
+                    datums, tokens = datums + d, tokens + t
                     if w.error is not None:
                         failed.append(w)
                     elif w.kind == "forward":
@@ -234,14 +319,29 @@ class Scheduler:
         t["max_forward_calls_per_cycle"] = max(t["max_forward_calls_per_cycle"], len(forward))
         t["max_optim_steps_per_pass"] = max(t["max_optim_steps_per_pass"], len(optim))
         t["multi_model_optim_passes"] += len(optim) > 1
+        t["cycle_seconds_sum"] += seconds
+        t["last_cycle_seconds"] = seconds
+        t["cycle_models_sum"] += len(models)
         if self._stats_path is None:
             return
         row = {"cycle": t["cycles"], "time": round(time.time(), 3), "seconds": round(seconds, 6), "models": models,
                "forward": [[w.model_id, w.seq_id, len(w.payload.datums), w.payload.forward_only] for w in forward],
                "optim": [[w.model_id, w.seq_id] for w in optim],
                "barriers": [[w.model_id, w.seq_id, w.label] for w in barriers]}
-        with open(self._stats_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        try:
+            if self._stats_path.is_file() and self._stats_path.stat().st_size > STATS_MAX_BYTES:
+                os.replace(self._stats_path, f"{self._stats_path}.1")
+            with open(self._stats_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            if not self._stats_failing:
+                log.error("writing %s failed (%s: %s); rows are dropped until it works again",
+                          self._stats_path.name, type(e).__name__, e)
+            self._stats_failing += 1
+            return
+        if self._stats_failing:
+            log.info("%s is written again (%d rows were dropped)", self._stats_path.name, self._stats_failing)
+            self._stats_failing = 0
 
     def stats(self) -> dict:
         """The counters of every cycle so far (module docstring)."""
