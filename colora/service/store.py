@@ -6,7 +6,15 @@
 
 A checkpoint's Tinker path is `tinker://<model_id>/weights/<name>` (or `sampler_weights`); it resolves
 only inside the asking tenant's folder, so another tenant's path is simply not found. A checkpoint is
-written into a temporary folder and renamed into place, so a reader never sees half of one.
+written into a temporary folder `.tmp-<name>-<n>` and renamed into place, so a reader never sees half of
+one; an overwrite first renames the old one aside (`.old-<name>-<n>`), then swaps, then deletes it, so a
+kill at any moment leaves the old or the new checkpoint. `sweep` (at the server's start) removes what a
+kill left: temporary folders, an old one whose new one is in place (one that is not is put back), and
+the folders of models that hold no checkpoint (no model outlives a restart).
+
+The store keeps each tenant's count and bytes of checkpoints (`usage`, for the quotas) and which
+checkpoints expire: one saved with `ttl_seconds` expires that long after its save, and `expired` lists
+those whose time has come for the server's reaper to delete.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -23,7 +32,7 @@ from typing import Literal
 from colora.service.backend import LoraSpec
 
 KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> Tinker checkpoint_type
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # fullmatch: no trailing newline slips through
 META = "tinker.json"
 
 
@@ -42,7 +51,7 @@ class CheckpointPath:
 
 
 def check_name(name: str, field: str = "path") -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise CheckpointError(f"{field} {name!r} must be 1-128 letters, digits, '_', '-' or '.', not starting "
                               "with '.' or '-'")
     return name
@@ -68,12 +77,74 @@ def _now() -> str:
 class Store:
     def __init__(self, root: Path):
         self.root = Path(root)
+        self._lock = threading.Lock()
+        self._usage: dict[str, dict[str, int]] = {}  # tenant -> tinker path -> bytes
+        self._expiry: dict[tuple[str, str], float] = {}  # (tenant, tinker path) -> unix time it expires
 
     def _model_dir(self, tenant: str, model_id: str) -> Path:
         if "/" in model_id or model_id in (".", "..") or not model_id:
             raise CheckpointError(f"model id {model_id!r} is invalid")
         return self.root / "tenants" / tenant / model_id
 
+    def _checkpoints(self, d: Path):
+        """(CheckpointPath, folder, tinker.json) of every checkpoint in model folder d, temporary ones skipped."""
+        for kind in KINDS:
+            for meta in sorted((d / kind).glob(f"*/{META}")):
+                if not meta.parent.name.startswith("."):
+                    yield CheckpointPath(d.name, kind, meta.parent.name), meta.parent, json.loads(meta.read_text())
+
+    # -- start -------------------------------------------------------------------------------------
+    def sweep(self) -> list[str]:
+        """What a killed server left (module docstring), removed; every tenant's usage and expiry read.
+        Returns what it did, a line each, for the operator's log."""
+        done = []
+        for d in sorted((self.root / "tenants").glob("*/*")):
+            for kind in KINDS:
+                for x in sorted((d / kind).glob(".*")):
+                    m = re.fullmatch(r"\.(tmp|old)-(.+)-\d+", x.name)
+                    if m and m[1] == "old" and not (d / kind / m[2]).exists():
+                        x.rename(d / kind / m[2])
+                        done.append(f"put back {d.parent.name}'s tinker://{d.name}/{kind}/{m[2]} (a kill mid-overwrite)")
+                    elif m:
+                        shutil.rmtree(x, ignore_errors=True)
+                        done.append(f"removed {d.parent.name}'s unfinished {kind}/{x.name} of {d.name}")
+            if not any(self._checkpoints(d)):
+                shutil.rmtree(d, ignore_errors=True)
+                continue
+            for cp, folder, info in self._checkpoints(d):
+                self._count(d.parent.name, cp, folder, info)
+        return done
+
+    def _count(self, tenant: str, cp: CheckpointPath, folder: Path, info: dict) -> None:
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        with self._lock:
+            self._usage.setdefault(tenant, {})[str(cp)] = size
+            if info.get("expires_at") is not None:
+                self._expiry[(tenant, str(cp))] = float(info["expires_at"])
+
+    def _uncount(self, tenant: str, cp: CheckpointPath) -> None:
+        with self._lock:
+            self._usage.get(tenant, {}).pop(str(cp), None)
+            self._expiry.pop((tenant, str(cp)), None)
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(checkpoints, bytes) the tenant holds on disk."""
+        with self._lock:
+            held = self._usage.get(tenant, {})
+            return len(held), sum(held.values())
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return sorted(t for t, held in self._usage.items() if held)
+
+    def expired(self, now: float | None = None) -> list[tuple[str, CheckpointPath]]:
+        """(tenant, checkpoint) of every checkpoint whose ttl_seconds have passed."""
+        now = time.time() if now is None else now
+        with self._lock:
+            due = [k for k, t in self._expiry.items() if t <= now]
+        return [(tenant, parse_path(path)) for tenant, path in due]
+
+    # -- records -----------------------------------------------------------------------------------
     def write_run(self, tenant: str, model_id: str, base_model: str, spec: LoraSpec, user_metadata=None) -> None:
         d = self._model_dir(tenant, model_id)
         d.mkdir(parents=True, exist_ok=True)
@@ -85,6 +156,16 @@ class Store:
         f = self._model_dir(tenant, model_id) / "run.json"
         return json.loads(f.read_text()) if f.is_file() else None
 
+    def forget_model(self, tenant: str, model_id: str) -> bool:
+        """Removes the folder of a model that no longer lives (its session ended) once it holds no
+        checkpoint; returns whether it did."""
+        d = self._model_dir(tenant, model_id)
+        if not d.is_dir() or any(self._checkpoints(d)):
+            return False
+        shutil.rmtree(d, ignore_errors=True)
+        return True
+
+    # -- checkpoints -------------------------------------------------------------------------------
     def dir_of(self, tenant: str, cp: CheckpointPath) -> Path:
         return self._model_dir(tenant, cp.model_id) / cp.kind / cp.name
 
@@ -100,42 +181,62 @@ class Store:
         return cp, d, json.loads((d / META).read_text())
 
     def write(self, tenant: str, cp: CheckpointPath, base_model: str, spec: LoraSpec, writer, overwrite: bool = False,
-              **meta) -> Path:
-        """Calls writer(tmp_dir) (the backend writes its files), adds tinker.json, renames into place."""
+              ttl_seconds: int | None = None, **meta) -> Path:
+        """Calls writer(tmp_dir) (the backend writes its files), adds tinker.json, renames into place
+        (module docstring). `meta` goes into tinker.json (`automatic`: saved without a name)."""
         final = self.dir_of(tenant, cp)
         if final.exists() and not overwrite:
             raise CheckpointError(f"checkpoint {cp} exists; save under another name or pass overwrite")
-        tmp = final.parent / f".tmp-{cp.name}-{time.monotonic_ns()}"
+        n = time.monotonic_ns()
+        tmp, aside = final.parent / f".tmp-{cp.name}-{n}", final.parent / f".old-{cp.name}-{n}"
         tmp.mkdir(parents=True)
         try:
             writer(tmp)
             info = {"checkpoint_id": f"{cp.kind}/{cp.name}", "checkpoint_type": KINDS[cp.kind], "tinker_path": str(cp),
-                    "time": _now(), "base_model": base_model, "lora": asdict(spec), **meta}
+                    "time": _now(), "base_model": base_model, "lora": asdict(spec), "ttl_seconds": ttl_seconds,
+                    "expires_at": None if ttl_seconds is None else round(time.time() + ttl_seconds, 3), **meta}
             (tmp / META).write_text(json.dumps(info, indent=1))
             if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+                final.rename(aside)
+            try:
+                tmp.rename(final)
+            except BaseException:
+                if aside.exists() and not final.exists():
+                    aside.rename(final)
+                raise
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
+        shutil.rmtree(aside, ignore_errors=True)
+        self._uncount(tenant, cp)
+        self._count(tenant, cp, final, info)
         return final
 
-    def delete(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
+    def delete(self, tenant: str, model_id: str, checkpoint_id: str) -> CheckpointPath:
         kind, _, name = checkpoint_id.partition("/")
-        _, d, _ = self.find(tenant, f"tinker://{model_id}/{kind}/{name}", field="checkpoint_id")
+        cp, d, _ = self.find(tenant, f"tinker://{model_id}/{kind}/{name}", field="checkpoint_id")
+        self._uncount(tenant, cp)
         shutil.rmtree(d)
+        return cp
+
+    def prune_automatic(self, tenant: str, model_id: str, keep: int) -> list[CheckpointPath]:
+        """Deletes the model's oldest checkpoints saved without a name beyond the newest `keep`."""
+        auto = [c for c in self.list(tenant, model_id) if c.get("automatic")]
+        gone = []
+        for c in auto[:max(0, len(auto) - keep)]:
+            gone.append(self.delete(tenant, model_id, c["checkpoint_id"]))
+        return gone
 
     def list(self, tenant: str, model_id: str) -> list[dict]:
-        """Every checkpoint of the model, oldest first, as Tinker's Checkpoint objects."""
-        d = self._model_dir(tenant, model_id)
+        """Every checkpoint of the model, oldest first, as Tinker's Checkpoint objects (+ `automatic`,
+        `expires_at`)."""
         out = []
-        for kind in KINDS:
-            for meta in sorted((d / kind).glob(f"*/{META}")):
-                info = json.loads(meta.read_text())
-                size = sum(f.stat().st_size for f in meta.parent.rglob("*") if f.is_file())
-                out.append({"checkpoint_id": info["checkpoint_id"], "checkpoint_type": info["checkpoint_type"],
-                            "time": info["time"], "tinker_path": info["tinker_path"], "size_bytes": size,
-                            "public": False, "user_metadata": info.get("user_metadata")})
+        for _, folder, info in self._checkpoints(self._model_dir(tenant, model_id)):
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            out.append({"checkpoint_id": info["checkpoint_id"], "checkpoint_type": info["checkpoint_type"],
+                        "time": info["time"], "tinker_path": info["tinker_path"], "size_bytes": size,
+                        "public": False, "user_metadata": info.get("user_metadata"),
+                        "automatic": bool(info.get("automatic")), "expires_at": info.get("expires_at")})
         return sorted(out, key=lambda c: c["time"])
 
     def training_run(self, tenant: str, model_id: str) -> dict:
