@@ -1,16 +1,32 @@
 """The JSON request bodies of the Tinker API as SDK 0.38 sends them (`tinker/types/*_request.py`).
 
 Fields the service does not use are ignored (the SDK adds fields often; a strict schema would break on
-every release); a field it uses with a wrong type is an error naming it.
+every release); a field it uses with a wrong type is an error naming it. `user_metadata` is kept on
+disk with the run or checkpoint: at most MAX_METADATA_BYTES of JSON. `ttl_seconds` is from 1 s to ten
+years.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import json
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from colora.service.backend import AdamParams
+
+MAX_METADATA_BYTES = 16 << 10
+
+
+def _bounded(v):
+    if v is not None and len(json.dumps(v)) > MAX_METADATA_BYTES:
+        raise ValueError(f"is {len(json.dumps(v))} bytes of JSON; this server keeps at most {MAX_METADATA_BYTES}")
+    return v
+
+
+Metadata = Annotated[Optional[dict[str, Any]], AfterValidator(_bounded)]
+StrMetadata = Annotated[Optional[dict[str, str]], AfterValidator(_bounded)]
+Ttl = Optional[Annotated[int, Field(ge=1, le=10 * 365 * 86400)]]
 
 
 class Body(BaseModel):
@@ -19,7 +35,7 @@ class Body(BaseModel):
 
 class CreateSession(Body):
     tags: list[str] = []
-    user_metadata: Optional[dict[str, Any]] = None
+    user_metadata: Metadata = None
     sdk_version: str = ""
     project_id: Optional[str] = None
     display_name: Optional[str] = None
@@ -48,7 +64,7 @@ class CreateModel(Body):
     base_model: str
     lora_config: Optional[LoraConfig] = None
     optimizer_config: OptimizerConfig = OptimizerConfig()
-    user_metadata: Optional[dict[str, Any]] = None
+    user_metadata: Metadata = None
 
 
 class ModelRef(Body):
@@ -79,8 +95,8 @@ class SaveWeights(Body):
     seq_id: int
     path: Optional[str] = None
     overwrite: bool = False
-    ttl_seconds: Optional[int] = None
-    user_metadata: Optional[dict[str, str]] = None
+    ttl_seconds: Ttl = None
+    user_metadata: StrMetadata = None
 
 
 class SaveWeightsForSampler(Body):
@@ -89,8 +105,8 @@ class SaveWeightsForSampler(Body):
     path: Optional[str] = None
     sampling_session_seq_id: Optional[int] = None
     kind: str = "snapshot"
-    ttl_seconds: Optional[int] = None
-    user_metadata: Optional[dict[str, str]] = None
+    ttl_seconds: Ttl = None
+    user_metadata: StrMetadata = None
 
 
 class LoadWeights(Body):
@@ -101,7 +117,7 @@ class LoadWeights(Body):
     session_id: Optional[str] = None
     model_seq_id: Optional[int] = None
     base_model: Optional[str] = None
-    user_metadata: Optional[dict[str, Any]] = None
+    user_metadata: Metadata = None
     optimizer_config: Optional[OptimizerConfig] = None
 
 
