@@ -109,6 +109,34 @@ def test_resume_of_a_run_whose_corunners_all_completed_only_merges(tiny_model_di
                                                                          ("count", "mod", "count2", "mod2")}
 
 
+def test_a_corunner_whose_checkpoints_are_all_damaged_starts_again_on_resume(tiny_model_dir, tmp_path, monkeypatch):
+    """Co-runner 0 was killed with only a torn checkpoint (its manifest there, its state.pt cut short), co-runner
+    1 with a sound one: --resume continues 1 from its checkpoint and runs 0 again from the start (its old
+    directory kept aside), where 0's resume would otherwise fail on every attempt."""
+    import colora.cluster.driver as driver
+    from colora.record.runlog import write_json_atomic
+    from colora.run.checkpoint import save
+
+    cfg = four_jobs(tiny_model_dir)
+    placement = [["count", "mod"], ["count2", "mod2"]]
+    write_json_atomic(tmp_path / "cluster.json", {"config": cfg.to_dict(), "hash": cfg.hash(), "gpus": 2,
+                                                  "placement": placement})
+    write_json_atomic(tmp_path / "status.json", {"state": "running"})
+    for i, names in enumerate(placement):
+        d = tmp_path / "gpus" / str(i)
+        write_json_atomic(d / "status.json", {"state": "running", "pid": 1})
+        path = save(d, 1, {"config_hash": cfg.hash(), "jobs": {n: {"step": 1} for n in names}}, keep=2)
+        if i == 0:
+            state = path / "state.pt"
+            state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    ran = {}
+    monkeypatch.setattr(driver, "_execute", lambda cfg, out, shares, *a, **k: ran.update({s.index: s for s in shares}))
+    said = []
+    driver.resume_cluster(tmp_path, log=said.append)
+    assert not ran[0].resume and ran[1].resume
+    assert not (tmp_path / "gpus" / "0").exists() and any("gpu 0: no sound checkpoint" in s for s in said), said
+
+
 # -- clean-up -----------------------------------------------------------------------------------------
 def _sleeper(token: str | None) -> subprocess.Popen:
     env = dict(os.environ)

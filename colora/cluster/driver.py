@@ -51,6 +51,7 @@ from colora.cluster.placement import Outcome, job_cost, merge_eval, merge_summar
 from colora.cluster.reaper import reap
 from colora.config import Config, ConfigError, from_dict
 from colora.record.runlog import read_jsonl, write_json_atomic
+from colora.run.checkpoint import newest_sound
 from colora.run.preflight import RunError, check_sizes, load_tasks, resolve_model
 from colora.run.rundir import move_aside, run_state
 from colora.run.runner import RunFailed
@@ -375,7 +376,7 @@ def is_cluster_run(out: str | Path) -> bool:
 def resume_cluster(out: str | Path, gpus: int | None = None, address: str | None = None,
                    log: Callable[[str], None] = print, **kw) -> dict:
     """Continue a run of `run_cluster`: complete co-runners are kept, the others go on from their
-    newest checkpoint (from the start where they have none, the old directory kept aside), at most
+    newest sound checkpoint (from the start where none verifies, the old directory kept aside), at most
     `gpus` at once (default: the run's own number); returns the merged summary."""
     out = Path(out)
     meta = json.loads((out / "cluster.json").read_text())
@@ -392,10 +393,10 @@ def resume_cluster(out: str | Path, gpus: int | None = None, address: str | None
                                 started=info.pop("started", 0.0), ended=info.pop("ended", 0.0),
                                 info={k: v for k, v in info.items() if k not in ("jobs", "dir", "error")}))
             continue
-        if any((d / "checkpoints").glob("step-*/manifest.json")):
+        if newest_sound(d) is not None:  # one that verifies: a resume of damaged ones alone fails every time
             resume.add(i)
         elif d.exists():
-            log(f"gpu {i}: no checkpoint; its run starts again (the old one kept as {move_aside(d).name})")
+            log(f"gpu {i}: no sound checkpoint; its run starts again (the old one kept as {move_aside(d).name})")
         todo.append(i)
     if gpus is not None and gpus < 1:
         raise RunError(f"--gpus ({gpus}) must be at least 1")
