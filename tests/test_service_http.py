@@ -17,6 +17,7 @@ from colora.service.config import ServeConfig, ServeConfigError, load_api_keys
 from colora.service.fake import FakeBackend
 
 A, B = {"X-API-Key": "tml-alice-0000"}, {"X-API-Key": "tml-bob-00000"}
+ADMIN = {"X-API-Key": "tml-admin-0000"}  # reads the whole server's statistics; not a tenant
 KEYS = {"tml-alice-0000": "alice", "tml-bob-00000": "bob"}
 MODEL = "fake/base/model"
 
@@ -36,6 +37,19 @@ class GatedFake(FakeBackend):
         return super().train_cycle(forward, optim)
 
 
+class GatedSampling(GatedFake):
+    """Also samples wait while `sampling` is clear."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.sampling = threading.Event()
+        self.sampling.set()
+
+    def _sample(self, call):
+        self.sampling.wait(30)
+        return super()._sample(call)
+
+
 def eventually(check, timeout: float = 10.0) -> bool:
     """Whether check() becomes true within timeout seconds (the trainer and the reaper are threads)."""
     end = time.monotonic() + timeout
@@ -46,9 +60,10 @@ def eventually(check, timeout: float = 10.0) -> bool:
     return True
 
 
-def make(tmp_path, **cfg) -> tuple[TestClient, GatedFake]:
-    backend = GatedFake(MODEL, vocab_size=32, eos_token_id=0, max_context=64, max_lora_rank=16)
-    config = ServeConfig(out=tmp_path, api_keys=KEYS, **{"poll_hold_s": 5.0, **cfg})
+def make(tmp_path, backend=GatedFake, **cfg) -> tuple[TestClient, GatedFake]:
+    backend = backend(MODEL, vocab_size=32, eos_token_id=0, max_context=64, max_lora_rank=16)
+    config = ServeConfig(out=tmp_path, api_keys=KEYS, **{"poll_hold_s": 5.0, "admin_keys": frozenset(ADMIN.values()),
+                                                         **cfg})
     return TestClient(create_app(config, backend)), backend
 
 
@@ -221,7 +236,7 @@ def test_two_tenants_models_share_a_cycle_behind_a_busy_trainer(tmp_path):
         backend.gate.set()
         for rid, key in ((first, A), (ra, A), (rb, B), (oa, A), (ob, B)):
             assert "error" not in result(c, rid, key)
-        stats = c.get("/api/v1/colora/stats", headers=A).json()
+        stats = c.get("/api/v1/colora/stats", headers=ADMIN).json()["server"]
         assert stats["multi_model_cycles"] >= 1 and stats["max_optim_steps_per_pass"] == 2, stats
         rows = [r for r in (tmp_path / "stats.jsonl").read_text().splitlines() if ma in r and mb in r]
         assert rows, "no cycle held both tenants' rows"
@@ -237,7 +252,9 @@ def test_lapsed_heartbeats_end_the_session_free_its_model_and_release_its_sample
         assert eventually(lambda: mid not in backend.model_ids and backend.live_samplers == 0)
         assert post(c, "session_heartbeat", {"session_id": sid}).status_code == 410
         assert post(c, "get_info", {"model_id": mid}).status_code == 404
-        assert c.get(f"/api/v1/training_runs/{mid}", headers=A).json()["training_run_id"] == mid  # the record stays
+        # a model that saved no checkpoint leaves nothing behind: its folder (and record) goes with it
+        assert eventually(lambda: not (tmp_path / "tenants" / "alice" / mid).exists())
+        assert c.get(f"/api/v1/training_runs/{mid}", headers=A).status_code == 404
 
 
 def test_sampling_dedupes_by_seq_id_and_checks_its_parameters(tmp_path):

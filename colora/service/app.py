@@ -1,36 +1,62 @@
 """The Tinker API over HTTP (FastAPI): routes, auth, body limits, error answers, long polls.
 
-Every route but healthz needs an `X-API-Key` of a tenant (`colora/service/config.py`); an unknown key
-is a 401 with a body. Every error answer has the body `{error, category}`. POSTs are answered at once
-with a future (`{request_id, ...}`); `retrieve_future` holds a poll up to `poll_hold_s` and then answers
-408, which the SDK retries silently. forward_backward results and samples come back as protobuf when
-the client asks for it (SDK 0.25+ always does). The SDK and its routes are described in
-`docs/serving.md`; the operations themselves live in `colora/service/service.py`.
+Every route but healthz needs an `X-API-Key` of a tenant (`colora/service/config.py`), checked before
+any body is read; an unknown key is a 401 with a body. Every error answer, an unknown route's 404
+included, has the body `{error, category}`, with no server path in it, and is one line of the
+operator's log. POSTs are answered at once with a future (`{request_id, ...}`); `retrieve_future` holds
+a poll up to `poll_hold_s` and then answers 408, which the SDK retries silently. forward_backward
+results and samples come back as protobuf when the client asks for it (SDK 0.25+ always does). A
+request of a model whose JSON body does not validate still takes its seq_id slot when its model_id and
+seq_id can be read, so the model's next request runs. `/api/v1/healthz` (and `/healthz`) tell the
+backend's health: 200 when ok, 503 with the reason when degraded or restarting. The SDK and its routes
+are described in `docs/serving.md`; the operations themselves live in `colora/service/service.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
 import logging
 import threading
 from contextlib import asynccontextmanager
+from typing import Callable, Iterable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from colora.service import schemas, wire
 from colora.service.backend import Backend, ForwardResult, SampleResult
 from colora.service.config import ServeConfig
+from colora.service.futures import failure_answer
 from colora.service.service import ApiError, Service
 
 log = logging.getLogger("colora.service")
 PROTO = "application/x-protobuf"
+NO_KEY = "(no key)"  # the operator's record of a request without a tenant's key
 
 
-def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
-    """The service's ASGI app; `app.state.service` is its Service once the app has started."""
+def request_tenant(request: Request) -> str:
+    """The tenant of the request's X-API-Key (401 otherwise), remembered for the operator's record."""
+    t = request.app.state.config.tenant_of(request.headers.get("x-api-key"))
+    if t is None:
+        raise ApiError(401, "the X-API-Key header holds no key of this server (the SDK sends TINKER_API_KEY)")
+    request.state.tenant = t
+    return t
+
+
+def request_is_admin(request: Request) -> bool:
+    """Whether the request's X-API-Key is one of the server's admin keys."""
+    return request.app.state.config.is_admin(request.headers.get("x-api-key"))
+
+
+def create_app(config: ServeConfig, backend: Backend, extra: Iterable[Callable[[FastAPI], None]] = ()) -> FastAPI:
+    """The service's ASGI app; `app.state.service` is its Service once the app has started. Each of
+    `extra` is called with the app once its own routes are in, to add routes of its own (the lead's
+    wiring of the metrics, the status page and the RestClient's listings)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -45,24 +71,39 @@ def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
             await asyncio.to_thread(svc.stop)
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.config = config
+
+    def answer_error(request: Request, e: ApiError) -> JSONResponse:
+        svc = getattr(request.app.state, "service", None)
+        if svc is not None:
+            e.message = svc.scrub(e.message)
+            svc.journal.record(getattr(request.state, "tenant", NO_KEY), _route(request), e.status, e.category,
+                               e.message)
+        return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return JSONResponse({"error": e.message, "category": e.category}, status_code=e.status)
+        return answer_error(request, e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):  # an unknown route or method
+        what = "no such route" if e.status_code == 404 else e.detail
+        return answer_error(request, ApiError(e.status_code, f"{request.method} {request.url.path}: {what} on "
+                                                             "this server (docs/serving.md lists its routes)"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return answer_error(request, ApiError(400, f"{request.url.path}: {e.errors()[0].get('msg', 'invalid')}"))
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception):
         log.exception("%s %s failed", request.method, request.url.path)
-        return JSONResponse({"error": f"{type(e).__name__}: {e}", "category": "server"}, status_code=500)
+        return answer_error(request, ApiError(500, f"{type(e).__name__}: {e}", "server"))
 
     def svc(request: Request) -> Service:
         return request.app.state.service
 
-    def tenant(request: Request) -> str:
-        t = config.tenant_of(request.headers.get("x-api-key"))
-        if t is None:
-            raise ApiError(401, "the X-API-Key header holds no key of this server (the SDK sends TINKER_API_KEY)")
-        return t
+    tenant = request_tenant
 
     async def body(request: Request) -> bytes:
         limit = config.max_request_bytes
@@ -80,14 +121,28 @@ def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
             raw = _unzstd(raw, limit)
         return raw
 
-    async def parsed(request: Request, model: type[BaseModel]):
-        raw = await body(request)
+    def validated(raw: bytes, model: type[BaseModel]):
         try:
             return model.model_validate_json(raw or b"{}")
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(map(str, err["loc"])) or "body"
             raise ApiError(400, f"{where}: {err['msg']} (in {model.__name__})") from None
+
+    async def parsed(request: Request, model: type[BaseModel]):
+        return validated(await body(request), model)
+
+    async def model_request(request: Request, t: str, model: type[BaseModel], route: str):
+        """A model's JSON request (it has model_id and seq_id). One that does not validate takes its seq_id
+        slot, failing there, when its model_id and seq_id can be read: returns that answer (a dict)."""
+        raw = await body(request)
+        try:
+            return validated(raw, model)
+        except ApiError as e:
+            ids = _ids(raw)
+            if ids is None:
+                raise
+            return svc(request).fail_in_slot(t, ids[0], ids[1], route, e.message)
 
     # -- client setup and sessions -----------------------------------------------------------------
     @app.post("/api/v1/client/config")
@@ -110,26 +165,30 @@ def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request):
-        return svc(request).create_session(tenant(request), await parsed(request, schemas.CreateSession))
+        t = tenant(request)
+        return svc(request).create_session(t, await parsed(request, schemas.CreateSession))
 
     @app.post("/api/v1/session_heartbeat")
     async def session_heartbeat(request: Request):
-        b = await parsed(request, schemas.SessionRef)
-        return svc(request).heartbeat(tenant(request), b.session_id)
+        t = tenant(request)
+        return svc(request).heartbeat(t, (await parsed(request, schemas.SessionRef)).session_id)
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request):
+        t = tenant(request)
         await parsed(request, schemas.Finish)
-        return svc(request).finish(tenant(request), session_id)
+        return svc(request).finish(t, session_id)
 
     # -- training ----------------------------------------------------------------------------------
     @app.post("/api/v1/create_model")
     async def create_model(request: Request):
-        return svc(request).create_model(tenant(request), await parsed(request, schemas.CreateModel))
+        t = tenant(request)
+        return svc(request).create_model(t, await parsed(request, schemas.CreateModel))
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request):
-        return svc(request).get_info(tenant(request), await parsed(request, schemas.ModelRef))
+        t = tenant(request)
+        return svc(request).get_info(t, await parsed(request, schemas.ModelRef))
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
@@ -143,26 +202,33 @@ def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request):
-        return svc(request).optim_step(tenant(request), await parsed(request, schemas.OptimStep))
+        t = tenant(request)
+        b = await model_request(request, t, schemas.OptimStep, "optim_step")
+        return b if isinstance(b, dict) else svc(request).optim_step(t, b)
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request):
-        return svc(request).save_weights(tenant(request), await parsed(request, schemas.SaveWeights))
+        t = tenant(request)
+        b = await model_request(request, t, schemas.SaveWeights, "save_weights")
+        return b if isinstance(b, dict) else svc(request).save_weights(t, b)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
-        b = await parsed(request, schemas.SaveWeightsForSampler)
-        return svc(request).save_weights_for_sampler(tenant(request), b)
+        t = tenant(request)
+        b = await model_request(request, t, schemas.SaveWeightsForSampler, "save_weights_for_sampler")
+        return b if isinstance(b, dict) else svc(request).save_weights_for_sampler(t, b)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
-        return svc(request).load_weights(tenant(request), await parsed(request, schemas.LoadWeights))
+        t = tenant(request)
+        b = await model_request(request, t, schemas.LoadWeights, "load_weights")
+        return b if isinstance(b, dict) else svc(request).load_weights(t, b)
 
     # -- sampling ----------------------------------------------------------------------------------
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request):
-        b = await parsed(request, schemas.CreateSamplingSession)
-        return await svc(request).create_sampling_session(tenant(request), b)
+        t = tenant(request)
+        return await svc(request).create_sampling_session(t, await parsed(request, schemas.CreateSamplingSession))
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request):
@@ -170,7 +236,8 @@ def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
 
     @app.post("/api/v1/asample")
     async def asample(request: Request):
-        return svc(request).asample(tenant(request), await parsed(request, schemas.Sample))
+        t = tenant(request)
+        return svc(request).asample(t, await parsed(request, schemas.Sample))
 
     # -- futures -----------------------------------------------------------------------------------
     @app.post("/api/v1/retrieve_future")
@@ -185,7 +252,8 @@ def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
             return JSONResponse({"type": "try_again", "request_id": b.request_id, "queue_state": "active"},
                                 status_code=408)
         if outcome.error is not None:
-            return {"error": outcome.error, "category": outcome.category}
+            status, answer = failure_answer(outcome)
+            return JSONResponse(answer, status_code=status)
         r, proto = outcome.result, PROTO in request.headers.get("accept", "")
         if isinstance(r, ForwardResult):
             return Response(wire.encode_forward_output(r), media_type=PROTO) if proto else wire.forward_output_json(r)
@@ -193,10 +261,16 @@ def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
             return Response(wire.encode_sample(r), media_type=PROTO) if proto else wire.sample_json(r)
         return r if r is not None else {}
 
-    # -- the RestClient's routes -------------------------------------------------------------------
+    # -- health and the RestClient's routes --------------------------------------------------------
     @app.get("/api/v1/healthz")
-    async def healthz():
-        return {"status": "ok"}
+    @app.get("/healthz")
+    async def healthz(request: Request):
+        h = svc(request).health()
+        if h["status"] == "ok":
+            return {"status": "ok"}
+        reason = h.get("last_engine_error") or "the backend reports it"
+        return JSONResponse({"status": h["status"], "error": f"the server is {h['status']}: {reason}",
+                             "category": "server", "engine_restarts": h.get("engine_restarts", 0)}, status_code=503)
 
     @app.get("/api/v1/get_server_capabilities")
     async def get_server_capabilities(request: Request):
@@ -220,18 +294,46 @@ def create_app(config: ServeConfig, backend: Backend) -> FastAPI:
 
     @app.get("/api/v1/colora/stats")
     async def stats(request: Request):
-        """The trainer's counters (cycles, models and forward calls per cycle, optim steps per pass)."""
-        tenant(request)
-        return svc(request).stats()
+        """Service.snapshot: an admin key's the whole server's; a tenant's its own counts and errors, and of
+        the server only its uptime and health."""
+        if request_is_admin(request):
+            return await asyncio.to_thread(svc(request).snapshot, None)
+        snap = await asyncio.to_thread(svc(request).snapshot, tenant(request))
+        return {**snap, "server": {k: snap["server"][k] for k in ("uptime_s", "health")}}
+
+    # -- routes of other modules, wired by the caller (cli.py) -------------------------------------
+    for install in extra:
+        install(app)
 
     return app
+
+
+def _route(request: Request) -> str:
+    """The route's name for the record: its path template after /api/v1/ (ids left out)."""
+    route = request.scope.get("route")
+    path = getattr(route, "path", None) or request.url.path
+    return path.removeprefix("/api/v1/").lstrip("/") or "/"
+
+
+def _ids(raw: bytes) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a JSON body that has them with the right types, else None."""
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    mid, seq = data.get("model_id"), data.get("seq_id")
+    if isinstance(mid, str) and mid and isinstance(seq, int) and not isinstance(seq, bool):
+        return mid, seq
+    return None
 
 
 async def _reap(svc: Service, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         try:
-            svc.reap()
+            await asyncio.to_thread(svc.reap)  # it may delete expired checkpoints: off the event loop
         except Exception:
             log.exception("reaping lapsed sessions failed")
 

@@ -6,124 +6,130 @@ another tenant is "not found" (the same answer as for one that does not exist). 
 from a checkpoint), `<session_id>:sample:<sampling_session_seq_id>` for sampling sessions.
 
 Requests that act on a model are queued on the scheduler in seq_id order (`colora/service/scheduler.py`);
-those whose content is invalid still take their seq_id slot and answer their error there. Samples go
-to the backend at once. A session that finishes, or whose heartbeats lapse for `heartbeat_timeout_s`,
-ends: its models are deleted and its samplers released once no sample of theirs is in flight.
+those whose content is invalid, and those refused by a quota (403), still take their seq_id slot and
+answer their error there, so the model's next request runs. A request refused for a backlog (429: too
+many pending, a seq_id too far ahead) takes nothing: the SDK sends it again. Samples go to the backend
+at once. Every request that got a request id is answered, whatever fails after; every answer passes
+through `_answer`, which takes server paths out of its error and records it for the operator.
+
+A session that finishes, or whose heartbeats lapse for `heartbeat_timeout_s`, ends: its models are
+deleted (and their folders, once they hold no checkpoint) and its samplers released once no sample of
+theirs is in flight. An ephemeral sampler (`save_weights_and_get_sampling_client`) is released the same
+way once `keep_samplers` newer ones of its model exist. The reaper (`reap`) also deletes checkpoints
+whose `ttl_seconds` have passed and logs each change of the backend's health.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from colora.seeding import derive_seed
 from colora.service import schemas, wire
 from colora.service.backend import Backend, BackendError, ForwardCall, LoraSpec
+from colora.service.checkpoints import CheckpointOps, _user
 from colora.service.config import ServeConfig
+from colora.service.errors import ApiError, Journal, limit_error, scrub
 from colora.service.futures import FutureStore
-from colora.service.sampling import build_sample_call
-from colora.service.scheduler import (
-    SEEN_KEPT,
-    Outcome,
-    Scheduler,
-    SeqError,
-    barrier_work,
-    failed_work,
-    forward_work,
-    optim_work,
-)
-from colora.service.store import CheckpointError, CheckpointPath, Store, check_name
+from colora.service.samplers import SamplerOps
+from colora.service.sampling import SEED_RANGE
+from colora.service.scheduler import Backlog, Outcome, Scheduler, SeqError, barrier_work, failed_work
+from colora.service.scheduler import forward_work, optim_work
+from colora.service.state import Model, Sampler, Session
+from colora.service.store import Store
+from colora.service.usage import Usage
 
 log = logging.getLogger("colora.service")
+__all__ = ["ApiError", "Model", "Sampler", "Service", "Session"]
+# backend.health()'s keys, with what a backend that reports none of them is taken to mean
+HEALTH = {"status": "ok", "engine_restarts": 0, "last_engine_error": None, "samplers_loaded": 0,
+          "engine_requests_in_flight": 0, "gpu_memory_bytes": 0}
 
 
-class ApiError(Exception):
-    """An HTTP error answer: the body is {error, category} (an empty error body reads as a proxy fault)."""
+class Service(CheckpointOps, SamplerOps):
+    """See the module docstring; checkpoints and samplers are in the two halves it inherits."""
 
-    def __init__(self, status: int, message: str, category: str = "user"):
-        super().__init__(message)
-        self.status, self.message, self.category = status, message, category
-
-
-@dataclass
-class Session:
-    id: str
-    tenant: str
-    last_seen: float
-    ended: str | None = None  # "finished" or "expired"
-    models: set[str] = field(default_factory=set)
-    samplers: set[str] = field(default_factory=set)
-
-
-@dataclass
-class Model:
-    id: str
-    tenant: str
-    session_id: str
-    base_model: str
-    spec: LoraSpec
-
-
-@dataclass
-class Sampler:
-    id: str
-    tenant: str
-    session_id: str
-    base_model: str
-    model_path: str | None
-    ref: Any
-    inflight: int = 0
-    closing: bool = False
-    released: bool = False
-    seen: dict[int, dict] = field(default_factory=dict)  # seq_id -> the first answer, for retried POSTs
-
-
-class Service:
     def __init__(self, config: ServeConfig, backend: Backend, loop: asyncio.AbstractEventLoop):
         self.cfg, self.backend = config, backend
         self.caps = backend.capabilities()
         config.out.mkdir(parents=True, exist_ok=True)
         self.store = Store(config.out)
         self.futures = FutureStore(loop, config.future_ttl_s)
-        self.scheduler = Scheduler(backend, self.futures.resolve, config.out / "stats.jsonl", config.batch_window_s)
+        self.journal = Journal()
+        self.usage = Usage()
+        self.scheduler = Scheduler(backend, self._answer, config.out / "stats.jsonl", config.batch_window_s,
+                                   config.cycle_datums, config.cycle_tokens,
+                                   observe=lambda results: self.usage.cycle(self._tenant_of_model, results))
         self._lock = threading.Lock()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, Sampler] = {}
         self._creations: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> request_id
+        self._creating: collections.Counter = collections.Counter()  # tenant -> models being created
+        self._sampling: collections.Counter = collections.Counter()  # tenant -> asample requests in flight
+        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # released sampler -> why
         self._ids = itertools.count(1)
+        self.started = time.monotonic()
+        self._health: dict = {"status": "ok"}
 
     def start(self) -> None:
+        for line in self.store.sweep():
+            log.info("start: %s", line)
         self.scheduler.start()
 
     def stop(self) -> None:
         self.scheduler.stop()
         self.backend.close()
 
+    # -- answers and refusals ----------------------------------------------------------------------
+    def scrub(self, message: str) -> str:
+        return scrub(message, self.cfg.out, (self.caps.model_name, self.caps.tokenizer_id or ""))
+
+    def _answer(self, rid: str, outcome: Outcome) -> None:
+        """Every future's answer passes here (any thread)."""
+        if outcome.error is not None:
+            outcome = dataclasses.replace(outcome, error=self.scrub(outcome.error))
+        who = self.futures.resolve(rid, outcome)
+        if who is not None and who[1] and outcome.error is not None:
+            self.journal.record(who[0], who[1], 200, outcome.category, outcome.error)
+
     def _request_id(self) -> str:
         return f"req-{next(self._ids)}-{secrets.token_hex(4)}"
 
-    def _future(self, tenant: str) -> str:
+    def _future(self, tenant: str, route: str | None) -> str:
+        """A new future; route None: a refusal already answered and recorded (not journaled again)."""
         rid = self._request_id()
-        self.futures.create(rid, tenant)
+        self.futures.create(rid, tenant, route or "")
+        if route:
+            self.usage.request(tenant)
         return rid
 
-    def _creation(self, tenant: str, s: Session, model_seq_id: int) -> tuple[str, bool]:
+    def _creation(self, tenant: str, s: Session, model_seq_id: int, route: str) -> tuple[str, bool]:
         """The request id that creates model `model_seq_id` of session s, and whether it is new: a
-        retried create (or load) gets the first one's id, and only the first creates a model."""
+        retried create (or load) gets the first one's id, and only the first creates a model. A new
+        one counts against the tenant's models quota until it is created or fails."""
         key = (s.id, model_seq_id)
+        lim = self.cfg.limits_of(tenant).models
         with self._lock:
             if key in self._creations:
                 return self._creations[key], False
-            self._creations[key] = rid = self._future(tenant)
+            held = sum(m.tenant == tenant for m in self.models.values()) + self._creating[tenant]
+            if held >= lim:
+                raise limit_error(403, tenant, "models", lim, held, "live models",
+                                  "finish a session (its models are freed) before creating another model")
+            self._creations[key] = rid = self._future(tenant, route)
+            self._creating[tenant] += 1
         return rid, True
+
+    def _created(self, tenant: str) -> None:
+        with self._lock:
+            self._creating[tenant] -= 1
 
     # -- lookups (404 for what is not the tenant's) ------------------------------------------------
     def _session(self, tenant: str, session_id: str, live: bool = True) -> Session:
@@ -142,18 +148,21 @@ class Service:
         self.sessions[m.session_id].last_seen = time.monotonic()
         return m
 
-    def _sampler(self, tenant: str, sampler_id: str) -> Sampler:
-        s = self.samplers.get(sampler_id)
-        if s is None or s.tenant != tenant or s.closing:
-            raise ApiError(404, f"sampling session {sampler_id!r} not found (or its session ended)")
-        return s
+    def _tenant_of_model(self, model_id: str) -> str | None:
+        s = self.sessions.get(model_id.split(":", 1)[0])
+        return None if s is None else s.tenant
 
     # -- sessions ----------------------------------------------------------------------------------
     def create_session(self, tenant: str, body: schemas.CreateSession) -> dict:
         sid = f"s{next(self._ids)}-{secrets.token_hex(6)}"
+        lim = self.cfg.limits_of(tenant).sessions
         with self._lock:
+            held = sum(s.tenant == tenant and not s.ended for s in self.sessions.values())
+            if held >= lim:
+                raise limit_error(403, tenant, "sessions", lim, held, "live sessions", "close a ServiceClient "
+                                  "(its session finishes) or let an idle one's heartbeats lapse")
             self.sessions[sid] = Session(sid, tenant, time.monotonic())
-        log.info("session %s of tenant %s (sdk %s)", sid, tenant, body.sdk_version)
+        log.info("session %s of tenant %s started (sdk %s)", sid, tenant, body.sdk_version or "unknown")
         return {"type": "create_session", "session_id": sid}
 
     def heartbeat(self, tenant: str, session_id: str) -> dict:
@@ -169,41 +178,70 @@ class Service:
     def end_session(self, s: Session, why: str) -> None:
         """Deletes the session's models and releases its samplers (each once none of its samples runs)."""
         with self._lock:
-            s.ended = why
+            s.ended, s.ended_at = why, time.monotonic()
             models = [self.models.pop(m) for m in s.models if m in self.models]
             samplers = [self.samplers[x] for x in s.samplers if x in self.samplers]
             for x in samplers:
-                x.closing = True
+                x.closing = x.closing or f"its session {why}"
         for m in models:
             self.scheduler.remove_model(m.id, f"model {m.id} was deleted: its session {why}")
-            self.scheduler.control(None, lambda b, mid=m.id: b.delete_model(mid))
+            self.scheduler.control(None, lambda b, m=m: self._delete_model(b, m))
         for x in samplers:
             self._maybe_release(x)
-        log.info("session %s %s: %d model(s) deleted, %d sampler(s) closing", s.id, why, len(models), len(samplers))
+        log.info("session %s of tenant %s %s: %d model(s) deleted, %d sampler(s) released", s.id, s.tenant, why,
+                 len(models), len(samplers))
 
-    def _maybe_release(self, x: Sampler) -> None:
-        with self._lock:
-            go = x.closing and x.inflight == 0 and not x.released
-            if go:
-                x.released = True
-                del self.samplers[x.id]
-        if go and x.ref is not None:
-            self.backend.release_sampler(x.ref)
+    def _delete_model(self, b: Backend, m: Model) -> None:
+        b.delete_model(m.id)
+        self.usage.forget_model(m.id)
+        self.store.forget_model(m.tenant, m.id)
 
     def reap(self, now: float | None = None) -> list[str]:
-        """Ends the sessions whose heartbeats lapsed; drops old futures. Returns the ended session ids."""
+        """Ends the sessions whose heartbeats lapsed, forgets long-ended ones, drops old futures, deletes
+        expired checkpoints, logs a change of the backend's health. Returns the ended session ids."""
         now = time.monotonic() if now is None else now
         lapsed = [s for s in list(self.sessions.values())
                   if not s.ended and now - s.last_seen > self.cfg.heartbeat_timeout_s]
         for s in lapsed:
+            log.info("session %s of tenant %s lapsed: no heartbeat for %.0f s", s.id, s.tenant, now - s.last_seen)
             self.end_session(s, "expired")
+        with self._lock:  # an ended session answers 410 for a while, then is forgotten
+            old = {k for k, s in self.sessions.items() if s.ended and now - s.ended_at > self.cfg.future_ttl_s}
+            for k in old:
+                del self.sessions[k]
+            self._creations = {k: v for k, v in self._creations.items() if k[0] not in old}
         self.futures.sweep()
+        self._expire()
+        self._watch_health()
         return [s.id for s in lapsed]
+
+    # -- health ------------------------------------------------------------------------------------
+    def health(self) -> dict:
+        """backend.health() (a backend without one is "ok") with every key of HEALTH, its error made fit
+        for clients."""
+        try:
+            h = {**HEALTH, **getattr(self.backend, "health", lambda: {"status": "ok"})()}
+        except Exception as e:  # a health check that fails says so, and the server is not ok
+            h = {**HEALTH, "status": "degraded", "last_engine_error": f"health() failed: {type(e).__name__}: {e}"}
+        if h.get("status") not in ("ok", "degraded", "restarting"):
+            h = {**h, "status": "degraded", "last_engine_error": f"backend health status {h.get('status')!r}"}
+        if h.get("last_engine_error"):
+            h["last_engine_error"] = self.scrub(str(h["last_engine_error"]))
+        return h
+
+    def _watch_health(self) -> None:
+        h, was = self.health(), self._health
+        self._health = h
+        keys = ("status", "engine_restarts", "last_engine_error")
+        if any(h.get(k) != was.get(k) for k in keys):
+            level = logging.INFO if h["status"] == "ok" else logging.WARNING
+            log.log(level, "backend health: %s (was %s); engine restarts %s; last engine error: %s", h["status"],
+                    was.get("status"), h.get("engine_restarts", 0), h.get("last_engine_error") or "none")
 
     # -- models ------------------------------------------------------------------------------------
     def create_model(self, tenant: str, body: schemas.CreateModel) -> dict:
         s = self._session(tenant, body.session_id)
-        rid, new = self._creation(tenant, s, body.model_seq_id)
+        rid, new = self._creation(tenant, s, body.model_seq_id, "create_model")
         if not new:
             return {"request_id": rid}
         model_id = f"{s.id}:train:{body.model_seq_id}"
@@ -211,12 +249,16 @@ class Service:
             spec = self._lora_spec(body.base_model, body.lora_config or schemas.LoraConfig(), model_id,
                                    body.optimizer_config.type)
         except ValueError as e:
-            self.futures.resolve(rid, Outcome(error=str(e)))
+            self._created(tenant)
+            self._answer(rid, Outcome(error=str(e)))
             return {"request_id": rid}
 
         def create(b: Backend) -> dict:
-            b.create_model(model_id, spec)
-            self._register(s, model_id, body.base_model, spec, body.user_metadata)
+            try:
+                b.create_model(model_id, spec)
+                self._register(s, model_id, body.base_model, spec, body.user_metadata)
+            finally:
+                self._created(tenant)
             return {"type": "create_model", "model_id": model_id}
 
         self.scheduler.control(rid, create)
@@ -234,7 +276,7 @@ class Service:
             raise ValueError(f"optimizer_config.type {optimizer!r} is not supported; this server has adamw")
         # lm_head adapters are not served by vLLM's multi-LoRA: the flag is recorded, not honoured
         unembed = lc.train_unembed and self.caps.train_unembed
-        seed = lc.seed if lc.seed is not None else derive_seed(0, model_id, "lora-init")
+        seed = lc.seed % SEED_RANGE if lc.seed is not None else derive_seed(0, model_id, "lora-init")
         return LoraSpec(rank=lc.rank, seed=seed, train_mlp=lc.train_mlp, train_attn=lc.train_attn, train_unembed=unembed)
 
     def _register(self, s: Session, model_id: str, base_model: str, spec: LoraSpec, user_metadata) -> None:
@@ -246,7 +288,7 @@ class Service:
             self.models[model_id] = Model(model_id, s.tenant, s.id, base_model, spec)
             s.models.add(model_id)
         self.store.write_run(s.tenant, model_id, base_model, spec, user_metadata)
-        self.scheduler.add_model(model_id, next_seq=1)
+        self.scheduler.add_model(model_id, next_seq=1, owner=s.tenant)
 
     def get_info(self, tenant: str, body: schemas.ModelRef) -> dict:
         m = self._model(tenant, body.model_id)
@@ -255,20 +297,38 @@ class Service:
                 "model_data": {"model_name": m.base_model, "arch": self.caps.arch,
                                "tokenizer_id": self.caps.tokenizer_id or m.base_model}}
 
-    def _submit(self, tenant: str, model_id: str, make) -> dict:
-        """Queues make(request_id) -> Work; a repeated seq_id answers the first request's id."""
-        rid = self._future(tenant)
+    def _submit(self, tenant: str, model_id: str, make, route: str | None = "request", nbytes: int = 0) -> dict:
+        """Queues make(request_id) -> Work; a repeated seq_id answers the first request's id. `route` names
+        the request in the operator's record (None: a refusal already recorded); `nbytes`, its body's size
+        (counted against the tenant's pending_bytes while it waits)."""
+        lim = self.cfg.limits_of(tenant)
+        rid = self._future(tenant, route)
         try:
-            got, new = self.scheduler.submit(model_id, make(rid))
+            got, new = self.scheduler.submit(model_id, dataclasses.replace(make(rid), nbytes=nbytes), lim.seq_window,
+                                             lim.pending_requests, lim.pending_bytes)
         except KeyError:
             self.futures.discard(rid)
             raise ApiError(404, f"model {model_id!r} not found") from None
         except SeqError as e:
             self.futures.discard(rid)
             raise ApiError(400, str(e)) from None
+        except Backlog as e:
+            self.futures.discard(rid)
+            raise ApiError(429, f"tenant {tenant!r}: {e.message}", limit=e.limit, value=e.value, count=e.count) from None
         if not new:
             self.futures.discard(rid)
         return {"request_id": got, "model_id": model_id}
+
+    def fail_in_slot(self, tenant: str, model_id: str, seq_id: int, route: str, error: str,
+                     refusal: ApiError | None = None) -> dict:
+        """A request of this model that cannot run takes its seq_id slot and is answered `error` there, so
+        the model's next request runs. With `refusal`, that is raised after (a quota's 403)."""
+        self._model(tenant, model_id)
+        out = self._submit(tenant, model_id, lambda rid: failed_work(rid, model_id, seq_id, error, label=route),
+                           None if refusal else route)
+        if refusal is not None:
+            raise refusal
+        return out
 
     def forward_backward(self, tenant: str, body: bytes, force_forward_only: bool = False) -> dict:
         try:
@@ -278,71 +338,19 @@ class Service:
         self._model(tenant, req.model_id)
         if force_forward_only:
             req = dataclasses.replace(req, forward_only=True)
+        route = "forward" if req.forward_only else "forward_backward"
         if req.error is not None:
-            return self._submit(tenant, req.model_id, lambda rid: failed_work(rid, req.model_id, req.seq_id, req.error))
+            return self.fail_in_slot(tenant, req.model_id, req.seq_id, route, req.error)
         call = ForwardCall(req.model_id, req.seq_id, req.datums, req.loss_fn, req.loss_fn_config, req.forward_only)
-        return self._submit(tenant, req.model_id, lambda rid: forward_work(rid, call))
+        return self._submit(tenant, req.model_id, lambda rid: forward_work(rid, call), route, nbytes=len(body))
 
     def optim_step(self, tenant: str, body: schemas.OptimStep) -> dict:
         m = self._model(tenant, body.model_id)
         try:
             params = schemas.adam_params(body)
         except ValueError as e:
-            msg = str(e)
-            return self._submit(tenant, m.id, lambda rid: failed_work(rid, m.id, body.seq_id, msg))
-        return self._submit(tenant, m.id, lambda rid: optim_work(rid, m.id, body.seq_id, params))
-
-    def save_weights(self, tenant: str, body: schemas.SaveWeights) -> dict:
-        m = self._model(tenant, body.model_id)
-        try:
-            cp = CheckpointPath(m.id, "weights", check_name(body.path or f"seq-{body.seq_id}"))
-        except CheckpointError as e:
-            msg = str(e)
-            return self._submit(tenant, m.id, lambda rid: failed_work(rid, m.id, body.seq_id, msg))
-
-        def save(b: Backend) -> dict:
-            _user(lambda: self.store.write(tenant, cp, m.base_model, m.spec, lambda d: b.save_state(m.id, d, True),
-                                           overwrite=body.overwrite, seq_id=body.seq_id, optimizer=True,
-                                           ttl_seconds=body.ttl_seconds, user_metadata=body.user_metadata))
-            return {"type": "save_weights", "path": str(cp)}
-
-        return self._submit(tenant, m.id, lambda rid: barrier_work(rid, m.id, body.seq_id, "save_weights", save))
-
-    def save_weights_for_sampler(self, tenant: str, body: schemas.SaveWeightsForSampler) -> dict:
-        m = self._model(tenant, body.model_id)
-        if body.path is not None:
-            try:
-                cp = CheckpointPath(m.id, "sampler_weights", check_name(body.path))
-            except CheckpointError as e:
-                msg = str(e)
-                return self._submit(tenant, m.id, lambda rid: failed_work(rid, m.id, body.seq_id, msg))
-
-            def save(b: Backend) -> dict:
-                refs = []
-                _user(lambda: self.store.write(tenant, cp, m.base_model, m.spec,
-                                               lambda d: refs.append(b.save_for_sampler(m.id, d)),
-                                               overwrite=True, seq_id=body.seq_id, ttl_seconds=body.ttl_seconds,
-                                               user_metadata=body.user_metadata))
-                for r in refs:  # a sampling session loads the folder when it needs it
-                    b.release_sampler(r)
-                return {"type": "save_weights_for_sampler", "path": str(cp)}
-
-            return self._submit(tenant, m.id, lambda rid: barrier_work(rid, m.id, body.seq_id, "save_for_sampler", save))
-        if body.sampling_session_seq_id is None:
-            return self._submit(tenant, m.id, lambda rid: failed_work(
-                rid, m.id, body.seq_id, "save_weights_for_sampler needs a path (a named checkpoint) or a "
-                "sampling_session_seq_id (an ephemeral sampler)"))
-        sid = f"{m.session_id}:sample:{body.sampling_session_seq_id}"
-
-        def snapshot(b: Backend) -> dict:
-            ref = b.save_for_sampler(m.id, None)
-            if not self._add_sampler(Sampler(sid, tenant, m.session_id, m.base_model, None, ref)):
-                b.release_sampler(ref)
-                raise BackendError(f"sampling_session_seq_id {body.sampling_session_seq_id} is taken in this "
-                                   "session, or the session ended", "user")
-            return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sid}
-
-        return self._submit(tenant, m.id, lambda rid: barrier_work(rid, m.id, body.seq_id, "snapshot", snapshot))
+            return self.fail_in_slot(tenant, m.id, body.seq_id, "optim_step", str(e))
+        return self._submit(tenant, m.id, lambda rid: optim_work(rid, m.id, body.seq_id, params), "optim_step")
 
     def load_weights(self, tenant: str, body: schemas.LoadWeights) -> dict:
         if body.model_id is not None:  # into an existing model, in its seq order
@@ -355,147 +363,78 @@ class Service:
                 b.load_state(m.id, d, body.optimizer)
                 return {"type": "load_weights", "path": body.path, "model_id": m.id}
 
-            return self._submit(tenant, m.id, lambda rid: barrier_work(rid, m.id, body.seq_id, "load_weights", load))
+            return self._submit(tenant, m.id, lambda rid: barrier_work(rid, m.id, body.seq_id, "load_weights", load),
+                                "load_weights")
         if body.session_id is None or body.model_seq_id is None:
             raise ApiError(400, "load_weights needs model_id and seq_id, or session_id and model_seq_id")
         s = self._session(tenant, body.session_id)
-        rid, new = self._creation(tenant, s, body.model_seq_id)
+        rid, new = self._creation(tenant, s, body.model_seq_id, "load_weights")
         if not new:
             return {"request_id": rid}
         model_id = f"{s.id}:train:{body.model_seq_id}"
 
         def create_from(b: Backend) -> dict:
-            _, d, meta = _user(lambda: self.store.find(tenant, body.path, kind="weights"))
-            base = body.base_model or meta["base_model"]
-            if base != self.caps.model_name or meta["base_model"] != self.caps.model_name:
-                raise BackendError(f"checkpoint {body.path} is of base model {meta['base_model']!r}; this server "
-                                   f"serves {self.caps.model_name!r}", "user")
-            spec = LoraSpec(**meta["lora"])
-            if spec.rank > self.caps.max_lora_rank:
-                raise BackendError(f"checkpoint {body.path} has LoRA rank {spec.rank}, above this server's "
-                                   f"maximum {self.caps.max_lora_rank}", "user")
-            b.create_model(model_id, spec)
             try:
-                b.load_state(model_id, d, body.optimizer)
-            except Exception:
-                b.delete_model(model_id)
-                raise
-            self._register(s, model_id, base, spec, body.user_metadata)
-            return {"type": "load_weights", "path": body.path, "model_id": model_id}
+                return self._create_from(b, s, model_id, body)
+            finally:
+                self._created(tenant)
 
         self.scheduler.control(rid, create_from)
         return {"request_id": rid, "model_id": model_id}
 
-    # -- sampling ----------------------------------------------------------------------------------
-    def _add_sampler(self, x: Sampler) -> bool:
-        with self._lock:
-            s = self.sessions.get(x.session_id)
-            if x.id in self.samplers or s is None or s.ended:
-                return False
-            self.samplers[x.id] = x
-            s.samplers.add(x.id)
-            return True
-
-    async def create_sampling_session(self, tenant: str, body: schemas.CreateSamplingSession) -> dict:
-        s = self._session(tenant, body.session_id)
-        sid = f"{s.id}:sample:{body.sampling_session_seq_id}"
-        if sid in self.samplers:  # a retried POST
-            return {"type": "create_sampling_session", "sampling_session_id": sid}
-        ref, base = None, body.base_model or self.caps.model_name
-        if body.model_path is not None:
-            try:
-                _, d, meta = self.store.find(tenant, body.model_path, kind="sampler_weights", field="model_path")
-            except CheckpointError as e:
-                raise ApiError(404, str(e)) from None
-            base = meta["base_model"]
-            ref = await asyncio.to_thread(self.backend.load_sampler, d)
-        if base != self.caps.model_name:
-            raise ApiError(400, f"base_model {base!r} is not served here; this server serves {self.caps.model_name!r}")
-        if not self._add_sampler(Sampler(sid, tenant, s.id, base, body.model_path, ref)):
-            if ref is not None:
-                self.backend.release_sampler(ref)
-            if sid in self.samplers:
-                return {"type": "create_sampling_session", "sampling_session_id": sid}
-            raise ApiError(410, f"session {s.id} has ended")
-        return {"type": "create_sampling_session", "sampling_session_id": sid}
-
-    def get_sampler(self, tenant: str, sampler_id: str) -> dict:
-        x = self._sampler(tenant, sampler_id)
-        return {"sampler_id": x.id, "base_model": x.base_model, "model_path": x.model_path}
-
-    def asample(self, tenant: str, body: schemas.Sample) -> dict:
-        if body.sampling_session_id is None:
-            raise ApiError(400, "asample needs a sampling_session_id (SDK >= 0.18 always sends one)")
-        x = self._sampler(tenant, body.sampling_session_id)
-        self.sessions[x.session_id].last_seen = time.monotonic()
-        if not 1 <= body.num_samples <= self.cfg.max_num_samples:  # before the ids list is made
-            raise ApiError(400, f"num_samples ({body.num_samples}) must be from 1 to this server's max_num_samples "
-                                f"({self.cfg.max_num_samples})")
-        with self._lock:
-            if body.seq_id is not None and body.seq_id in x.seen:
-                return x.seen[body.seq_id]
-            rid = self._future(tenant)
-            answer = {"request_id": rid, "sample_sequence_ids": [f"{rid}:{i}" for i in range(body.num_samples)]}
-            if body.seq_id is not None:
-                x.seen[body.seq_id] = answer
-                if len(x.seen) > 2 * SEEN_KEPT:  # retries follow their first POST closely: the oldest can go
-                    x.seen = dict(list(x.seen.items())[-SEEN_KEPT:])
-        seed_parts = (x.id, body.seq_id if body.seq_id is not None else rid)
+    def _create_from(self, b: Backend, s: Session, model_id: str, body: schemas.LoadWeights) -> dict:
+        _, d, meta = _user(lambda: self.store.find(s.tenant, body.path, kind="weights"))
+        base = body.base_model or meta["base_model"]
+        if base != self.caps.model_name or meta["base_model"] != self.caps.model_name:
+            raise BackendError(f"checkpoint {body.path} is of base model {meta['base_model']!r}; this server "
+                               f"serves {self.caps.model_name!r}", "user")
+        spec = LoraSpec(**meta["lora"])
+        if spec.rank > self.caps.max_lora_rank:
+            raise BackendError(f"checkpoint {body.path} has LoRA rank {spec.rank}, above this server's "
+                               f"maximum {self.caps.max_lora_rank}", "user")
+        b.create_model(model_id, spec)
         try:
-            call = build_sample_call(body, x.ref, self.caps, self.cfg.max_num_samples, derive_seed(0, *seed_parts))
-        except wire.InputError as e:
-            self.futures.resolve(rid, Outcome(error=str(e)))
-            return answer
-        with self._lock:
-            x.inflight += 1
+            b.load_state(model_id, d, body.optimizer)
+        except Exception:
+            b.delete_model(model_id)
+            raise
+        self._register(s, model_id, base, spec, body.user_metadata)
+        return {"type": "load_weights", "path": body.path, "model_id": model_id}
 
-        def done(result) -> None:
-            if isinstance(result, BackendError):
-                self.futures.resolve(rid, Outcome(error=result.message, category=result.category))
-            else:
-                self.futures.resolve(rid, Outcome(result=result))
-            with self._lock:
-                x.inflight -= 1
-            self._maybe_release(x)
-
-        self.backend.sample(call, done)
-        return answer
-
-    # -- checkpoints and runs (RestClient) ---------------------------------------------------------
-    def _run(self, tenant: str, model_id: str) -> dict:
-        try:
-            run = self.store.read_run(tenant, model_id)
-        except CheckpointError as e:
-            raise ApiError(404, str(e)) from None
-        if run is None:
-            raise ApiError(404, f"training run {model_id!r} not found")
-        return run
-
-    def list_checkpoints(self, tenant: str, model_id: str) -> dict:
-        self._run(tenant, model_id)
-        return {"checkpoints": self.store.list(tenant, model_id), "cursor": None}
-
-    def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
-        self._run(tenant, model_id)
-        try:
-            self.store.delete(tenant, model_id, checkpoint_id)
-        except CheckpointError as e:
-            raise ApiError(404, str(e)) from None
-
-    def training_run(self, tenant: str, model_id: str) -> dict:
-        self._run(tenant, model_id)
-        return self.store.training_run(tenant, model_id)
-
+    # -- what the server holds ---------------------------------------------------------------------
     def stats(self) -> dict:
+        """The trainer's totals and what lives now, server-wide (for the admin and tests)."""
         with self._lock:
             live = sum(not s.ended for s in self.sessions.values())
             return {**self.scheduler.stats(), "live_sessions": live, "live_models": len(self.models),
                     "live_samplers": len(self.samplers), "futures": len(self.futures)}
 
-
-def _user(fn):
-    """Runs fn; a CheckpointError (a bad name, an absent checkpoint) is the client's error."""
-    try:
-        return fn()
-    except CheckpointError as e:
-        raise BackendError(str(e), "user") from None
+    def snapshot(self, tenant: str | None) -> dict:
+        """The server as colora/service/usage.py describes; tenant None: every tenant's (the admin's view),
+        else that tenant's entry and errors alone. The "server" sums name no tenant; /api/v1/colora/stats
+        shows a tenant only their uptime and health."""
+        with self._lock:
+            sessions, models = list(self.sessions.values()), list(self.models.values())
+            samplers, sampling = list(self.samplers.values()), dict(self._sampling)
+        names = [tenant] if tenant is not None else sorted(
+            {s.tenant for s in sessions} | set(self.usage.tenants()) | set(self.store.tenants()))
+        tenants = {}
+        for t in names:
+            requests, nbytes = self.scheduler.pending(t)
+            count, disk = self.store.usage(t)
+            detail = [{"model_id": m.id, "session_id": m.session_id, "rank": m.spec.rank, **self.usage.model(m.id)}
+                      for m in models if m.tenant == t]
+            tenants[t] = {"sessions": sum(s.tenant == t and not s.ended for s in sessions), "models": len(detail),
+                          "samplers": sum(x.tenant == t and not x.closing for x in samplers),
+                          **self.usage.counts(t), "errors": self.journal.count(t), "queue_depth": requests,
+                          "pending_bytes": nbytes, "disk_bytes": disk, "checkpoints": count,
+                          "samples_in_flight": sampling.get(t, 0), "models_detail": detail}
+        st = self.scheduler.stats()
+        server = {"uptime_s": round(time.monotonic() - self.started, 3), "health": self.health(),
+                  **{k: st[k] for k in ("cycles", "cycle_seconds_sum", "last_cycle_seconds", "cycle_models_sum",
+                                        "multi_model_cycles", "max_models_per_cycle", "forward_calls", "forward_datums",
+                                        "optim_steps", "max_optim_steps_per_pass", "multi_model_optim_passes")},
+                  "live_sessions": sum(not s.ended for s in sessions), "live_models": len(models),
+                  "live_samplers": len(samplers), "futures": len(self.futures),
+                  "futures_pending": self.futures.unresolved()}
+        return {"tenants": tenants, "server": server, "errors": self.journal.recent(tenant)}
