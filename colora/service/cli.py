@@ -2,6 +2,7 @@
 
     python -m colora.service --fake --model /data/models/tiny --any-key --out runs/serve --port 8000
     python -m colora.service --model DIR --api-keys keys.toml --out runs/serve
+    python -m colora.service --model builtin:tiny --any-key --admin-key tml-ops-... --out runs/serve
 
 Then, on a client: `TINKER_BASE_URL=http://HOST:PORT TINKER_API_KEY=tml-... python my_loop.py`.
 Without `--fake` the backend is colora's co-runner (colora/service/corun.py): one multi-job trainer for
@@ -9,29 +10,39 @@ every tenant's adapter and one vLLM engine for every tenant's samples, on the GP
 engine's and the trainer's settings are the config sections of colora/config.py (`--engine KEY=VALUE`,
 `--trainer KEY=VALUE`, each checked as a config file's are). `--fake` serves a small bigram model with the
 tokenizer of --model (colora/service/fake.py): the whole protocol, no GPU, for tests and for trying a
-client. Checkpoints go to OUT/tenants/<tenant>/, each trainer cycle to OUT/stats.jsonl.
+client. `--model` takes what a config's `experiment.model` takes: a directory or `builtin:NAME`, built
+once into colora's model cache (clients load the tokenizer from the directory it names). Checkpoints go
+to OUT/tenants/<tenant>/, each trainer cycle to OUT/stats.jsonl.
+
+The keys file also holds the admin keys and each tenant's limits (colora/service/config.py). The
+operator's log (a line per session, refused or failed request, and change of the backend's health) is
+shown without --verbose; --verbose adds every request. SIGTERM or SIGINT stops the server: sessions in
+flight are dropped, checkpoints stay, and it exits 0 after a closing line.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
 from colora.service.backend import Backend
-from colora.service.config import ServeConfig, ServeConfigError, load_api_keys
+from colora.service.config import KeyFile, ServeConfig, ServeConfigError, load_key_file
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colora serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="the base model: a Hugging Face directory (clients load its "
-                   "tokenizer by this name, so give a path that exists on the clients too)")
+    p.add_argument("--model", required=True, help="the base model: a Hugging Face directory or builtin:NAME (clients "
+                   "load its tokenizer by the directory's path, so give a path that exists on the clients too)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="the port (default: 8000; 0 takes a free one)")
     p.add_argument("--out", type=Path, required=True, help="checkpoints, stats.jsonl and the server's records")
     p.add_argument("--api-keys", type=Path, help="TOML file mapping each key to its tenant ([keys] \"tml-...\" = \"alice\")")
     p.add_argument("--any-key", action="store_true", help="a `tml-` key not in --api-keys is a tenant of its own")
+    p.add_argument("--admin-key", action="append", default=[], metavar="KEY",
+                   help="a key that reads the whole server's statistics (also [admin] keys in the keys file)")
     p.add_argument("--heartbeat-timeout", type=float, default=300.0, metavar="S",
                    help="end a session (free its models) when its heartbeats lapse this long (default: 300)")
     p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank create_model accepts (default: 64)")
@@ -44,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA where there is a GPU")
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (every sample carries its own)")
     p.add_argument("--fake", action="store_true", help="serve a fake bigram model (the protocol only; no GPU)")
-    p.add_argument("--verbose", action="store_true", help="log every request")
+    p.add_argument("--verbose", action="store_true", help="log every request (the operator's log is always shown)")
     return p
 
 
@@ -73,8 +84,21 @@ def sections(args: argparse.Namespace):
     return tuple(out)
 
 
+def served_model(spec: str) -> str:
+    """--model as a directory: builtin:NAME built once into colora's model cache (as `experiment.model`)."""
+    if not spec.startswith("builtin:"):
+        return spec
+    from colora.run.preflight import RunError, resolve_model
+
+    try:
+        return str(resolve_model(spec, log=lambda s: print(f"colora serve: {s}", flush=True)))
+    except RunError as e:
+        raise ServeConfigError(f"--model: {e}".replace("experiment.model = ", "")) from None
+
+
 def build_backend(args: argparse.Namespace) -> Backend:
     """The backend the flags ask for: colora's co-runner, or the fake one (--fake)."""
+    args.model = served_model(args.model)
     if not args.fake:
         from colora.models.base import ModelDirError, check_model_dir
         from colora.service.corun import CorunBackend
@@ -95,13 +119,21 @@ def build_backend(args: argparse.Namespace) -> Backend:
     return fake_from_model_dir(args.model, max_lora_rank=args.max_lora_rank)
 
 
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of the flags and the keys file (its keys, admin keys and limits)."""
+    keys = load_key_file(args.api_keys) if args.api_keys else KeyFile({})
+    return ServeConfig(out=args.out, api_keys=keys.keys, allow_any_key=args.any_key,
+                       heartbeat_timeout_s=args.heartbeat_timeout, admin_keys=keys.admin_keys | frozenset(args.admin_key),
+                       limits=keys.limits, tenant_limits=keys.tenant_limits)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("colora.service").setLevel(logging.INFO)  # the operator's log, always
     try:
-        config = ServeConfig(out=args.out, api_keys=load_api_keys(args.api_keys) if args.api_keys else {},
-                             allow_any_key=args.any_key, heartbeat_timeout_s=args.heartbeat_timeout)
+        config = serve_config(args)
         backend = build_backend(args)
     except ServeConfigError as e:
         print(f"colora serve: {e}", file=sys.stderr)
@@ -111,8 +143,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from colora.service.app import create_app
 
+    # uvicorn stops on SIGTERM/SIGINT, puts back the handlers it found and raises the signal again: these
+    # handlers take it, so the process ends here, with its closing line and status 0
+    stopped: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stopped.append(signum))
     kind = "fake backend" if args.fake else "co-runner"
     print(f"colora serve: {args.model} ({kind}) on http://{args.host}:{args.port}, out {args.out}", flush=True)
-    uvicorn.run(create_app(config, backend), host=args.host, port=args.port,
-                log_level="info" if args.verbose else "warning")
+    app = create_app(config, backend)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    svc = getattr(app.state, "service", None)
+    live = svc.stats()["live_sessions"] if svc is not None else 0
+    why = signal.Signals(stopped[0]).name if stopped else "the server stopped"
+    print(f"colora serve: stopped ({why}); {live} live session(s) dropped, checkpoints kept in {args.out}",
+          flush=True)
     return 0
