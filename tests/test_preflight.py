@@ -171,7 +171,7 @@ def test_stale_adapter_sync_folders_are_removed_and_a_live_runs_kept(tmp_path):
         d = folders[name] = shm / f"colora-adapter-sync-{name}"
         d.mkdir(parents=True)
         (d / "1-job").write_bytes(b"\0" * 4096)
-    (shm / "colora-adapters-other").mkdir()  # not an adapter-sync folder: never touched
+    (shm / "colora-other").mkdir()  # not a folder of colora's adapters: never touched
     holders = [subprocess.Popen([sys.executable, "-c", _HOLDER, str(folders[n] / "1-job"), mode], stdout=subprocess.PIPE,
                                 text=True) for n, mode in (("live", "keep"), ("live-unlinked", "unlink"))]
     try:
@@ -183,7 +183,7 @@ def test_stale_adapter_sync_folders_are_removed_and_a_live_runs_kept(tmp_path):
         removed = preflight.remove_stale_adapter_sync(shm)
         assert removed == [folders["dead"]] and not folders["dead"].exists()
         assert folders["live"].is_dir() and folders["live-unlinked"].is_dir() and folders["new"].is_dir()
-        assert (shm / "colora-adapters-other").is_dir()
+        assert (shm / "colora-other").is_dir()
     finally:
         for h in holders:
             h.kill()
@@ -191,6 +191,24 @@ def test_stale_adapter_sync_folders_are_removed_and_a_live_runs_kept(tmp_path):
     # their processes gone, and an hour on: nothing holds them
     assert sorted(p.name for p in preflight.remove_stale_adapter_sync(shm, now=time.time() + 3600)) == [
         "colora-adapter-sync-live", "colora-adapter-sync-live-unlinked", "colora-adapter-sync-new"]
+
+
+def test_a_killed_runs_disk_sync_scratch_is_swept_and_a_live_runs_kept(tmp_path, monkeypatch):
+    """With disk sync a run's adapter versions go to a `colora-adapters-*` folder in /dev/shm, removed by the
+    run as it ends; a run killed outright (SIGKILL, the OOM killer) left it there. A live run holds its
+    folder open for its life, so the next run's start sweeps only the dead one."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(preflight, "SCRATCH_SHM_FREE", 0)
+    with preflight.held_scratch(tmp_path / "live", "disk", shm) as live:
+        assert live.parent == shm and live.name.startswith("colora-adapters-")
+        (live / "job" / "v1").mkdir(parents=True)
+        dead = shm / "colora-adapters-killed"
+        (dead / "job" / "v3").mkdir(parents=True)
+        later = time.time() + 3600
+        assert preflight.remove_stale_adapter_sync(shm, now=later) == [dead] and not dead.exists()
+        assert (live / "job" / "v1").is_dir()
+    assert not live.exists()  # the run removes its own as it ends
 
 
 # -- the MPS daemon's start ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -327,24 +327,10 @@ def prepare(cfg: Config, out: Path, resume: bool = False, log: Callable[[str], N
     tasks.update(sft)
     removed = remove_stale_adapter_sync()
     if removed:
-        log(f"removed {len(removed)} adapter-sync folder(s) of runs that are gone from {SHM}: "
+        log(f"removed {len(removed)} adapter folder(s) of runs that are gone from {SHM}: "
             + ", ".join(p.name for p in removed))
     return Setup(cfg, out, model_dir, tasks, sync, {n: {"file": str(d.path), "sha256": sha256_file(d.path)}
                                                     for n, d in sft.items()})
-
-
-def check_data(out: Path, cfg: Config, data: dict) -> None:
-    """A resume of the run in `out` reads each sft job's data again, where this process finds it: refused
-    (RunError naming the job, the file and both hashes) when it is not the file the run began with, by
-    its sha256 (config.json's `data`; a run that recorded none is not checked)."""
-    began = json.loads((out / "config.json").read_text()).get("data") or {}
-    for i, j in enumerate(cfg.jobs):
-        was, now = began.get(j.name), data.get(j.name)
-        if was and now and was.get("sha256") != now["sha256"]:
-            raise RunError(f"--resume {str(out)!r}: jobs.{i}.data (job {j.name!r}) is {now['file']} with sha256 "
-                           f"{now['sha256']}; the run began on {was.get('file')} with sha256 {was.get('sha256')}: "
-                           "the job would train on other conversations. Put the file back as it was, or run "
-                           "the experiment again in a new directory")
 
 
 def load_sft_data(cfg: Config, model_dir: Path) -> dict:
@@ -406,6 +392,20 @@ def adapter_scratch(out: Path, adapter_sync: str = "memory", shm: Path = SHM) ->
     return p
 
 
+@contextlib.contextmanager
+def held_scratch(out: Path, adapter_sync: str = "memory", shm: Path = SHM) -> Iterator[Path]:
+    """`adapter_scratch`'s folder for the block, held open for its life (so that another colora's start,
+    which sweeps what killed runs left in /dev/shm, keeps it: `remove_stale_adapter_sync`) and removed
+    when the block ends."""
+    scratch = adapter_scratch(out, adapter_sync, shm)
+    hold = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield scratch
+    finally:
+        os.close(hold)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _same_filesystem(a: Path, b: Path) -> bool:
     try:
         return a.stat().st_dev == b.stat().st_dev
@@ -417,15 +417,16 @@ STALE_AFTER_S = 60.0  # a folder this new may be a starting run's, whose first s
 
 
 def remove_stale_adapter_sync(shm: Path = SHM, now: float | None = None) -> list[Path]:
-    """Remove the adapter-sync folders (`colora-adapter-sync-*`, colora/training/export.py) that runs
-    killed before they could clean up left in `shm`; returns those removed. A folder is a live run's
-    while any process holds it open, or maps or holds open a file in it: its trainer holds the folder
-    for its life and maps every job's segment for as long as the job runs (also once the engine's
-    client has unlinked the file). Folders of other users, and those changed in the last
+    """Remove the adapter folders that runs killed before they could clean up left in `shm`: adapter-sync
+    folders (`colora-adapter-sync-*`, colora/training/export.py) and disk sync's scratch
+    (`colora-adapters-*`, `held_scratch`); returns those removed. A folder is a live run's while any
+    process holds it open, or maps or holds open a file in it: a run holds its scratch and its trainer its
+    sync folder for their life, and maps every job's segment for as long as the job runs (also once the
+    engine's client has unlinked the file). Folders of other users, and those changed in the last
     STALE_AFTER_S seconds, are left alone."""
     now = time.time() if now is None else now
     candidates = []
-    for d in shm.glob("colora-adapter-sync-*"):
+    for d in [*shm.glob("colora-adapter-sync-*"), *shm.glob("colora-adapters-*")]:
         try:
             st = d.lstat()
         except OSError:

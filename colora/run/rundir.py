@@ -254,3 +254,17 @@ def timeslice_tenant(path: Path, saved: dict) -> bool:
     resumed alone."""
     return bool(saved.get("timeslice_tenant")) or (
         path.parent.name == "tenants" and (path.parent / f"{path.name}.spec.json").is_file())
+
+
+def check_data(out: Path, cfg, data: dict) -> None:
+    """A resume of the run in `out` reads each sft job's data again, where this process finds it (`Setup.data`):
+    refused (RunError naming the job, the file and both hashes) when it is not the file the run began with, by
+    its sha256 (config.json's `data`; a run that recorded none is not checked)."""
+    began = json.loads((out / "config.json").read_text()).get("data") or {}
+    for i, j in enumerate(cfg.jobs):
+        was, now = began.get(j.name), data.get(j.name)
+        if was and now and was.get("sha256") != now["sha256"]:
+            raise RunError(f"--resume {str(out)!r}: jobs.{i}.data (job {j.name!r}) is {now['file']} with sha256 "
+                           f"{now['sha256']}; the run began on {was.get('file')} with sha256 {was.get('sha256')}: "
+                           "the job would train on other conversations. Put the file back as it was, or run "
+                           "the experiment again in a new directory")

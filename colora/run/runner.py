@@ -66,15 +66,14 @@ from colora.run.preflight import (
     MPS_ARMS,
     RunError,
     Setup,
-    adapter_scratch,
-    check_data,
+    held_scratch,
     prepare,
     resolve_device,
     start_mps,
     torch_dtype,
 )
 from colora.run.progress import run_output
-from colora.run.rundir import holding, this_process, timeslice_tenant
+from colora.run.rundir import check_data, holding, this_process, timeslice_tenant
 from colora.run.watcher import watch_this_process
 from colora.stopping import Interrupted, StopRequest, handling_signals
 from colora.tasks import TaskError, add_task_dirs, task_class, task_dirs
@@ -406,8 +405,7 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     """The jobs' states (restored from the checkpoint when resuming), the checkpointer, the co-runner,
     every job's adapter in the engine, and the engine warmed up. Returns (corunner, checkpointer)."""
     cfg, out = r.cfg, r.setup.out
-    scratch = adapter_scratch(out, r.setup.adapter_sync)  # for adapters that go by disk
-    stack.callback(shutil.rmtree, scratch, True)
+    scratch = stack.enter_context(held_scratch(out, r.setup.adapter_sync))  # for adapters that go by disk
     stack.enter_context(r.stop.on_abort(lambda: shutil.rmtree(scratch, True)))  # a second signal
     joins = cfg.experiment.arm != "dedicated"  # where every job runs alone, a later one simply runs later
     jobs = {j.name: JobState(j, r.setup.tasks[j.name], status="waiting" if j.start_after and joins else "running")
