@@ -148,3 +148,35 @@ def test_close_frees_the_sessions_models_and_samplers(t1):
 
 
 
+
+
+def test_a_well_behaved_tenant_is_unaffected_by_a_neighbour_that_sends_bad_inputs(tiny_model_dir, tmp_path):
+    """Two SDK clients at once: alice trains and samples; bob sends a temperature the engine refuses, a
+    malformed adam_params in his model's sequence, a seq_id far ahead and a token id past int64. Each of
+    bob's is refused by name, his model goes on, and alice sees nothing of it."""
+    config = ServeConfig(out=tmp_path, api_keys=KEYS, admin_keys=frozenset({"tml-ops-0123456789"}))
+    app = create_app(config, fake_from_model_dir(tiny_model_dir))
+    script = SCRIPT.parent / "neighbours.py"
+    with ServerThread(app) as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "VIRTUAL_ENV"))}
+        env.update(TINKER_BASE_URL=server.url, TINKER_TELEMETRY="0", MODEL=str(tiny_model_dir), HF_HUB_OFFLINE="1")
+        procs = {role: subprocess.Popen([str(CLIENT_PY), str(script)], env={**env, "ROLE": role,
+                                        "TINKER_API_KEY": key}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+                 for role, key in (("good", "tml-alice-0123456789"), ("bad", "tml-bob-0123456789"))}
+        found = {}
+        for role, p in procs.items():
+            stdout, stderr = p.communicate(timeout=300)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("NEIGHBOUR ")]
+            assert p.returncode == 0 and lines, f"{role} failed ({p.returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
+            found[role] = json.loads(lines[-1][len("NEIGHBOUR "):])
+        snap = app.state.service.snapshot(None)
+    good, bad = found["good"], found["bad"]
+    assert good["samples"] == [2, 2, 2, 2] and all(b < a for a, b in zip(good["losses"], good["losses"][1:])), good
+    assert "temperature (2.5)" in bad["temperature"]["message"] and "user" in bad["temperature"]["category"].lower()
+    assert bad["malformed_status"] == 200 and "adam_params" in bad["malformed"]["error"], bad
+    assert bad["far_status"] == 429 and bad["far"]["limit"] == "seq_window", bad["far"]
+    assert "token id 9223372036854775808" in bad["huge_token"]["message"], bad["huge_token"]
+    assert bad["still_samples"] == 1 and bad["steps_after"] == "ok"
+    assert snap["tenants"]["alice"]["errors"] == 0 and snap["tenants"]["bob"]["errors"] >= 4
+    assert {e["tenant"] for e in snap["errors"]} == {"bob"}
