@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 
 from colora.seeding import derive_seed
@@ -37,9 +36,9 @@ class SamplerOps:
         if s is not None and s.tenant == tenant and s.closing:
             raise ApiError(404, f"sampling session {sampler_id!r} was released: {s.closing}")
         if s is None or s.tenant != tenant:
-            why = self._gone.get(sampler_id)
-            if why is not None and why.startswith(f"{tenant}\0"):
-                raise ApiError(404, f"sampling session {sampler_id!r} was released: {why.split(chr(0), 1)[1]}")
+            owner, why = self._gone.get(sampler_id, (None, ""))
+            if owner == tenant:
+                raise ApiError(404, f"sampling session {sampler_id!r} was released: {why}")
             raise ApiError(404, f"sampling session {sampler_id!r} not found (or its session ended)")
         return s
 
@@ -49,13 +48,12 @@ class SamplerOps:
             if go:
                 x.released = True
                 del self.samplers[x.id]
-                self._gone[x.id] = f"{x.tenant}\0{x.closing}"
+                self._gone[x.id] = (x.tenant, x.closing)
                 while len(self._gone) > GONE_KEPT:
                     self._gone.popitem(last=False)
         if go and x.ref is not None:
             self.backend.release_sampler(x.ref)
 
-    # -- sampling ----------------------------------------------------------------------------------
     def _sampler_quota(self, tenant: str, model_id: str | None = None) -> ApiError | None:
         """The refusal of one more sampler by the samplers quota, or None. A new ephemeral sampler of a
         model that keeps `keep_samplers` already replaces one of them: it adds none."""
@@ -145,12 +143,13 @@ class SamplerOps:
                     x.seen = dict(list(x.seen.items())[-SEEN_KEPT:])
             x.inflight += 1  # from here on, whatever raises, `done` answers the future and lets x go
             self._sampling[tenant] += 1
-        answered = threading.Event()
+        answered = []
 
-        def done(result) -> None:
-            if answered.is_set():
-                return
-            answered.set()
+        def done(result) -> None:  # once, whoever calls it (the backend, or a failure below)
+            with self._lock:
+                if answered:
+                    return
+                answered.append(True)
             if isinstance(result, BackendError):
                 self._answer(rid, Outcome(error=result.message, category=result.category))
             else:

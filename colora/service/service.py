@@ -73,7 +73,7 @@ class Service(CheckpointOps, SamplerOps):
         self._creations: dict[tuple[str, int], str] = {}  # (session, model_seq_id) -> request_id
         self._creating: collections.Counter = collections.Counter()  # tenant -> models being created
         self._sampling: collections.Counter = collections.Counter()  # tenant -> asample requests in flight
-        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # released sampler -> why
+        self._gone: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()  # id -> (tenant, why)
         self._ids = itertools.count(1)
         self.started = time.monotonic()
         self._health: dict = {"status": "ok"}
@@ -281,14 +281,14 @@ class Service(CheckpointOps, SamplerOps):
 
     def _register(self, s: Session, model_id: str, base_model: str, spec: LoraSpec, user_metadata) -> None:
         """Called on the trainer thread once the backend holds the model."""
-        with self._lock:
+        with self._lock:  # the session cannot end between here and its queue: end_session takes this lock
             if s.ended:
                 self.backend.delete_model(model_id)
                 raise BackendError(f"session {s.id} has {s.ended}", "user")
             self.models[model_id] = Model(model_id, s.tenant, s.id, base_model, spec)
             s.models.add(model_id)
+            self.scheduler.add_model(model_id, next_seq=1, owner=s.tenant)
         self.store.write_run(s.tenant, model_id, base_model, spec, user_metadata)
-        self.scheduler.add_model(model_id, next_seq=1, owner=s.tenant)
 
     def get_info(self, tenant: str, body: schemas.ModelRef) -> dict:
         m = self._model(tenant, body.model_id)
