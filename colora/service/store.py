@@ -86,6 +86,11 @@ class Store:
             raise CheckpointError(f"model id {model_id!r} is invalid")
         return self.root / "tenants" / tenant / model_id
 
+    @staticmethod
+    def _holds_any(d: Path) -> bool:
+        """Whether model folder d holds a checkpoint of any kind (other modules' kinds, exports, included)."""
+        return any(not m.parent.name.startswith(".") for m in d.glob(f"*/*/{META}"))
+
     def _checkpoints(self, d: Path):
         """(CheckpointPath, folder, tinker.json) of every checkpoint in model folder d, temporary ones skipped."""
         for kind in KINDS:
@@ -99,7 +104,7 @@ class Store:
         Returns what it did, a line each, for the operator's log."""
         done = []
         for d in sorted((self.root / "tenants").glob("*/*")):
-            for kind in KINDS:
+            for kind in sorted(k.name for k in d.iterdir() if k.is_dir()):
                 for x in sorted((d / kind).glob(".*")):
                     m = re.fullmatch(r"\.(tmp|old)-(.+)-\d+", x.name)
                     if m and m[1] == "old" and not (d / kind / m[2]).exists():
@@ -108,7 +113,7 @@ class Store:
                     elif m:
                         shutil.rmtree(x, ignore_errors=True)
                         done.append(f"removed {d.parent.name}'s unfinished {kind}/{x.name} of {d.name}")
-            if not any(self._checkpoints(d)):
+            if not self._holds_any(d):
                 shutil.rmtree(d, ignore_errors=True)
                 continue
             for cp, folder, info in self._checkpoints(d):
@@ -160,7 +165,7 @@ class Store:
         """Removes the folder of a model that no longer lives (its session ended) once it holds no
         checkpoint; returns whether it did."""
         d = self._model_dir(tenant, model_id)
-        if not d.is_dir() or any(self._checkpoints(d)):
+        if not d.is_dir() or self._holds_any(d):
             return False
         shutil.rmtree(d, ignore_errors=True)
         return True
@@ -211,6 +216,20 @@ class Store:
         self._uncount(tenant, cp)
         self._count(tenant, cp, final, info)
         return final
+
+    def set_ttl(self, tenant: str, path: str, ttl_seconds: int | None) -> dict:
+        """Records a checkpoint's ttl_seconds from now (None: it never expires); returns its tinker.json."""
+        cp, d, info = self.find(tenant, path)
+        info = {**info, "ttl_seconds": ttl_seconds,
+                "expires_at": None if ttl_seconds is None else round(time.time() + ttl_seconds, 3)}
+        tmp = d / f".{META}.{time.monotonic_ns()}"
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(d / META)
+        with self._lock:
+            self._expiry.pop((tenant, str(cp)), None)
+            if info["expires_at"] is not None:
+                self._expiry[(tenant, str(cp))] = info["expires_at"]
+        return info
 
     def delete(self, tenant: str, model_id: str, checkpoint_id: str) -> CheckpointPath:
         kind, _, name = checkpoint_id.partition("/")
