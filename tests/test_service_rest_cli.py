@@ -21,7 +21,7 @@ from colora.service import rest
 from colora.service.app import ServerThread, create_app
 from colora.service.config import ServeConfig
 from colora.service.fake import FakeBackend
-from colora.service.service import ApiError
+from colora.service.errors import ApiError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINKER = ROOT / ".venv-tinker" / "bin" / "tinker"
@@ -60,8 +60,8 @@ def served(tmp_path_factory):
     yields (url, out, {name: model_id}, {name: session_id})."""
     out = tmp_path_factory.mktemp("serve")
     config = ServeConfig(out=out, api_keys=KEYS, poll_hold_s=5.0)
-    app = create_app(config, FakeBackend(MODEL, vocab_size=32, eos_token_id=0, max_context=64, max_lora_rank=8))
-    rest.install(app, config)
+    app = create_app(config, FakeBackend(MODEL, vocab_size=32, eos_token_id=0, max_context=64, max_lora_rank=8),
+                     extra=[rest.install])
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         a_sid, a = model_with_checkpoints(c, ALICE, [("save_weights", "ckpt1"), ("save_weights_for_sampler", "samp1")])
         b_sid, b = model_with_checkpoints(c, BOB, [("save_weights", "mine")])
@@ -160,9 +160,18 @@ def test_external_weights_urls_are_signed_for_their_tenant_and_checkpoint(served
         assert c.get(forged).status_code == 403
         assert c.get(link.replace("sampler.pt", "tinker.json")).status_code == 404  # the server's record stays
         assert c.get(link.replace("sampler.pt", "../../weights/ckpt1/adapter.pt")).status_code == 404
-        ttl = c.put(f"/api/v1/training_runs/{mid}/checkpoints/external_weights/hf/ttl", json={"ttl_seconds": 60},
-                    headers={"X-API-Key": ALICE})
+        runs = f"/api/v1/training_runs/{mid}/checkpoints"
+        ttl = c.put(f"{runs}/external_weights/hf/ttl", json={"ttl_seconds": 60}, headers={"X-API-Key": ALICE})
         assert ttl.status_code == 400 and "ttl_seconds (60)" in ttl.json()["error"]
+        assert c.put(f"{runs}/external_weights/hf/ttl", json={"ttl_seconds": 7200},
+                     headers={"X-API-Key": ALICE}).status_code == 204
+
+        # a body that does not validate still takes its seq_id slot, so the model's next request runs
+        bad = call(c, ALICE, "save_weights_external", {"model_id": mid, "seq_id": 2, "path": {"not": "a name"}})
+        failed = call(c, ALICE, "retrieve_future", {"request_id": bad["request_id"]})
+        assert failed["category"] == "user" and "path" in failed["error"]
+        again = result(c, ALICE, call(c, ALICE, "save_weights_external", {"model_id": mid, "seq_id": 3, "path": "hf2"}))
+        assert again["path"] == f"tinker://{mid}/external_weights/hf2"
 
 
 def test_a_signed_url_expires_and_names_what_to_do():

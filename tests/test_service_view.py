@@ -69,11 +69,10 @@ class StandIn:
 
 
 def view_app(tmp_path, standin: StandIn):
-    config = ServeConfig(out=tmp_path, api_keys=KEYS)
-    app = create_app(config, FakeBackend("fake/base/model", vocab_size=32, eos_token_id=0))
-    for install in (metrics.install, status.install):
-        install(app, config, is_admin=lambda key: key == ADMIN, service=lambda request: standin)
-    return app
+    config = ServeConfig(out=tmp_path, api_keys=KEYS, admin_keys=frozenset({ADMIN}))
+    return create_app(config, FakeBackend("fake/base/model", vocab_size=32, eos_token_id=0),
+                      extra=[lambda app: metrics.install(app, service=lambda request: standin),
+                             lambda app: status.install(app, service=lambda request: standin)])
 
 
 @pytest.fixture

@@ -21,10 +21,8 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from colora.service.config import ServeConfig
-from colora.service.service import ApiError
+from colora.service.app import request_is_admin, request_tenant
 
-IsAdmin = Callable[[str | None], bool]
 ServiceOf = Callable[[Request], Any]  # the object with `snapshot(tenant | None) -> dict`
 
 # (snapshot key, metric name, help); a counter's exposed name gains `_total`
@@ -73,20 +71,10 @@ HEALTH_STATES = ("ok", "degraded", "restarting")
 TENANT_SERVER_KEYS = ("uptime_s", "health")  # what a tenant's key sees of the server
 
 
-def scope_of(request: Request, config: ServeConfig, is_admin: IsAdmin) -> str | None:
-    """Whose figures the caller may see: a tenant's name, or None for every tenant (the admin key).
-    Any other key is a 401, as on every route of the API."""
-    key = request.headers.get("x-api-key")
-    if is_admin(key):
-        return None
-    tenant = config.tenant_of(key)
-    if tenant is None:
-        raise ApiError(401, "the X-API-Key header holds no key of this server (a tenant's key or the admin key)")
-    return tenant
-
-
-def no_admin(key: str | None) -> bool:
-    return False
+def scope_of(request: Request) -> str | None:
+    """Whose figures the caller may see: None for every tenant (an admin key of the server's config),
+    else the key's tenant; any other key is a 401, as on every route of the API."""
+    return None if request_is_admin(request) else request_tenant(request)
 
 
 def default_service(request: Request) -> Any:
@@ -145,14 +133,13 @@ def exposition(snap: dict) -> bytes:
     return generate_latest(registry)
 
 
-def install(app: FastAPI, config: ServeConfig, is_admin: IsAdmin | None = None,
-            service: ServiceOf | None = None) -> None:
-    """Adds `GET /metrics` to the app. `is_admin(key)` says whether a key is the server's admin key;
-    `service(request)` gives the object whose `snapshot(tenant | None)` is read (the app's Service)."""
-    is_admin, service = is_admin or no_admin, service or default_service
+def install(app: FastAPI, service: ServiceOf | None = None) -> None:
+    """Adds `GET /metrics` to an app of `colora.service.app.create_app` (which holds the keys in
+    `app.state.config`). `service(request)` gives the object whose `snapshot(tenant | None)` is read:
+    the app's Service unless a test gives another."""
+    service = service or default_service
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        scope = scope_of(request, config, is_admin)
-        body = exposition(await snapshot(request, service, scope))
+        body = exposition(await snapshot(request, service, scope_of(request)))
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -16,16 +16,20 @@ every route. app.py serves a run, its checkpoints and a checkpoint's deletion; t
 | GET /api/v1/sessions?limit&offset, GET /api/v1/sessions/{id} | the tenant's sessions since the server started |
 | POST /api/v1/save_weights_external | future -> `{path: tinker://<model>/external_weights/<name>}` |
 | GET .../checkpoints/external_weights/<name>/external_weights_urls | `{urls: {file: signed URL}, expires}` |
-| PUT .../checkpoints/<checkpoint_id>/ttl `{ttl_seconds}` | records the TTL (nothing expires yet) |
+| PUT .../checkpoints/external_weights/<name>/ttl `{ttl_seconds}` | records an export's TTL |
 | GET /api/v1/colora/download/<token>/<file> | one file of an export, for a valid unexpired token |
 
 `tinker checkpoint download` (SDK 0.38) loads the checkpoint into a new training run of its own
 session, asks it for `save_weights_external`, asks for the export's signed URLs and fetches each
-file with a plain GET (no key), then deletes the export. The export is the backend's sampler format
-(for the co-runner a PEFT adapter: adapter_config.json, adapter_model.safetensors), written in the
-model's turn like any save, to `<out>/tenants/<tenant>/<model_id>/external_weights/<name>/`. Its URLs
-carry an HMAC of (tenant, run, checkpoint, expiry) under a key made when the server starts: they
-reach only that tenant's export, for 15 minutes, and none survives a restart.
+file with a plain GET (no key), then asks to delete the export and ends its session. The export is
+the backend's sampler format (for the co-runner a PEFT adapter: adapter_config.json,
+adapter_model.safetensors), written in the model's turn under the tenant's checkpoint quotas, to
+`<out>/tenants/<tenant>/<model_id>/external_weights/<name>/`. The store (colora/service/store.py)
+knows weights and sampler_weights only: it neither lists nor counts nor deletes an export (the CLI
+warns that the delete failed), and removes it with its model's folder once the model's session has
+ended and the model holds no checkpoint (the download's model holds none). Its URLs carry
+an HMAC of (tenant, run, checkpoint, expiry) under a key made when the server starts: they reach only
+that tenant's export, for 15 minutes, and none survives a restart.
 """
 
 from __future__ import annotations
@@ -46,10 +50,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from colora.service.app import request_tenant
 from colora.service.backend import Backend, BackendError
-from colora.service.config import ServeConfig
-from colora.service.scheduler import barrier_work, failed_work
-from colora.service.service import ApiError, Service
+from colora.service.errors import ApiError
+from colora.service.service import Service
 from colora.service.store import KINDS, META, CheckpointError, CheckpointPath, Store, check_name
 
 EXTERNAL = "external_weights"
@@ -124,21 +128,31 @@ def page(request: Request) -> tuple[int, int]:
     return out[0], out[1]
 
 
+def model_and_seq(raw: bytes) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a JSON body that has them with the right types, else None."""
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        return None
+    mid, seq = (data.get("model_id"), data.get("seq_id")) if isinstance(data, dict) else (None, None)
+    return (mid, seq) if isinstance(mid, str) and mid and type(seq) is int else None
+
+
 def save_weights_external(svc: Service, tenant: str, body: SaveWeightsExternal) -> dict:
-    """Queues the export of a model's adapter in its seq_id turn (as save_weights_for_sampler with a path)."""
-    m = svc._model(tenant, body.model_id)
+    """Queues the export of a model's adapter in its seq_id turn, under the tenant's checkpoint quotas
+    (as a save_weights_for_sampler with a path); one that cannot run still takes its slot."""
+    m, route = svc._model(tenant, body.model_id), "save_weights_external"
     if body.seq_id is None:
         raise ApiError(400, "save_weights_external needs its seq_id (the SDK sends one)")
-    error = "age_encryption_recipients: encrypted exports are not served here" if body.age_encryption_recipients \
-        else None
+    if body.age_encryption_recipients:
+        return svc.fail_in_slot(tenant, m.id, body.seq_id, route, "age_encryption_recipients: encrypted exports "
+                                "are not served here; export without them")
     try:
         cp = CheckpointPath(m.id, EXTERNAL, check_name(body.path))  # type: ignore[arg-type]
     except CheckpointError as e:
-        error = str(e)
-    if error is not None:
-        return svc._submit(tenant, m.id, lambda rid: failed_work(rid, m.id, body.seq_id, error))
+        return svc.fail_in_slot(tenant, m.id, body.seq_id, route, str(e))
 
-    def export(b: Backend) -> dict:
+    def write(b: Backend) -> dict:
         final = svc.store.dir_of(tenant, cp)
         tmp = final.parent / f".tmp-{cp.name}-{time.monotonic_ns()}"
         tmp.mkdir(parents=True)
@@ -159,7 +173,7 @@ def save_weights_external(svc: Service, tenant: str, body: SaveWeightsExternal) 
                 shutil.rmtree(tmp)
         return {"type": "save_weights_external", "path": str(cp), "size_bytes": size}
 
-    return svc._submit(tenant, m.id, lambda rid: barrier_work(rid, m.id, body.seq_id, "save_weights_external", export))
+    return svc._save(tenant, m, body.seq_id, route, cp, write)
 
 
 class Signer:
@@ -191,31 +205,32 @@ class Signer:
         return tenant, model_id, checkpoint_id
 
 
-def install(app: FastAPI, config: ServeConfig) -> None:
-    """Adds this module's routes (the table in the module docstring) to the app."""
+def install(app: FastAPI) -> None:
+    """Adds this module's routes (the table in the module docstring) to an app of `create_app`."""
     signer = Signer()
+    tenant = request_tenant
 
     def svc(request: Request) -> Service:
         return request.app.state.service
 
-    def tenant(request: Request) -> str:
-        t = config.tenant_of(request.headers.get("x-api-key"))
-        if t is None:
-            raise ApiError(401, "the X-API-Key header holds no key of this server (the SDK sends TINKER_API_KEY)")
-        return t
-
-    async def parsed(request: Request, model: type[BaseModel]):
+    async def raw_body(request: Request) -> bytes:
         raw = b""
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY:
                 raise ApiError(413, f"the request body is more than {MAX_BODY} bytes, this route's limit")
+        return raw
+
+    def validated(raw: bytes, model: type[BaseModel]):
         try:
             return model.model_validate_json(raw or b"{}")
         except ValidationError as e:
             err = e.errors()[0]
             raise ApiError(400, f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']} (in {model.__name__})") \
                 from None
+
+    async def parsed(request: Request, model: type[BaseModel]):
+        return validated(await raw_body(request), model)
 
     @app.get("/api/v1/training_runs")
     async def list_training_runs(request: Request):
@@ -247,8 +262,15 @@ def install(app: FastAPI, config: ServeConfig) -> None:
 
     @app.post("/api/v1/save_weights_external")
     async def save_external(request: Request):
-        t = tenant(request)
-        return save_weights_external(svc(request), t, await parsed(request, SaveWeightsExternal))
+        t, raw = tenant(request), await raw_body(request)
+        try:
+            b = validated(raw, SaveWeightsExternal)
+        except ApiError as e:  # one whose model_id and seq_id can be read still takes its slot
+            ids = model_and_seq(raw)
+            if ids is None:
+                raise
+            return svc(request).fail_in_slot(t, ids[0], ids[1], "save_weights_external", e.message)
+        return save_weights_external(svc(request), t, b)
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request):
@@ -282,6 +304,9 @@ def install(app: FastAPI, config: ServeConfig) -> None:
             raise ApiError(400, f"ttl_seconds ({b.ttl_seconds}) must be from {lo} (one hour) to {hi} (ten years), "
                                 "or null for none")
         d, meta = checkpoint_dir(svc(request).store, t, model_id, checkpoint_id)
+        if not checkpoint_id.startswith(f"{EXTERNAL}/"):
+            raise ApiError(400, f"checkpoint {checkpoint_id!r}: a training or sampler checkpoint's TTL is set when "
+                                "it is saved (ttl_seconds) and cannot be changed here yet")
         tmp = d / f".{META}.{time.monotonic_ns()}"
         tmp.write_text(json.dumps({**meta, "ttl_seconds": b.ttl_seconds}, indent=1))
         tmp.replace(d / META)

@@ -23,8 +23,7 @@ from importlib import resources
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse
 
-from colora.service.config import ServeConfig
-from colora.service.metrics import IsAdmin, ServiceOf, default_service, no_admin, scope_of, snapshot
+from colora.service.metrics import ServiceOf, default_service, scope_of, snapshot
 
 STATUS_JSON = "/api/v1/colora/status.json"
 
@@ -34,11 +33,10 @@ def page() -> str:
     return resources.files("colora.service").joinpath("status.html").read_text(encoding="utf-8")
 
 
-def install(app: FastAPI, config: ServeConfig, is_admin: IsAdmin | None = None,
-            service: ServiceOf | None = None) -> None:
-    """Adds `GET /`, `GET /status` and `GET /api/v1/colora/status.json` to the app; `is_admin` and
+def install(app: FastAPI, service: ServiceOf | None = None) -> None:
+    """Adds `GET /`, `GET /status` and `GET /api/v1/colora/status.json` to an app of `create_app`;
     `service` as in `colora.service.metrics.install`."""
-    is_admin, service = is_admin or no_admin, service or default_service
+    service = service or default_service
     html = page()
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -48,6 +46,6 @@ def install(app: FastAPI, config: ServeConfig, is_admin: IsAdmin | None = None,
 
     @app.get(STATUS_JSON)
     async def status_json(request: Request):
-        scope = scope_of(request, config, is_admin)
+        scope = scope_of(request)
         snap = await snapshot(request, service, scope)
         return {"scope": "server" if scope is None else "tenant", "tenant": scope, "time": time.time(), **snap}
