@@ -1,10 +1,11 @@
 """The service's view: `GET /metrics` (Prometheus), the status page and its status.json, and the page in
 a real headless Chromium (colora/service/metrics.py, colora/service/status.py, colora/service/status.html).
 
-The figures come from a stand-in with the shape of `Service.snapshot`, so every value on the wire can
-be checked against the one it came from. The browser test drives Chromium over its DevTools protocol
-on a pipe (`--remote-debugging-pipe`: no port, no driver, no Python package) and skips only where no
-Chromium binary exists (`apt-get install chromium`).
+The first tests read a stand-in with the shape of `Service.snapshot`, so every value on the wire can
+be checked against the one it came from; the last ones a real server on the fake backend where two
+tenants train over HTTP. The browser tests drive Chromium over its DevTools protocol on a pipe
+(`--remote-debugging-pipe`: no port, no driver, no Python package) and skip only where no Chromium
+binary exists (`apt-get install chromium`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,21 @@ import shutil
 import subprocess
 import time
 
+import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from colora.service import metrics, status
+from colora.service import tinker_public_pb2 as pb
 from colora.service.app import ServerThread, create_app
 from colora.service.config import ServeConfig
 from colora.service.fake import FakeBackend
 
 KEYS = {"tml-alice-0000": "alice", "tml-bob-00000": "bob"}
 ADMIN = "tml-admin-000000"
+MODEL = "fake/base/model"
 A, B, OPS = {"X-API-Key": "tml-alice-0000"}, {"X-API-Key": "tml-bob-00000"}, {"X-API-Key": ADMIN}
 
 
@@ -54,7 +59,8 @@ class StandIn:
             "server": {"uptime_s": 123.5, "cycles": 40, "cycle_seconds_sum": 2.5, "last_cycle_seconds": 0.0625,
                        "cycle_models_sum": 60, "multi_model_cycles": 20, "live_sessions": 2, "live_models": 2,
                        "live_samplers": 1, "futures_pending": 5,
-                       "health": {"status": "degraded", "engine_restarts": 2, "last_engine_error": "EOF from the engine",
+                       "health": {"status": "degraded", "engine_restarts": 2,
+                                  "last_engine_error": "EOF from the engine",
                                   "samplers_loaded": 3, "engine_requests_in_flight": 7, "gpu_memory_bytes": 2 << 30}},
             "errors": [{"time": 1.0e9, "tenant": "alice", "route": "/api/v1/optim_step", "status": 400,
                         "category": "user", "reason": "<b>adam_params</b>: learning_rate must be positive"},
@@ -239,7 +245,8 @@ class Chromium:
             value = self.js(expression)
             if value:
                 return value
-            assert time.monotonic() < end, f"the page never showed {expression}; body: {self.js('document.body.innerText')}"
+            assert time.monotonic() < end, \
+                f"the page never showed {expression}; it shows: {self.js('document.body.innerText')}"
             time.sleep(0.2)
 
     def close(self) -> None:
@@ -305,3 +312,93 @@ def test_the_page_in_chromium_with_a_tenant_key_shows_only_that_tenant(tmp_path,
                                            f"&& {TENANT_ROWS}")) == ["bob"]
         assert browser.js("document.getElementById('scope').textContent") == "tenant bob"
         assert browser.js("document.querySelectorAll('#errors tbody tr').length") == 1
+# -- the real service: two tenants training on the fake backend ------------------------------------
+
+def fb_body(model_id: str, seq: int, n: int = 6) -> bytes:
+    msg = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq, loss_fn="cross_entropy")
+    d = msg.data.add()
+    d.model_input.add().encoded_text.tokens = np.arange(1, n + 1, dtype=np.int32).tobytes()
+    for name, a in (("target_tokens", np.arange(2, n + 2, dtype=np.int64)), ("weights", np.ones(n, np.float32))):
+        d.loss_fn_inputs[name].dense = a.tobytes()
+        d.loss_fn_inputs[name].dtype = pb.DTYPE_INT64 if a.dtype == np.int64 else pb.DTYPE_FLOAT32
+        d.loss_fn_inputs[name].shape.append(n)
+    return msg.SerializeToString()
+
+
+class Trainer:
+    """A tenant's model on a live server, trained one step at a time over plain HTTP."""
+
+    def __init__(self, client: httpx.Client, key: dict):
+        self.c, self.key, self.seq = client, key, 0
+        sid = self.post("create_session", {"tags": [], "sdk_version": "test"})["session_id"]
+        self.model = self.wait(self.post("create_model", {"session_id": sid, "model_seq_id": 0,
+                                                          "base_model": MODEL, "lora_config": {"rank": 4}}))["model_id"]
+
+    def post(self, route: str, body: dict) -> dict:
+        r = self.c.post(f"/api/v1/{route}", json=body, headers=self.key)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def wait(self, answer: dict) -> dict:
+        r = self.post("retrieve_future", {"request_id": answer["request_id"]})
+        assert "error" not in r, r
+        return r
+
+    def step(self) -> None:
+        self.seq += 1
+        r = self.c.post("/api/v1/forward_backward", content=fb_body(self.model, self.seq),
+                        headers={**self.key, "Content-Type": "application/x-protobuf"})
+        assert r.status_code == 200, r.text
+        self.seq += 1
+        self.wait(self.post("optim_step", {"model_id": self.model, "seq_id": self.seq,
+                                           "adam_params": {"learning_rate": 0.01}}))
+
+
+@pytest.fixture
+def live(tmp_path):
+    """A server on the fake backend with the view installed, alice's model after 2 steps and bob's after 1:
+    yields (url, {tenant: Trainer})."""
+    config = ServeConfig(out=tmp_path / "out", api_keys=KEYS, admin_keys=frozenset({ADMIN}), poll_hold_s=5.0)
+    backend = FakeBackend(MODEL, vocab_size=32, eos_token_id=0, max_context=64, max_lora_rank=8)
+    with ServerThread(create_app(config, backend, extra=[metrics.install, status.install])) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as c:
+        trainers = {"alice": Trainer(c, A), "bob": Trainer(c, B)}
+        for name, steps in (("alice", 2), ("bob", 1)):
+            for _ in range(steps):
+                trainers[name].step()
+        yield server.url, trainers
+
+
+def test_metrics_of_the_service_count_what_each_tenant_did(live):
+    url, trainers = live
+    with httpx.Client(base_url=url, timeout=30) as c:
+        got = scrape(c, OPS)
+        names = {k[0] for k in got}
+        every = metrics.TENANT_COUNTERS + metrics.TENANT_GAUGES + metrics.SERVER_COUNTERS + metrics.SERVER_GAUGES
+        assert {name for _, name, _ in every + metrics.HEALTH_COUNTERS + metrics.HEALTH_GAUGES} <= names
+        for tenant, steps in (("alice", 2), ("bob", 1)):
+            label = (("tenant", tenant),)
+            assert got[("colora_tenant_optim_steps", "counter", "colora_tenant_optim_steps_total", label)] == steps
+            assert got[("colora_tenant_forward_calls", "counter", "colora_tenant_forward_calls_total", label)] == steps
+            tokens = ("colora_tenant_trained_tokens", "counter", "colora_tenant_trained_tokens_total", label)
+            assert got[tokens] == 6 * steps  # a datum of 6 tokens a step
+            assert got[("colora_tenant_models", "gauge", "colora_tenant_models", label)] == 1
+            assert got[("colora_tenant_sessions", "gauge", "colora_tenant_sessions", label)] == 1
+        assert got[("colora_engine_status", "gauge", "colora_engine_status", (("status", "ok"),))] == 1
+        assert got[("colora_live_sessions", "gauge", "colora_live_sessions", ())] == 2
+        mine = scrape(c, A)
+        assert {dict(k[3]).get("tenant") for k in mine} - {None} == {"alice"}
+
+
+def test_the_page_in_chromium_follows_two_tenants_training(live, browser):
+    url, trainers = live
+    alice = trainers["alice"].model
+    browser.open(f"{url}/status#key={ADMIN}")
+    assert json.loads(browser.wait_for(f"document.querySelectorAll('#tenants tr[data-tenant]').length == 2 "
+                                       f"&& {TENANT_ROWS}")) == ["alice", "bob"]
+    assert browser.js(model_row(alice, "steps")) == "2" and browser.js(model_row(alice, "points")) == "2"
+    assert browser.js(model_row(trainers["bob"].model, "steps")) == "1"
+    trainers["alice"].step()  # the page shows alice's third step and its loss without a reload
+    assert browser.wait_for(f"{model_row(alice, 'steps')} == '3' && {model_row(alice, 'points')}") == "3"
+    assert browser.js("document.querySelector('#tenants tr[data-tenant=alice] td[data-k=optim_steps]')"
+                      ".dataset.v") == "3"

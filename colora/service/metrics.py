@@ -50,7 +50,8 @@ TENANT_GAUGES = [
 SERVER_COUNTERS = [
     ("cycles", "colora_trainer_cycles", "trainer cycles that did work"),
     ("cycle_seconds_sum", "colora_trainer_cycle_seconds", "seconds the trainer spent in its cycles"),
-    ("cycle_models_sum", "colora_trainer_cycle_models", "models summed over cycles (divide by cycles: models per cycle)"),
+    ("cycle_models_sum", "colora_trainer_cycle_models",
+     "models summed over cycles (divided by cycles: models per cycle)"),
     ("multi_model_cycles", "colora_trainer_multi_model_cycles", "cycles that held more than one model"),
 ]
 SERVER_GAUGES = [

@@ -97,7 +97,8 @@ def checkpoint_dir(store: Store, tenant: str, model_id: str, checkpoint_id: str)
     try:
         if kind not in SEGMENTS:
             raise CheckpointError(f"checkpoint_id {checkpoint_id!r} must be <{'|'.join(SEGMENTS)}>/<name>")
-        d = store.dir_of(tenant, CheckpointPath(model_id, kind, check_name(name, "checkpoint name")))  # type: ignore[arg-type]
+        cp = CheckpointPath(model_id, kind, check_name(name, "checkpoint name"))  # type: ignore[arg-type]
+        d = store.dir_of(tenant, cp)
     except CheckpointError as e:
         raise ApiError(404, str(e)) from None
     if not (d / META).is_file():

@@ -10,9 +10,9 @@ sessionStorage, and every 2 s fetches `GET /api/v1/colora/status.json` with it a
 
 status.json is the service's snapshot (`Service.snapshot`) as the key may see it, with the scope it was
 read for: the admin key every tenant and the whole server; a tenant's key its own tenant and errors,
-and of the server its uptime and the engine's health (`colora/service/metrics.py`, `snapshot`). The page shows the engine's health and restarts, the trainer's cycles, each
-tenant's sessions, models, samplers, queue and counts, each model's recent losses as a small SVG plot,
-and the last errors.
+and of the server its uptime and the engine's health (`colora/service/metrics.py`, `snapshot`). The
+page shows the engine's health and restarts, the trainer's cycles, each tenant's sessions, models,
+samplers, queue and counts, each model's recent losses as a small SVG plot, and the last errors.
 """
 
 from __future__ import annotations
