@@ -3,6 +3,7 @@
 #   make test    install, then run the test suite (GPU tests skip themselves without CUDA)
 #   make lint    install, then ruff (its rules are in pyproject.toml)
 #   make tinker-client   the official Tinker SDK's environment (.venv-tinker) that the service's tests drive
+#   make browser   Debian's chromium for the status page's browser test (root installs it)
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -32,7 +33,14 @@ $(TINKER_STAMP): $(TINKER_REQ)/requirements.txt $(TINKER_REQ)/no-deps.txt
 	$(TINKER_VENV)/bin/python -m pip install -q --no-deps -r $(TINKER_REQ)/no-deps.txt
 	touch $(TINKER_STAMP)
 
-.PHONY: install smoke test lint tinker-client
+# Debian's chromium: the status page's test drives a real headless browser (tests/test_service_view.py). Installed
+# where it is missing and this is root (CI); elsewhere that test says it skipped and why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		(apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) >/dev/null 2>&1; } || \
+		echo "make: no chromium here (Debian's package; root installs it): the status page's browser test skips"
+
+.PHONY: install smoke test lint tinker-client browser
 install: $(STAMP)
 tinker-client: $(TINKER_STAMP)
 
@@ -42,7 +50,7 @@ smoke: $(STAMP)
 # Two workers, each test file whole on one of them (a file's tests share its engines and fixtures): on
 # 2 cores the suite takes 0.71-0.80x its serial time, since much of it waits on spawned engine processes.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(TINKER_STAMP)
+test: $(STAMP) $(TINKER_STAMP) browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)

@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    from colora.service import metrics, rest, status
     from colora.service.app import create_app
 
     # uvicorn stops on SIGTERM/SIGINT, puts back the handlers it found and raises the signal again: these
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda signum, frame: stopped.append(signum))
     kind = "fake backend" if args.fake else "co-runner"
     print(f"colora serve: {args.model} ({kind}) on http://{args.host}:{args.port}, out {args.out}", flush=True)
-    app = create_app(config, backend)
+    # the view of the server (/metrics, the status page) and the tinker CLI's listing and download routes
+    app = create_app(config, backend, extra=(metrics.install, status.install, rest.install))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     svc = getattr(app.state, "service", None)
     live = svc.stats()["live_sessions"] if svc is not None else 0
