@@ -310,3 +310,31 @@ def test_the_benchmark_writes_both_columns_and_the_one_beside(server, client_run
     assert md.startswith(f"```\n{r['command']}\n```") and "one at a time" in md and "clients at once" in md
     for d in ("concurrent", "sequential/coin", "sequential/sums"):
         assert json.loads((out / d / "status.json").read_text())["state"] == "complete"
+
+
+def test_a_job_that_never_joined_the_clients_run_fails_and_reports_no_weights(tmp_path, tiny_model_dir):
+    """A client job still waiting for its start_after when the jobs that ran ended was reported 'waiting' in
+    a run that exited 0."""
+    import multiprocessing as mp
+
+    from colora.config import load_config
+    from colora.service.client_run import _Job, _never_joined
+
+    cfg = load_config(write_config(tmp_path, tiny_model_dir, steps=4), ["jobs.1.start_after=3"])
+    a, b = (j.name for j in cfg.jobs)
+    jobs = {a: _Job(status="stopped", reason="its task raised", steps=1, trained=True, ended=True),
+            b: _Job(status="waiting", ended=True, weights="tinker://x/weights/final")}
+    go = {a: mp.Event(), b: mp.Event()}
+    go[a].set()
+    rows, lines = [], []
+
+    class Rows:
+        write = rows.append
+
+    class Shown:
+        log = lines.append
+
+    _never_joined(cfg, [a, b], jobs, go, Rows, Shown)
+    assert jobs[a].status == "stopped" and jobs[b].status == "failed" and jobs[b].weights is None
+    assert jobs[b].reason.startswith("never joined: start_after = 3 was not reached") and "at most 1 steps" in jobs[b].reason
+    assert rows == [{"job": b, "step": 0, "event": "stopped", "status": "failed", "reason": jobs[b].reason}]

@@ -44,7 +44,7 @@ from colora.corun.trainer_side import JobState
 from colora.output import say
 from colora.record.provenance import code_version
 from colora.record.runlog import JsonlWriter, read_jsonl, write_json_atomic
-from colora.record.summary import JobSummary, job_summaries, warnings
+from colora.record.summary import JobSummary, job_summaries, never_joined, warnings
 from colora.record.throughput import measure_window, throughput
 from colora.run.preflight import (
     RunError,
@@ -218,6 +218,8 @@ def _run(cfg: Config, out: Path, url: str, key: str, info: dict, shown, request:
                     shown.log("every job evaluated: training starts")
                 if t0 is not None:
                     _release(cfg, names, jobs, go, finish, metrics, shown)
+            if not request.requested:
+                _never_joined(cfg, names, jobs, go, metrics, shown)
     finally:
         metrics.close()
         for p in procs.values():
@@ -283,6 +285,19 @@ def _release(cfg: Config, names: list[str], jobs: dict[str, _Job], go: dict, fin
                 shown.log(f"job {n} joins the run (start_after = {wait})")
     if not finish.is_set() and all(jobs[n].trained for n in names if go[n].is_set()):
         finish.set()
+
+
+def _never_joined(cfg: Config, names: list[str], jobs: dict[str, _Job], go: dict, metrics: JsonlWriter,
+                  shown) -> None:
+    """A job still waiting when the others ended failed: it never trained, and no weights of it are reported."""
+    done = max((j.steps for j in jobs.values()), default=0)
+    for n in names:
+        if go[n].is_set():
+            continue
+        j = jobs[n]
+        j.status, j.reason, j.weights = "failed", never_joined(cfg.job(n).start_after, done), None
+        metrics.write({"job": n, "step": 0, "event": "stopped", "status": "failed", "reason": j.reason})
+        shown.log(f"job {n} failed: {j.reason}")
 
 
 def _wind_down(procs: dict, jobs: dict[str, _Job], to_parent) -> None:
