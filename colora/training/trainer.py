@@ -153,7 +153,8 @@ class MultiJobTrainer:
         (colora/training/adamw.py); the gradient is then cleared. A non-finite loss since the last step or
         gradient norm refuses the update, a non-finite or diverged adapter undoes it: the job keeps its
         last good weights and AdamW state, its version stays and `failure` says why. An unknown job or
-        invalid settings change nothing (the gradient stays) and `failure` names the field."""
+        invalid settings change nothing (the gradient stays) and `failure` names the field, as does an
+        exception inside one job's update (it fails that job alone; colora/training/adamw.py)."""
         out, jobs, params, refused = {}, [], [], []
         for name, p in steps.items():
             ad = self.bank.jobs.get(name)
@@ -166,7 +167,13 @@ class MultiJobTrainer:
             params.append(p)
             refused.append(ad.bad_gradient)
             ad.bad_gradient = ""
-        for ad, res in zip(jobs, adamw_steps(jobs, params, refused, self.cfg.max_adapter_weight)):
+        try:
+            results = adamw_steps(jobs, params, refused, self.cfg.max_adapter_weight)
+        except BaseException:
+            for ad, why in zip(jobs, refused):  # still refused: their gradients were not cleared
+                ad.bad_gradient = ad.bad_gradient or why
+            raise
+        for ad, res in zip(jobs, results):
             out[ad.name] = res
         return {name: out[name] for name in steps}
 
