@@ -70,3 +70,95 @@ def test_a_builtin_build_that_loses_the_race_serves_the_winners_folder(tmp_path,
     with pytest.raises(OSError):  # what stands there is no model: the error is not hidden
         preflight.resolve_model("builtin:tiny", log=lambda s: None)
     assert [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+# The published models' parameter counts (Hugging Face's model pages and checkpoints). Qwen3-1.7B's
+# checkpoint holds its tied LM head as a second copy of the embedding, and its published count includes
+# it: 2,031,739,904 is its state dict's sum, 1,720,574,976 + 151,936 x 2,048. Qwen3-4B's and Qwen3-8B's
+# count each parameter once.
+PUBLISHED = {"qwen3-1.7b-shape": ("state_dict", 2_031_739_904), "qwen3-4b-shape": ("parameters", 4_022_468_096),
+             "qwen3-8b-shape": ("parameters", 8_190_735_360)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_qwen3_shapes_have_the_published_models_parameters(name):
+    """transformers' Qwen3ForCausalLM of each shape, on the meta device (no memory), has the published
+    model's count, and ModelShape's arithmetic (the memory planner's) and the streamed writer's tensors
+    agree with it, name for name and shape for shape."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from colora.models.qwen3_shapes import QWEN3_SHAPES, shape_of, tensors
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(**QWEN3_SHAPES[name]))
+    params = sum(p.numel() for p in model.parameters())  # a tied matrix once
+    state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    how, published = PUBLISHED[name]
+    assert (params if how == "parameters" else sum(torch.Size(s).numel() for s in state.values())) == published
+    assert shape_of(QWEN3_SHAPES[name]).parameters() == params
+    written = dict(tensors(QWEN3_SHAPES[name]))
+    assert written == {k: s for k, s in state.items() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    assert shape_of(QWEN3_SHAPES[name]).weight_bytes() == 2 * sum(torch.Size(s).numel() for s in written.values())
+
+
+def test_an_8b_build_holds_one_shard_of_at_most_2_gib_at_a_time():
+    """The 8B model's 16.4 GB of bf16 weights are drawn and written shard by shard: the largest shard (what
+    the build holds in host memory at once, besides one tensor's draw) is under SHARD_BYTES, and the
+    shards are every tensor once, in order. Arithmetic only: nothing is allocated."""
+    from colora.models.qwen3_shapes import QWEN3_SHAPES, SHARD_BYTES, shards, tensors
+
+    config = QWEN3_SHAPES["qwen3-8b-shape"]
+    plan = shards(config)
+    sizes = [2 * sum(torch.Size(s).numel() for _, s in shard) for shard in plan]
+    assert [t for shard in plan for t in shard] == tensors(config)
+    assert max(sizes) <= SHARD_BYTES < 3 << 30 and sum(sizes) == 16_381_470_720 and len(plan) == 8
+    assert max(2 * torch.Size(s).numel() for _, s in tensors(config)) == 151936 * 4096 * 2  # the embedding
+
+
+MINI = dict(vocab_size=512, head_dim=16, max_position_embeddings=256, rope_theta=1e6, rms_norm_eps=1e-6,
+            initializer_range=0.02, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_qwen3_written_shard_by_shard_loads_as_transformers_model(tmp_path, tied):
+    """A small Qwen3 through the same writer, in shards of 40 kB: transformers loads every weight (none
+    missing, none unexpected), in bf16, drawn N(0, 0.02) with RMSNorms at 1; the same seed writes the same
+    weights and another seed others."""
+    from transformers import AutoModelForCausalLM
+
+    from colora.models.base import load_tokenizer
+    from colora.models.qwen3_shapes import build_random_qwen3, shape_of
+
+    config = dict(MINI, tie_word_embeddings=tied)
+    out = build_random_qwen3(tmp_path / "a", config, seed=3, shard_bytes=40_000)
+    assert len(list(out.glob("model-*.safetensors"))) > 3
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert model.dtype == torch.bfloat16 and model.config.tie_word_embeddings == tied
+    assert sum(p.numel() for p in model.parameters()) == shape_of(config).parameters()
+    up = model.model.layers[1].mlp.up_proj.weight.float()
+    assert abs(up.std().item() - 0.02) < 0.002 and torch.equal(model.model.norm.weight, torch.ones(64, dtype=torch.bfloat16))
+    assert load_tokenizer(out).eos_token == "<|im_end|>"
+    again = AutoModelForCausalLM.from_pretrained(build_random_qwen3(tmp_path / "b", config, seed=3, shard_bytes=40_000))
+    other = AutoModelForCausalLM.from_pretrained(build_random_qwen3(tmp_path / "c", config, seed=4))
+    assert torch.equal(again.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+    assert not torch.equal(other.model.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight)
+
+
+def test_model_shape_reads_a_directory_as_the_model_and_its_adapters_are(tiny_model_dir):
+    """ModelShape from config.json counts the loaded model's parameters and a LoRA adapter's (the bank's,
+    for any rank and modules); Qwen3-0.6B's KV is 112 KiB a token in bf16 (28 layers x 8 KV heads x 128 x 2)."""
+    from colora.models.qwen3_shapes import ALL_SHAPES, shape_of
+    from colora.models.shape import ModelShape
+    from colora.training.lora import AdapterBank, inject_lora
+
+    shape = ModelShape.from_dir(tiny_model_dir)
+    model = load_base_model(tiny_model_dir, torch.float32, "cpu")
+    assert shape.parameters() == sum(p.numel() for p in model.parameters()) and shape.dtype_bytes == 4
+    bank = AdapterBank("cpu", "torch")
+    inject_lora(model, bank)
+    for rank, modules in ((4, ("q_proj", "v_proj", "down_proj")), (16, tuple(shape.projections()))):
+        job = bank.add_job(f"r{rank}", rank, 8.0, modules, 0)
+        assert shape.lora_parameters(rank, modules) == sum(p.numel() for p in job.parameters())
+    assert shape_of(ALL_SHAPES["qwen3-0.6b-shape"]).kv_bytes_per_token() == 112 * 1024
