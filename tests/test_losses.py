@@ -62,6 +62,25 @@ def test_cispo_weighs_the_policy_gradient_by_the_clipped_ratio_without_its_gradi
     torch.testing.assert_close(g, torch.tensor([-ci * a for ci, a in zip(c, A)], dtype=torch.float64))
 
 
+def test_stable_reinforce_is_cispo_between_zero_and_its_cap():
+    """stable_reinforce reaches the trainer as cispo with lo = 0, hi = C and q the sampler's recorded log-probs
+    (colora/service/records.py): per token -sg(min(r, C)) A logp. A hand batch in fp32 with C = 2: ratios 0.25
+    (not raised: lo = 0), 1, 1.5, 2 (at the cap), 6 (truncated) and a prompt token (A = 0, q = 0); against the
+    hand values and a plain torch reference of the formula."""
+    logp = [-0.5, -1.0, -2.0, -0.1, -3.0, -4.0]
+    r, adv = [0.25, 1.0, 1.5, 2.0, 6.0], [1.0, -2.0, 0.5, 1.0, -1.0, 0.0]
+    q = [lp - math.log(ri) for lp, ri in zip(logp, r)] + [0.0]
+    loss, g = _run(["cispo"] * 6, logp, q, adv, lo=0.0, hi=2.0, dtype=torch.float32)
+    f32 = dict(dtype=torch.float32)
+    torch.testing.assert_close(loss, torch.tensor([0.125, -2.0, 1.5, 0.2, -6.0, 0.0], **f32))
+    torch.testing.assert_close(g, torch.tensor([-0.25, 2.0, -0.75, -2.0, 2.0, 0.0], **f32))
+    x = torch.tensor(logp, requires_grad=True)
+    ref = -(torch.clamp(torch.exp(x - torch.tensor(q)), max=2.0).detach() * torch.tensor(adv) * x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(g, g_ref)
+
+
 def test_a_nan_sampler_log_prob_is_the_trainers_own():
     # q = NaN: r = 1 in value, so every RL loss is -A and its gradient -A (cispo: -logp A, gradient -A)
     logp = [-0.3, -2.0, -1.1]

@@ -36,7 +36,8 @@ import numpy as np
 from colora.training.adamw import AdamParams  # the service's optimizer settings are the trainer's
 
 # The losses the protocol layer passes to a backend; every other Tinker loss is refused before it
-# (dro, gspo and stable_reinforce need inputs and sampler records that are not specified here yet).
+# (dro and gspo need inputs that are not specified here yet), but stable_reinforce, which the protocol
+# layer serves itself and passes on as cispo (colora/service/records.py).
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 # loss_fn_inputs each loss needs: 1-D, one entry per position of the datum's tokens
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {

@@ -6,6 +6,10 @@ SDK's `save_weights_and_get_sampling_client`, called by RL loops after every ste
 newest `keep_samplers` ephemeral samplers: an older one takes no new samples (404, saying why) and is
 released once none of its samples is in flight. A session's end releases all of its samplers the same
 way. Each request that asample accepts is answered, whatever fails after its answer was recorded.
+
+A sample asked with `record_stability_info` is recorded for stable_reinforce (colora/service/records.py)
+when it finishes and before it is answered, so a client holding the answer can train on it at once; a
+sample that cannot be recorded fails, saying why.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from colora.seeding import derive_seed
 from colora.service import schemas, wire
 from colora.service.backend import BackendError
 from colora.service.errors import ApiError, limit_error
+from colora.service.records import RecordError
 from colora.service.sampling import build_sample_call
 from colora.service.scheduler import SEEN_KEPT, Outcome
 from colora.service.state import Sampler
@@ -29,7 +34,8 @@ GONE_KEPT = 4096  # released samplers whose 404 still says why
 
 class SamplerOps:
     """The sampling half of `Service` (colora/service/service.py), whose state it uses: `samplers`,
-    `_gone`, `_sampling`, `sessions`, `_lock`, `cfg`, `caps`, `backend`, `usage`, `_future`, `_answer`."""
+    `_gone`, `_sampling`, `sessions`, `_lock`, `cfg`, `caps`, `backend`, `usage`, `records`, `_future`,
+    `_answer`."""
 
     def _sampler(self, tenant: str, sampler_id: str) -> Sampler:
         s = self.samplers.get(sampler_id)
@@ -143,13 +149,15 @@ class SamplerOps:
                     x.seen = dict(list(x.seen.items())[-SEEN_KEPT:])
             x.inflight += 1  # from here on, whatever raises, `done` answers the future and lets x go
             self._sampling[tenant] += 1
-        answered = []
+        answered, recording = [], []  # recording: the sample's prompt, when it is recorded
 
         def done(result) -> None:  # once, whoever calls it (the backend, or a failure below)
             with self._lock:
                 if answered:
                     return
                 answered.append(True)
+            if recording and not isinstance(result, BackendError):
+                result = self._record(x, rid, recording[0], result)
             if isinstance(result, BackendError):
                 self._answer(rid, Outcome(error=result.message, category=result.category))
             else:
@@ -170,9 +178,25 @@ class SamplerOps:
             log.exception("building a sample call failed")
             done(BackendError(f"{type(e).__name__}: {e}", "server"))
             return answer
+        if body.record_stability_info:
+            recording.append(call.prompt)
         try:
             self.backend.sample(call, done)
         except Exception as e:
             log.exception("the backend refused a sample")
             done(BackendError(f"{type(e).__name__}: {e}", "server"))
         return answer
+
+    def _record(self, x: Sampler, request_id: str, prompt, result):
+        """The finished sample recorded for stable_reinforce: `result`, or the BackendError it fails with."""
+        try:
+            with self._lock:  # a session that has ended takes no new records (end_session drops its own after)
+                s = self.sessions.get(x.session_id)
+                if s is not None and not s.ended:
+                    self.records.record(x.tenant, x.session_id, request_id, prompt,
+                                        [(q.tokens, q.logprobs) for q in result.sequences])
+        except RecordError as e:
+            return BackendError(str(e), "user")
+        except ValueError as e:  # the engine's answer cannot be recorded
+            return BackendError(str(e), "server")
+        return result

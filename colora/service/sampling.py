@@ -5,6 +5,7 @@ strings stops once the completion contains one (EOS still stops); a list of ints
 tokens (EOS still stops). The stopping tokens are returned with the completion. max_tokens defaults to
 what the context leaves after the prompt. Top-k / target / alternative-token prompt log-probs and
 `prompt_logprobs_last_n` are not served yet: a request asking for them fails, naming the field.
+`record_stability_info` is the sampler's business (colora/service/samplers.py records the sample).
 
 Every setting is checked against what the engine accepts before it goes there (a setting vLLM refuses
 inside the engine fails more than its own request): temperature in [0, MAX_TEMPERATURE], top_p in
@@ -39,8 +40,6 @@ def build_sample_call(body: schemas.Sample, sampler: Any, caps: Capabilities, ma
     for name in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
         if getattr(body, name) is not None:
             raise InputError(f"{name} is not supported by this server; leave it unset")
-    if body.record_stability_info:
-        raise InputError("record_stability_info (StableReinforce) is not supported by this server")
     if not 1 <= body.num_samples <= max_num_samples:
         raise InputError(f"num_samples ({body.num_samples}) must be from 1 to this server's max_num_samples "
                          f"({max_num_samples})")

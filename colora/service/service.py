@@ -17,6 +17,11 @@ deleted (and their folders, once they hold no checkpoint) and its samplers relea
 theirs is in flight. An ephemeral sampler (`save_weights_and_get_sampling_client`) is released the same
 way once `keep_samplers` newer ones of its model exist. The reaper (`reap`) also deletes checkpoints
 whose `ttl_seconds` have passed and logs each change of the backend's health.
+
+stable_reinforce is served here, above the backend: its datums' provenance is resolved against the
+samples the server recorded (colora/service/records.py), and the call goes to the backend as cispo with
+the recorded log-probs; a datum naming a sequence that is not the model's session's fails its request.
+A session's end drops its records; the reaper drops those unused for a day.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ import time
 
 from colora.seeding import derive_seed
 from colora.service import schemas, wire
-from colora.service.backend import Backend, BackendError, ForwardCall, LoraSpec
+from colora.service.backend import Backend, BackendError, Datum, ForwardCall, LoraSpec
 from colora.service.checkpoints import CheckpointOps, _user
 from colora.service.config import ServeConfig
 from colora.service.errors import ApiError, Journal, limit_error, scrub
 from colora.service.futures import FutureStore
+from colora.service.records import RecordError, Records, behaviour_logprobs
 from colora.service.samplers import SamplerOps
 from colora.service.sampling import SEED_RANGE
 from colora.service.scheduler import Backlog, Outcome, Scheduler, SeqError, barrier_work, failed_work
@@ -63,6 +69,7 @@ class Service(CheckpointOps, SamplerOps):
         self.futures = FutureStore(loop, config.future_ttl_s)
         self.journal = Journal()
         self.usage = Usage()
+        self.records = Records()  # stable_reinforce's recorded samples
         self.scheduler = Scheduler(backend, self._answer, config.out / "stats.jsonl", config.batch_window_s,
                                    config.cycle_datums, config.cycle_tokens,
                                    observe=lambda results: self.usage.cycle(self._tenant_of_model, results))
@@ -188,8 +195,9 @@ class Service(CheckpointOps, SamplerOps):
             self.scheduler.control(None, lambda b, m=m: self._delete_model(b, m))
         for x in samplers:
             self._maybe_release(x)
-        log.info("session %s of tenant %s %s: %d model(s) deleted, %d sampler(s) released", s.id, s.tenant, why,
-                 len(models), len(samplers))
+        recorded = self.records.drop_session(s.tenant, s.id, why)  # after `ended`: no record joins after this
+        log.info("session %s of tenant %s %s: %d model(s) deleted, %d sampler(s) released, %d recorded sample(s) "
+                 "dropped", s.id, s.tenant, why, len(models), len(samplers), recorded)
 
     def _delete_model(self, b: Backend, m: Model) -> None:
         b.delete_model(m.id)
@@ -211,6 +219,7 @@ class Service(CheckpointOps, SamplerOps):
                 del self.sessions[k]
             self._creations = {k: v for k, v in self._creations.items() if k[0] not in old}
         self.futures.sweep()
+        self.records.expire()
         self._expire()
         self._watch_health()
         return [s.id for s in lapsed]
@@ -335,14 +344,31 @@ class Service(CheckpointOps, SamplerOps):
             req = wire.parse_forward_backward(body, self.caps, self.cfg.max_datums)
         except wire.InputError as e:
             raise ApiError(400, str(e)) from None
-        self._model(tenant, req.model_id)
+        m = self._model(tenant, req.model_id)
         if force_forward_only:
             req = dataclasses.replace(req, forward_only=True)
         route = "forward" if req.forward_only else "forward_backward"
+        if req.error is None and req.loss_fn == wire.STABLE:
+            try:
+                req = self._stable_reinforce(tenant, m, req)
+            except RecordError as e:
+                req = dataclasses.replace(req, error=str(e))
         if req.error is not None:
             return self.fail_in_slot(tenant, req.model_id, req.seq_id, route, req.error)
         call = ForwardCall(req.model_id, req.seq_id, req.datums, req.loss_fn, req.loss_fn_config, req.forward_only)
         return self._submit(tenant, req.model_id, lambda rid: forward_work(rid, call), route, nbytes=len(body))
+
+    def _stable_reinforce(self, tenant: str, m: Model, req: wire.ForwardRequest) -> wire.ForwardRequest:
+        """stable_reinforce (colora/service/records.py) as the backend's cispo with the ratio clipped to [0, C]:
+        each datum's `logprobs` the sampler's, as the server recorded them where its provenance names them."""
+        def get(sequence_id: str, where: str):
+            return self.records.get(tenant, m.session_id, sequence_id, where)
+
+        datums = tuple(Datum(d.tokens, {**d.inputs, "logprobs": behaviour_logprobs(
+            d.tokens, d.inputs["target_tokens"], d.inputs["advantages"], prov, get, f"data[{i}]")})
+            for i, (d, prov) in enumerate(zip(req.datums, req.provenance, strict=True)))
+        config = {"clip_low_threshold": 0.0, "clip_high_threshold": req.loss_fn_config["clip_high_threshold"]}
+        return dataclasses.replace(req, loss_fn="cispo", loss_fn_config=config, datums=datums, provenance=())
 
     def optim_step(self, tenant: str, body: schemas.OptimStep) -> dict:
         m = self._model(tenant, body.model_id)
@@ -422,13 +448,15 @@ class Service(CheckpointOps, SamplerOps):
         for t in names:
             requests, nbytes = self.scheduler.pending(t)
             count, disk = self.store.usage(t)
+            recorded, recorded_bytes = self.records.usage(t)
             detail = [{"model_id": m.id, "session_id": m.session_id, "rank": m.spec.rank, **self.usage.model(m.id)}
                       for m in models if m.tenant == t]
             tenants[t] = {"sessions": sum(s.tenant == t and not s.ended for s in sessions), "models": len(detail),
                           "samplers": sum(x.tenant == t and not x.closing for x in samplers),
                           **self.usage.counts(t), "errors": self.journal.count(t), "queue_depth": requests,
                           "pending_bytes": nbytes, "disk_bytes": disk, "checkpoints": count,
-                          "samples_in_flight": sampling.get(t, 0), "models_detail": detail}
+                          "samples_in_flight": sampling.get(t, 0), "recorded_sequences": recorded,
+                          "recorded_bytes": recorded_bytes, "models_detail": detail}
         st = self.scheduler.stats()
         server = {"uptime_s": round(time.monotonic() - self.started, 3), "health": self.health(),
                   **{k: st[k] for k in ("cycles", "cycle_seconds_sum", "last_cycle_seconds", "cycle_models_sum",

@@ -10,7 +10,7 @@ read:
     {"tenants": {name: {"sessions", "models", "samplers", "requests", "errors", "forward_calls",
                         "forward_datums", "trained_tokens", "optim_steps", "samples", "sampled_sequences",
                         "sampled_tokens", "queue_depth", "pending_bytes", "disk_bytes",
-                        "checkpoints", "samples_in_flight",
+                        "checkpoints", "samples_in_flight", "recorded_sequences", "recorded_bytes",
                         "models_detail": [{"model_id", "session_id", "rank", "optim_steps",
                                            "recent_losses": [[optim_step_index, loss_sum, unix_time], ...]}]}},
      "server": {"uptime_s", "cycles", "cycle_seconds_sum", "last_cycle_seconds", "cycle_models_sum",

@@ -2,7 +2,9 @@
 
 `parse_forward_backward` splits decoding in two: what identifies the request (model_id, seq_id), which
 must decode for the request to exist at all, and its content, whose errors (`InputError`, naming the
-field) fail that request in its seq_id slot instead of refusing the POST. Results are encoded as the
+field) fail that request in its seq_id slot instead of refusing the POST. A stable_reinforce datum's
+provenance (its `model_input_spans` and `loss_fn_input_spans`) is read here and resolved against the
+server's records by the service (colora/service/records.py); other losses ignore it. Results are encoded as the
 SDK 0.38 reads them (`tinker/proto/response_conv.py`): per-datum arrays concatenated in one
 BatchedTensor per field with int64 byte offsets; sampled tokens as int32 bytes, log-probs float32.
 """
@@ -25,10 +27,18 @@ from colora.service.backend import (
     ForwardResult,
     SampleResult,
 )
+from colora.service.records import Provenance, Span
 
-# every loss the Tinker API names (types/loss_fn_type.py); those outside LOSSES are refused by name
+# every loss the Tinker API names (types/loss_fn_type.py); those outside LOSSES and STABLE are refused by name
 TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce", "custom")
 _NP = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+# stable_reinforce is served above the backend, as cispo with the ratio clipped to [0, clip_high_threshold]
+# against the sampler's log-probs the server recorded (colora/service/service.py): its inputs from the client
+# (`logprobs` may be sent too: it is checked and replaced by the recorded ones) and its config. kl_coeff is
+# Tinker's; this server adds no KL term, so it takes 0 alone.
+STABLE = "stable_reinforce"
+STABLE_INPUTS = ("target_tokens", "advantages")
+STABLE_CONFIG = {"clip_high_threshold": 2.0, "kl_coeff": 0.0}
 
 
 class InputError(ValueError):
@@ -47,6 +57,7 @@ class ForwardRequest:
     forward_only: bool = False
     datums: tuple[Datum, ...] = ()
     error: str | None = None
+    provenance: tuple[Provenance | None, ...] = ()  # stable_reinforce's, one per datum (None: none sent)
 
 
 def parse_forward_backward(body: bytes, caps: Capabilities, max_datums: int) -> ForwardRequest:
@@ -67,14 +78,17 @@ def parse_forward_backward(body: bytes, caps: Capabilities, max_datums: int) -> 
             raise InputError(f"data has {len(msg.data)} datums, more than this server's max_datums ({max_datums}); "
                              "send fewer per call")
         datums = tuple(_datum(d, i, loss_fn, caps) for i, d in enumerate(msg.data))
+        prov = tuple(_provenance(d, f"data[{i}]") for i, d in enumerate(msg.data)) if loss_fn == STABLE else ()
     except InputError as e:
         return ForwardRequest(msg.model_id, msg.seq_id, error=str(e))
-    return ForwardRequest(msg.model_id, msg.seq_id, loss_fn, config, bool(msg.forward_only), datums)
+    return ForwardRequest(msg.model_id, msg.seq_id, loss_fn, config, bool(msg.forward_only), datums, None, prov)
 
 
 def _loss(msg, caps: Capabilities) -> tuple[str, dict[str, float]]:
     name = msg.loss_fn
     supported = [x for x in caps.losses if x in LOSSES]  # never more than the losses specified here
+    if "cispo" in supported:
+        supported.append(STABLE)
     if name not in supported:
         known = "a Tinker loss this server does not support" if name in TINKER_LOSSES else "not a Tinker loss"
         raise InputError(f"loss_fn {name!r} is {known}; supported: {', '.join(supported)}")
@@ -86,7 +100,7 @@ def _loss(msg, caps: Capabilities) -> tuple[str, dict[str, float]]:
             given[key] = v.number
     else:
         given = dict(msg.loss_fn_config)
-    accepted = LOSS_CONFIG.get(name, {})
+    accepted = STABLE_CONFIG if name == STABLE else LOSS_CONFIG.get(name, {})
     unknown = sorted(set(given) - set(accepted))
     if unknown:
         raise InputError(f"loss_fn_config key(s) {unknown} are not used by {name}; accepted: {sorted(accepted) or 'none'}")
@@ -97,6 +111,15 @@ def _loss(msg, caps: Capabilities) -> tuple[str, dict[str, float]]:
     if "clip_low_threshold" in config and config["clip_low_threshold"] > config["clip_high_threshold"]:
         raise InputError(f"loss_fn_config clip_low_threshold ({config['clip_low_threshold']}) is above "
                          f"clip_high_threshold ({config['clip_high_threshold']})")
+    if name == STABLE:
+        if config["kl_coeff"] != 0:
+            raise InputError(f"loss_fn_config['kl_coeff'] ({config['kl_coeff']}): this server's stable_reinforce "
+                             "has no KL term; send 0 or leave it out (a KL penalty can go into the advantages, "
+                             "as the cookbook's kl_penalty_coef does)")
+        if config["clip_high_threshold"] < 1:
+            raise InputError(f"loss_fn_config['clip_high_threshold'] ({config['clip_high_threshold']}) is "
+                             "stable_reinforce's cap on the importance ratio; it must be at least 1 (a cap below 1 "
+                             "would shrink the weight of every on-policy token)")
     return name, config
 
 
@@ -104,15 +127,17 @@ def _datum(d, i: int, loss_fn: str, caps: Capabilities) -> Datum:
     where = f"data[{i}]"
     tokens = tokens_of_chunks(d.model_input, f"{where}.model_input", caps)
     n = len(tokens)
-    needed = LOSS_INPUTS[loss_fn]
+    needed = STABLE_INPUTS if loss_fn == STABLE else LOSS_INPUTS[loss_fn]
+    optional = ("logprobs",) if loss_fn == STABLE else ()
     missing = [k for k in needed if k not in d.loss_fn_inputs]
     if missing:
         raise InputError(f"{where}.loss_fn_inputs lacks {missing}: {loss_fn} needs {list(needed)}")
-    extra = sorted(set(d.loss_fn_inputs) - set(needed))
+    extra = sorted(set(d.loss_fn_inputs) - set(needed) - set(optional))
     if extra:
-        raise InputError(f"{where}.loss_fn_inputs has {extra}, which {loss_fn} does not use; it takes {list(needed)}")
+        raise InputError(f"{where}.loss_fn_inputs has {extra}, which {loss_fn} does not use; it takes "
+                         f"{list(needed + optional)}")
     inputs = {}
-    for name in needed:
+    for name in needed + tuple(k for k in optional if k in d.loss_fn_inputs):
         arr = _tensor(d.loss_fn_inputs[name], f"{where}.loss_fn_inputs[{name!r}]", n)
         if name == "target_tokens":
             if arr.dtype.kind != "i":
@@ -125,6 +150,27 @@ def _datum(d, i: int, loss_fn: str, caps: Capabilities) -> Datum:
                 raise InputError(f"{where}.loss_fn_inputs[{name!r}] has non-finite values")
             inputs[name] = arr
     return Datum(tokens=tokens, inputs=inputs)
+
+
+def _provenance(d, where: str) -> Provenance | None:
+    """The datum's runs (records.Provenance), None when it has none; offsets and lengths are checked here,
+    what they name by the service."""
+    if not d.model_input_spans and not d.loss_fn_input_spans:
+        return None
+    lists = []
+    for field in ("model_input_spans", "loss_fn_input_spans"):
+        runs = []
+        for j, sp in enumerate(getattr(d, field)):
+            arm = sp.WhichOneof("span")
+            if arm is None:
+                raise InputError(f"{where}.{field}[{j}] is empty: a run is prompt_tokens or sampled_tokens")
+            run = getattr(sp, arm)
+            if run.offset < 0 or run.length < 0 or not run.sequence_id:
+                raise InputError(f"{where}.{field}[{j}] has offset {run.offset}, length {run.length} and sequence_id "
+                                 f"{run.sequence_id!r}: offset and length must be >= 0, the sequence_id set")
+            runs.append(Span(arm == "sampled_tokens", run.sequence_id, run.offset, run.length))
+        lists.append(tuple(runs))
+    return Provenance(*lists)
 
 
 def tokens_of_chunks(chunks, where: str, caps: Capabilities) -> np.ndarray:

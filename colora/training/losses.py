@@ -11,6 +11,8 @@ advantage, w the weight and r = exp(logp - q), the losses as Tinker defines them
     ppo                    -w * min(r * A, clip(r, lo, hi) * A)
     cispo                  -w * sg(clip(r, lo, hi)) * logp * A        (sg: no gradient through it)
 
+Tinker's stable_reinforce arrives as cispo with lo = 0, hi = its cap C and q the sampler's log-probs as
+the server recorded them: -sg(min(r, C)) * logp * A (colora/service/records.py defines it).
 Tinker's RL losses have w = 1 (its `weights` input belongs to cross_entropy). colora's native GRPO step
 is ppo with q = NaN, lo/hi = 0.8/1.2 and w the job's normalisation weight (grpo.sequence_token_weight):
 the ratio is 1 in value, so the clip never binds and the gradient is -w * A * dlogp, the same as
