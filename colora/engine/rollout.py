@@ -46,7 +46,7 @@ from colora.engine import adapters as sync
 from colora.engine.adapters import Adapter, AdapterDir, AdapterTensors
 from colora.engine.cache import EngineCache, release_cuda_cache  # noqa: F401  (imported from here by the runner and sweeps)
 from colora.engine.sampling import GenRequest, GenResult, aborted, result, sampling_params
-from colora.engine.liveness import bounded, dead_process
+from colora.engine.liveness import bounded, dead_process, shm_segments, unlink_segments
 from colora.engine.steprate import StepRate, time_waits
 from colora.engine.vllm_args import vllm_engine_args
 
@@ -110,6 +110,7 @@ class RolloutEngine:
         # vLLM's engine core runs in a process of its own (a direct child). A call into a dead one can
         # wait forever (seen: add_lora after the engine core was killed), so colora watches it.
         self._procs = [p for p in psutil.Process().children() if p.pid not in before]
+        self._segments = shm_segments(self._procs)  # what a killed engine core leaves in /dev/shm
         self.tokenizer = self.llm.get_tokenizer()
         self.model_dir = str(model_dir)
         self._from_memory: set[str] = set()  # jobs whose adapter the worker built from a segment
@@ -443,9 +444,11 @@ class RolloutEngine:
             r.text = t
 
     def close(self) -> None:
+        """Shut vLLM's engine down; of one whose core died, also remove the shared memory it left."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
+        died = self.dead() if hasattr(self, "_procs") else ""
         shutdown = getattr(llm.llm_engine, "shutdown", None) or getattr(
             getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
         try:
@@ -454,3 +457,5 @@ class RolloutEngine:
         except Exception:  # a dead engine process: nothing left to shut down
             pass
         del llm
+        if died:
+            unlink_segments(getattr(self, "_segments", ()))
