@@ -379,7 +379,11 @@ class RemoteEngine:
             proc.join(timeout=CLOSE_WAIT_S)
         in_order = not died and not proc.is_alive() and proc.exitcode == 0
         if not in_order:
+            import psutil
+
             _kill(proc)  # the child's group: also the engine's processes of a child that was killed
+            # gone before a new engine starts: on a GPU a dying core still holds its memory
+            psutil.wait_procs(self._procs, timeout=CLOSE_WAIT_S)
         self._conn.close()
         if not in_order:  # an engine closed in order has unlinked its own
             unlink_segments(self._segments)
