@@ -21,7 +21,14 @@ Threading contract:
 Errors: a call that fails for one model returns (or, for the single-model calls, raises) `BackendError`
 with `category` "user" (the client's input is wrong: out-of-range token, non-finite loss) or "server";
 a failure in one call of `train_cycle` never fails the other calls. The protocol layer has already
-checked what it can (known loss, shapes, token range, rank) before a call reaches the backend.
+checked what it can (known loss, shapes, token range, rank) before a call reaches the backend. A
+server error marked `retryable` failed for a passing reason (the sample was decoding when the engine
+died; the engine restarts): the same call sent again is expected to succeed. The protocol layer
+answers the retrieve_future of such a sample with HTTP 410, on which the SDK's sampling retry handler
+sends the sample again (tinker 0.38.0: lib/api_future_impl.py turns a 410 into RetryableException,
+which lib/retry_handler.py's RetryConfig retries with backoff, 0.5 s doubling to 10 s).
+
+`health()` says how the backend is (any thread): the protocol layer serves it at /healthz and /metrics.
 """
 
 from __future__ import annotations
@@ -58,12 +65,16 @@ Category = Literal["user", "server"]
 
 
 class BackendError(Exception):
-    """One call's failure; `category` is "user" when the client's input caused it, else "server"."""
+    """One call's failure; `category` is "user" when the client's input caused it, else "server".
+    `retryable` (server errors only): the same call sent again is expected to succeed."""
 
-    def __init__(self, message: str, category: Category = "server"):
+    def __init__(self, message: str, category: Category = "server", *, retryable: bool = False):
+        if retryable and category != "server":
+            raise ValueError(f"a retryable BackendError is a server error, not category {category!r}")
         super().__init__(message)
         self.message = message
         self.category: Category = category
+        self.retryable = retryable
 
 
 @dataclass(frozen=True)
@@ -219,6 +230,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def sample(self, call: SampleCall, done: Callable[[SampleResult | BackendError], None]) -> None:
         """Starts sampling and returns at once; `done` is called once, from any thread."""
+
+    def health(self) -> dict:
+        """How the backend is, from any thread, at once: {"status": "ok" | "degraded" | "restarting", ...}.
+        A backend with an engine that can die and come back adds "engine_restarts",
+        "last_engine_error", "samplers_loaded", "engine_requests_in_flight", "samples_waiting" and
+        "gpu_memory_bytes" (colora/service/corun.py)."""
+        return {"status": "ok"}
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -10,11 +10,21 @@ different phases of their loops therefore overlap the way colora's phase-offset 
 tenant's samples decode while another tenant's step trains. On a GPU both are MPS clients of colora's
 own daemon (the trainer in this process, the engine in its client's process, `runtime.engine_process`).
 
-A sampler (`save_for_sampler`) is the model's adapter at that moment, written as a PEFT directory (the
-engine's dtype, its scale folded into B) into the directory asked for or under OUT/samplers/, and
-registered in the engine under a LoRA name and id of its own: later optim_steps never touch it, and
-vLLM's LRU of adapter slots evicts and reloads it from its directory as clients use it
-(colora/engine/rollout.py `register_snapshot`).
+A sampler (`save_for_sampler`, `load_sampler`) is a PEFT directory of the backend's own, OUT/samplers/<key>
+(the engine's dtype, its scale folded into B), registered in the engine under a LoRA name and id of its
+own: later optim_steps never touch it, and vLLM's LRU of adapter slots evicts it and reloads it from
+that folder as clients use it (colora/engine/rollout.py `register_snapshot`). A named sampler save
+writes the checkpoint's folder too, and `load_sampler` of a checkpoint makes the sampler's own folder
+of the checkpoint's files: hard links where the file system allows (no bytes copied), else copies.
+Never the checkpoint's folder itself: a tenant's delete or overwrite of the checkpoint (the store
+removes the folder or puts a new one in its place, and never rewrites a file) then leaves every sampler
+made from it as it was, where vLLM would fail to reload a deleted adapter inside an engine step, and
+would load an overwritten one's new weights after an eviction. OUT/samplers is swept when a backend
+starts (what a killed server left) and emptied when it closes; the backend holds OUT's lock meanwhile.
+
+The engine comes back when its processes die (colora/service/engine_loop.py): the samples in flight
+fail with a retryable error, every live sampler is registered in the new engine, and `health` says
+how it goes.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import queue
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -32,13 +42,12 @@ import numpy as np
 import torch
 
 from colora.config import EngineConfig, OverlapConfig, TrainerConfig
-from colora.engine.adapters import AdapterDir
 from colora.engine.process import RemoteEngine
 from colora.engine.rollout import RolloutEngine, engine_process
 from colora.engine.vllm_args import vllm_lora_rank
-from colora.engine.sampling import GenRequest, samples
 from colora.models.base import load_base_model, load_tokenizer
-from colora.run.preflight import start_mps_for
+from colora.run.preflight import RunError, start_mps_for
+from colora.run.rundir import LOCK, holder, holding
 from colora.run.watcher import watch_this_process
 from colora.service.backend import (
     Backend,
@@ -49,9 +58,9 @@ from colora.service.backend import (
     LoraSpec,
     OptimCall,
     SampleCall,
-    SampledSequence,
     SampleResult,
 )
+from colora.service.engine_loop import EngineLoop
 from colora.training import adamw, losses
 from colora.training.batches import Datum
 from colora.training.fusion import fuse_elementwise, should_fuse
@@ -61,161 +70,12 @@ from colora.training.trainer import ForwardBackwardCall, MultiJobTrainer
 ALPHA = 32.0  # Tinker's API sends no alpha; colora's jobs and SkyRL use 32 (scale = 32 / rank)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-IDLE_WAIT_S = 0.5  # the longest the engine thread waits for work while nothing decodes
-
-
-class EngineLoop:
-    """The engine's thread: the only caller of the engine. Work arrives through `put` from any thread:
-    ("sample", SampleCall, done), ("register", key, path, reply), ("release", key, then), ("snapshots", reply).
-    A sample's requests join the running batch at once; `done` is called when its last sequence finishes.
-    A release is not waited for (it may come from a sample's `done`, on this thread); `then` runs after it.
-
-    A sampler whose folder is gone (its checkpoint deleted by its tenant) fails its samples before they
-    reach the engine: vLLM reloads an evicted adapter from its folder inside a step, and a load that fails
-    there would end the engine for every tenant."""
-
-    def __init__(self, engine, log: Callable[[str], None]):
-        self.engine = engine
-        self.log = log
-        self._q: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._ids = itertools.count()
-        self._paths: dict[str, Path] = {}  # registered sampler key -> its folder
-        self._thread = threading.Thread(target=self._run, name="colora-serve-engine", daemon=True)
-        self._thread.start()
-
-    def put(self, *item) -> None:
-        self._q.put(item)
-
-    def call(self, *item, timeout: float = 600.0):
-        """put(item) and wait for its answer (register, snapshots); never from the engine's thread."""
-        assert threading.current_thread() is not self._thread, "a call from the engine's thread waits for itself"
-        box: dict = {}
-        done = threading.Event()
-        self.put(*item, (box, done))
-        if not done.wait(timeout):
-            raise BackendError(f"the engine did not answer {item[0]} within {timeout:.0f} s", "server")
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
-
-    def _run(self) -> None:
-        inflight: dict[int, tuple[SampleCall, Callable]] = {}
-        while not self._stop.is_set():
-            items = []
-            with contextlib.suppress(queue.Empty):
-                items.append(self._q.get(timeout=IDLE_WAIT_S) if not self.engine.busy() else self._q.get_nowait())
-                while True:
-                    items.append(self._q.get_nowait())
-            for item in items:
-                self._take(item, inflight)
-            if self.engine.busy():
-                try:
-                    finished = self.engine.poll()
-                except Exception as e:  # noqa: BLE001  (the engine failed: every sample in flight hears it)
-                    self._fail_all(inflight, BackendError(f"the engine failed: {type(e).__name__}: {e}", "server"))
-                    self._forget_all()
-                    continue
-                for key, results in finished:
-                    call, done = inflight.pop(key, (None, None))
-                    if done is not None:  # None: failed already, when the engine failed
-                        _answer(done, lambda: _result(call, results))
-
-    def _take(self, item, inflight) -> None:
-        op = item[0]
-        if op == "stop":
-            self._stop.set()
-            self._fail_all(inflight, BackendError("the server is stopping", "server"))
-            return
-        if op == "sample":
-            _, call, done = item
-            path = self._paths.get(call.sampler) if call.sampler is not None else None
-            if call.sampler is not None and (path is None or not (path / "adapter_config.json").is_file()):
-                err = BackendError(f"the sampler's weights are gone ({path}): its checkpoint was deleted; "
-                                   "create a sampling client from a checkpoint that exists", "user")
-                _answer(done, lambda: err)
-                return
-            key = next(self._ids)
-            try:
-                self.engine.submit(key, samples(_request(call), call.num_samples))
-            except Exception as e:  # noqa: BLE001  (this sample's failure alone: an unknown sampler, say)
-                err = BackendError(f"{type(e).__name__}: {e}", "user")
-                _answer(done, lambda: err)
-                return
-            inflight[key] = (call, done)
-            return
-        if op == "release":
-            _, key, then = item
-            self._paths.pop(key, None)
-            try:
-                self.engine.release_snapshot(key)
-            except Exception as e:  # noqa: BLE001  (nobody waits for a release: say it, go on)
-                self.log(f"releasing sampler {key} failed: {type(e).__name__}: {e}")
-            if then is not None:
-                then()
-            return
-        *args, (box, event) = item[1:]
-        try:
-            if op == "register":
-                key, path = args
-                box["value"] = self.engine.register_snapshot(key, AdapterDir(key, 0, str(path)))
-                self._paths[key] = Path(path)
-            elif op == "snapshots":
-                box["value"] = sorted(self.engine.snapshots())
-        except Exception as e:  # noqa: BLE001  (handed to the caller's thread)
-            box["error"] = BackendError(f"{type(e).__name__}: {e}", "server")
-        event.set()
-
-    def _forget_all(self) -> None:
-        """After the engine failed: what it still had in flight is aborted, so that it is idle again
-        (the samples were answered) and the next samples run, if it lives."""
-        try:
-            self.engine.abort_all()
-        except Exception as e:  # noqa: BLE001  (a dead engine: its next calls fail the same way)
-            self.log(f"the engine failed and its requests could not be aborted: {type(e).__name__}: {e}")
-
-    @staticmethod
-    def _fail_all(inflight: dict, err: BackendError) -> None:
-        for _, done in inflight.values():
-            _answer(done, lambda: err)
-        inflight.clear()
-
-    def close(self) -> None:
-        self.put("stop")
-        self._thread.join(timeout=30)
-
-
-def _answer(done: Callable, make: Callable) -> None:
-    try:
-        value = make()
-    except Exception as e:  # noqa: BLE001  (a result that cannot be built is that sample's failure)
-        value = BackendError(f"{type(e).__name__}: {e}", "server")
-    try:
-        done(value)
-    except Exception:  # noqa: BLE001  (the protocol layer's callback: never kill the engine's thread)
-        pass
-
-
-def _request(call: SampleCall) -> GenRequest:
-    """One sample's GenRequest; `samples` makes num_samples of them, seeds derived from call.seed."""
-    return GenRequest(None, tuple(int(t) for t in call.prompt), int(call.max_tokens), float(call.temperature),
-                      float(call.top_p), int(call.seed), ignore_eos=not call.stop.eos, snapshot=call.sampler,
-                      top_k=int(call.top_k), stop=tuple(call.stop.strings), stop_token_ids=tuple(call.stop.token_ids),
-                      prompt_logprobs=bool(call.prompt_logprobs))
-
-
-def _result(call: SampleCall, results) -> SampleResult:
-    results = sorted(results, key=lambda r: r.request.tag[1])
-    seqs = [SampledSequence(np.asarray(r.completion_ids, np.int64), np.asarray(r.logprobs, np.float32),
-                            r.stop_reason) for r in results]
-    first = results[0].prompt_logprobs if results else None
-    return SampleResult(seqs, None if first is None else np.asarray(first, np.float32))
 
 
 class CorunBackend(Backend):
     """model_dir: the base model (a Hugging Face directory, also the name clients load the tokenizer
     by); engine, trainer: their config sections (colora/config.py); max_loras: the engine's adapter
-    slots; device "auto" | "cpu" | "cuda"; out: where samplers are written."""
+    slots; device "auto" | "cpu" | "cuda"; out: the server's folder, whose samplers/ this backend owns."""
 
     def __init__(self, model_dir: str | Path, out: Path, *, engine: EngineConfig, trainer: TrainerConfig,
                  max_lora_rank: int = 64, max_loras: int = 8, device: str = "auto", seed: int = 0,
@@ -227,18 +87,24 @@ class CorunBackend(Backend):
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.dtype = "bfloat16" if self.device == "cuda" else "float32"
         self.max_lora_rank = vllm_lora_rank(max_lora_rank)
+        self.samplers_dir = self.out / "samplers"
         self._stack = contextlib.ExitStack()
+        self._closing = threading.Lock()
         self._samplers = itertools.count()
-        self._own: dict[str, Path] = {}  # sampler key -> the directory this backend made for it
         try:
             watch_this_process()  # the engine's processes and MPS go with this process however it ends
+            self._own_samplers_dir()
             if self.device == "cuda":
                 start_mps_for(overlap or OverlapConfig(), "overlap_mps", self.device, self._stack, log, None)
             remote = engine_process("auto", "overlap_mps")  # the engine's client beside the trainer's thread
             Engine = RemoteEngine if remote else RolloutEngine
-            self.engine = Engine(str(self.model_dir), engine, max_loras=max_loras, max_lora_rank=self.max_lora_rank,
-                                 dtype=self.dtype, seed=seed, device=self.device, adapter_sync="disk")
-            self._stack.callback(self.engine.close)
+
+            def start_engine():  # the first engine, and each one that replaces a dead one
+                return Engine(str(self.model_dir), engine, max_loras=max_loras, max_lora_rank=self.max_lora_rank,
+                              dtype=self.dtype, seed=seed, device=self.device, adapter_sync="disk")
+
+            self.loop = EngineLoop(start_engine, log)
+            self._stack.callback(self.loop.close)
             self.tokenizer = load_tokenizer(self.model_dir)
             model = load_base_model(self.model_dir, getattr(torch, self.dtype), self.device)
             if should_fuse(trainer.fuse_elementwise, self.device):
@@ -246,8 +112,6 @@ class CorunBackend(Backend):
             self.bank = AdapterBank(self.device, trainer.lora_backend, trainer.pack_projections)
             inject_lora(model, self.bank)
             self.trainer = MultiJobTrainer(model, self.bank, trainer, {}, self.tokenizer.pad_token_id)
-            self.loop = EngineLoop(self.engine, log)
-            self._stack.callback(self.loop.close)
         except BaseException:
             self._stack.close()
             raise
@@ -255,9 +119,41 @@ class CorunBackend(Backend):
                                   vocab_size=int(self.trainer.vocab), max_lora_rank=self.max_lora_rank,
                                   arch=str(getattr(model.config, "model_type", "unknown")))
 
+    def _own_samplers_dir(self) -> None:
+        """OUT held (a second server on it would sweep this one's samplers: refused), OUT/samplers swept
+        now and emptied at close."""
+        self.samplers_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._stack.enter_context(holding(self.out, self.log))
+        except RunError:
+            rec = holder(self.out) or {}
+            raise RunError(f"{self.out} is served already (pid {rec.get('pid', '?')} on {rec.get('host', '?')} holds "
+                           f"{self.out / LOCK}): two servers must not share one --out") from None
+        self._stack.callback(self._sweep_samplers)  # runs before the lock is let go
+        left = self._sweep_samplers()
+        if left:
+            self.log(f"removed {left} samplers' folders a previous server left in {self.samplers_dir}")
+
+    def _sweep_samplers(self) -> int:
+        gone = 0
+        for d in self.samplers_dir.iterdir():
+            if d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d)
+            else:
+                d.unlink()
+            gone += 1
+        return gone
+
     # -- what it serves ---------------------------------------------------------------------------
     def capabilities(self) -> Capabilities:
         return self._caps
+
+    def health(self) -> dict:
+        gpu = None
+        if self.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            gpu = int(total - free)  # the device's, every process's (the engine's and MPS's with the trainer's)
+        return {**self.loop.health(), "gpu_memory_bytes": gpu}
 
     # -- the training side (the scheduler's trainer thread) --------------------------------------
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
@@ -319,29 +215,50 @@ class CorunBackend(Backend):
             raise BackendError(str(e), "user") from None
 
     def save_for_sampler(self, model_id: str, directory: Path | None):
-        key = f"sampler-{next(self._samplers)}"
-        path = Path(directory) if directory is not None else self.out / "samplers" / key
-        if directory is None:
-            self._own[key] = path
-        self.bank.export_peft(model_id, path, str(self.model_dir), getattr(torch, self.dtype), fold_scale=True)
-        self.loop.call("register", key, path)
+        """The model's adapter now, in the sampler's own folder (and, named, in `directory` too: the
+        same files, hard links where the file system allows)."""
+        key = self._new_sampler()
+        own = self.samplers_dir / key
+        try:
+            self.bank.export_peft(model_id, own, str(self.model_dir), getattr(torch, self.dtype), fold_scale=True)
+            if directory is not None:
+                _link_or_copy(own, Path(directory))
+            self.loop.call("register", key, own)
+        except BaseException:
+            shutil.rmtree(own, ignore_errors=True)
+            raise
         return key
 
     # -- the sampling side (any thread) ----------------------------------------------------------
     def load_sampler(self, directory: Path):
-        if not (Path(directory) / "adapter_model.safetensors").is_file():
-            raise BackendError(f"{directory} holds no sampler weights (adapter_model.safetensors)", "user")
-        key = f"sampler-{next(self._samplers)}"
-        self.loop.call("register", key, Path(directory))
+        """A sampler of its own made of the checkpoint `directory`'s files (module docstring)."""
+        directory = Path(directory)
+        missing = [f for f in SAMPLER_FILES if not (directory / f).is_file()]
+        if missing:
+            raise BackendError(f"{directory} holds no sampler weights ({', '.join(missing)} missing)", "user")
+        key = self._new_sampler()
+        own = self.samplers_dir / key
+        try:
+            _link_or_copy(directory, own)
+            self.loop.call("register", key, own)
+        except FileNotFoundError as e:  # the checkpoint was deleted meanwhile
+            shutil.rmtree(own, ignore_errors=True)
+            raise BackendError(f"{directory} holds no sampler weights any more: {e}", "user") from None
+        except BaseException:
+            shutil.rmtree(own, ignore_errors=True)
+            raise
         return key
+
+    def _new_sampler(self) -> str:
+        return f"sampler-{next(self._samplers)}"
 
     def release_sampler(self, ref) -> None:
         """Returns at once (it is called from samples' callbacks, on the engine's thread too); the
-        engine lets the sampler go between two of its steps, then its own folder is removed."""
+        engine lets the sampler go between two of its steps, then its folder is removed."""
         if ref is None:
             return
-        path = self._own.pop(ref, None)
-        self.loop.put("release", ref, None if path is None else lambda: shutil.rmtree(path, ignore_errors=True))
+        own = self.samplers_dir / ref
+        self.loop.put("release", ref, lambda: shutil.rmtree(own, ignore_errors=True))
 
     def held(self) -> dict[str, list[str]]:
         """What this backend holds now: the models' adapters in the trainer, the samplers in the engine."""
@@ -351,7 +268,29 @@ class CorunBackend(Backend):
         self.loop.put("sample", call, done)
 
     def close(self) -> None:
-        self._stack.close()
+        """Once, also when the server's shutdown and its caller both call it: the engine closed, then
+        OUT/samplers emptied, then OUT's lock let go."""
+        with self._closing:
+            self._stack.close()
+
+
+SAMPLER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what vLLM reads of a PEFT folder
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """`dst` (made here, or empty) with every file of the PEFT folder `src`: a hard link to each where the
+    file system allows (no bytes copied: the files are never rewritten, only removed or replaced, so
+    the link keeps what it was made of), else a copy."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if not f.is_file() or f.is_symlink():
+            continue
+        try:
+            os.link(f, dst / f.name)
+        except FileNotFoundError:
+            raise
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(f, dst / f.name)
 
 
 def _loss(c: ForwardCall) -> losses.LossSpec:

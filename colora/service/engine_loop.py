@@ -1,0 +1,388 @@
+"""The engine's thread of `colora serve`'s co-runner backend (colora/service/corun.py): the only caller
+of the engine, and what brings the engine back when its processes die.
+
+Work arrives through `put` from any thread: ("sample", SampleCall, done), ("register", key, folder,
+reply), ("release", key, then), ("snapshots", reply). A sample's requests join the running batch at
+once; `done` is called when its last sequence finishes. A release is not waited for (it may come from a
+sample's `done`, on this thread); `then` runs after it. A sampler's folder is the backend's own and
+never changes (corun.py), so vLLM may evict and reload it whenever its LRU likes.
+
+Each failure is its own:
+- a sample the engine refuses (a sampling setting vLLM does not take: `BatchRefused` from the engine's
+  poll, or its submit raising while the engine lives) fails alone, category "user"; the engine and
+  every other sample go on.
+- the engine's death (its core or its client's process killed: a poll or call that raises, the look
+  at its processes while it idles, or any other failure of its poll, after which it is not trusted)
+  is logged once. The samples in flight are answered with a retryable server error (the protocol
+  layer answers those with HTTP 410, on which the SDK sends the sample again), the dead engine is
+  never called again, and a new engine of the same settings (`factory`) starts on a thread of its
+  own. Every live sampler is registered in it again, then the samples that arrived meanwhile run.
+  Until then samples wait (at most `max_waiting`; beyond that they are answered with a retryable
+  error at once), registrations and releases are recorded, and `health` says "restarting".
+- a start that fails is logged and tried again after `backoff_s`, doubling up to `backoff_max_s`.
+  From the `degraded_after`-th failure in a row `health` says "degraded" and samples are answered at
+  once with a server error that is not retryable (the SDK would otherwise retry for up to two hours),
+  until a start succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from colora.engine.adapters import AdapterDir
+from colora.engine.process import BatchRefused
+from colora.engine.sampling import GenRequest, samples
+from colora.service.backend import BackendError, SampleCall, SampledSequence, SampleResult
+
+IDLE_WAIT_S = 0.5  # the longest the thread waits for work while nothing decodes; also how often an idle engine is looked at
+MAX_WAITING = 256  # samples that wait for a restarting engine; a SampleCall holds at most one context of tokens
+RESTART_BACKOFF_S = 2.0  # the wait before the second try at starting an engine, doubled for every later one
+RESTART_BACKOFF_MAX_S = 60.0
+DEGRADED_AFTER = 3  # failed starts in a row after which health says "degraded" and samples fail at once
+RESTART_JOIN_S = 600.0  # the longest close() waits for an engine start under way (vLLM starts in 20-160 s)
+
+
+class EngineLoop:
+    """factory: starts an engine (RolloutEngine or RemoteEngine, or anything with their submit, poll,
+    busy, dead, register_snapshot, release_snapshot, snapshots and close); the first is started here, on
+    the caller's thread, so that a server whose engine cannot start does not start. log: one line a call."""
+
+    def __init__(self, factory: Callable[[], object], log: Callable[[str], None], *, max_waiting: int = MAX_WAITING,
+                 backoff_s: float = RESTART_BACKOFF_S, backoff_max_s: float = RESTART_BACKOFF_MAX_S,
+                 degraded_after: int = DEGRADED_AFTER):
+        self.factory = factory
+        self.log = log
+        self.max_waiting = max_waiting
+        self.backoff_s, self.backoff_max_s, self.degraded_after = backoff_s, backoff_max_s, degraded_after
+        self.engine = factory()  # None while a new one starts
+        self.status = "ok"  # "ok" | "restarting" | "degraded"
+        self.restarts = 0  # engines started in place of a dead one
+        self.failures = 0  # failed starts since the engine died
+        self.last_error: str | None = None
+        self._q: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._samplers: dict[str, Path] = {}  # live sampler key -> its folder (registered again in a new engine)
+        self._lost: dict[str, str] = {}  # sampler key -> why the new engine refused it
+        self._inflight: dict[int, tuple[SampleCall, Callable]] = {}
+        self._requests = 0  # engine requests (sequences) of the samples in flight
+        self._waiting: deque = deque()  # (call, done) of samples that wait for a new engine
+        self._restarter: threading.Thread | None = None
+        self._next_look = 0.0
+        self._thread = threading.Thread(target=self._run, name="colora-serve-engine", daemon=True)
+        self._thread.start()
+
+    def put(self, *item) -> None:
+        self._q.put(item)
+
+    def call(self, *item, timeout: float = 600.0):
+        """put(item) and wait for its answer (register, snapshots); never from the engine's thread."""
+        assert threading.current_thread() is not self._thread, "a call from the engine's thread waits for itself"
+        box: dict = {}
+        done = threading.Event()
+        self.put(*item, (box, done))
+        if not done.wait(timeout):
+            raise BackendError(f"the engine did not answer {item[0]} within {timeout:.0f} s", "server")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def health(self) -> dict:
+        """How the engine is (read from any thread; each figure is read once, not under a lock)."""
+        return {"status": self.status, "engine_restarts": self.restarts, "last_engine_error": self.last_error,
+                "samplers_loaded": len(self._samplers) - len(self._lost), "engine_requests_in_flight": self._requests,
+                "samples_waiting": len(self._waiting)}
+
+    # -- the thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine is not None and self.engine.busy()
+            items = []
+            with contextlib.suppress(queue.Empty):
+                items.append(self._q.get(timeout=IDLE_WAIT_S) if not busy else self._q.get_nowait())
+                while True:
+                    items.append(self._q.get_nowait())
+            for item in items:
+                self._take(item)
+            if self.engine is None or self._stop.is_set():
+                continue
+            if self.engine.busy():
+                self._poll()
+            elif time.monotonic() >= self._next_look:  # an idle engine's death is noticed too
+                self._next_look = time.monotonic() + IDLE_WAIT_S
+                why = self.engine.dead()
+                if why:
+                    self._died(why)
+
+    def _poll(self) -> None:
+        try:
+            finished = self.engine.poll()
+        except BatchRefused as e:  # that sample's alone
+            self._answer_key(e.key, BackendError(f"the engine refused this sample: {e.reason}", "user"))
+            return
+        except Exception as e:  # noqa: BLE001  (an engine whose poll fails is not trusted again)
+            self._died(self.engine.dead() or f"its poll failed: {type(e).__name__}: {e}")
+            return
+        for key, results in finished:
+            call, done = self._pop(key)
+            if done is not None:
+                _answer(done, lambda: _result(call, results))
+
+    def _take(self, item) -> None:
+        op = item[0]
+        if self._stop.is_set() and op != "started":
+            _refuse_stopped(item)
+        elif op == "stop":
+            self._stop.set()
+            err = BackendError("the server is stopping", "server")
+            self._fail_inflight(err)
+            while self._waiting:
+                _answer(self._waiting.popleft()[1], lambda: err)
+        elif op == "sample":
+            self._sample(*item[1:])
+        elif op == "release":
+            _, key, then = item
+            self._samplers.pop(key, None)
+            self._lost.pop(key, None)
+            self._engine_call(lambda: self.engine.release_snapshot(key), f"releasing sampler {key}")
+            if then is not None:
+                then()
+        elif op == "started":
+            self._started(*item[1:])
+        elif op == "closed":
+            self.log(f"closing the dead engine failed: {item[1]}")
+        else:
+            *args, (box, event) = item[1:]
+            try:
+                if op == "register":
+                    self._register(*args, box)
+                elif op == "snapshots":
+                    box["value"] = sorted(self._samplers if self.engine is None else self.engine.snapshots())
+            except Exception as e:  # noqa: BLE001  (handed to the caller's thread)
+                box["error"] = BackendError(f"{type(e).__name__}: {e}", "server")
+            event.set()
+
+    def _sample(self, call: SampleCall, done: Callable) -> None:
+        if call.sampler in self._lost:
+            err = BackendError(f"sampler {call.sampler}: the restarted engine refused its weights: "
+                               f"{self._lost[call.sampler]}", "server")
+            _answer(done, lambda: err)
+        elif self.engine is not None:
+            self._submit(call, done)
+        elif self.status == "degraded":
+            err = BackendError(f"the engine is down: {self.failures} starts failed in a row, the last with "
+                               f"{self.last_error}", "server")
+            _answer(done, lambda: err)
+        elif len(self._waiting) >= self.max_waiting:
+            err = BackendError(f"the engine is restarting and {len(self._waiting)} samples wait for it already "
+                               "(the most this server keeps)", "server", retryable=True)
+            _answer(done, lambda: err)
+        else:
+            self._waiting.append((call, done))
+
+    def _submit(self, call: SampleCall, done: Callable) -> None:
+        key = next(self._ids)
+        try:
+            self.engine.submit(key, samples(_request(call), call.num_samples))
+        except Exception as e:  # noqa: BLE001  (this sample's failure alone: an unknown sampler, say)
+            why = self.engine.dead()
+            if why:  # not the sample's fault: it runs on the next engine
+                self._waiting.appendleft((call, done))
+                self._died(why)
+                return
+            err = BackendError(f"{type(e).__name__}: {e}", "user")
+            _answer(done, lambda: err)
+            return
+        self._inflight[key] = (call, done)
+        self._requests += call.num_samples
+
+    def _register(self, key: str, folder: Path, box: dict) -> None:
+        """A sampler from its folder: registered in the engine now, or in the next one while it starts."""
+        self._samplers[key] = Path(folder)
+        if self.engine is None:
+            return
+        try:
+            box["value"] = self.engine.register_snapshot(key, AdapterDir(key, 0, str(folder)))
+        except Exception:
+            why = self.engine.dead()
+            if why:  # the next engine registers it
+                self._died(why)
+                return
+            del self._samplers[key]
+            raise
+
+    def _engine_call(self, fn: Callable, what: str) -> None:
+        """fn() on the live engine; its death is handled, any other failure said (nobody waits for it)."""
+        if self.engine is None:
+            return
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            why = self.engine.dead()
+            if why:
+                self._died(why)
+            else:
+                self.log(f"{what} failed: {type(e).__name__}: {e}")
+
+    # -- death and restart ------------------------------------------------------------------------
+    def _died(self, why: str) -> None:
+        """The engine is dead: said once, its samples in flight answered, a new one started."""
+        dead, self.engine = self.engine, None
+        n = len(self._inflight)
+        self.status, self.failures, self.last_error = "restarting", 0, why  # before any sample hears of it
+        self._fail_inflight(BackendError(f"the engine died while this sample decoded ({why}); it is restarting: "
+                                         "send the sample again", "server", retryable=True))
+        self.log(f"the engine died ({why}): {n} samples in flight failed (retryable); starting a new engine")
+        self._restart(dead, 0.0)
+
+    def _restart(self, dead, delay: float) -> None:
+        """Close `dead` and start a new engine after `delay` s, on a thread of its own; its outcome comes
+        back as a ("started", engine or None, error, seconds) item."""
+
+        def start():
+            if dead is not None:
+                try:
+                    dead.close()
+                except Exception as e:  # noqa: BLE001  (what is left of it goes with the server's watcher)
+                    self._q.put(("closed", f"{type(e).__name__}: {e}"))
+            if self._stop.wait(delay):
+                return
+            t0 = time.perf_counter()
+            try:
+                new, error = self.factory(), None
+            except Exception as e:  # noqa: BLE001  (reported by the engine's thread, and tried again)
+                new, error = None, f"{type(e).__name__}: {e}"
+            self._q.put(("started", new, error, time.perf_counter() - t0))
+
+        self._restarter = threading.Thread(target=start, name="colora-serve-engine-start", daemon=True)
+        self._restarter.start()
+
+    def _started(self, new, error: str | None, seconds: float) -> None:
+        lost: dict[str, str] = {}
+        broken = None  # a new engine that died while its samplers were registered
+        if new is not None:
+            try:
+                lost = self._register_all(new)
+            except Exception as e:  # noqa: BLE001  (it died again: a failed start)
+                error = f"it died while the samplers were registered again ({new.dead()}): {type(e).__name__}: {e}"
+                broken, new = new, None
+        if new is None:
+            self.failures += 1
+            self.last_error = f"starting a new engine failed: {error}"
+            delay = min(self.backoff_s * 2 ** (self.failures - 1), self.backoff_max_s)
+            if self.failures >= self.degraded_after and self.status != "degraded":
+                self.status = "degraded"
+                err = BackendError(f"the engine is down: {self.failures} starts failed in a row, the last with "
+                                   f"{error}", "server")
+                while self._waiting:
+                    _answer(self._waiting.popleft()[1], lambda: err)
+            degraded = ", the backend is degraded" if self.status == "degraded" else ""
+            self.log(f"{self.last_error} ({self.failures} in a row{degraded}); trying again in {delay:.0f} s")
+            self._restart(broken, delay)
+            return
+        self.engine, self.status, self.failures = new, "ok", 0
+        self.restarts += 1
+        refused = f", refused: {sorted(lost)}" if lost else ""
+        self.log(f"the engine restarted in {seconds:.0f} s (restart {self.restarts}): {len(self._samplers)} samplers "
+                 f"registered again{refused}; {len(self._waiting)} samples that waited go on")
+        while self._waiting and self.engine is not None:
+            self._submit(*self._waiting.popleft())
+
+    def _register_all(self, engine) -> dict[str, str]:
+        """Every live sampler into a new engine; those it refuses are kept as lost (their samples fail)."""
+        self._lost.clear()
+        for key, folder in self._samplers.items():
+            try:
+                engine.register_snapshot(key, AdapterDir(key, 0, str(folder)))
+            except Exception as e:
+                if engine.dead():
+                    raise
+                self._lost[key] = f"{type(e).__name__}: {e}"
+        return dict(self._lost)
+
+    # -- answers ----------------------------------------------------------------------------------
+    def _pop(self, key: int) -> tuple:
+        call, done = self._inflight.pop(key, (None, None))
+        if call is not None:
+            self._requests -= call.num_samples
+        return call, done
+
+    def _answer_key(self, key: int, err: BackendError) -> None:
+        _, done = self._pop(key)
+        if done is not None:
+            _answer(done, lambda: err)
+
+    def _fail_inflight(self, err: BackendError) -> None:
+        for _, done in self._inflight.values():
+            _answer(done, lambda: err)
+        self._inflight.clear()
+        self._requests = 0
+
+    def close(self) -> None:
+        """Stop the thread (every sample in flight or waiting is answered), wait for an engine start under
+        way, and close the engine."""
+        self.put("stop")
+        self._thread.join(timeout=30)
+        if self._restarter is not None:
+            self._restarter.join(timeout=RESTART_JOIN_S)
+        engines = [self.engine]
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._q.get_nowait()
+                if item[0] == "started":
+                    engines.append(item[1])
+                else:
+                    _refuse_stopped(item)
+        self.engine = None
+        for eng in engines:
+            if eng is not None:
+                eng.close()
+
+
+def _refuse_stopped(item) -> None:
+    """An item that came after the stop: a sample is answered, a caller that waits is woken."""
+    err = BackendError("the server is stopping", "server")
+    if item[0] == "sample":
+        _answer(item[2], lambda: err)
+    elif item[0] == "release" and item[2] is not None:
+        item[2]()
+    elif item[0] in ("register", "snapshots"):
+        box, event = item[-1]
+        box["error"] = err
+        event.set()
+
+
+def _answer(done: Callable, make: Callable) -> None:
+    try:
+        value = make()
+    except Exception as e:  # noqa: BLE001  (a result that cannot be built is that sample's failure)
+        value = BackendError(f"{type(e).__name__}: {e}", "server")
+    try:
+        done(value)
+    except Exception:  # noqa: BLE001  (the protocol layer's callback: never kill the engine's thread)
+        pass
+
+
+def _request(call: SampleCall) -> GenRequest:
+    """One sample's GenRequest; `samples` makes num_samples of them, seeds derived from call.seed."""
+    return GenRequest(None, tuple(int(t) for t in call.prompt), int(call.max_tokens), float(call.temperature),
+                      float(call.top_p), int(call.seed), ignore_eos=not call.stop.eos, snapshot=call.sampler,
+                      top_k=int(call.top_k), stop=tuple(call.stop.strings), stop_token_ids=tuple(call.stop.token_ids),
+                      prompt_logprobs=bool(call.prompt_logprobs))
+
+
+def _result(call: SampleCall, results) -> SampleResult:
+    results = sorted(results, key=lambda r: r.request.tag[1])
+    seqs = [SampledSequence(np.asarray(r.completion_ids, np.int64), np.asarray(r.logprobs, np.float32),
+                            r.stop_reason) for r in results]
+    first = results[0].prompt_logprobs if results else None
+    return SampleResult(seqs, None if first is None else np.asarray(first, np.float32))
