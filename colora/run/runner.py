@@ -62,6 +62,7 @@ from colora.record.throughput import busy, gpu_util, throughput
 from colora.run.checkpoint import Checkpointer, load_latest, newest_sound, rewind_logs
 from colora.run.evaluate import evaluate
 from colora.run.heap import frozen_heap
+from colora.run.memory import planned
 from colora.run.preflight import (
     MPS_ARMS,
     RunError,
@@ -284,6 +285,7 @@ class _Run:
     remote: bool = False  # the engine's client in a process of its own (runtime.engine_process)
     tokenizer: object = None
     tenant: object = None  # the time-slicing arm's hooks (`run`'s docstring), or None
+    sized: Config | None = None  # cfg, its memory planned (run/memory.py): the engine's and trainer's
 
     @property
     def cfg(self) -> Config:
@@ -307,6 +309,7 @@ def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
             stop.phase = "starting MPS and the engine"
             _, r.mps_note = start_mps(cfg, stack, r.log, process_mps, stop)  # before any CUDA context
             r.device, r.dtype = resolve_device(cfg)
+            r.sized = planned(cfg, setup.model_dir, r.device, r.dtype, adapter_slots(cfg), r.log)
             r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
             r.tokenizer = load_tokenizer(setup.model_dir)
             with _phase(gate, "start"):  # a tenant of the time-slicing arm sets up inside one grant
@@ -357,7 +360,7 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     """The engine for the run: a cached one whose settings match, else a new one (closed with the
     run). A cached engine is shared only by runs of one MPS state: a process's MPS membership is fixed
     when its CUDA context is made (`shared`: the whole process is an MPS client)."""
-    cfg, setup = r.cfg, r.setup
+    cfg, setup = r.sized or r.cfg, r.setup
     max_rank = max(j.lora_rank for j in cfg.jobs)
     max_loras = cfg.engine.max_loras or len(cfg.jobs)  # at least the jobs (config.py checks)
     extra = dict(getattr(r.tenant, "engine_args", None) or {})  # vLLM's, over colora's (a tenant: its sleep mode)
@@ -397,7 +400,8 @@ def _build_trainer(r: _Run):
     Dynamo's are always counted."""
     compilewatch.install()
     t0 = time.perf_counter()
-    bank, trainer = build_trainer(r.cfg, r.setup.model_dir, r.device, torch_dtype(r.dtype), r.tokenizer.pad_token_id)
+    bank, trainer = build_trainer(r.sized or r.cfg, r.setup.model_dir, r.device, torch_dtype(r.dtype),
+                                  r.tokenizer.pad_token_id)
     return bank, trainer, time.perf_counter() - t0
 
 
@@ -468,7 +472,7 @@ def _train(r: _Run, corunner, engine, ckpt):
             except Exception as again:  # noqa: BLE001  (the original failure is the one to report)
                 raise RunFailed(f"the run failed mid-training ({type(e).__name__}: {e}) and its checkpoint "
                                 f"could not be written ({type(again).__name__}: {again})") from e
-            raise RunFailed(f"the run failed mid-training ({type(e).__name__}: {e}){memory_hint(e, r.cfg)}; every job's "
+            raise RunFailed(f"the run failed mid-training ({type(e).__name__}: {e}){memory_hint(e, r.sized or r.cfg)}; every job's "
                             f"last completed step is saved in {path}; continue with: colora run --resume {r.setup.out}") from e
     except Interrupted:
         ckpt.finish()  # the last completed step, unless checkpoints are off or it is saved already

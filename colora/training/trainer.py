@@ -30,13 +30,15 @@ import numpy as np
 import torch
 
 from colora.config import Config, JobConfig, TrainerConfig
-from colora.kernels import selective_log_softmax, upload, upload_aligned
+from colora.kernels import resolve_backend, selective_log_softmax, upload, upload_aligned
 from colora.models.base import load_base_model
+from colora.models.shape import ModelShape
 from colora.training import grpo, losses
 from colora.training.adamw import AdamParams, OptimStepResult, adamw_steps
 from colora.training.batches import Datum, Row, datums_problem, micro_batches, pack_micro_batch, pack_micro_batch_rows
 from colora.training.fusion import fuse_elementwise, should_fuse
 from colora.training.lora import AdapterBank, inject_lora
+from colora.training.memory import PassFit, default_budget, pass_fit, return_freed_host_memory
 from colora.training.packing import packed_by_default, use_packed_attention
 
 
@@ -122,10 +124,15 @@ class MultiJobTrainer:
     """jobs: the JobConfig of each job `step` trains (a job driven only through the primitives needs
     none: its adapter's shape comes from the bank, its optimizer settings from each optim_step).
     packed_rows: each micro-batch's sequences back to back in one row without padding
-    (colora/training/packing.py); None: `packing.packed_by_default` (on CUDA)."""
+    (colora/training/packing.py); None: `packing.packed_by_default` (on CUDA). memory_budget: the bytes
+    a pass may hold where `cfg.micro_batch_tokens` is 0 (planned here, colora/training/memory.py: the
+    micro-batch, checkpointing and the log-softmax's rows per chunk; `fit` says what was chosen); None:
+    `memory.default_budget` of the device. A run plans its trainer beside its engine
+    (colora/run/memory.py) and gives it explicit settings."""
 
     def __init__(self, model: torch.nn.Module, bank: AdapterBank, cfg: TrainerConfig,
-                 jobs: dict[str, JobConfig], pad_id: int, packed_rows: bool | None = None):
+                 jobs: dict[str, JobConfig], pad_id: int, packed_rows: bool | None = None,
+                 memory_budget: int | None = None):
         self.model = model
         self.body = _decoder(model)
         self.lm_head = model.get_output_embeddings()
@@ -139,8 +146,32 @@ class MultiJobTrainer:
         self.packed = packed_by_default(self.device) if packed_rows is None else packed_rows
         if self.packed:
             use_packed_attention(model)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.device.type == "cpu":
+            return_freed_host_memory()  # a pass's freed activations leave the process (training/memory.py)
+        self.fit: PassFit | None = None
+        self.micro_batch_tokens, self.logprob_chunk = cfg.micro_batch_tokens, cfg.logprob_chunk
+        checkpointing = cfg.gradient_checkpointing
+        if not cfg.micro_batch_tokens:
+            self.fit = self._plan(memory_budget)
+            self.micro_batch_tokens, self.logprob_chunk = self.fit.micro_batch_tokens, self.fit.logprob_chunk
+            checkpointing = self.fit.gradient_checkpointing
+        if checkpointing:
+            _recompute_layers(model)
+
+    def _plan(self, budget: int | None) -> PassFit:
+        """The pass's settings for `budget` bytes (colora/training/memory.py), for adapters up to rank 64 or
+        the largest of the bank's, on every projection."""
+        shape = ModelShape.from_config(self.model.config.to_dict())
+        ranks = [ad.rank for ad in self.bank.jobs.values()]
+        fit = pass_fit(default_budget(str(self.device)) if budget is None else budget, shape,
+                       next(self.model.parameters()).element_size(), str(self.device), rank=max([64, *ranks]),
+                       modules=tuple(shape.projections()), logprob_chunk=self.cfg.logprob_chunk,
+                       triton=resolve_backend(self.cfg.logprob_backend, self.device) == "triton",
+                       checkpointing=True if self.cfg.gradient_checkpointing else None)
+        if not fit.micro_batch_tokens:
+            raise ValueError(f"trainer.micro_batch_tokens = 0 (planned): a budget of {budget} bytes holds no pass "
+                             "of this model; set trainer.micro_batch_tokens, or give the trainer more memory")
+        return fit
 
     # -- the primitives ---------------------------------------------------------------------------
     def forward_backward(self, calls: list[ForwardBackwardCall]) -> list[ForwardBackwardResult]:
@@ -263,7 +294,7 @@ class MultiJobTrainer:
                 for k, d in enumerate(c.datums)]
 
     def _micro_batches(self, rows: list[Row], order: tuple[str, ...]) -> list[list[Row]]:
-        return micro_batches(rows, order, self.cfg.micro_batch_tokens, self.packed)
+        return micro_batches(rows, order, self.micro_batch_tokens, self.packed)
 
     def _pass(self, calls: list[ForwardBackwardCall], keep_logprobs: bool) -> list[ForwardBackwardResult]:
         """Every valid call's rows in shared micro-batches (forward-only ones apart, without gradient),
@@ -280,7 +311,8 @@ class MultiJobTrainer:
             for grad in (True, False):
                 part = [r for r in rows if calls[r.call].forward_only != grad]
                 for mb in self._micro_batches(part, order):
-                    done.append((mb, self._forward_backward(mb, order, sums, grad=grad)))
+                    lp = self._forward_backward(mb, order, sums, grad=grad)
+                    done.append((mb, lp if keep_logprobs else None))  # only what the caller asked for
         sums = sums.cpu().tolist()
         if keep_logprobs and done:
             for res, c in zip(results, calls):
@@ -346,12 +378,12 @@ class MultiJobTrainer:
             with torch.no_grad():  # the frozen base model: no adapter active
                 h_ref = self.body(**inputs).last_hidden_state
                 ref_logp = selective_log_softmax(h_ref.reshape(-1, h_ref.shape[-1])[pos_t], W, targets, temperature=temp,
-                                                 chunk_size=self.cfg.logprob_chunk, backend=self.cfg.logprob_backend)
+                                                 chunk_size=self.logprob_chunk, backend=self.cfg.logprob_backend)
 
         with torch.set_grad_enabled(grad), self.bank.activate(order, [tokens[j] for j in order]):
             hidden = self.body(**inputs).last_hidden_state  # [B, L, d], or [1, T, d] packed
             h = hidden.reshape(-1, hidden.shape[-1])[pos_t]  # [N, d]
-            logp, ent = selective_log_softmax(h, W, targets, temperature=temp, chunk_size=self.cfg.logprob_chunk,
+            logp, ent = selective_log_softmax(h, W, targets, temperature=temp, chunk_size=self.logprob_chunk,
                                               return_entropy=True, backend=self.cfg.logprob_backend)
             tok_loss, kl = losses.token_losses(logp, kind, w, adv, q, lo, hi, ref_logp, klc, present)
             if grad:
@@ -367,6 +399,21 @@ class MultiJobTrainer:
                                 torch.ones_like(w)], 1).double()  # [N, METRICS]
             sums.index_add_(0, call_of_tok, cols)
         return lp
+
+
+def _recompute_layers(model: torch.nn.Module) -> None:
+    """Gradient checkpointing: each decoder layer keeps only its input for the backward and runs again
+    there. transformers checkpoints a layer only while the layer is in training mode, and the base model
+    is in eval mode (no dropout): the layers alone are put in training mode, their submodules (attention's
+    dropout among them) stay in eval mode."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise TypeError(f"{type(model).__name__} has no layers transformers can checkpoint")
+    for m in layers:
+        m.training = True
 
 
 def build_trainer(cfg: Config, model_dir: Path, device: str, dtype: torch.dtype,
