@@ -1,6 +1,8 @@
 """A whole trainer step, colora's against peft's, at the reference study's shapes.
 
     colora bench trainer --out runs/bench/trainer_step [--jobs 8] [--seqs 64] [--prompt 128] [--completion 256]
+    colora bench trainer --model builtin:qwen3-8b-shape --impls triton+packed+fused --micro-batch-tokens 12288 \
+        --gradient-checkpointing --out runs/bench/trainer_8b      # the memory planner's estimate against the peak
 
 One optimizer step for J jobs x S sequences of (prompt + completion) tokens on Qwen3-0.6B's shape
 (random weights, bf16, LoRA rank 16 on every linear layer): colora's multi-job trainer with the Triton
@@ -8,8 +10,10 @@ kernels, the same trainer with the torch reference ops, and peft with one adapte
 (the standard path: full logits, log-softmax, gather), each timed after a warm-up step, with peak
 memory. --impls names the implementations: peft, or triton / torch with +packed (q/k/v and gate/up
 in one grouped call each: trainer.pack_projections) and +fused (the elementwise kernels:
-trainer.fuse_elementwise); the trainer packs its rows on CUDA (colora/training/packing.py). Writes OUT.json
-and OUT.md.
+trainer.fuse_elementwise); the trainer packs its rows on CUDA (colora/training/packing.py). Beside each colora
+implementation's peak is the memory planner's estimate of it (colora/training/memory.py: weights, adapters'
+state and one pass, the allocator's slack included), so that a run on a larger shape checks the estimate.
+Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from colora.config import JobConfig, TrainerConfig
 from colora.models.base import load_base_model
+from colora.models.shape import ModelShape
 from colora.run.heap import frozen_heap
 from colora.run.preflight import resolve_model
+from colora.training import memory as tm
 from colora.training.fusion import fuse_elementwise, restore_rotary
 from colora.training.lora import AdapterBank, inject_lora
 from colora.training.trainer import MultiJobTrainer, Rollout
@@ -77,7 +83,8 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
                             max_new_tokens=args.completion)
         bank.add_job(n, args.rank, 2.0 * args.rank, jobs[n].target_modules, 0, 1e-5)
     cfg = TrainerConfig(micro_batch_tokens=args.micro_batch_tokens, lora_backend=backend, logprob_backend=backend,
-                        pack_projections=packed, fuse_elementwise="on" if fused else "off")
+                        pack_projections=packed, fuse_elementwise="on" if fused else "off",
+                        gradient_checkpointing=args.gradient_checkpointing)
     trainer = MultiJobTrainer(model, bank, cfg, jobs, pad_id=0)
     vocab = model.config.vocab_size
     times = []
@@ -92,7 +99,8 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
                 times.append(time.perf_counter() - t0)
     peak = _peak(args.device)
     impl = f"colora ({backend}{', packed q/k/v and gate/up' if packed else ''}{', fused elementwise' if fused else ''})"
-    out = {"impl": impl, "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak}
+    out = {"impl": impl, "seconds": sorted(times)[len(times) // 2], "all": times, "peak_gib": peak,
+           "estimated_gib": estimate(model_dir, args, backend)}
     if args.profile:
         ro = _rollouts(names, args.seqs, args.prompt, args.completion, vocab, args.repeats + 1)
         out["profile"] = profile_step(lambda: trainer.step(ro), args.device, f"{args.out}.profile.txt", impl)
@@ -103,6 +111,18 @@ def bench_colora(model_dir: str, args, backend: str) -> dict:
     if fused:
         restore_rotary()  # the next implementation measures the model's own code
     return out
+
+
+def estimate(model_dir: str, args, backend: str) -> float:
+    """The memory planner's estimate of the step's peak, GiB: the base weights, every job's adapter state and
+    one pass of --micro-batch-tokens (what torch's allocator counts; the CUDA context is not in either)."""
+    shape = ModelShape.from_dir(model_dir)
+    dtype_bytes = torch.tensor([], dtype=args.dtype).element_size()
+    modules = tuple(shape.projections())
+    one = tm.pass_at(max(args.micro_batch_tokens, args.prompt + args.completion), shape, dtype_bytes, args.device,
+                     rank=args.rank, modules=modules, logprob_chunk=TrainerConfig().logprob_chunk,
+                     triton=backend == "triton", checkpointing=args.gradient_checkpointing)
+    return (shape.weight_bytes(dtype_bytes) + args.jobs * tm.lora_state_bytes(shape, args.rank, modules) + one.bytes) / 2**30
 
 
 def _profiled(device: str) -> tuple[list, str]:
@@ -249,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--micro-batch-tokens", type=int, default=49152,
                    help="the experiments' (reference8_throughput.toml): 4 micro-batches for the default step")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="colora's trainer recomputes each layer's activations in the backward (trainer.gradient_checkpointing)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peft-micro-seqs", type=int, default=32, help="peft's micro-batch (sequences)")
     p.add_argument("--impls", nargs="+", default=["triton", "triton+packed", "triton+fused", "triton+packed+fused", "torch", "peft"])
@@ -282,20 +304,23 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": command, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "torch": torch.__version__,
             "jobs": args.jobs, "seqs_per_job": args.seqs, "prompt": args.prompt, "completion": args.completion,
-            "rank": args.rank, "tokens": tokens, "micro_batch_tokens": args.micro_batch_tokens}
+            "rank": args.rank, "tokens": tokens, "micro_batch_tokens": args.micro_batch_tokens,
+            "gradient_checkpointing": args.gradient_checkpointing}
     out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2))
     peft_s = next((r["seconds"] for r in results if r["impl"].startswith("peft") and "seconds" in r), None)
     lines = [f"# Trainer step: {args.jobs} jobs x {args.seqs} sequences x {args.prompt}+{args.completion} tokens",
              "", "```", command, "```", "",
              f"{meta['device']}, torch {meta['torch']}, model {args.model} ({str(args.dtype).removeprefix('torch.')}), LoRA rank "
              f"{args.rank} on all linear layers, {tokens} tokens per step, median of {args.repeats} steps after a "
-             "warm-up step.", "", "| implementation | seconds per step | speed-up over peft | peak GiB |", "|---|---|---|---|"]
+             "warm-up step.", "", "| implementation | seconds per step | speed-up over peft | peak GiB | estimated GiB |",
+             "|---|---|---|---|---|"]
     for r in results:
         if "seconds" in r:
             vs = f"{peft_s / r['seconds']:.2f}x" if peft_s else "-"
-            lines.append(f"| {r['impl']} | {r['seconds']:.3f} | {vs} | {r['peak_gib']:.1f} |")
+            est = f"{r['estimated_gib']:.1f}" if "estimated_gib" in r else "-"
+            lines.append(f"| {r['impl']} | {r['seconds']:.3f} | {vs} | {r['peak_gib']:.1f} | {est} |")
         else:
-            lines.append(f"| {r['impl']} | failed: {r['error'][:120]} | - | - |")
+            lines.append(f"| {r['impl']} | failed: {r['error'][:120]} | - | - | - |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
