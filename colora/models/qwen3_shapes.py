@@ -1,6 +1,6 @@
 """Random-weight models of the Qwen3 sizes users train (1.7B, 4B, 8B), written shard by shard.
 
-    colora model qwen3-8b-shape OUT   # or experiment.model = "builtin:qwen3-8b-shape", built once into the cache
+    experiment.model = "builtin:qwen3-8b-shape"    # built once into colora's model cache by build_random_qwen3
 
 Each has the published model's shape (config.json of Qwen/Qwen3-1.7B, -4B, -8B: widths, layers, heads,
 vocabulary 151,936, rope theta 1e6, a 40,960-token context, the LM head tied to the embedding up to 4B
@@ -11,8 +11,10 @@ Building an 8B model must not need its 16 GB of weights (32 GB in fp32) in host 
 weights are never a model object: each tensor is drawn straight into bf16 from a generator seeded by the
 build's seed and the tensor's name, tensors are gathered into shards of at most `SHARD_BYTES`, and each
 shard is written (safetensors) and freed before the next is drawn; an index maps every name to its
-shard, as Hugging Face's sharded checkpoints do. The host holds one shard (or one tensor larger than a
-shard: the 8B's embedding, 1.24 GB) at a time. The draw is Qwen3's own initialisation (every matrix
+shard, as Hugging Face's sharded checkpoints do. The host holds one shard at a time (or one tensor larger
+than a shard) and safetensors' serialised copy of it: about twice the largest shard, some 4.3 GB for the 8B
+(measured: the 0.6B shape in shards of 256 MiB, its 311 MB embedding a shard alone, grew the process by
+0.68 GB, the tokenizer included). The draw is Qwen3's own initialisation (every matrix
 N(0, initializer_range = 0.02), every RMSNorm weight 1), not the same numbers transformers' global RNG
 would give; tests/test_models.py loads a small build with transformers and checks the names, shapes and
 parameter counts against `Qwen3ForCausalLM` on the meta device.
@@ -41,7 +43,7 @@ QWEN3_SHAPES = {
     "qwen3-8b-shape": dict(_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
 }
-SHARD_BYTES = 2 << 30  # the most a shard holds, and so about the most host memory a build holds
+SHARD_BYTES = 2 << 30  # the most a shard holds; a build holds about twice this (the module's docstring)
 
 
 def shape_of(config: dict) -> ModelShape:
