@@ -309,10 +309,10 @@ def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
             stop.phase = "starting MPS and the engine"
             _, r.mps_note = start_mps(cfg, stack, r.log, process_mps, stop)  # before any CUDA context
             r.device, r.dtype = resolve_device(cfg)
-            r.sized = planned(cfg, setup.model_dir, r.device, r.dtype, adapter_slots(cfg), r.log)
             r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
             r.tokenizer = load_tokenizer(setup.model_dir)
             with _phase(gate, "start"):  # a tenant of the time-slicing arm sets up inside one grant
+                r.sized = planned(cfg, setup.model_dir, r.device, r.dtype, adapter_slots(cfg), r.log)
                 engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
                 stop.phase = "building the trainer"
                 bank, trainer, trainer_setup_s = _build_trainer(r)
