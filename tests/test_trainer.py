@@ -686,6 +686,7 @@ def test_an_optimizer_step_that_raises_for_one_job_leaves_it_as_it_was_and_steps
     assert got["a"].failure == "" and got["a"].version == want.version == 2
     assert all(torch.equal(x, y) for x, y in zip(_weights_and_moments(bank, "a"), _weights_and_moments(twin_bank, "a")))
     assert "OutOfMemoryError" in got["b"].failure and "injected" in got["b"].failure and got["b"].version == 1
+    assert got["b"].raised and not got["a"].raised
     assert all(torch.equal(x, y) for x, y in zip(_weights_and_moments(bank, "b"), state_b))
     assert all(torch.equal(x, y) for x, y in zip(_grads(bank, "b"), grad_b)), "the gradient must be as it was"
     monkeypatch.setattr(b.optimizer, "step", real_step)

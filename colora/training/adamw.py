@@ -54,12 +54,14 @@ class AdamParams:
 class OptimStepResult:
     """grad_norm: the job's gradient norm before clipping; clip_coef: min(1, grad_clip_norm / norm),
     < 1 where clipping was active; version: the adapter version after the step; failure: why the
-    update was refused or undone ("" when it was applied)."""
+    update was refused or undone ("" when it was applied); raised: the update raised (a fault of the
+    device, not of the job's input): the job is as before the step, its gradient kept for a retry."""
 
     grad_norm: float
     clip_coef: float
     version: int
     failure: str = ""
+    raised: bool = False
 
 
 def adamw_steps(jobs: list[JobAdapter], params: list[AdamParams], refused: list[str],
@@ -125,7 +127,7 @@ def adamw_steps(jobs: list[JobAdapter], params: list[AdamParams], refused: list[
     for i, (ad, norm, clip, failure) in enumerate(zip(jobs, norms, clips, failures)):
         if i not in raised:
             ad.optimizer.zero_grad(set_to_none=True)
-        out.append(OptimStepResult(norm, clip, ad.version, failure))
+        out.append(OptimStepResult(norm, clip, ad.version, failure, i in raised))
     return out
 
 
