@@ -19,7 +19,7 @@ free) is refused before the engine starts, naming what to lower and to what. On 
 engine gets CPU_ENGINE_SHARE of the host's memory and the trainer `training.memory.default_budget`.
 
 Measured and estimated: the trainer's figures are training/memory.py's (activations per token measured
-on the H200 within 1% of its count). The engine's whole footprint at a share u is u of the card plus
+on the H200 within 2% of its count). The engine's whole footprint at a share u is u of the card plus
 ENGINE_OUTSIDE: at 0.35 of an H100 (27.7 GiB) the engine's processes held 29-30 GiB by CUDA's
 out-of-memory message, and vLLM's pool freed by its sleep mode was 27.8 GiB, 26.0 of it KV (the
 timeslice_prereg runs' logs): measured. The engine's working memory (a forward at its token budget and a

@@ -12,12 +12,13 @@ Measured and estimated, per token of a pass (B: the model's dtype bytes):
   width + the adapted projections' ranks), counted with torch's saved-tensor hooks on the CPU trainer
   (SmolLM2-135M's shape in fp32: 1.23 MB a token). On the GPU, reports/trainer_step's peak of 62.6 GiB
   at 49,152 tokens (Qwen3-0.6B's shape, bf16, 8 jobs of rank 16) less its fixed parts (weights 1.1 GiB,
-  the adapters' state 2.6, the log-softmax buffer 1.2) is 1.26 MB a token against the count's 1.27
-  (measured). On the H100 the same 49,152-token passes did not fit in the 49 GiB the trainer had beside
-  an engine of 0.35, and 24,576-token passes did (experiments/reference8_throughput.toml).
+  the adapters' state 2.9, the log-softmax buffer 1.2) is 1.25 MB a token against the count's 1.27
+  (measured); with the items below the estimate of that step is 70.5 GiB. On an 80 GB H100 the same
+  49,152-token passes ran out of memory beside an engine of 0.35 (the trainer's process at 49 GiB,
+  CUDA's message at e30f8d7).
 - With gradient checkpointing (each decoder layer recomputed in the backward): each layer's input
-  (B x hidden a layer) plus one layer's activations while it is recomputed. CPU, SmolLM2's shape at
-  2,048 tokens: 0.77 GB of peak growth against 3.8 GB without (measured); on the GPU an estimate.
+  (B x hidden a layer) plus one layer's activations while it is recomputed. CPU, SmolLM2's shape in
+  1,024-token passes: 0.82 GB of peak growth against 1.93 GB without (measured); on the GPU an estimate.
 - The backward's own tensors (activation gradients): one layer's activations more (an estimate).
 - The allocator's slack: x1.08 on the GPU (an estimate: the measured peaks above are torch's allocated
   bytes, the card also holds what its caching allocator keeps); x1.5 on the CPU, the largest ratio of
