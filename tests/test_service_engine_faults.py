@@ -91,6 +91,19 @@ def _tree(engine) -> list:
     return [q for p in engine._procs for q in (p, *p.children(recursive=True))]
 
 
+def _living(procs) -> list:
+    import psutil
+
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "out"
@@ -144,8 +157,6 @@ def test_a_sampler_keeps_its_weights_when_its_checkpoint_is_deleted_or_overwritt
 
 
 def test_a_killed_engine_core_fails_its_sample_and_the_engine_comes_back(served):
-    import psutil
-
     b = served.backend
     kept = b.save_for_sampler("m", None)
     before = served.logprobs(kept)
@@ -166,17 +177,15 @@ def test_a_killed_engine_core_fails_its_sample_and_the_engine_comes_back(served)
     np.testing.assert_allclose(served.logprobs(kept), before, atol=1e-5)  # registered again, same weights
     assert len([x for x in served.lines if x.startswith("the engine died")]) == 1, served.lines
     assert len([x for x in served.lines if x.startswith("the engine restarted")]) == 1, served.lines
-    assert not [p for p in served.procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not _living(served.procs)
     assert not [s for s in dead._segments if os.path.exists(f"/dev/shm/{s}")]
     served.procs += _tree(b.loop.engine)
     b.release_sampler(kept)
 
 
 def test_close_leaves_no_engine_process_sampler_folder_or_shared_memory(served):
-    import psutil
-
     served.backend.close()
     assert not list((served.out / "samplers").iterdir())
-    assert not [p for p in served.procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not _living(served.procs)
     assert not [s for e in served.engines for s in e._segments if os.path.exists(f"/dev/shm/{s}")]
     assert len(served.lines) < 10, served.lines

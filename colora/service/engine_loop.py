@@ -267,6 +267,9 @@ class EngineLoop:
         self._restarter.start()
 
     def _started(self, new, error: str | None, seconds: float) -> None:
+        if self._stop.is_set():  # the server stops: close() closes it
+            self.engine = new
+            return
         lost: dict[str, str] = {}
         broken = None  # a new engine that died while its samplers were registered
         if new is not None:
