@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from colora.service.scheduler import Outcome
 
 
-# What retrieve_future answers for a failure that may succeed if sent again (Outcome.retry). The SDK
-# raises RequestFailedError at a 200 with {error, category}; 410 would make its sampling client resubmit.
-RETRY_STATUS = 200
+# What retrieve_future answers for a failure that may succeed if sent again (Outcome.retry: a sample that was
+# decoding when the engine died). The SDK raises RequestFailedError at a 200 with {error, category}, polls the
+# same future again at a 5xx, and at a 410 its sampling client sends the sample again (tinker 0.38.0).
+RETRY_STATUS = 410
 
 
 def failure_answer(outcome: Outcome) -> tuple[int, dict]:

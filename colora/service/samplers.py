@@ -159,7 +159,7 @@ class SamplerOps:
             if recording and not isinstance(result, BackendError):
                 result = self._record(x, rid, recording[0], result)
             if isinstance(result, BackendError):
-                self._answer(rid, Outcome(error=result.message, category=result.category))
+                self._answer(rid, Outcome(error=result.message, category=result.category, retry=result.retryable))
             else:
                 self._answer(rid, Outcome(result=result))
             self.usage.sampled(tenant, None if isinstance(result, BackendError) else result)
