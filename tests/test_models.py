@@ -162,3 +162,21 @@ def test_model_shape_reads_a_directory_as_the_model_and_its_adapters_are(tiny_mo
         job = bank.add_job(f"r{rank}", rank, 8.0, modules, 0)
         assert shape.lora_parameters(rank, modules) == sum(p.numel() for p in job.parameters())
     assert shape_of(ALL_SHAPES["qwen3-0.6b-shape"]).kv_bytes_per_token() == 112 * 1024
+
+
+@pytest.mark.parametrize("name", ["qwen3-1.7b-shape", "qwen3-4b-shape", "qwen3-8b-shape"])
+def test_the_bigger_qwen3_shapes_are_builtins_built_once_from_their_published_config(tmp_path, monkeypatch, name):
+    from colora.models.qwen3_shapes import QWEN3_SHAPES
+    from colora.run import preflight
+
+    monkeypatch.setenv("COLORA_HOME", str(tmp_path))
+    built = []
+
+    def build(out, config):  # a stand-in: the real build writes 3-16 GB of random weights
+        built.append(config)
+        (out / "config.json").write_text(json.dumps(config))
+
+    monkeypatch.setattr(preflight, "build_random_qwen3", build)
+    got = preflight.resolve_model(f"builtin:{name}", log=lambda s: None)
+    assert got == tmp_path / "models" / name and built == [QWEN3_SHAPES[name]]
+    assert preflight.resolve_model(f"builtin:{name}", log=lambda s: None) == got and len(built) == 1

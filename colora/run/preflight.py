@@ -29,6 +29,7 @@ from colora.engine.adapters import SHM, AdapterSyncUnsupported, resolve
 from colora.engine.vllm_args import VLLM_LORA_RANKS
 from colora.environment import colora_home
 from colora.models.base import ModelDirError, build_qwen3_shape, build_tiny, check_model_dir, load_tokenizer
+from colora.models.qwen3_shapes import QWEN3_SHAPES, build_random_qwen3
 from colora.models.smollm2 import build_smollm2
 from colora.record.runlog import sha256_file
 from colora.run import mps
@@ -40,7 +41,8 @@ from colora.training.sft_data import SftData, SftDataError, resolve_data_path
 MPS_ARMS = ("mps", "overlap_mps")
 # builtin:NAME -> its folder in colora's model cache. The folder names the builder's revision, so a
 # changed builder builds afresh instead of serving a cache the old one made.
-BUILTIN_MODELS = {"tiny": "tiny-r2", "qwen3-0.6b-shape": "qwen3-0.6b-shape", "smollm2": "smollm2"}
+BUILTIN_MODELS = {"tiny": "tiny-r2", "qwen3-0.6b-shape": "qwen3-0.6b-shape", "qwen3-1.7b-shape": "qwen3-1.7b-shape",
+                  "qwen3-4b-shape": "qwen3-4b-shape", "qwen3-8b-shape": "qwen3-8b-shape", "smollm2": "smollm2"}
 
 
 class RunError(RuntimeError):
@@ -69,6 +71,8 @@ def resolve_model(spec: str, log: Callable[[str], None] = print) -> Path:
             build_tiny(tmp)
         elif name == "qwen3-0.6b-shape":
             build_qwen3_shape(tmp)
+        elif name in QWEN3_SHAPES:
+            build_random_qwen3(tmp, QWEN3_SHAPES[name])
         else:
             shutil.rmtree(tmp)
             build_smollm2(tmp)
