@@ -11,17 +11,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
+import types
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+import colora.service.store as store_module
 from colora.service import rest
 from colora.service.app import ServerThread, create_app
-from colora.service.config import ServeConfig
-from colora.service.fake import FakeBackend
+from colora.service.config import Limits, ServeConfig
 from colora.service.errors import ApiError
+from colora.service.fake import FakeBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 TINKER = ROOT / ".venv-tinker" / "bin" / "tinker"
@@ -44,6 +48,10 @@ def result(c: httpx.Client, key: str, answer: dict) -> dict:
     return r
 
 
+def fake() -> FakeBackend:
+    return FakeBackend(MODEL, vocab_size=32, eos_token_id=0, max_context=64, max_lora_rank=8)
+
+
 def model_with_checkpoints(c: httpx.Client, key: str, saves: list[tuple[str, str]]) -> tuple[str, str]:
     """(session_id, model_id) of a new model that saved `saves` [(route, name)] in turn."""
     sid = call(c, key, "create_session", {"tags": [], "sdk_version": "test"})["session_id"]
@@ -60,8 +68,7 @@ def served(tmp_path_factory):
     yields (url, out, {name: model_id}, {name: session_id})."""
     out = tmp_path_factory.mktemp("serve")
     config = ServeConfig(out=out, api_keys=KEYS, poll_hold_s=5.0)
-    app = create_app(config, FakeBackend(MODEL, vocab_size=32, eos_token_id=0, max_context=64, max_lora_rank=8),
-                     extra=[rest.install])
+    app = create_app(config, fake(), extra=[rest.install])
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         a_sid, a = model_with_checkpoints(c, ALICE, [("save_weights", "ckpt1"), ("save_weights_for_sampler", "samp1")])
         b_sid, b = model_with_checkpoints(c, BOB, [("save_weights", "mine")])
@@ -111,7 +118,10 @@ def test_checkpoint_download_brings_the_adapter_and_another_tenant_finds_nothing
     url, out, models, _ = served
     a = models["alice"]
     path = f"tinker://{a}/weights/ckpt1"
-    got = ok(tinker(url, ALICE, "checkpoint", "download", path, "-o", str(tmp_path / "dl")))
+    proc = tinker(url, ALICE, "checkpoint", "download", path, "-o", str(tmp_path / "dl"))
+    got = ok(proc)
+    assert "Warning" not in proc.stderr, proc.stderr  # its temporary export was deleted, as the CLI asked
+    assert not list(out.glob("tenants/alice/*/external_weights/download"))
     folder = Path(got["destination"])
     assert folder == tmp_path / "dl" / path.replace("tinker://", "").replace("/", "_")
     assert sorted(f.name for f in folder.iterdir()) == ["sampler.pt"]  # the fake backend's sampler format
@@ -138,6 +148,79 @@ def test_checkpoint_delete_removes_only_what_it_names(served):
 
 
 # -- the routes themselves, over HTTP --------------------------------------------------------------
+
+def later(monkeypatch, seconds: float) -> None:
+    """The store's clock (what its expiry reads) `seconds` ahead."""
+    now = time.time() + seconds
+    monkeypatch.setattr(store_module, "time", types.SimpleNamespace(time=lambda: now, monotonic_ns=time.monotonic_ns))
+
+
+def listed(c, mid: str) -> dict[str, dict]:
+    cps = c.get(f"/api/v1/training_runs/{mid}/checkpoints", headers={"X-API-Key": ALICE}).json()["checkpoints"]
+    return {x["checkpoint_id"]: x for x in cps}
+
+
+def test_an_export_is_a_checkpoint_listed_counted_under_the_quota_expired_and_deleted(tmp_path, monkeypatch):
+    config = ServeConfig(out=tmp_path, api_keys=KEYS, poll_hold_s=5.0, tenant_limits={"alice": Limits(checkpoints=3)})
+    with TestClient(create_app(config, fake(), extra=[rest.install])) as c:
+        _, mid = model_with_checkpoints(c, ALICE, [("save_weights", "a")])
+        export = result(c, ALICE, call(c, ALICE, "save_weights_external",
+                                       {"model_id": mid, "seq_id": 2, "path": "e", "ttl_seconds": 3600}))
+        e = listed(c, mid)["external_weights/e"]
+        assert e["checkpoint_type"] == "external" and e["tinker_path"] == export["path"] == f"tinker://{mid}/external_weights/e"
+        assert e["size_bytes"] == export["size_bytes"] > 0 and e["expires_at"] is not None
+        assert f"tinker://{mid}/external_weights/e" in {x["tinker_path"] for x in c.get(
+            "/api/v1/checkpoints", headers={"X-API-Key": ALICE}).json()["checkpoints"]}
+        mine = c.get("/api/v1/colora/stats", headers={"X-API-Key": ALICE}).json()["tenants"]["alice"]
+        assert mine["checkpoints"] == 2 and mine["disk_bytes"] == sum(x["size_bytes"] for x in listed(c, mid).values())
+        result(c, ALICE, call(c, ALICE, "save_weights", {"model_id": mid, "seq_id": 3, "path": "b"}))
+        refused = c.post("/api/v1/save_weights", json={"model_id": mid, "seq_id": 4, "path": "c"},
+                         headers={"X-API-Key": ALICE})
+        assert refused.status_code == 403 and refused.json()["limit"] == "checkpoints" and refused.json()["count"] == 3
+
+        later(monkeypatch, 3601)  # the export's ttl_seconds pass: the reaper deletes it, the others stay
+        c.app.state.service.reap()
+        assert sorted(listed(c, mid)) == ["weights/a", "weights/b"]
+        result(c, ALICE, call(c, ALICE, "save_weights_external", {"model_id": mid, "seq_id": 5, "path": "e2"}))
+        gone = f"/api/v1/training_runs/{mid}/checkpoints/external_weights/e2"
+        assert c.delete(gone, headers={"X-API-Key": BOB}).status_code == 404
+        assert c.delete(gone, headers={"X-API-Key": ALICE}).status_code == 204
+        assert sorted(listed(c, mid)) == ["weights/a", "weights/b"]
+        assert c.app.state.service.store.usage("alice")[0] == 2
+
+
+def test_a_ttl_set_on_a_training_or_sampler_checkpoint_expires_it(tmp_path, monkeypatch):
+    with TestClient(create_app(ServeConfig(out=tmp_path, api_keys=KEYS, poll_hold_s=5.0), fake(),
+                               extra=[rest.install])) as c:
+        _, mid = model_with_checkpoints(c, ALICE, [("save_weights", "a"), ("save_weights_for_sampler", "s"),
+                                                   ("save_weights", "keep")])
+        runs = f"/api/v1/training_runs/{mid}/checkpoints"
+        for cid, ttl in (("weights/a", 3600), ("sampler_weights/s", 7200), ("weights/keep", 3600),
+                         ("weights/keep", None)):
+            assert c.put(f"{runs}/{cid}/ttl", json={"ttl_seconds": ttl}, headers={"X-API-Key": ALICE}).status_code == 204
+        assert c.put(f"{runs}/weights/a/ttl", json={"ttl_seconds": 3600}, headers={"X-API-Key": BOB}).status_code == 404
+        missing = c.put(f"{runs}/weights/nothing/ttl", json={"ttl_seconds": 3600}, headers={"X-API-Key": ALICE})
+        assert missing.status_code == 404 and "not found" in missing.json()["error"]
+        assert {k: v["expires_at"] is not None for k, v in listed(c, mid).items()} == {
+            "weights/a": True, "sampler_weights/s": True, "weights/keep": False}
+        later(monkeypatch, 3601)
+        c.app.state.service.reap()
+        assert sorted(listed(c, mid)) == ["sampler_weights/s", "weights/keep"]
+        later(monkeypatch, 7201)
+        c.app.state.service.reap()
+        assert sorted(listed(c, mid)) == ["weights/keep"]
+
+
+def test_a_session_answers_the_metadata_and_name_it_was_created_with(served):
+    url = served[0]
+    with httpx.Client(base_url=url, timeout=30, headers={"X-API-Key": ALICE}) as c:
+        sid = c.post("/api/v1/create_session", json={"tags": [], "sdk_version": "test", "display_name": "sweep 3",
+                                                     "user_metadata": {"team": "rl", "lr": "1e-4"}}).json()["session_id"]
+        assert c.get(f"/api/v1/sessions/{sid}").json() == {"training_run_ids": [], "sampler_ids": [],
+                                                           "user_metadata": {"team": "rl", "lr": "1e-4"},
+                                                           "display_name": "sweep 3"}
+        assert c.get(f"/api/v1/sessions/{sid}", headers={"X-API-Key": BOB}).status_code == 404
+
 
 def test_external_weights_urls_are_signed_for_their_tenant_and_checkpoint(served):
     url, _, models, _ = served

@@ -18,7 +18,7 @@ from test_service_sdk import CLIENT_PY, KEYS
 
 from colora.service import tinker_public_pb2 as pb
 from colora.service.app import ServerThread, create_app
-from colora.service.config import ServeConfig
+from colora.service.config import Limits, ServeConfig
 from colora.service.fake import fake_from_model_dir
 from colora.service.records import Provenance, RecordError, Records, Span, behaviour_logprobs
 
@@ -205,17 +205,20 @@ def test_a_session_that_ends_drops_its_records_and_the_snapshot_counts_them(trai
         svc.records.get("alice", sid, seqs[0]["id"], "here")
 
 
-def test_a_sample_over_the_tenants_record_limit_fails_saying_so(trained):
-    c, _, sid, mid, _ = trained
-    svc = c.app.state.service
-    svc.records = Records(max_sequences=2)
-    ss = sampler_of(c, sid, mid, 4, seq=1)
-    r = post(c, "asample", {"sampling_session_id": ss, "seq_id": 0, "num_samples": 3, "record_stability_info": True,
-                            "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
-                            "sampling_params": {"max_tokens": 2, "seed": 1}}).json()
-    err = result(c, r["request_id"])
-    assert err["category"] == "user" and "over a tenant's limit of recorded sequences (2 sequences" in err["error"]
-    assert len(sample(c, ss, 1, n=2)) == 2  # within the limit it records and answers
+def test_a_sample_over_the_tenants_record_limit_fails_saying_so(tmp_path):
+    c, _ = make(tmp_path, tenant_limits={"alice": Limits(recorded_sequences=2)})  # the key file's [limits.alice]
+    with c:
+        sid, mid = new_model(c)
+        ss = sampler_of(c, sid, mid, 1)
+        r = post(c, "asample", {"sampling_session_id": ss, "seq_id": 0, "num_samples": 3, "record_stability_info": True,
+                                "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+                                "sampling_params": {"max_tokens": 2, "seed": 1}}).json()
+        err = result(c, r["request_id"])
+        assert err["category"] == "user" and "over a tenant's limit of recorded sequences (2 sequences" in err["error"]
+        assert "limits.recorded_sequences" in err["error"]
+        assert len(sample(c, ss, 1, n=2)) == 2  # within the limit it records and answers
+        bob_sid, bob_mid = new_model(c, B)  # bob keeps the default limits
+        assert len(sample(c, sampler_of(c, bob_sid, bob_mid, 1, key=B), 0, n=3, key=B)) == 3
 
 
 # -- the records alone --------------------------------------------------------------------------------------
@@ -247,7 +250,7 @@ def test_a_record_lives_a_day_after_its_last_use():
 
 
 def test_records_are_bounded_per_tenant_least_recently_used_first():
-    rec = Records(max_sequences=4)
+    rec = Records(lambda tenant: Limits(recorded_sequences=4))
     rec.record("alice", "s1", "r1", np.array([1]), seqs_of(2))
     rec.record("alice", "s1", "r2", np.array([1]), seqs_of(2))
     rec.record("bob", "s2", "b1", np.array([1]), seqs_of(4))  # another tenant's count is its own
@@ -260,7 +263,7 @@ def test_records_are_bounded_per_tenant_least_recently_used_first():
         rec.get("alice", "s1", "b1:0", "here")
     rec.record("alice", "s1", "r4", np.array([1]), seqs_of(1))
     assert rec.usage("alice")[0] == 4
-    nbytes = Records(max_bytes=100)
+    nbytes = Records(lambda tenant: Limits(recorded_bytes=100))
     with pytest.raises(RecordError, match="over a tenant's limit"):
         nbytes.record("alice", "s1", "big", np.arange(30), seqs_of(1))
 

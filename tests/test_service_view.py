@@ -119,6 +119,9 @@ def test_metrics_of_the_admin_key_hold_every_tenant_and_the_server(view):
     states = {k[3][0][1]: v for k, v in got.items() if k[0] == "colora_engine_status"}
     assert states == {"ok": 0.0, "degraded": 1.0, "restarting": 0.0}
     assert got[("colora_trainer_cycle_models", "counter", "colora_trainer_cycle_models_total", ())] == 60
+    for key in ("recorded_sequences", "recorded_bytes"):  # stable_reinforce's records, bounded per tenant
+        name = f"colora_tenant_{key}"
+        assert got[(name, "gauge", name, (("tenant", "alice"),))] == snap["tenants"]["alice"][key]
 
 
 def test_metrics_of_a_tenant_key_hold_only_its_tenant(view):

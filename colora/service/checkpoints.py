@@ -1,26 +1,30 @@
-"""Checkpoints: saves in a model's seq order under the tenant's quotas, the RestClient's listing and
-deletes, automatic pruning and expiry.
+"""Checkpoints: saves and exports in a model's seq order under the tenant's quotas, the RestClient's
+listing, deletes and TTLs, automatic pruning and expiry.
 
 A save is checked against the tenant's `checkpoints` and `disk_bytes` quotas when it is posted (a 403
 that still takes its seq_id slot) and again in its turn, when the saves queued before it have landed.
 An unnamed save_weights (`automatic`) keeps the model's newest `keep_checkpoints` unnamed ones; a save
 with `ttl_seconds` is deleted by the reaper once they pass (unless a live sampler reads it: then at the
-next reap after that sampler is released). A model that no longer lives loses its folder (its record,
-run.json) with its last checkpoint.
+next reap after that sampler is released); `set_checkpoint_ttl` gives any checkpoint a new one. An export
+(`save_weights_external`, what `tinker checkpoint download` fetches) is the backend's sampler format
+written as a checkpoint of kind external_weights: listed, counted, expired and deleted like the others.
+A model that no longer lives loses its folder (its record, run.json) with its last checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from colora.service import schemas
 from colora.service.backend import Backend, BackendError
 from colora.service.errors import ApiError, limit_error
 from colora.service.scheduler import barrier_work
 from colora.service.state import Model, Sampler
-from colora.service.store import CheckpointError, CheckpointPath, check_name
+from colora.service.store import CheckpointError, CheckpointPath, check_name, parse_path
 
 log = logging.getLogger("colora.service")
+SET_TTL_RANGE = (3600, schemas.TTL_MAX)  # Tinker's, for a TTL set after the save: one hour to ten years
 
 
 class CheckpointOps:
@@ -31,7 +35,7 @@ class CheckpointOps:
         """The refusal of a save of `cp` by the tenant's checkpoints or disk_bytes quota, or None."""
         lim = self.cfg.limits_of(tenant)
         count, nbytes = self.store.usage(tenant)
-        if count >= lim.checkpoints and not (self.store.dir_of(tenant, cp) / "tinker.json").is_file():
+        if count >= lim.checkpoints and not self.store.holds(tenant, cp):
             return limit_error(403, tenant, "checkpoints", lim.checkpoints, count, "checkpoints on disk",
                                "delete some (RestClient.delete_checkpoint) before saving another")
         if nbytes >= lim.disk_bytes:
@@ -83,13 +87,8 @@ class CheckpointOps:
                 return self.fail_in_slot(tenant, m.id, body.seq_id, "save_weights_for_sampler", str(e))
 
             def write(b: Backend) -> dict:
-                refs = []
-                _user(lambda: self.store.write(tenant, cp, m.base_model, m.spec,
-                                               lambda d: refs.append(b.save_for_sampler(m.id, d)),
-                                               overwrite=True, seq_id=body.seq_id, ttl_seconds=body.ttl_seconds,
-                                               user_metadata=body.user_metadata))
-                for r in refs:  # a sampling session loads the folder when it needs it
-                    b.release_sampler(r)
+                self._write_sampler(b, tenant, m, cp, seq_id=body.seq_id, ttl_seconds=body.ttl_seconds,
+                                    user_metadata=body.user_metadata)
                 return {"type": "save_weights_for_sampler", "path": str(cp)}
 
             return self._save(tenant, m, body.seq_id, "save_weights_for_sampler", cp, write)
@@ -113,6 +112,36 @@ class CheckpointOps:
         return self._submit(tenant, m.id, lambda rid: barrier_work(rid, m.id, body.seq_id, "snapshot", snapshot),
                             "save_weights_for_sampler")
 
+    def save_weights_external(self, tenant: str, body: schemas.SaveWeightsExternal) -> dict:
+        """Exports the model's adapter in its seq_id turn, as a named save_weights_for_sampler to
+        `tinker://<model_id>/external_weights/<name>` (an export of the same name is replaced); one that
+        cannot run still takes its slot."""
+        m, route = self._model(tenant, body.model_id), "save_weights_external"
+        if body.seq_id is None:
+            raise ApiError(400, "save_weights_external needs its seq_id (the SDK sends one)")
+        if body.age_encryption_recipients:
+            return self.fail_in_slot(tenant, m.id, body.seq_id, route, "age_encryption_recipients: encrypted exports "
+                                     "are not served here; export without them")
+        try:
+            cp = CheckpointPath(m.id, "external_weights", check_name(body.path))
+        except CheckpointError as e:
+            return self.fail_in_slot(tenant, m.id, body.seq_id, route, str(e))
+
+        def write(b: Backend) -> dict:
+            self._write_sampler(b, tenant, m, cp, seq_id=body.seq_id, ttl_seconds=body.ttl_seconds)
+            return {"type": route, "path": str(cp), "size_bytes": self.store.size(tenant, cp)}
+
+        return self._save(tenant, m, body.seq_id, route, cp, write)
+
+    def _write_sampler(self, b: Backend, tenant: str, m: Model, cp: CheckpointPath, **meta) -> None:
+        """Writes the model's sampler files as checkpoint `cp` (replacing one of that name); `meta` as in
+        `Store.write`."""
+        refs = []
+        _user(lambda: self.store.write(tenant, cp, m.base_model, m.spec, lambda d: refs.append(b.save_for_sampler(m.id, d)),
+                                       overwrite=True, **meta))
+        for r in refs:  # a sampling session loads the folder when it needs it
+            b.release_sampler(r)
+
     def _run(self, tenant: str, model_id: str) -> dict:
         try:
             run = self.store.read_run(tenant, model_id)
@@ -121,6 +150,25 @@ class CheckpointOps:
         if run is None:
             raise ApiError(404, f"training run {model_id!r} not found")
         return run
+
+    def checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> tuple[CheckpointPath, Path, dict]:
+        """The tenant's checkpoint `<kind>/<name>` of run `model_id`: (parts, folder, tinker.json); 404 otherwise."""
+        try:
+            return self.store.find(tenant, f"tinker://{model_id}/{checkpoint_id}", field="checkpoint")
+        except CheckpointError as e:
+            raise ApiError(404, str(e)) from None
+
+    def set_checkpoint_ttl(self, tenant: str, model_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
+        """The checkpoint expires `ttl_seconds` from now (None: never), whatever its kind."""
+        lo, hi = SET_TTL_RANGE
+        if ttl_seconds is not None and not lo <= ttl_seconds <= hi:
+            raise ApiError(400, f"ttl_seconds ({ttl_seconds}) must be from {lo} (one hour) to {hi} (ten years), "
+                                "or null for none")
+        cp, _, _ = self.checkpoint(tenant, model_id, checkpoint_id)
+        try:
+            self.store.set_ttl(tenant, str(cp), ttl_seconds)
+        except CheckpointError as e:  # deleted meanwhile
+            raise ApiError(404, str(e)) from None
 
     def list_checkpoints(self, tenant: str, model_id: str) -> dict:
         self._run(tenant, model_id)
@@ -140,6 +188,30 @@ class CheckpointOps:
         self._run(tenant, model_id)
         return self.store.training_run(tenant, model_id)
 
+    def list_training_runs(self, tenant: str, limit: int, offset: int) -> dict:
+        """The tenant's runs, newest first, from `offset`."""
+        ids = self.store.runs(tenant)
+        return {"training_runs": [self.store.training_run(tenant, mid) for mid in ids[offset:offset + limit]],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)}}
+
+    def list_user_checkpoints(self, tenant: str, limit: int, offset: int) -> dict:
+        """Every checkpoint of the tenant's runs, newest first, from `offset`."""
+        cps = sorted((c for mid in self.store.runs(tenant) for c in self.store.list(tenant, mid)),
+                     key=lambda c: c["time"], reverse=True)
+        return {"checkpoints": cps[offset:offset + limit],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(cps)}}
+
+    def weights_info(self, tenant: str, tinker_path: str) -> dict:
+        """The base model and LoRA settings of the checkpoint at `tinker_path` (400: not a checkpoint path)."""
+        try:
+            cp = parse_path(tinker_path, "tinker_path")
+        except CheckpointError as e:
+            raise ApiError(400, str(e)) from None
+        _, _, meta = self.checkpoint(tenant, cp.model_id, cp.checkpoint_id)
+        lora = meta["lora"]
+        return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora["rank"],
+                "train_unembed": lora["train_unembed"], "train_mlp": lora["train_mlp"], "train_attn": lora["train_attn"]}
+
     def _expire(self) -> None:
         with self._lock:
             in_use = {x.model_path for x in self.samplers.values() if x.model_path}
@@ -147,7 +219,7 @@ class CheckpointOps:
             if str(cp) in in_use:
                 continue  # a live sampler reads it: deleted once that sampler is released
             try:
-                self.store.delete(tenant, cp.model_id, f"{cp.kind}/{cp.name}")
+                self.store.delete(tenant, cp.model_id, cp.checkpoint_id)
             except CheckpointError:
                 continue
             log.info("checkpoint %s of tenant %s expired (its ttl_seconds passed): deleted", cp, tenant)

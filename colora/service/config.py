@@ -50,12 +50,16 @@ class Limits:
     sessions: int = 16  # live sessions (each SDK ServiceClient is one)
     models: int = 8  # live training models: each an adapter, its gradient and AdamW state on the GPU
     samplers: int = 64  # live sampling sessions (an ephemeral one per save_weights_and_get_sampling_client)
-    checkpoints: int = 1000  # checkpoints on disk (weights and sampler_weights, of every model)
+    checkpoints: int = 1000  # checkpoints on disk (weights, sampler_weights and exports, of every model)
     disk_bytes: int = 50 << 30  # bytes of checkpoints on disk
     pending_requests: int = 512  # a model's requests accepted and not yet run
     pending_bytes: int = 1 << 30  # the bodies of all the tenant's requests accepted and not yet run
     pending_samples: int = 2048  # asample requests in flight (the SDK sends up to 2000 at once)
     seq_window: int = 1024  # a model accepts seq_ids up to the one it runs next plus this
+    # stable_reinforce's records of sampled sequences (colora/service/records.py): past either bound the
+    # least recently used go
+    recorded_sequences: int = 1 << 15  # sequences sampled with record_stability_info, held for training
+    recorded_bytes: int = 256 << 20  # bytes of those records' tokens and log-probs
 
     def __post_init__(self):
         for f in fields(self):

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from colora.service.store import KINDS, TEMP
+
 log = logging.getLogger("colora.service")
 
 
@@ -41,7 +43,6 @@ def limit_error(status: int, tenant: str, limit: str, value: int, count: int, wh
 
 # an absolute path of two or more components where a word may start (not inside tinker:// or a URL)
 _PATH = re.compile(r"""(?:^|(?<=[\s'"(=\[]))/[^\s'"(),/]+/[^\s'"(),]*""")
-_TEMP = re.compile(r"^\.(?:tmp|old)-(.+)-\d+$")  # Store's folders beside a checkpoint being written
 
 
 def scrub(message: str, out: Path, keep: tuple[str, ...] = ()) -> str:
@@ -58,8 +59,9 @@ def scrub(message: str, out: Path, keep: tuple[str, ...] = ()) -> str:
         for root in roots:
             if path.startswith(root):
                 parts = path[len(root):].split("/")
-                if len(parts) >= 5 and parts[0] == "tenants" and parts[3] in ("weights", "sampler_weights"):
-                    name = _TEMP.sub(r"\1", parts[4])
+                if len(parts) >= 5 and parts[0] == "tenants" and parts[3] in KINDS:
+                    temp = TEMP.fullmatch(parts[4])  # a checkpoint being written is named by its name
+                    name = temp[2] if temp else parts[4]
                     return f"tinker://{parts[2]}/{parts[3]}/{name}{tail}"
         return (path.rstrip("/").rsplit("/", 1)[-1] or "<path>") + tail
 

@@ -46,6 +46,9 @@ TENANT_GAUGES = [
     ("disk_bytes", "colora_tenant_disk_bytes", "bytes of the tenant's checkpoints on disk"),
     ("checkpoints", "colora_tenant_checkpoints", "checkpoints of the tenant on disk"),
     ("samples_in_flight", "colora_tenant_samples_in_flight", "sample requests accepted and not yet answered"),
+    ("recorded_sequences", "colora_tenant_recorded_sequences",
+     "sampled sequences recorded for stable_reinforce (record_stability_info)"),
+    ("recorded_bytes", "colora_tenant_recorded_bytes", "bytes of the tokens and log-probs of those records"),
 ]
 SERVER_COUNTERS = [
     ("cycles", "colora_trainer_cycles", "trainer cycles that did work"),

@@ -32,7 +32,7 @@ Records are bounded. They belong to the tenant and the session that sampled them
 "not found", another session's are refused, and a session's end drops its records. A record (one asample
 request) is dropped a day (`KEEP_S`) after its last use, each training request that names one of its
 sequences restarting the day (Tinker's rule); and, oldest use first, while its tenant holds more than
-`max_sequences` sequences or `max_bytes` bytes of them.
+its `limits.recorded_sequences` sequences or `limits.recorded_bytes` bytes of them (colora/service/config.py).
 
 `behaviour_logprobs` reads a stable_reinforce datum's provenance (Tinker's `Datum.with_provenance`):
 two lists of runs, one tiling the datum's input tokens and one its targets, each run naming positions
@@ -52,9 +52,9 @@ from typing import Callable
 
 import numpy as np
 
+from colora.service.config import Limits
+
 KEEP_S = 86400.0  # a record lives a day after its last use
-MAX_SEQUENCES = 1 << 15  # recorded sequences a tenant holds at most
-MAX_BYTES = 256 << 20  # bytes of recorded tokens and log-probs a tenant holds at most
 GONE_KEPT = 4096  # dropped records whose error still says why
 
 
@@ -96,11 +96,12 @@ class Recorded:
 
 
 class Records:
-    """Every tenant's records (module docstring); safe to call from any thread."""
+    """Every tenant's records (module docstring), bounded by `limits_of(tenant)` (the server's
+    `ServeConfig.limits_of`); safe to call from any thread."""
 
-    def __init__(self, max_sequences: int = MAX_SEQUENCES, max_bytes: int = MAX_BYTES, keep_s: float = KEEP_S,
+    def __init__(self, limits_of: Callable[[str], Limits] = lambda tenant: Limits(), keep_s: float = KEEP_S,
                  clock: Callable[[], float] = time.monotonic):
-        self.max_sequences, self.max_bytes, self.keep_s, self.clock = max_sequences, max_bytes, keep_s, clock
+        self.limits_of, self.keep_s, self.clock = limits_of, keep_s, clock
         self._lock = threading.Lock()
         self._held: dict[str, collections.OrderedDict[str, Recorded]] = {}  # tenant -> request id -> record, LRU
         self._gone: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()  # id -> (tenant, why)
@@ -118,19 +119,23 @@ class Records:
                        tuple(np.asarray(t, np.int32) for t, _ in sequences),
                        tuple(np.asarray(lp, np.float32) for _, lp in sequences), 0, self.clock())
         rec.nbytes = rec.prompt.nbytes + sum(a.nbytes for a in rec.tokens + rec.logprobs)
-        if len(rec.tokens) > self.max_sequences or rec.nbytes > self.max_bytes:
+        lim = self.limits_of(tenant)
+        most, most_bytes = lim.recorded_sequences, lim.recorded_bytes
+        if len(rec.tokens) > most or rec.nbytes > most_bytes:
             raise RecordError(f"record_stability_info: this sample's record ({len(rec.tokens)} sequences, "
-                              f"{rec.nbytes} bytes) is over a tenant's limit of recorded sequences "
-                              f"({self.max_sequences} sequences, {self.max_bytes} bytes); sample fewer or shorter")
+                              f"{rec.nbytes} bytes) is over a tenant's limit of recorded sequences ({most} "
+                              f"sequences, {most_bytes} bytes: limits.recorded_sequences and limits.recorded_bytes); "
+                              "sample fewer or shorter")
         with self._lock:
             held = self._held.setdefault(tenant, collections.OrderedDict())
             held[request_id] = rec
             n, nbytes = self._usage(held)
-            while n > self.max_sequences or nbytes > self.max_bytes:
+            while n > most or nbytes > most_bytes:
                 rid, old = held.popitem(last=False)
                 n, nbytes = n - len(old.tokens), nbytes - old.nbytes
-                self._forget(rid, tenant, f"tenant {tenant!r} had more than {self.max_sequences} recorded "
-                                          f"sequences or {self.max_bytes} bytes of them; the least recently used went")
+                self._forget(rid, tenant, f"tenant {tenant!r} had more than {most} recorded sequences or "
+                                          f"{most_bytes} bytes of them (limits.recorded_sequences, "
+                                          "limits.recorded_bytes); the least recently used went")
 
     def get(self, tenant: str, session_id: str, sequence_id: str, where: str) -> tuple[Recorded, int]:
         """The record of `sequence_id` and the sequence's index in it, its day restarted; RecordError

@@ -1,9 +1,9 @@
 """The JSON request bodies of the Tinker API as SDK 0.38 sends them (`tinker/types/*_request.py`).
 
 Fields the service does not use are ignored (the SDK adds fields often; a strict schema would break on
-every release); a field it uses with a wrong type is an error naming it. `user_metadata` is kept on
-disk with the run or checkpoint: at most MAX_METADATA_BYTES of JSON. `ttl_seconds` is from 1 s to ten
-years.
+every release); a field it uses with a wrong type is an error naming it (`parse`). `user_metadata` is
+kept with the session, or on disk with the run or checkpoint: at most MAX_METADATA_BYTES of JSON.
+`ttl_seconds` is from 1 s to ten years.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from colora.service.backend import AdamParams
+from colora.service.errors import ApiError
 
 MAX_METADATA_BYTES = 16 << 10
+TTL_MAX = 10 * 365 * 86400  # ten years, Tinker's longest ttl_seconds
 
 
 def _bounded(v):
@@ -26,7 +28,7 @@ def _bounded(v):
 
 Metadata = Annotated[Optional[dict[str, Any]], AfterValidator(_bounded)]
 StrMetadata = Annotated[Optional[dict[str, str]], AfterValidator(_bounded)]
-Ttl = Optional[Annotated[int, Field(ge=1, le=10 * 365 * 86400)]]
+Ttl = Optional[Annotated[int, Field(ge=1, le=TTL_MAX)]]
 
 
 class Body(BaseModel):
@@ -109,6 +111,14 @@ class SaveWeightsForSampler(Body):
     user_metadata: StrMetadata = None
 
 
+class SaveWeightsExternal(Body):
+    model_id: str
+    path: str
+    seq_id: Optional[int] = None
+    ttl_seconds: Ttl = None
+    age_encryption_recipients: Optional[list[str]] = None
+
+
 class LoadWeights(Body):
     path: str
     optimizer: bool = False
@@ -172,6 +182,35 @@ class RetrieveFuture(Body):
 class Finish(Body):
     reason: dict[str, Any] = Field(default_factory=dict)
     detail: Optional[str] = None
+
+
+class WeightsInfo(Body):
+    tinker_path: str
+
+
+class SetTtl(Body):
+    ttl_seconds: Optional[int] = None  # its range is checked by the route, which names it
+
+
+def parse(raw: bytes, model: type[Body]) -> Body:
+    """A JSON body as `model`; a 400 naming the first field that does not validate."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ApiError(400, f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']} (in {model.__name__})") \
+            from None
+
+
+def model_and_seq(raw: bytes) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a JSON body that has them with the right types, else None: a model's request
+    whose body does not validate still takes its seq_id slot when these can be read."""
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        return None
+    mid, seq = (data.get("model_id"), data.get("seq_id")) if isinstance(data, dict) else (None, None)
+    return (mid, seq) if isinstance(mid, str) and mid and type(seq) is int else None
 
 
 def adam_params(body: OptimStep) -> AdamParams:

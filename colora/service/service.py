@@ -69,7 +69,7 @@ class Service(CheckpointOps, SamplerOps):
         self.futures = FutureStore(loop, config.future_ttl_s)
         self.journal = Journal()
         self.usage = Usage()
-        self.records = Records()  # stable_reinforce's recorded samples
+        self.records = Records(config.limits_of)  # stable_reinforce's recorded samples
         self.scheduler = Scheduler(backend, self._answer, config.out / "stats.jsonl", config.batch_window_s,
                                    config.cycle_datums, config.cycle_tokens,
                                    observe=lambda results: self.usage.cycle(self._tenant_of_model, results))
@@ -139,13 +139,15 @@ class Service(CheckpointOps, SamplerOps):
             self._creating[tenant] -= 1
 
     # -- lookups (404 for what is not the tenant's) ------------------------------------------------
-    def _session(self, tenant: str, session_id: str, live: bool = True) -> Session:
+    def _session(self, tenant: str, session_id: str, live: bool = True, touch: bool = True) -> Session:
+        """The tenant's session; `live`: 410 once it has ended; `touch`: the call counts as a sign of life."""
         s = self.sessions.get(session_id)
         if s is None or s.tenant != tenant:
             raise ApiError(404, f"session {session_id!r} not found")
         if live and s.ended:
             raise ApiError(410, f"session {session_id!r} has {s.ended}")
-        s.last_seen = time.monotonic()
+        if touch:
+            s.last_seen = time.monotonic()
         return s
 
     def _model(self, tenant: str, model_id: str) -> Model:
@@ -168,9 +170,21 @@ class Service(CheckpointOps, SamplerOps):
             if held >= lim:
                 raise limit_error(403, tenant, "sessions", lim, held, "live sessions", "close a ServiceClient "
                                   "(its session finishes) or let an idle one's heartbeats lapse")
-            self.sessions[sid] = Session(sid, tenant, time.monotonic())
+            self.sessions[sid] = Session(sid, tenant, time.monotonic(), user_metadata=body.user_metadata,
+                                         display_name=body.display_name)
         log.info("session %s of tenant %s started (sdk %s)", sid, tenant, body.sdk_version or "unknown")
         return {"type": "create_session", "session_id": sid}
+
+    def list_sessions(self, tenant: str) -> list[str]:
+        """The tenant's sessions since the server started (ended ones until they are forgotten), newest first."""
+        with self._lock:
+            return [s.id for s in reversed(self.sessions.values()) if s.tenant == tenant]
+
+    def get_session(self, tenant: str, session_id: str) -> dict:
+        """Tinker's GetSessionResponse; reading a session is no heartbeat of it."""
+        s = self._session(tenant, session_id, live=False, touch=False)
+        return {"training_run_ids": sorted(s.models), "sampler_ids": sorted(s.samplers),
+                "user_metadata": s.user_metadata, "display_name": s.display_name}
 
     def heartbeat(self, tenant: str, session_id: str) -> dict:
         self._session(tenant, session_id)

@@ -18,6 +18,8 @@ class Session:
     ended_at: float = 0.0
     models: set[str] = field(default_factory=set)
     samplers: set[str] = field(default_factory=set)
+    user_metadata: dict[str, Any] | None = None  # as create_session was given them
+    display_name: str | None = None
 
 
 @dataclass

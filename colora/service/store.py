@@ -3,8 +3,9 @@
     <out>/tenants/<tenant>/<model_id>/run.json                       the model's record (base model, LoRA)
     <out>/tenants/<tenant>/<model_id>/weights/<name>/                save_state: the backend's files + tinker.json
     <out>/tenants/<tenant>/<model_id>/sampler_weights/<name>/        save_weights_for_sampler(name)
+    <out>/tenants/<tenant>/<model_id>/external_weights/<name>/       save_weights_external(name): the sampler format
 
-A checkpoint's Tinker path is `tinker://<model_id>/weights/<name>` (or `sampler_weights`); it resolves
+A checkpoint's Tinker path is `tinker://<model_id>/<kind>/<name>`, kind one of KINDS; it resolves
 only inside the asking tenant's folder, so another tenant's path is simply not found. A checkpoint is
 written into a temporary folder `.tmp-<name>-<n>` and renamed into place, so a reader never sees half of
 one; an overwrite first renames the old one aside (`.old-<name>-<n>`), then swaps, then deletes it, so a
@@ -12,9 +13,9 @@ kill at any moment leaves the old or the new checkpoint. `sweep` (at the server'
 kill left: temporary folders, an old one whose new one is in place (one that is not is put back), and
 the folders of models that hold no checkpoint (no model outlives a restart).
 
-The store keeps each tenant's count and bytes of checkpoints (`usage`, for the quotas) and which
-checkpoints expire: one saved with `ttl_seconds` expires that long after its save, and `expired` lists
-those whose time has come for the server's reaper to delete.
+The store keeps each tenant's count and bytes of checkpoints of every kind (`usage`, for the quotas)
+and which checkpoints expire: one saved with `ttl_seconds` (or given them later by `set_ttl`) expires
+that long after, and `expired` lists those whose time has come for the server's reaper to delete.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ from typing import Literal
 
 from colora.service.backend import LoraSpec
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment -> Tinker checkpoint_type
+# path segment -> Tinker checkpoint_type
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # fullmatch: no trailing newline slips through
+TEMP = re.compile(r"\.(tmp|old)-(.+)-\d+")  # fullmatch: a checkpoint <name> being written, or its old one aside
 META = "tinker.json"
 
 
@@ -43,11 +46,15 @@ class CheckpointError(ValueError):
 @dataclass(frozen=True)
 class CheckpointPath:
     model_id: str
-    kind: Literal["weights", "sampler_weights"]
+    kind: Literal["weights", "sampler_weights", "external_weights"]
     name: str
 
+    @property
+    def checkpoint_id(self) -> str:  # as Tinker's Checkpoint names it within its run
+        return f"{self.kind}/{self.name}"
+
     def __str__(self) -> str:
-        return f"tinker://{self.model_id}/{self.kind}/{self.name}"
+        return f"tinker://{self.model_id}/{self.checkpoint_id}"
 
 
 def check_name(name: str, field: str = "path") -> str:
@@ -58,13 +65,12 @@ def check_name(name: str, field: str = "path") -> str:
 
 
 def parse_path(path: str, field: str = "path") -> CheckpointPath:
-    """`tinker://<model_id>/<weights|sampler_weights>/<name>` -> its parts."""
+    """`tinker://<model_id>/<kind>/<name>` -> its parts (kind one of KINDS)."""
     if not isinstance(path, str) or not path.startswith("tinker://"):
         raise CheckpointError(f"{field} {path!r} is not a tinker:// path")
     parts = path[len("tinker://"):].split("/")
     if len(parts) != 3 or parts[1] not in KINDS or not parts[0]:
-        raise CheckpointError(f"{field} {path!r} must be tinker://<model_id>/weights/<name> or "
-                              "tinker://<model_id>/sampler_weights/<name>")
+        raise CheckpointError(f"{field} {path!r} must be tinker://<run_id>/<{'|'.join(KINDS)}>/<name>")
     if "/" in parts[0] or parts[0] in (".", ".."):
         raise CheckpointError(f"{field} {path!r} has an invalid model id")
     return CheckpointPath(parts[0], parts[1], check_name(parts[2], field))  # type: ignore[arg-type]
@@ -106,7 +112,7 @@ class Store:
         for d in sorted((self.root / "tenants").glob("*/*")):
             for kind in sorted(k.name for k in d.iterdir() if k.is_dir()):
                 for x in sorted((d / kind).glob(".*")):
-                    m = re.fullmatch(r"\.(tmp|old)-(.+)-\d+", x.name)
+                    m = TEMP.fullmatch(x.name)
                     if m and m[1] == "old" and not (d / kind / m[2]).exists():
                         x.rename(d / kind / m[2])
                         done.append(f"put back {d.parent.name}'s tinker://{d.name}/{kind}/{m[2]} (a kill mid-overwrite)")
@@ -121,9 +127,11 @@ class Store:
         return done
 
     def _count(self, tenant: str, cp: CheckpointPath, folder: Path, info: dict) -> None:
+        """Indexes the checkpoint as it is on disk now: its bytes (tinker.json's included) and its expiry."""
         size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
         with self._lock:
             self._usage.setdefault(tenant, {})[str(cp)] = size
+            self._expiry.pop((tenant, str(cp)), None)
             if info.get("expires_at") is not None:
                 self._expiry[(tenant, str(cp))] = float(info["expires_at"])
 
@@ -137,6 +145,11 @@ class Store:
         with self._lock:
             held = self._usage.get(tenant, {})
             return len(held), sum(held.values())
+
+    def size(self, tenant: str, cp: CheckpointPath) -> int:
+        """Bytes of the tenant's checkpoint `cp` on disk (0 for one the store does not hold)."""
+        with self._lock:
+            return self._usage.get(tenant, {}).get(str(cp), 0)
 
     def tenants(self) -> list[str]:
         with self._lock:
@@ -161,6 +174,13 @@ class Store:
         f = self._model_dir(tenant, model_id) / "run.json"
         return json.loads(f.read_text()) if f.is_file() else None
 
+    def runs(self, tenant: str) -> list[str]:
+        """The tenant's training runs (models with a record), newest first."""
+        folder = self.root / "tenants" / tenant
+        runs = [(run["created"], d.name) for d in (folder.iterdir() if folder.is_dir() else ())
+                if (run := self.read_run(tenant, d.name)) is not None]  # a folder may go while this reads
+        return [mid for _, mid in sorted(runs, reverse=True)]
+
     def forget_model(self, tenant: str, model_id: str) -> bool:
         """Removes the folder of a model that no longer lives (its session ended) once it holds no
         checkpoint; returns whether it did."""
@@ -174,11 +194,15 @@ class Store:
     def dir_of(self, tenant: str, cp: CheckpointPath) -> Path:
         return self._model_dir(tenant, cp.model_id) / cp.kind / cp.name
 
+    def holds(self, tenant: str, cp: CheckpointPath) -> bool:
+        """Whether the tenant's checkpoint `cp` exists (a save of it would overwrite, not add)."""
+        return (self.dir_of(tenant, cp) / META).is_file()
+
     def find(self, tenant: str, path: str, kind: str | None = None, field: str = "path") -> tuple[CheckpointPath, Path, dict]:
         """The checkpoint at `path` of this tenant: (parts, folder, tinker.json). CheckpointError if absent."""
         cp = parse_path(path, field)
         if kind is not None and cp.kind != kind:
-            raise CheckpointError(f"{field} {path!r} is a {KINDS[cp.kind]} checkpoint; this needs a "
+            raise CheckpointError(f"{field} {path!r} is a checkpoint of kind {cp.kind}; this needs a "
                                   f"tinker://<model_id>/{kind}/<name> path")
         d = self.dir_of(tenant, cp)
         if not (d / META).is_file():
@@ -197,7 +221,7 @@ class Store:
         tmp.mkdir(parents=True)
         try:
             writer(tmp)
-            info = {"checkpoint_id": f"{cp.kind}/{cp.name}", "checkpoint_type": KINDS[cp.kind], "tinker_path": str(cp),
+            info = {"checkpoint_id": cp.checkpoint_id, "checkpoint_type": KINDS[cp.kind], "tinker_path": str(cp),
                     "time": _now(), "base_model": base_model, "lora": asdict(spec), "ttl_seconds": ttl_seconds,
                     "expires_at": None if ttl_seconds is None else round(time.time() + ttl_seconds, 3), **meta}
             (tmp / META).write_text(json.dumps(info, indent=1))
@@ -213,7 +237,6 @@ class Store:
             if tmp.exists():
                 shutil.rmtree(tmp)
         shutil.rmtree(aside, ignore_errors=True)
-        self._uncount(tenant, cp)
         self._count(tenant, cp, final, info)
         return final
 
@@ -225,10 +248,7 @@ class Store:
         tmp = d / f".{META}.{time.monotonic_ns()}"
         tmp.write_text(json.dumps(info, indent=1))
         tmp.replace(d / META)
-        with self._lock:
-            self._expiry.pop((tenant, str(cp)), None)
-            if info["expires_at"] is not None:
-                self._expiry[(tenant, str(cp))] = info["expires_at"]
+        self._count(tenant, cp, d, info)
         return info
 
     def delete(self, tenant: str, model_id: str, checkpoint_id: str) -> CheckpointPath:
@@ -250,10 +270,9 @@ class Store:
         """Every checkpoint of the model, oldest first, as Tinker's Checkpoint objects (+ `automatic`,
         `expires_at`)."""
         out = []
-        for _, folder, info in self._checkpoints(self._model_dir(tenant, model_id)):
-            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        for cp, _, info in self._checkpoints(self._model_dir(tenant, model_id)):
             out.append({"checkpoint_id": info["checkpoint_id"], "checkpoint_type": info["checkpoint_type"],
-                        "time": info["time"], "tinker_path": info["tinker_path"], "size_bytes": size,
+                        "time": info["time"], "tinker_path": info["tinker_path"], "size_bytes": self.size(tenant, cp),
                         "public": False, "user_metadata": info.get("user_metadata"),
                         "automatic": bool(info.get("automatic")), "expires_at": info.get("expires_at")})
         return sorted(out, key=lambda c: c["time"])
