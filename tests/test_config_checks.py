@@ -136,3 +136,19 @@ def test_in_the_time_slicing_arm_a_job_joins_only_its_tenants_jobs():
     with pytest.raises(ConfigError, match=r"jobs\.1\.start_after \(3\) must be below 0, the most steps .*tenant"):
         _load("experiment.arm=timeslice", "jobs.1.start_after=3")
     assert _load("experiment.arm=timeslice", "timeslice.tenant_jobs=2", "jobs.1.start_after=3").jobs[1].start_after == 3
+
+
+def test_a_time_sliced_run_that_parks_nothing_needs_its_memory_set():
+    """With park = never every tenant stays resident: planning each against the whole card would oversubscribe it."""
+    from colora.timeslice.arm import tenant_config
+
+    cfg = _load("experiment.arm=timeslice", "timeslice.park=never", "engine.gpu_memory_utilization=0")
+    with pytest.raises(ConfigError, match=r"timeslice.park = \"never\".*set engine.gpu_memory_utilization and "
+                                          r"trainer.micro_batch_tokens"):
+        tenant_config(cfg, [cfg.jobs[0].name], 2)
+    got = tenant_config(_load("experiment.arm=timeslice", "timeslice.park=never", "engine.gpu_memory_utilization=0.3"),
+                        [cfg.jobs[0].name], 2)
+    assert got.engine.gpu_memory_utilization == pytest.approx(0.15)
+    lazy = tenant_config(_load("experiment.arm=timeslice", "timeslice.park=lazy", "engine.gpu_memory_utilization=0"),
+                         [cfg.jobs[0].name], 2)
+    assert lazy.engine.gpu_memory_utilization == 0  # planned per tenant, against the card its grant frees

@@ -16,7 +16,9 @@ queue wait, the duty), the makespan, each tenant's seconds per step and what it 
 Engine memory: every tenant's engine reserves `engine.gpu_memory_utilization` of the GPU while it is
 resident. With `park = never` every engine stays resident at once, so each gets that share divided by
 the number of tenants; with lazy or eager parking a tenant's engine sleeps (vLLM level 1) before the
-next tenant is granted, so each starts with the whole share.
+next tenant is granted, so each starts with the whole share. Memory that colora plans (a share or a
+micro-batch of 0) is planned per tenant against the whole card, which only parking frees for it: with
+`park = never` the arm needs both set (`tenant_config` refuses it otherwise).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from colora import python_m
-from colora.config import Config, replace
+from colora.config import Config, ConfigError, replace
 from colora.record.runlog import read_jsonl, write_json_atomic
 from colora.record.throughput import shared_window, throughput
 from colora.run.rundir import holding
@@ -54,6 +56,10 @@ def tenant_config(cfg: Config, jobs: list[str], n_tenants: int) -> Config:
     """A tenant's config: its jobs in one group (shared_sync, no MPS: the grant is the sharing), its
     engine's client in its own process (the parkers reach vLLM there), its memory share as the module
     docstring says."""
+    if cfg.timeslice.park == "never" and not (cfg.engine.gpu_memory_utilization and cfg.trainer.micro_batch_tokens):
+        raise ConfigError("timeslice.park = \"never\" keeps every tenant's engine and trainer on the GPU at once: "
+                          "set engine.gpu_memory_utilization and trainer.micro_batch_tokens (0 plans each tenant "
+                          "against the whole card)")
     share = cfg.engine.gpu_memory_utilization / (n_tenants if cfg.timeslice.park == "never" else 1)
     keep = [j.name for j in cfg.jobs if j.name not in jobs]
     d = cfg.to_dict()
