@@ -161,7 +161,7 @@ def test_a_forward_after_a_sampler_release_is_unaffected(tmp_path):
             assert "loss:sum" in result(c, fb(c, fb_body(mid, 2 * i + 2)).json()["request_id"])["metrics"]
 
 
-def test_a_ttl_set_after_the_save_expires_and_exports_of_other_kinds_keep_their_models_folder(tmp_path):
+def test_a_ttl_set_after_the_save_expires_and_a_kind_the_store_does_not_know_keeps_its_models_folder(tmp_path):
     store = Store(tmp_path)
     store.write_run("alice", "m1", MODEL, SPEC)
     cp = write(store, "a", "x")
@@ -170,10 +170,10 @@ def test_a_ttl_set_after_the_save_expires_and_exports_of_other_kinds_keep_their_
     assert store.expired(time.time() + 3599) == [] and store.expired(time.time() + 3601) == [("alice", cp)]
     store.set_ttl("alice", str(cp), None)
     assert store.expired(time.time() + 10**9) == []
-    export = tmp_path / "tenants" / "alice" / "m1" / "external_weights" / "e"
-    export.mkdir(parents=True)
-    (export / "tinker.json").write_text("{}")
+    other = tmp_path / "tenants" / "alice" / "m1" / "published_weights" / "e"  # a kind not in store.KINDS
+    other.mkdir(parents=True)
+    (other / "tinker.json").write_text("{}")
     store.delete("alice", "m1", "weights/a")
-    assert not store.forget_model("alice", "m1") and export.is_dir()  # an export still lives there
+    assert not store.forget_model("alice", "m1") and other.is_dir()  # a checkpoint still lives there
     Store(tmp_path).sweep()
-    assert export.is_dir()
+    assert other.is_dir()

@@ -143,20 +143,14 @@ class CheckpointOps:
             b.release_sampler(r)
 
     def _run(self, tenant: str, model_id: str) -> dict:
-        try:
-            run = self.store.read_run(tenant, model_id)
-        except CheckpointError as e:
-            raise ApiError(404, str(e)) from None
+        run = _found(lambda: self.store.read_run(tenant, model_id))
         if run is None:
             raise ApiError(404, f"training run {model_id!r} not found")
         return run
 
     def checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> tuple[CheckpointPath, Path, dict]:
         """The tenant's checkpoint `<kind>/<name>` of run `model_id`: (parts, folder, tinker.json); 404 otherwise."""
-        try:
-            return self.store.find(tenant, f"tinker://{model_id}/{checkpoint_id}", field="checkpoint")
-        except CheckpointError as e:
-            raise ApiError(404, str(e)) from None
+        return _found(lambda: self.store.find(tenant, f"tinker://{model_id}/{checkpoint_id}", field="checkpoint"))
 
     def set_checkpoint_ttl(self, tenant: str, model_id: str, checkpoint_id: str, ttl_seconds: int | None) -> None:
         """The checkpoint expires `ttl_seconds` from now (None: never), whatever its kind."""
@@ -164,11 +158,7 @@ class CheckpointOps:
         if ttl_seconds is not None and not lo <= ttl_seconds <= hi:
             raise ApiError(400, f"ttl_seconds ({ttl_seconds}) must be from {lo} (one hour) to {hi} (ten years), "
                                 "or null for none")
-        cp, _, _ = self.checkpoint(tenant, model_id, checkpoint_id)
-        try:
-            self.store.set_ttl(tenant, str(cp), ttl_seconds)
-        except CheckpointError as e:  # deleted meanwhile
-            raise ApiError(404, str(e)) from None
+        _found(lambda: self.store.set_ttl(tenant, f"tinker://{model_id}/{checkpoint_id}", ttl_seconds))
 
     def list_checkpoints(self, tenant: str, model_id: str) -> dict:
         self._run(tenant, model_id)
@@ -176,11 +166,13 @@ class CheckpointOps:
 
     def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
         self._run(tenant, model_id)
-        try:
-            cp = self.store.delete(tenant, model_id, checkpoint_id)
-        except CheckpointError as e:
-            raise ApiError(404, str(e)) from None
-        log.info("checkpoint %s of tenant %s deleted by its owner", cp, tenant)
+        _found(lambda: self._delete(tenant, model_id, checkpoint_id, "deleted by its owner"))
+
+    def _delete(self, tenant: str, model_id: str, checkpoint_id: str, why: str) -> None:
+        """Deletes a checkpoint (CheckpointError if it is not there); a model that no longer lives loses its
+        folder with its last checkpoint."""
+        cp = self.store.delete(tenant, model_id, checkpoint_id)
+        log.info("checkpoint %s of tenant %s %s", cp, tenant, why)
         if model_id not in self.models:
             self.store.forget_model(tenant, model_id)
 
@@ -204,10 +196,10 @@ class CheckpointOps:
     def weights_info(self, tenant: str, tinker_path: str) -> dict:
         """The base model and LoRA settings of the checkpoint at `tinker_path` (400: not a checkpoint path)."""
         try:
-            cp = parse_path(tinker_path, "tinker_path")
+            parse_path(tinker_path, "tinker_path")
         except CheckpointError as e:
             raise ApiError(400, str(e)) from None
-        _, _, meta = self.checkpoint(tenant, cp.model_id, cp.checkpoint_id)
+        _, _, meta = _found(lambda: self.store.find(tenant, tinker_path, field="tinker_path"))
         lora = meta["lora"]
         return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora["rank"],
                 "train_unembed": lora["train_unembed"], "train_mlp": lora["train_mlp"], "train_attn": lora["train_attn"]}
@@ -219,17 +211,22 @@ class CheckpointOps:
             if str(cp) in in_use:
                 continue  # a live sampler reads it: deleted once that sampler is released
             try:
-                self.store.delete(tenant, cp.model_id, cp.checkpoint_id)
+                self._delete(tenant, cp.model_id, cp.checkpoint_id, "expired (its ttl_seconds passed): deleted")
             except CheckpointError:
-                continue
-            log.info("checkpoint %s of tenant %s expired (its ttl_seconds passed): deleted", cp, tenant)
-            if cp.model_id not in self.models:
-                self.store.forget_model(tenant, cp.model_id)
+                continue  # deleted meanwhile
 
 
 def _user(fn):
-    """Runs fn; a CheckpointError (a bad name, an absent checkpoint) is the client's error."""
+    """Runs fn on the trainer thread; a CheckpointError (a bad name, an absent checkpoint) is the client's error."""
     try:
         return fn()
     except CheckpointError as e:
         raise BackendError(str(e), "user") from None
+
+
+def _found(fn):
+    """Runs fn for a route; a CheckpointError (a bad path, an absent checkpoint) is a 404 naming it."""
+    try:
+        return fn()
+    except CheckpointError as e:
+        raise ApiError(404, str(e)) from None

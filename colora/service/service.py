@@ -471,12 +471,11 @@ class Service(CheckpointOps, SamplerOps):
                           "pending_bytes": nbytes, "disk_bytes": disk, "checkpoints": count,
                           "samples_in_flight": sampling.get(t, 0), "recorded_sequences": recorded,
                           "recorded_bytes": recorded_bytes, "models_detail": detail}
-        st = self.scheduler.stats()
+        st = self.stats()
         server = {"uptime_s": round(time.monotonic() - self.started, 3), "health": self.health(),
                   **{k: st[k] for k in ("cycles", "cycle_seconds_sum", "last_cycle_seconds", "cycle_models_sum",
                                         "multi_model_cycles", "max_models_per_cycle", "forward_calls", "forward_datums",
-                                        "optim_steps", "max_optim_steps_per_pass", "multi_model_optim_passes")},
-                  "live_sessions": sum(not s.ended for s in sessions), "live_models": len(models),
-                  "live_samplers": len(samplers), "futures": len(self.futures),
+                                        "optim_steps", "max_optim_steps_per_pass", "multi_model_optim_passes",
+                                        "live_sessions", "live_models", "live_samplers", "futures")},
                   "futures_pending": self.futures.unresolved()}
         return {"tenants": tenants, "server": server, "errors": self.journal.recent(tenant)}

@@ -71,7 +71,7 @@ def parse_path(path: str, field: str = "path") -> CheckpointPath:
     parts = path[len("tinker://"):].split("/")
     if len(parts) != 3 or parts[1] not in KINDS or not parts[0]:
         raise CheckpointError(f"{field} {path!r} must be tinker://<run_id>/<{'|'.join(KINDS)}>/<name>")
-    if "/" in parts[0] or parts[0] in (".", ".."):
+    if parts[0] in (".", ".."):
         raise CheckpointError(f"{field} {path!r} has an invalid model id")
     return CheckpointPath(parts[0], parts[1], check_name(parts[2], field))  # type: ignore[arg-type]
 
@@ -94,7 +94,7 @@ class Store:
 
     @staticmethod
     def _holds_any(d: Path) -> bool:
-        """Whether model folder d holds a checkpoint of any kind (other modules' kinds, exports, included)."""
+        """Whether model folder d holds a checkpoint of any kind, a folder of a kind not in KINDS included."""
         return any(not m.parent.name.startswith(".") for m in d.glob(f"*/*/{META}"))
 
     def _checkpoints(self, d: Path):
@@ -204,9 +204,9 @@ class Store:
         if kind is not None and cp.kind != kind:
             raise CheckpointError(f"{field} {path!r} is a checkpoint of kind {cp.kind}; this needs a "
                                   f"tinker://<model_id>/{kind}/<name> path")
-        d = self.dir_of(tenant, cp)
-        if not (d / META).is_file():
+        if not self.holds(tenant, cp):
             raise CheckpointError(f"{field} {path!r}: checkpoint not found")
+        d = self.dir_of(tenant, cp)
         return cp, d, json.loads((d / META).read_text())
 
     def write(self, tenant: str, cp: CheckpointPath, base_model: str, spec: LoraSpec, writer, overwrite: bool = False,
