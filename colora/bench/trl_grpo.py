@@ -86,6 +86,7 @@ from colora.corun.rollouts import Prompts
 from colora.corun.rollouts import step_items as items_of
 from colora.record.runlog import write_report
 from colora.record.throughput import measure_window, throughput
+from colora.run.memory import planned
 from colora.run.preflight import load_tasks, resolve_device, resolve_model
 
 LOSS_TYPES = {"grpo_seq": "grpo", "grpo_token": "dapo", "dr_grpo": "dr_grpo"}  # colora's loss -> TRL's loss_type
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer, PrinterCallback
 
     model_dir = resolve_model(cfg.experiment.model)
+    # the engine's share and the passes as colora plans them for one job alone (explicit settings stay)
+    cfg = planned(cfg, model_dir, device, dtype, slots=1, log=print)
     task = load_tasks((job,))[job.name]
     items = step_items(task, job, cfg.experiment.seed, steps)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
