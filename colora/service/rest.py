@@ -134,15 +134,9 @@ def install(app: FastAPI) -> None:
 
     @app.post("/api/v1/save_weights_external")
     async def save_external(request: Request):
-        t, raw = tenant(request), await raw_body(request)
-        try:
-            b = schemas.parse(raw, schemas.SaveWeightsExternal)
-        except ApiError as e:  # one whose model_id and seq_id can be read still takes its slot
-            ids = schemas.model_and_seq(raw)
-            if ids is None:
-                raise
-            return svc(request).fail_in_slot(t, ids[0], ids[1], "save_weights_external", e.message)
-        return svc(request).save_weights_external(t, b)
+        t = tenant(request)
+        b = svc(request).model_request(t, await raw_body(request), schemas.SaveWeightsExternal, "save_weights_external")
+        return b if isinstance(b, dict) else svc(request).save_weights_external(t, b)
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
     async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request):

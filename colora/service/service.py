@@ -353,6 +353,17 @@ class Service(CheckpointOps, SamplerOps):
             raise refusal
         return out
 
+    def model_request(self, tenant: str, raw: bytes, model: type[schemas.Body], route: str) -> schemas.Body | dict:
+        """A model's JSON request (it has model_id and seq_id) as `model`. One that does not validate takes its
+        seq_id slot, failing there, when its model_id and seq_id can be read: returns that answer (a dict)."""
+        try:
+            return schemas.parse(raw, model)
+        except ApiError as e:
+            ids = schemas.model_and_seq(raw)
+            if ids is None:
+                raise
+            return self.fail_in_slot(tenant, ids[0], ids[1], route, e.message)
+
     def forward_backward(self, tenant: str, body: bytes, force_forward_only: bool = False) -> dict:
         try:
             req = wire.parse_forward_backward(body, self.caps, self.cfg.max_datums)
