@@ -186,4 +186,4 @@ def test_scrub_turns_server_paths_into_tinker_paths_or_names():
 def test_a_retryable_failure_maps_to_its_answer_in_one_place():
     assert failure_answer(Outcome(error="bad", category="user")) == (200, {"error": "bad", "category": "user"})
     status, body = failure_answer(Outcome(error="the engine restarted", category="server", retry=True))
-    assert body == {"error": "the engine restarted", "category": "server"} and status == 200
+    assert body == {"error": "the engine restarted", "category": "server"} and status == 410  # the SDK resends
