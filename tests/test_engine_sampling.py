@@ -155,10 +155,10 @@ def test_prompt_log_probs_beside_other_requests_in_one_step(engine, trainer):
     torch.testing.assert_close(torch.tensor(res[0].prompt_logprobs[1:]), want, atol=1e-4, rtol=0)
 
 
-def test_the_same_seed_gives_the_same_samples_and_each_sample_its_own_seed(engine):
-    """samples(request, n): n requests whose seeds derive from the request's and the sample's index,
-    so sample i is the same whatever n, the samples differ from one another, and the prompt's
-    log-probs are asked once."""
+def test_the_same_seed_gives_the_same_samples_and_each_sample_its_own_seed(engine, trainer):
+    """samples(request, n): sample i is seeded seed + i, so sample i is the same whatever n, the samples
+    differ from one another, a request seeded s + 1 returns sample 1 on, and the prompt's log-probs are
+    asked once."""
     req = GenRequest("a", PROMPT, 10, 1.0, seed=21, prompt_logprobs=True, tag="p")
     four = engine.generate(samples(req, 4))
     again = engine.generate(samples(req, 4))
@@ -168,10 +168,32 @@ def test_the_same_seed_gives_the_same_samples_and_each_sample_its_own_seed(engin
     assert len({tuple(x) for x in ids}) == 4
     assert [r.request.tag for r in four] == [("p", i) for i in range(4)]
     assert four[0].prompt_logprobs is not None and all(r.prompt_logprobs is None for r in four[1:])
-    other = engine.generate(samples(GenRequest("a", PROMPT, 10, 1.0, seed=22), 2))
-    assert {tuple(r.completion_ids) for r in other}.isdisjoint({tuple(x) for x in ids})
+    later = engine.generate(samples(GenRequest("a", PROMPT, 10, 1.0, seed=22), 3))
+    assert [r.completion_ids for r in later] == ids[1:]
     with pytest.raises(ValueError, match="num_samples = 0"):
         samples(req, 0)
+
+
+def test_a_request_of_n_samples_returns_what_n_single_requests_of_its_seeds_return(engine, trainer):
+    """vLLM's `n` (one request, fanned out in its engine core) against n requests seeded s, s + 1, ...: the
+    same tokens and log-probs, sample by sample, beside a one-sample request that asks the prompt's log-probs
+    and with a split where the seeds wrap round 2**63."""
+    from colora.engine.sampling import SEED_LIMIT
+
+    for seed, n in ((5, 6), (SEED_LIMIT - 2, 4)):
+        req = GenRequest("a", PROMPT, 12, 1.0, seed=seed, prompt_logprobs=True, tag="p")
+        grouped, single = samples(req, n, grouped=True), samples(req, n)
+        assert [r.n for r in grouped] == ([1, 5] if n == 6 else [1, 1, 2])
+        assert [r.seed for r in single] == [(seed + i) % SEED_LIMIT for i in range(n)]
+        a, b = engine.generate(grouped), engine.generate(single)
+        assert [r.request for r in a] == [r.request for r in b] == single
+        assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+        torch.testing.assert_close(torch.tensor([x for r in a for x in r.logprobs]),
+                                   torch.tensor([x for r in b for x in r.logprobs]), atol=1e-5, rtol=0)
+        assert a[0].prompt_logprobs is not None and all(r.prompt_logprobs is None for r in a[1:])
+        assert len({tuple(r.completion_ids) for r in a}) == n
+    with pytest.raises(ValueError, match="needs a seed and a tag"):
+        GenRequest("a", PROMPT, 3, 1.0, n=2)
 
 
 def test_the_engine_levers_reach_vllms_arguments_and_environment(tiny_model_dir, monkeypatch):

