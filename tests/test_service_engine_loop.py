@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from colora.engine.process import BatchRefused, EngineProcessError
-from colora.engine.sampling import GenResult
+from colora.engine.sampling import GenResult, one
 from colora.service.backend import BackendError, SampleCall, SampleResult
 from colora.service.engine_loop import EngineLoop
 
@@ -34,6 +34,9 @@ class FakeEngine:
         self.died = ""
         self.polls_after_death = 0
         self.closed = False
+        self.calls: list[list[str]] = []  # the keys of each register_snapshots call
+        self.requests: list = []  # every request submitted
+        self.submitted: list = []  # every sample answered, as its one-sample request
 
     def _alive(self, what: str) -> None:
         if self.died:
@@ -49,6 +52,7 @@ class FakeEngine:
         for r in requests:
             if r.snapshot is not None and r.snapshot not in self.snaps:
                 raise KeyError(f"snapshot {r.snapshot!r} is not registered in the engine")
+        self.requests += requests
         if any(r.temperature > 2 for r in requests):
             self.refused.append(key)
         else:
@@ -63,12 +67,14 @@ class FakeEngine:
             batch[1] -= 1
             if batch[1] <= 0:
                 del self.batches[key]
-                done.append((key, [self._result(r) for r in batch[0]]))
+                done.append((key, [self._result(one(r, i)) for r in batch[0] for i in range(r.n)]))
         return done
 
     def _result(self, r) -> GenResult:
+        """A sample's tokens are its seed's (mod 1000): what came back is what was asked for."""
+        self.submitted.append(r)
         lp = self.snaps[r.snapshot] if r.snapshot is not None else -1.0
-        return GenResult(r, 0, [7, 8], [lp, lp], "", "length")
+        return GenResult(r, 0, [7, 8, (r.seed or 0) % 1000], [lp, lp, lp], "", "length")
 
     def busy(self) -> bool:
         return bool(self.batches) or bool(self.refused)
@@ -76,10 +82,18 @@ class FakeEngine:
     def dead(self) -> str:
         return self.died
 
-    def register_snapshot(self, key, adapter) -> int:
-        self._alive("register_snapshot")
-        self.snaps[key] = float((Path(adapter.path) / "w.txt").read_text())
-        return len(self.snaps)
+    def register_snapshots(self, items) -> dict[str, str]:
+        """Every adapter of `items` in one call (counted in `calls`); a folder holding "refuse" is refused."""
+        self._alive("register_snapshots")
+        self.calls.append([k for k, _ in items])
+        refused = {}
+        for key, adapter in items:
+            text = (Path(adapter.path) / "w.txt").read_text()
+            if text == "refuse":
+                refused[key] = "vLLM refused it"
+            else:
+                self.snaps[key] = float(text)
+        return refused
 
     def release_snapshot(self, key) -> None:
         self._alive("release_snapshot")
@@ -295,3 +309,38 @@ def test_a_retryable_error_is_a_server_error():
     assert BackendError("x", "server", retryable=True).retryable
     with pytest.raises(ValueError, match="retryable BackendError is a server error"):
         BackendError("x", "user", retryable=True)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_sample_of_n_is_one_engine_request_when_grouped_and_the_same_samples_either_way(make_loop, world, grouped):
+    """Grouped, an asample of 4 seeded s is one engine request of n = 4; not grouped, four requests seeded s to
+    s + 3. The answer is the same: sample i is the one of seed s + i."""
+    loop, answers = make_loop(grouped=grouped), Answers()
+    loop.put("sample", SampleCall(None, np.array([5, 6, 7]), 4, 1, seed=100), answers.done("x"))
+    res = answers.get()[1]
+    engine = world.engines[0]
+    assert [(r.n, r.seed) for r in engine.requests] == ([(4, 100)] if grouped else [(1, 100 + i) for i in range(4)])
+    assert [int(q.tokens[-1]) for q in res.sequences] == [100, 101, 102, 103]
+
+
+def test_samplers_put_together_register_in_one_engine_call_and_a_refused_one_fails_its_samples(make_loop, world,
+                                                                                                tmp_path):
+    """"register_many" is not waited for: its samplers go to the engine in one call before the sample queued
+    after them; a sampler the engine refuses fails its samples, saying why; after a restart every live sampler
+    registers again in one call."""
+    from colora.engine.adapters import AdapterDir
+
+    loop, answers = make_loop(), Answers()
+    items = [(k, AdapterDir(k, 0, str(sampler_folder(tmp_path, k, v)))) for k, v in (("s1", -0.5), ("s2", -1.5))]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "w.txt").write_text("refuse")
+    loop.put("register_many", items + [("bad", AdapterDir("bad", 0, str(tmp_path / "bad")))])
+    loop.put("sample", call("s2"), answers.done("s2"))
+    loop.put("sample", call("bad"), answers.done("bad"))
+    got = dict([answers.get(), answers.get()])
+    assert float(got["s2"].sequences[0].logprobs[0]) == -1.5
+    assert isinstance(got["bad"], BackendError) and "vLLM refused it" in got["bad"].message
+    assert world.engines[0].calls == [["s1", "s2", "bad"]]
+    world.engines[0].kill()
+    until(lambda: loop.health()["engine_restarts"] == 1, "a new engine")
+    assert world.engines[1].calls == [["s1", "s2", "bad"]] and loop.health()["samplers_loaded"] == 2

@@ -282,3 +282,121 @@ def test_a_failed_stats_write_answers_every_future_and_is_logged_once_per_burst(
         s.run_cycle()
     assert "r4" in answers and any("written again (3 rows were dropped)" in r.getMessage() for r in caplog.records)
     assert json.loads(stats.read_text())["forward"] == [["A", 4, 1, False]]
+
+
+# -- the levers: a save in its step's cycle, cycles that gather models about to train ---------------------
+def _step(s, model: str, first: int, rid: str) -> None:
+    """A client's step as the SDK sends it: forward_backward, optim_step and the sampler's save at once."""
+    s.submit(model, fwd(f"{rid}f", model, first))
+    s.submit(model, optim_work(f"{rid}o", model, first + 1, AdamParams()))
+    s.submit(model, barrier_work(f"{rid}s", model, first + 2, "snapshot", lambda b: {"saved": model}))
+
+
+@pytest.mark.parametrize("save_in_step", [False, True])
+def test_a_save_after_an_optim_step_rides_in_its_cycle_with_the_lever(tmp_path, save_in_step):
+    """Off, the save waits for the next cycle (where another model's training would come first); on, it runs
+    in the step's cycle, after the step, and nothing after it joins."""
+    answers = {}
+    s = Scheduler(Recorder(), lambda rid, o: answers.__setitem__(rid, o), tmp_path / "stats.jsonl",
+                  save_in_step=save_in_step)
+    s.add_model("A")
+    _step(s, "A", 1, "a")
+    s.submit("A", fwd("a2", "A", 4))
+    s.run_cycle()
+    rows = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
+    assert rows[0]["optim"] == [["A", 2]]
+    assert rows[0]["barriers"] == ([["A", 3, "snapshot"]] if save_in_step else [])
+    assert ("as" in answers) == save_in_step and "a2" not in answers
+    s.run_cycle()
+    assert answers["as"].result == {"saved": "A"} and ("a2" in answers) == save_in_step
+
+
+def _threaded(tmp_path, train_s: float, **levers):
+    """A scheduler on its own thread over a backend whose cycle takes `train_s`; its answers, and an event per
+    answer."""
+
+    class Slow(Recorder):
+        def train_cycle(self, forward, optim):
+            threading.Event().wait(train_s)
+            return super().train_cycle(forward, optim)
+
+    answers, arrived = {}, threading.Condition()
+
+    def done(rid, o):
+        with arrived:
+            answers[rid] = o
+            arrived.notify_all()
+
+    s = Scheduler(Slow(), done, tmp_path / "stats.jsonl", **levers)
+    s.answers = answers
+
+    def wait(rid):
+        with arrived:
+            assert arrived.wait_for(lambda: rid in answers, timeout=WAIT_S), f"never answered: {rid}"
+
+    s.wait = wait
+    s.start()
+    return s
+
+
+WAIT_S = 60.0  # a bound on a hang, not a speed
+
+
+def test_with_gather_a_cycle_waits_for_a_model_whose_samples_decode_and_both_train_in_it(tmp_path):
+    """A's step is ready while B's samples decode: the cycle holds (bounded by gather x the last training
+    cycle, here 120 x 0.25 s, far more than the test takes) until B's step comes, and both train in one pass
+    of the backend and one optimizer pass. Off, A's step is answered before B's comes."""
+    for gather in (0.0, 120.0):
+        s = _threaded(tmp_path / str(gather), 0.25, gather=gather, gather_groups=1, save_in_step=True)
+        (tmp_path / str(gather)).mkdir(exist_ok=True)
+        try:
+            for m in ("A", "B"):
+                s.add_model(m)
+            _step(s, "A", 1, "a0")  # a first cycle: the last training cycle's seconds
+            s.wait("a0s")
+            s.sampling("B", 1)  # B's samples decode
+            _step(s, "A", 4, "a1")
+            if gather:
+                threading.Event().wait(0.3)  # A's step waits meanwhile: nothing of it is answered
+                assert "a1f" not in s.answers
+            else:
+                s.wait("a1s")  # A's step trains alone while B's samples decode
+            s.sampling("B", -1)
+            _step(s, "B", 1, "b1")
+            s.wait("a1s")
+            s.wait("b1s")
+        finally:
+            s.stop()
+        cycles_ = [e for e in s.backend.log if e[0] == "cycle"]
+        shared = [c for c in cycles_ if {m for m, _ in c[1]} == {"A", "B"}]
+        if gather:
+            assert shared == [("cycle", [("A", 4), ("B", 1)], [("A", 5), ("B", 2)])] or \
+                shared == [("cycle", [("B", 1), ("A", 4)], [("B", 2), ("A", 5)])], cycles_
+            assert s.stats()["held_cycles"] >= 1
+        else:
+            assert shared == [] and s.stats()["held_cycles"] == 0, cycles_
+
+
+def test_gather_does_not_wait_for_models_that_are_not_about_to_train_or_beyond_its_share(tmp_path):
+    """Nobody else sampling: A's cycle runs at once. Four models, two groups, C and D sampling: A's step waits
+    for B's (two of four make a group's share), and the two run without C and D."""
+    s = _threaded(tmp_path, 0.05, gather=1e4, gather_groups=2, save_in_step=True)
+    try:
+        for m in "ABCD":
+            s.add_model(m)
+        _step(s, "A", 1, "a0")
+        s.wait("a0s")
+        _step(s, "A", 4, "a1")  # B, C, D idle: nothing to wait for
+        s.wait("a1s")
+        s.sampling("C", 1)
+        s.sampling("D", 1)
+        _step(s, "A", 7, "a2")
+        _step(s, "B", 1, "b2")
+        s.wait("a2s")
+        s.wait("b2s")
+    finally:
+        s.stop()
+    # A waited for B (one more made a group's share, two of four) and not for C and D: far below the bound
+    assert s.stats()["held_seconds"] < 30
+    assert ("cycle", [("A", 7), ("B", 1)], [("A", 8), ("B", 2)]) in s.backend.log or \
+        ("cycle", [("B", 1), ("A", 7)], [("B", 2), ("A", 8)]) in s.backend.log, s.backend.log

@@ -6,9 +6,12 @@ of its own (colora/service/client_run.py).
 
 A grpo job's step k, strictly on-policy:
 1. the step's items and requests as a native run makes them (colora/corun/rollouts.py `step_requests`: the
-   same prompts, each request's own seed and, where the workload draws lengths, its length), each request one
-   `sample` of the sampler saved after the job's last optim_step (step 0: the fresh adapter's): `stop=[]`
-   (EOS ignored) and max_tokens = the drawn length where lengths are drawn, else EOS and max_new_tokens;
+   same prompts and, where the workload draws lengths, each request's length), sampled from the sampler saved
+   after the job's last optim_step (step 0: the fresh adapter's): `stop=[]` (EOS ignored) and max_tokens =
+   the drawn length where lengths are drawn, else EOS and max_new_tokens. A prompt's requests that share
+   their length go as one `sample` of as many samples (`groups`: all of them for natural or fixed lengths;
+   with lengths drawn per request, lognormal, those that drew the same length), seeded with the first one's
+   seed: the server draws sample i with that seed + i (colora/engine/sampling.py), one engine request;
 2. rewards and group-relative advantages by the job's task (`score`), the job's normalisation weight w_i of
    each sequence (grpo.sequence_token_weight);
 3. forward_backward with `importance_sampling`: a datum per sequence, advantages w_i*A_i on the completion's
@@ -22,9 +25,8 @@ settings and clip, sampling from the current adapter only. What differs (the API
 - the ratio: importance_sampling weighs each token by r = exp(logp - q), q the sampler's log-prob, where a
   native step uses the trainer's own (r = 1): r departs from 1 by the engine-trainer gap each row records
   (`logprob_gap`, as a native row does);
-- seeds: the server draws a request's sample from derive_seed(its seed, "sample", 0) (colora/engine/sampling.py),
-  a function of the native request's seed but not that seed: samples differ from a native run's, rewards
-  compare in distribution;
+- seeds: a group's sample i is drawn with the first request's seed + i where the native run draws it with its
+  own request's seed: samples differ from a native run's, rewards compare in distribution;
 - the adapter's initial draw: the server's, from the seed the client sends (the native run's derivation) and
   the model's id, so it differs from a native run's;
 - the trainer scores every position of a Tinker datum, a native step the completion's only.
@@ -131,6 +133,16 @@ def sampling_params(r: GenRequest):
                                 stop=[] if r.ignore_eos else None)
 
 
+def groups(reqs: list[GenRequest]) -> list[list[GenRequest]]:
+    """The requests that go as one `sample` each: those of one prompt (their tag's first part) that share
+    their sampling (length, EOS, temperature, top_p), in their order; a group's first request's seed seeds it."""
+    out: dict[tuple, list[GenRequest]] = {}
+    for r in reqs:
+        key = (r.tag[0], r.prompt_ids, r.max_tokens, r.min_tokens, r.ignore_eos, r.temperature, r.top_p)
+        out.setdefault(key, []).append(r)
+    return list(out.values())
+
+
 def adam_params(job: JobConfig):
     from tinker import types
 
@@ -181,19 +193,24 @@ class JobClient:
                 "end": time.time()}
 
     def _sample(self, reqs: list[GenRequest]) -> list[GenResult]:
-        """Every request of the step at once, each a sample of the current sampler; texts decoded as the engine's."""
+        """Every request of the step at once, a `sample` of the current sampler per group (`groups`); each result
+        under its native request (its tag scores it); texts decoded as the engine's."""
         from tinker import types
 
-        futures = [self.sampler.sample(types.ModelInput.from_ints(list(r.prompt_ids)), 1, sampling_params(r))
-                   for r in reqs]
+        batches = groups(reqs)
+        futures = [self.sampler.sample(types.ModelInput.from_ints(list(g[0].prompt_ids)), len(g), sampling_params(g[0]))
+                   for g in batches]
         out = []
-        for r, f in zip(reqs, futures):
-            seq = f.result().sequences[0]
-            lps = seq.logprobs
-            if lps is None or len(lps) != len(seq.tokens):
-                raise JobFailure(self.job.name, "the server's samples carry no log-probs, which importance_sampling "
-                                                "needs (colora serve: --engine logprobs=true)")
-            out.append(GenResult(r, self.step, list(seq.tokens), list(lps), "", seq.stop_reason))
+        for g, f in zip(batches, futures):
+            seqs = f.result().sequences
+            if len(seqs) != len(g):
+                raise JobFailure(self.job.name, f"the server answered {len(seqs)} samples for {len(g)}")
+            for r, seq in zip(g, seqs):
+                lps = seq.logprobs
+                if lps is None or len(lps) != len(seq.tokens):
+                    raise JobFailure(self.job.name, "the server's samples carry no log-probs, which "
+                                                    "importance_sampling needs (colora serve: --engine logprobs=true)")
+                out.append(GenResult(r, self.step, list(seq.tokens), list(lps), "", seq.stop_reason))
         texts = self.tok.batch_decode([g.completion_ids for g in out], skip_special_tokens=True)
         for g, t in zip(out, texts):
             g.text = t

@@ -10,10 +10,16 @@ different phases of their loops therefore overlap the way colora's phase-offset 
 tenant's samples decode while another tenant's step trains. On a GPU both are MPS clients of colora's
 own daemon (the trainer in this process, the engine in its client's process, `runtime.engine_process`).
 
-A sampler (`save_for_sampler`, `load_sampler`) is a PEFT directory of the backend's own, OUT/samplers/<key>
-(the engine's dtype, its scale folded into B), registered in the engine under a LoRA name and id of its
-own: later optim_steps never touch it, and vLLM's LRU of adapter slots evicts it and reloads it from
-that folder as clients use it (colora/engine/rollout.py `register_snapshot`). A named sampler save
+A sampler (`save_for_sampler`, `load_sampler`) holds weights of the backend's own, in the engine's dtype
+with the scale folded into B, registered in the engine under a LoRA name and id of its own: later
+optim_steps never touch them. With the `samplers` lever at "memory" (colora/service/levers.py) the
+unnamed save of a model's adapter (`save_weights_and_get_sampling_client`, every RL step) is frozen into a
+shared-memory segment of its own (colora/service/frozen.py) that vLLM's worker builds the adapter from,
+the native run's in-memory path; the trainer's thread only copies the adapter there, and the samplers
+saved before the next sample go to the engine in one call (`_flush`, on the engine's thread). Otherwise
+(the lever at "disk", a named save, `load_sampler`, /dev/shm full, `memory_samplers` held already) it is
+a PEFT directory, OUT/samplers/<key>, which vLLM's LRU of adapter slots evicts and reloads as clients use
+it (colora/engine/rollout.py `register_snapshots`). A named sampler save
 writes the checkpoint's folder too, and `load_sampler` of a checkpoint makes the sampler's own folder
 of the checkpoint's files: hard links where the file system allows (no bytes copied), else copies.
 Never the checkpoint's folder itself: a tenant's delete or overwrite of the checkpoint (the store
@@ -21,6 +27,8 @@ removes the folder or puts a new one in its place, and never rewrites a file) th
 made from it as it was, where vLLM would fail to reload a deleted adapter inside an engine step, and
 would load an overwritten one's new weights after an eviction. OUT/samplers is swept when a backend
 starts (what a killed server left) and emptied when it closes; the backend holds OUT's lock meanwhile.
+Segments go with their samplers and their folder when the backend closes; a killed server's folder goes at
+the next colora's start (colora/run/preflight.py `remove_stale_adapter_sync`, also called here).
 
 The engine comes back when its processes die (colora/service/engine_loop.py): the samples in flight
 fail with a retryable error, every live sampler is registered in the new engine, and `health` says
@@ -42,11 +50,12 @@ import numpy as np
 import torch
 
 from colora.config import EngineConfig, OverlapConfig, TrainerConfig
+from colora.engine.adapters import AdapterDir, ShmFull
 from colora.engine.process import RemoteEngine
 from colora.engine.rollout import RolloutEngine, engine_process
 from colora.engine.vllm_args import vllm_lora_rank
 from colora.models.base import load_base_model, load_tokenizer
-from colora.run.preflight import RunError, start_mps_for
+from colora.run.preflight import RunError, remove_stale_adapter_sync, start_mps_for
 from colora.run.rundir import LOCK, holder, holding
 from colora.run.watcher import watch_this_process
 from colora.service.backend import (
@@ -61,6 +70,8 @@ from colora.service.backend import (
     SampleResult,
 )
 from colora.service.engine_loop import EngineLoop
+from colora.service.frozen import FrozenAdapters
+from colora.service.levers import Levers
 from colora.training import adamw, losses
 from colora.training.batches import Datum
 from colora.training.fusion import fuse_elementwise, should_fuse
@@ -75,11 +86,14 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 class CorunBackend(Backend):
     """model_dir: the base model (a Hugging Face directory, also the name clients load the tokenizer
     by); engine, trainer: their config sections (colora/config.py); max_loras: the engine's adapter
-    slots; device "auto" | "cpu" | "cuda"; out: the server's folder, whose samplers/ this backend owns."""
+    slots; device "auto" | "cpu" | "cuda"; out: the server's folder, whose samplers/ this backend owns;
+    levers: colora/service/levers.py (the scheduler reads `gather` and `save_in_step` from `self.levers`)."""
 
     def __init__(self, model_dir: str | Path, out: Path, *, engine: EngineConfig, trainer: TrainerConfig,
                  max_lora_rank: int = 64, max_loras: int = 8, device: str = "auto", seed: int = 0,
-                 overlap: OverlapConfig | None = None, log: Callable[[str], None] = print):
+                 overlap: OverlapConfig | None = None, log: Callable[[str], None] = print,
+                 levers: Levers | None = None):
+        self.levers = levers or Levers()
         self.model_dir = Path(model_dir)
         self.out = Path(out)
         self.seed = seed
@@ -91,6 +105,9 @@ class CorunBackend(Backend):
         self._stack = contextlib.ExitStack()
         self._closing = threading.Lock()
         self._samplers = itertools.count()
+        self._pending: list[tuple[str, object]] = []  # samplers saved and not yet handed to the engine's thread
+        self._pending_lock = threading.Lock()
+        self.frozen: FrozenAdapters | None = None  # the samplers in memory, with the `samplers` lever at "memory"
         try:
             watch_this_process()  # the engine's processes and MPS go with this process however it ends
             self._own_samplers_dir()
@@ -98,13 +115,26 @@ class CorunBackend(Backend):
                 start_mps_for(overlap or OverlapConfig(), "overlap_mps", self.device, self._stack, log, None)
             remote = engine_process("auto", "overlap_mps")  # the engine's client beside the trainer's thread
             Engine = RemoteEngine if remote else RolloutEngine
+            memory = self.levers.samplers == "memory"
+            # the samplers held in memory are pinned in vLLM's CPU cache of adapters: room for them beside
+            # the 2 * max_loras that vLLM keeps for adapters loaded from disk (colora/engine/vllm_args.py)
+            self.memory_samplers = (self.levers.memory_samplers or 2 * max(1, max_loras)) if memory else 0
+            extra = {"max_cpu_loras": max(2, 2 * max_loras) + self.memory_samplers} if memory else None
 
             def start_engine():  # the first engine, and each one that replaces a dead one
                 return Engine(str(self.model_dir), engine, max_loras=max_loras, max_lora_rank=self.max_lora_rank,
-                              dtype=self.dtype, seed=seed, device=self.device, adapter_sync="disk")
+                              dtype=self.dtype, seed=seed, device=self.device,
+                              adapter_sync="auto" if memory else "disk", engine_args=extra)
 
-            self.loop = EngineLoop(start_engine, log)
+            self._stack.callback(lambda: self.frozen and self.frozen.close())  # once the engine has closed
+            self.loop = EngineLoop(start_engine, log, grouped=self.levers.grouped_requests)
             self._stack.callback(self.loop.close)
+            if memory and self.loop.engine.adapter_sync == "memory":
+                for d in remove_stale_adapter_sync():
+                    log(f"removed {d}, adapters in shared memory that a killed colora left")
+                self.frozen = FrozenAdapters(str(self.model_dir), getattr(torch, self.dtype))
+            elif memory:
+                log(f"samplers go by disk: {self.loop.engine.adapter_sync_note}")
             self.tokenizer = load_tokenizer(self.model_dir)
             model = load_base_model(self.model_dir, getattr(torch, self.dtype), self.device)
             if should_fuse(trainer.fuse_elementwise, self.device):
@@ -215,19 +245,40 @@ class CorunBackend(Backend):
             raise BackendError(str(e), "user") from None
 
     def save_for_sampler(self, model_id: str, directory: Path | None):
-        """The model's adapter now, in the sampler's own folder (and, named, in `directory` too: the
-        same files, hard links where the file system allows)."""
+        """The model's adapter now, frozen in memory or in the sampler's own folder (module docstring; named,
+        in `directory` too: the same files, hard links where the file system allows)."""
         key = self._new_sampler()
+        if directory is None and self.frozen is not None and self.frozen.held() < self.memory_samplers:
+            try:
+                adapter = self.frozen.freeze(self.bank, model_id, key)
+            except ShmFull as e:
+                self.log(f"sampler {key} goes by disk: {e}")
+            else:
+                with self._pending_lock:
+                    self._pending.append((key, adapter))
+                return key
         own = self.samplers_dir / key
         try:
             self.bank.export_peft(model_id, own, str(self.model_dir), getattr(torch, self.dtype), fold_scale=True)
             if directory is not None:
                 _link_or_copy(own, Path(directory))
-            self.loop.call("register", key, own)
+            if self.frozen is not None:  # registered with the others, when a sample needs it
+                with self._pending_lock:
+                    self._pending.append((key, AdapterDir(key, 0, str(own))))
+            else:
+                self.loop.call("register", key, own)
         except BaseException:
             shutil.rmtree(own, ignore_errors=True)
             raise
         return key
+
+    def _flush(self) -> None:
+        """The samplers saved since the last flush to the engine's thread, as one registration, ahead of
+        whatever is put after it (a sample of one of them)."""
+        with self._pending_lock:
+            if self._pending:
+                self.loop.put("register_many", self._pending)
+                self._pending = []
 
     # -- the sampling side (any thread) ----------------------------------------------------------
     def load_sampler(self, directory: Path):
@@ -258,13 +309,27 @@ class CorunBackend(Backend):
         if ref is None:
             return
         own = self.samplers_dir / ref
-        self.loop.put("release", ref, lambda: shutil.rmtree(own, ignore_errors=True))
+
+        def free() -> None:
+            shutil.rmtree(own, ignore_errors=True)
+            if self.frozen is not None:
+                self.frozen.free(ref)
+
+        with self._pending_lock:
+            pending = next((i for i, (k, _) in enumerate(self._pending) if k == ref), None)
+            if pending is None:  # under the lock: after the flush that took it, in the queue's order
+                self.loop.put("release", ref, free)
+                return
+            del self._pending[pending]
+        free()  # never handed to the engine
 
     def held(self) -> dict[str, list[str]]:
         """What this backend holds now: the models' adapters in the trainer, the samplers in the engine."""
+        self._flush()
         return {"models": sorted(self.bank.jobs), "samplers": self.loop.call("snapshots")}
 
     def sample(self, call: SampleCall, done: Callable[[SampleResult | BackendError], None]) -> None:
+        self._flush()
         self.loop.put("sample", call, done)
 
     def close(self) -> None:

@@ -2,10 +2,15 @@
 of the engine, and what brings the engine back when its processes die.
 
 Work arrives through `put` from any thread: ("sample", SampleCall, done), ("register", key, folder,
-reply), ("release", key, then), ("snapshots", reply). A sample's requests join the running batch at
-once; `done` is called when its last sequence finishes. A release is not waited for (it may come from a
-sample's `done`, on this thread); `then` runs after it. A sampler's folder is the backend's own and
-never changes (corun.py), so vLLM may evict and reload it whenever its LRU likes.
+reply), ("register_many", [(key, adapter), ...]), ("release", key, then), ("snapshots", reply). A sample's
+requests join the running batch at once (`grouped`: a sample of n sequences is one engine request of n,
+else n requests; the same samples either way, colora/engine/sampling.py); `done` is called when its last
+sequence finishes. A release is not waited for (it may come from a sample's `done`, on this thread);
+`then` runs after it. A sampler's weights are the backend's own and never change (corun.py): a folder
+that vLLM may evict and reload whenever its LRU likes, or a shared-memory segment that vLLM's worker
+built the adapter from (pinned in vLLM's cache). "register_many" is not waited for either: its samplers
+register in one call into the engine, before any sample that comes after it in the queue; one that the
+engine refuses is kept as refused, and its samples fail saying why.
 
 Each failure is its own:
 - a sample the engine refuses (a sampling setting vLLM does not take: `BatchRefused` from the engine's
@@ -38,7 +43,7 @@ from typing import Callable
 
 import numpy as np
 
-from colora.engine.adapters import AdapterDir
+from colora.engine.adapters import Adapter, AdapterDir
 from colora.engine.process import BatchRefused
 from colora.engine.sampling import GenRequest, samples
 from colora.service.backend import BackendError, SampleCall, SampledSequence, SampleResult
@@ -53,14 +58,16 @@ RESTART_JOIN_S = 600.0  # the longest close() waits for an engine start under wa
 
 class EngineLoop:
     """factory: starts an engine (RolloutEngine or RemoteEngine, or anything with their submit, poll,
-    busy, dead, register_snapshot, release_snapshot, snapshots and close); the first is started here, on
-    the caller's thread, so that a server whose engine cannot start does not start. log: one line a call."""
+    busy, dead, register_snapshots, release_snapshot, snapshots and close); the first is started here, on
+    the caller's thread, so that a server whose engine cannot start does not start. log: one line a call.
+    grouped: a sample of n sequences goes to the engine as one request of n (module docstring)."""
 
     def __init__(self, factory: Callable[[], object], log: Callable[[str], None], *, max_waiting: int = MAX_WAITING,
                  backoff_s: float = RESTART_BACKOFF_S, backoff_max_s: float = RESTART_BACKOFF_MAX_S,
-                 degraded_after: int = DEGRADED_AFTER):
+                 degraded_after: int = DEGRADED_AFTER, grouped: bool = False):
         self.factory = factory
         self.log = log
+        self.grouped = grouped
         self.max_waiting = max_waiting
         self.backoff_s, self.backoff_max_s, self.degraded_after = backoff_s, backoff_max_s, degraded_after
         self.engine = factory()  # None while a new one starts
@@ -71,8 +78,8 @@ class EngineLoop:
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._ids = itertools.count()
-        self._samplers: dict[str, Path] = {}  # live sampler key -> its folder (registered again in a new engine)
-        self._lost: dict[str, str] = {}  # sampler key -> why the new engine refused it
+        self._samplers: dict[str, Adapter] = {}  # live sampler key -> its weights (registered again in a new engine)
+        self._lost: dict[str, str] = {}  # sampler key -> why the engine refused it
         self._inflight: dict[int, tuple[SampleCall, Callable]] = {}
         self._requests = 0  # engine requests (sequences) of the samples in flight
         self._waiting: deque = deque()  # (call, done) of samples that wait for a new engine
@@ -149,6 +156,8 @@ class EngineLoop:
                 _answer(self._waiting.popleft()[1], lambda: err)
         elif op == "sample":
             self._sample(*item[1:])
+        elif op == "register_many":
+            self._register_many(item[1])
         elif op == "release":
             _, key, then = item
             self._samplers.pop(key, None)
@@ -173,8 +182,8 @@ class EngineLoop:
 
     def _sample(self, call: SampleCall, done: Callable) -> None:
         if call.sampler in self._lost:
-            err = BackendError(f"sampler {call.sampler}: the restarted engine refused its weights: "
-                               f"{self._lost[call.sampler]}", "server")
+            err = BackendError(f"sampler {call.sampler}: the engine refused its weights: {self._lost[call.sampler]}",
+                               "server")
             _answer(done, lambda: err)
         elif self.engine is not None:
             self._submit(call, done)
@@ -192,7 +201,7 @@ class EngineLoop:
     def _submit(self, call: SampleCall, done: Callable) -> None:
         key = next(self._ids)
         try:
-            self.engine.submit(key, samples(_request(call), call.num_samples))
+            self.engine.submit(key, samples(_request(call), call.num_samples, self.grouped))
         except Exception as e:  # noqa: BLE001  (this sample's failure alone: an unknown sampler, say)
             why = self.engine.dead()
             if why:  # not the sample's fault: it runs on the next engine
@@ -207,11 +216,12 @@ class EngineLoop:
 
     def _register(self, key: str, folder: Path, box: dict) -> None:
         """A sampler from its folder: registered in the engine now, or in the next one while it starts."""
-        self._samplers[key] = Path(folder)
+        adapter = AdapterDir(key, 0, str(folder))
+        self._samplers[key] = adapter
         if self.engine is None:
             return
         try:
-            box["value"] = self.engine.register_snapshot(key, AdapterDir(key, 0, str(folder)))
+            refused = self.engine.register_snapshots([(key, adapter)])
         except Exception:
             why = self.engine.dead()
             if why:  # the next engine registers it
@@ -219,6 +229,29 @@ class EngineLoop:
                 return
             del self._samplers[key]
             raise
+        if refused:
+            del self._samplers[key]
+            raise RuntimeError(refused[key])
+
+    def _register_many(self, items: list[tuple[str, Adapter]]) -> None:
+        """Samplers registered in the engine in one call (or in the next one while it starts); one the engine
+        refuses is kept as refused."""
+        for key, adapter in items:
+            self._samplers[key] = adapter
+            self._lost.pop(key, None)
+        if self.engine is None:
+            return
+        try:
+            refused = self.engine.register_snapshots(items)
+        except Exception as e:  # noqa: BLE001  (nobody waits for it: its samples hear of it)
+            why = self.engine.dead()
+            if why:  # the next engine registers them
+                self._died(why)
+                return
+            refused = {key: f"{type(e).__name__}: {e}" for key, _ in items}
+        for key, why in refused.items():
+            self._lost[key] = why
+            self.log(f"the engine refused sampler {key}: {why}")
 
     def _engine_call(self, fn: Callable, what: str) -> None:
         """fn() on the live engine; its death is handled, any other failure said (nobody waits for it)."""
@@ -301,15 +334,17 @@ class EngineLoop:
             self._submit(*self._waiting.popleft())
 
     def _register_all(self, engine) -> dict[str, str]:
-        """Every live sampler into a new engine; those it refuses are kept as lost (their samples fail)."""
+        """Every live sampler into a new engine, in one call; those it refuses are kept as lost (their samples
+        fail)."""
         self._lost.clear()
-        for key, folder in self._samplers.items():
+        if self._samplers:
+            items = list(self._samplers.items())
             try:
-                engine.register_snapshot(key, AdapterDir(key, 0, str(folder)))
+                self._lost.update(engine.register_snapshots(items))
             except Exception as e:
                 if engine.dead():
                     raise
-                self._lost[key] = f"{type(e).__name__}: {e}"
+                self._lost.update({key: f"{type(e).__name__}: {e}" for key, _ in items})
         return dict(self._lost)
 
     # -- answers ----------------------------------------------------------------------------------

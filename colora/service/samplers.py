@@ -34,8 +34,8 @@ GONE_KEPT = 4096  # released samplers whose 404 still says why
 
 class SamplerOps:
     """The sampling half of `Service` (colora/service/service.py), whose state it uses: `samplers`,
-    `_gone`, `_sampling`, `sessions`, `_lock`, `cfg`, `caps`, `backend`, `usage`, `records`, `_future`,
-    `_answer`."""
+    `_gone`, `_sampling`, `sessions`, `_lock`, `cfg`, `caps`, `backend`, `usage`, `records`, `scheduler`,
+    `_future`, `_answer`."""
 
     def _sampler(self, tenant: str, sampler_id: str) -> Sampler:
         s = self.samplers.get(sampler_id)
@@ -149,6 +149,8 @@ class SamplerOps:
                     x.seen = dict(list(x.seen.items())[-SEEN_KEPT:])
             x.inflight += 1  # from here on, whatever raises, `done` answers the future and lets x go
             self._sampling[tenant] += 1
+        if x.model_id is not None:  # the model is about to train (the scheduler's `gather`)
+            self.scheduler.sampling(x.model_id, 1)
         answered, recording = [], []  # recording: the sample's prompt, when it is recorded
 
         def done(result) -> None:  # once, whoever calls it (the backend, or a failure below)
@@ -166,6 +168,8 @@ class SamplerOps:
             with self._lock:
                 x.inflight -= 1
                 self._sampling[tenant] -= 1
+            if x.model_id is not None:
+                self.scheduler.sampling(x.model_id, -1)
             self._maybe_release(x)
 
         seed_parts = (x.id, body.seq_id if body.seq_id is not None else rid)

@@ -12,6 +12,17 @@ scheduler (invalid content) still takes its seq_id slot: it is answered with its
 the model goes on. Control operations (create, delete, load into a new model) run on the same thread
 at the start of a cycle, so the backend's training side is only ever touched from this thread.
 
+With `save_in_step` a model's saves and loads right after its optim_step ride in the step's cycle, after
+it (a client's save_weights_and_get_sampling_client then waits for no other model's next training). With
+`gather` (colora/service/levers.py; both read from the backend's `levers` where it has them) a cycle that
+has training work waits, at most `gather` times the last training cycle's seconds, while models that are
+about to train have not sent their work yet, until it holds 1/`gather_groups` of the models that are
+active: those ready and those about to train. A model is about to train while one of its samplers' samples
+decodes, and for that bound after its last one finished, until its training work comes (`sampling`, which
+the service calls). Models that trained together get their next samplers together, sample together and
+come back together: the cycles settle into `gather_groups` groups that alternate, one training while the
+others' samples decode, as the native run's phase-offset groups (colora/corun/grouping.py).
+
 Fairness: a model's share of one cycle is bounded (`cycle_datums`, `cycle_tokens` of forward calls; its
 first ready call always runs, however large). What is left waits for the next cycle, where every model
 again takes its share, the first model taken turning round from cycle to cycle. A tenant that
@@ -22,13 +33,15 @@ tenant) may hold (`Backlog`, which the service answers 429).
 
 Each cycle that did work is one line of `stats.jsonl` (written after its futures are answered, so a
 full disk never leaves a request unanswered): which models, which (model, seq_id) forward calls with
-how many datums, which optim_steps; `stats()` sums them (cycles, models per cycle, ...).
+how many datums, which optim_steps, the seconds the cycle waited for models about to train (`held`);
+`stats()` sums them (cycles, models per cycle, ...).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -109,12 +122,21 @@ class Scheduler:
 
     def __init__(self, backend: Backend, done: Done, stats_path: Path | None = None, batch_window_s: float = 0.0,
                  cycle_datums: int = 1 << 62, cycle_tokens: int = 1 << 62,
-                 observe: Callable[[list[tuple[Work, Outcome]]], None] | None = None):
+                 observe: Callable[[list[tuple[Work, Outcome]]], None] | None = None,
+                 save_in_step: bool | None = None, gather: float | None = None, gather_groups: int | None = None):
         self.backend = backend
         self._done = done
         self._stats_path = stats_path
         self._window = batch_window_s
         self._share = (cycle_datums, cycle_tokens)
+        levers = getattr(backend, "levers", None)  # None: the module docstring's levers off
+        self._save_in_step = bool(getattr(levers, "save_in_step", False) if save_in_step is None else save_in_step)
+        self._gather = float(getattr(levers, "gather", 0.0) if gather is None else gather)
+        self._groups = int(getattr(levers, "gather_groups", 1) if gather_groups is None else gather_groups)
+        self._sampling: dict[str, int] = {}  # model -> its samplers' samples decoding
+        self._sampled_at: dict[str, float] = {}  # model -> when its last sample finished (monotonic)
+        self._trained_at: dict[str, float] = {}  # model -> when its training work last went into a cycle
+        self._last_train_s = 0.0  # the last cycle with forward or optimizer work: its seconds
         self._observe = observe  # called on the trainer thread with each cycle's (work, outcome) pairs
         self._models: dict[str, _Queue] = {}
         self._owner_bytes: dict[str, int] = {}
@@ -127,7 +149,7 @@ class Scheduler:
         self._totals = {"cycles": 0, "forward_calls": 0, "forward_datums": 0, "optim_steps": 0, "barriers": 0,
                         "max_models_per_cycle": 0, "multi_model_cycles": 0, "max_forward_calls_per_cycle": 0,
                         "max_optim_steps_per_pass": 0, "multi_model_optim_passes": 0, "cycle_seconds_sum": 0.0,
-                        "last_cycle_seconds": 0.0, "cycle_models_sum": 0}
+                        "last_cycle_seconds": 0.0, "cycle_models_sum": 0, "held_cycles": 0, "held_seconds": 0.0}
 
     # -- submission (any thread) -------------------------------------------------------------------
     def add_model(self, model_id: str, next_seq: int = 1, owner: str = "") -> None:
@@ -142,6 +164,8 @@ class Scheduler:
         """Forgets the model; its requests still waiting are answered with `reason`."""
         with self._cond:
             q = self._models.pop(model_id, None)
+            for d in (self._sampling, self._sampled_at, self._trained_at):
+                d.pop(model_id, None)
             for w in (q.pending.values() if q else ()):
                 self._owner_bytes[q.owner] -= w.nbytes
         for w in (q.pending.values() if q else ()):
@@ -181,6 +205,20 @@ class Scheduler:
             self._cond.notify()
             return work.request_id, True
 
+    def sampling(self, model_id: str, delta: int) -> None:
+        """One of the model's samples starts decoding (+1) or finishes (-1): `gather`'s view of which
+        models are about to train (module docstring)."""
+        with self._cond:
+            if model_id not in self._models:  # removed meanwhile (or never a model's)
+                return
+            n = self._sampling.get(model_id, 0) + delta
+            if n > 0:
+                self._sampling[model_id] = n
+            else:
+                self._sampling.pop(model_id, None)
+                self._sampled_at[model_id] = time.monotonic()
+                self._cond.notify()
+
     def pending(self, owner: str) -> tuple[int, int]:
         """(requests, bytes) of `owner`'s models accepted and not yet run."""
         with self._cond:
@@ -219,13 +257,34 @@ class Scheduler:
                 return
             if self._window:
                 time.sleep(self._window)  # let requests sent together (two clients, a call's chunks) share the cycle
+            held = self._hold() if self._gather else 0.0
             try:
-                self.run_cycle()
+                self.run_cycle(held)
             except Exception:  # the thread must outlive any one cycle's bug; the cycle answered what it could
                 log.exception("trainer cycle failed")
 
-    def run_cycle(self) -> bool:
-        """One cycle (module docstring). Returns whether it did anything."""
+    def _hold(self) -> float:
+        """`gather`'s wait before a cycle (module docstring): the seconds it waited."""
+        t0 = time.monotonic()
+        bound = self._gather * self._last_train_s
+        with self._cond:
+            while not self._stopped and not self._control:
+                now = time.monotonic()
+                ready = {m for m, q in self._models.items() if q.next_seq in q.pending
+                         and q.pending[q.next_seq].kind in ("forward", "optim")}
+                soon = {m for m in self._models if m not in ready and (
+                    m in self._sampling or self._trained_at.get(m, -math.inf) < self._sampled_at.get(m, -math.inf)
+                    > now - bound)}
+                if not ready or not soon or len(ready) >= math.ceil((len(ready) + len(soon)) / self._groups):
+                    break
+                if now - t0 >= bound:
+                    break
+                self._cond.wait(bound - (now - t0))
+        return time.monotonic() - t0
+
+    def run_cycle(self, held: float = 0.0) -> bool:
+        """One cycle (module docstring), `held` the seconds it waited for models about to train. Returns
+        whether it did anything."""
         control = self._run_control()
         forward, optim, barriers, failed = self._take()
         for w in failed:
@@ -234,6 +293,8 @@ class Scheduler:
             return bool(control or failed)
         t0 = time.perf_counter()
         fwd_out, opt_out = self._train(forward, optim)
+        if forward or optim:
+            self._last_train_s = time.perf_counter() - t0
         results = list(zip(forward, fwd_out)) + list(zip(optim, opt_out))
         for w in barriers:
             results.append((w, _call(lambda: w.payload(self.backend))))
@@ -245,7 +306,7 @@ class Scheduler:
                 self._observe(results)
             except Exception:
                 log.exception("counting a cycle's results failed")
-        self._record(forward, optim, barriers, seconds)
+        self._record(forward, optim, barriers, seconds, held)
         return True
 
     def _run_control(self) -> list:
@@ -262,13 +323,15 @@ class Scheduler:
         barrier, out of the queues."""
         forward, optim, barriers, failed = [], [], [], []
         with self._cond:
-            queues = list(self._models.values())
+            queues = list(self._models.items())
             if queues:
                 first = self._turn % len(queues)
                 queues = queues[first:] + queues[:first]
                 self._turn = first + 1
-            for q in queues:
+            now = time.monotonic()
+            for model_id, q in queues:
                 datums = tokens = 0
+                trains = False
                 while q.next_seq in q.pending:
                     w = q.pending[q.next_seq]
                     d, t = w.size()
@@ -282,9 +345,22 @@ class Scheduler:
                         failed.append(w)
                     elif w.kind == "forward":
                         forward.append(w)
-                    else:
-                        (optim if w.kind == "optim" else barriers).append(w)
+                        trains = True
+                    elif w.kind == "barrier":
+                        barriers.append(w)
                         break
+                    else:
+                        optim.append(w)
+                        trains = True
+                        if self._save_in_step:  # its saves and loads after it, in this cycle after the step
+                            while q.next_seq in q.pending and q.pending[q.next_seq].kind == "barrier":
+                                b = q.pending.pop(q.next_seq)
+                                self._owner_bytes[q.owner] -= b.nbytes
+                                q.next_seq += 1
+                                barriers.append(b)
+                        break
+                if trains:
+                    self._trained_at[model_id] = now
                 if len(q.seen) > 2 * SEEN_KEPT:  # retries come soon after the first POST: old ids can go
                     q.seen = {k: v for k, v in q.seen.items() if k >= q.next_seq - SEEN_KEPT}
         return forward, optim, barriers, failed
@@ -305,7 +381,8 @@ class Scheduler:
         steps_out = [r if isinstance(r, BackendError) else {"type": "optim_step", "metrics": r} for r in orr]
         return [_outcome(r) for r in fr], [_outcome(r) for r in steps_out]
 
-    def _record(self, forward: list[Work], optim: list[Work], barriers: list[Work], seconds: float) -> None:
+    def _record(self, forward: list[Work], optim: list[Work], barriers: list[Work], seconds: float,
+                held: float = 0.0) -> None:
         models = sorted({w.model_id for w in forward + optim + barriers})
         t = self._totals
         t["cycles"] += 1
@@ -322,12 +399,14 @@ class Scheduler:
         t["cycle_seconds_sum"] += seconds
         t["last_cycle_seconds"] = seconds
         t["cycle_models_sum"] += len(models)
+        t["held_cycles"] += held > 0.001
+        t["held_seconds"] += held
         if self._stats_path is None:
             return
         row = {"cycle": t["cycles"], "time": round(time.time(), 3), "seconds": round(seconds, 6), "models": models,
                "forward": [[w.model_id, w.seq_id, len(w.payload.datums), w.payload.forward_only] for w in forward],
                "optim": [[w.model_id, w.seq_id] for w in optim],
-               "barriers": [[w.model_id, w.seq_id, w.label] for w in barriers]}
+               "barriers": [[w.model_id, w.seq_id, w.label] for w in barriers], "held": round(held, 6)}
         try:
             if self._stats_path.is_file() and self._stats_path.stat().st_size > STATS_MAX_BYTES:
                 os.replace(self._stats_path, f"{self._stats_path}.1")
