@@ -72,7 +72,10 @@ def post(c, path, body, key=A, **kw):
 
 
 def result(c, rid, key=A) -> dict:
-    r = post(c, "retrieve_future", {"request_id": rid}, key)
+    """The future's answer, polled again after a 408 as the SDK does (a loaded machine can take longer than a hold)."""
+    end = time.monotonic() + 120
+    while (r := post(c, "retrieve_future", {"request_id": rid}, key)).status_code == 408 and time.monotonic() < end:
+        pass
     assert r.status_code == 200, r.text
     return r.json()
 

@@ -95,7 +95,7 @@ class Journal:
         if held:
             log.info("tenant %s: %d more refused or failed requests were not logged", tenant, held)
         if write:
-            log.info("%s %s of tenant %s (%d %s): %s", "refused" if status >= 400 else "failed", route, tenant, status,
+            log.info("%s %s of tenant %s (%d %s): %s", "refused" if status >= 400 and category != "server" else "failed", route, tenant, status,
                      category, reason)
 
     def count(self, tenant: str) -> int:

@@ -41,7 +41,7 @@ from colora.service.backend import Backend, BackendError, Datum, ForwardCall, Lo
 from colora.service.checkpoints import CheckpointOps, _user
 from colora.service.config import ServeConfig
 from colora.service.errors import ApiError, Journal, limit_error, scrub
-from colora.service.futures import FutureStore
+from colora.service.futures import FutureStore, failure_answer
 from colora.service.records import RecordError, Records, behaviour_logprobs
 from colora.service.samplers import SamplerOps
 from colora.service.sampling import SEED_RANGE
@@ -83,7 +83,7 @@ class Service(CheckpointOps, SamplerOps):
         self._gone: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()  # id -> (tenant, why)
         self._ids = itertools.count(1)
         self.started = time.monotonic()
-        self._health: dict = {"status": "ok"}
+        self._health: dict = dict(HEALTH)  # what the log said last: a change from it is logged
 
     def start(self) -> None:
         for line in self.store.sweep():
@@ -104,7 +104,7 @@ class Service(CheckpointOps, SamplerOps):
             outcome = dataclasses.replace(outcome, error=self.scrub(outcome.error))
         who = self.futures.resolve(rid, outcome)
         if who is not None and who[1] and outcome.error is not None:
-            self.journal.record(who[0], who[1], 200, outcome.category, outcome.error)
+            self.journal.record(who[0], who[1], failure_answer(outcome)[0], outcome.category, outcome.error)
 
     def _request_id(self) -> str:
         return f"req-{next(self._ids)}-{secrets.token_hex(4)}"
