@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from colora.joining import join_bounds
+from colora.tenancy import check_tenancy
 from colora.tables import ConfigError, build, parse_override, set_override
 from colora.tasks import add_task_dirs
 
@@ -78,6 +79,7 @@ class JobConfig:
     # grpo: rollouts from the engine, scored by the task's reward (group-relative advantages); sft: supervised
     # on `data`'s conversations, the loss on the assistant's tokens, no generation (prompts_per_step: conversations)
     kind: Literal["grpo", "sft"] = "grpo"
+    finetune: Literal["lora", "full"] = "lora"  # full: every weight, its own engine and trainer (colora/tenancy.py)
     task: str = ""  # grpo: a task of `colora tasks list`, or pkg.module:Class
     # sft: a JSONL file of chat conversations, one {"messages": [{"role": ..., "content": ...}, ...]} a line;
     # a relative path is looked for beside the config file, then in the current directory
@@ -197,15 +199,12 @@ class TimesliceConfig:
     an engine and a trainer each, one broker granting the GPU to one of them at a time."""
 
     tenant_jobs: int = 1  # jobs per tenant (each tenant runs its jobs as one group); 1: a tenant per job
-    # when a tenant's state leaves the GPU: lazy (llm-d: at a yield, only when another tenant waits),
-    # eager (OpenRL's daemon: at every yield), never (a mutex: every tenant stays resident)
-    park: Literal["lazy", "eager", "never"] = "lazy"
-    # how a tenant parks: app (vLLM's sleep mode, level 1, for the engine; pinned host copies for the
-    # trainer), or cuda_checkpoint (NVIDIA's CUDA checkpoint API on the engine's processes; the trainer as app)
-    parking: Literal["app", "cuda_checkpoint"] = "app"
-    # seconds one tenant may hold the grant; past it the broker fails the tenant (stuck in a phase) and grants the
-    # next. Above any phase a healthy tenant holds (its engine's start and warm-up: minutes; not measured at 8B)
-    hold_timeout_s: float = 1800.0
+    # when a tenant's state leaves the GPU: lazy (llm-d: when another waits), eager (OpenRL: at every yield),
+    # never (a mutex), memory (tenants co-resident, parked only when memory runs short: timeslice/broker.py)
+    park: Literal["lazy", "eager", "never", "memory"] = "lazy"
+    memory_gib: float = 0.0  # park = "memory": the device memory the tenants share; 0: the GPU's
+    parking: Literal["app", "cuda_checkpoint"] = "app"  # how a tenant parks (colora/timeslice/parking.py)
+    hold_timeout_s: float = 1800.0  # seconds one grant may be held; past it the broker fails the tenant (broker.py)
 
 
 @dataclass(frozen=True)
@@ -273,10 +272,10 @@ _LOCKED_PLACEHOLDER = {"checkpoint": {"every": 0, "keep": 2}}
 
 # Job keys added after configs were locked (prereg/reference8.md): at these values they are left out of
 # the hashed form, so a locked config's hash holds; set to anything else they are part of it.
-_LATER_JOB_KEYS = {"kind": "grpo", "data": "", "steps": 0, "start_after": 0}
+_LATER_JOB_KEYS = {"kind": "grpo", "data": "", "steps": 0, "start_after": 0, "finetune": "lora"}
 # The same for a section's keys (issue 48's engine levers).
 _LATER_SECTION_KEYS = {"engine": {"specialize_active_lora": False, "lora_dual_stream": False},
-                       "timeslice": {"hold_timeout_s": 1800.0}}
+                       "timeslice": {"hold_timeout_s": 1800.0, "memory_gib": 0.0}}
 
 
 def experiment_dict(d: dict) -> dict:
@@ -358,8 +357,6 @@ def _check(cfg: Config) -> None:
     need(t.max_adapter_weight >= 0, "trainer.max_adapter_weight", t.max_adapter_weight, "must be at least 0 (0: off)")
     o = cfg.overlap
     need(o.groups >= 1, "overlap.groups", o.groups, "must be at least 1")
-    need(cfg.timeslice.tenant_jobs >= 1, "timeslice.tenant_jobs", cfg.timeslice.tenant_jobs, "must be at least 1")
-    need(cfg.timeslice.hold_timeout_s > 0, "timeslice.hold_timeout_s", cfg.timeslice.hold_timeout_s, "must be above 0")
     for k in ("mps_engine_percentage", "mps_trainer_percentage"):
         v = getattr(o, k)
         need(1 <= v <= 100, f"overlap.{k}", v, "must be an integer from 1 to 100")
@@ -415,6 +412,7 @@ def _check(cfg: Config) -> None:
         if r.dist == "lognormal":  # the only length draw that reads min
             need(1 <= r.min <= j.max_new_tokens, f"{p}.response_length.min", r.min,
                  f"must be from 1 to max_new_tokens ({j.max_new_tokens})")
+    check_tenancy(cfg, need)  # each job's finetune, the [timeslice] section
     for i, (bound, rule) in join_bounds(cfg).items():  # a later job joins once a running one did start_after steps
         need(cfg.jobs[i].start_after < bound, f"jobs.{i}.start_after", cfg.jobs[i].start_after, rule)
     need(not g.max_loras or g.max_loras >= len(cfg.jobs), "engine.max_loras", g.max_loras,

