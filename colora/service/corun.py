@@ -55,6 +55,7 @@ from colora.engine.process import RemoteEngine
 from colora.engine.rollout import RolloutEngine, engine_process
 from colora.engine.vllm_args import vllm_lora_rank
 from colora.models.base import load_base_model, load_tokenizer
+from colora.run.memory import for_service
 from colora.run.preflight import RunError, remove_stale_adapter_sync, start_mps_for
 from colora.run.rundir import LOCK, holder, holding
 from colora.run.watcher import watch_this_process
@@ -113,6 +114,10 @@ class CorunBackend(Backend):
             self._own_samplers_dir()
             if self.device == "cuda":
                 start_mps_for(overlap or OverlapConfig(), "overlap_mps", self.device, self._stack, log, None)
+            # the engine's share and the trainer's passes that the settings leave to colora (0), planned from the
+            # card once MPS runs (reading the card before would keep this process out of MPS)
+            engine, trainer = for_service(engine, trainer, self.model_dir, self.device, self.dtype, max_loras,
+                                          self.max_lora_rank, log)
             remote = engine_process("auto", "overlap_mps")  # the engine's client beside the trainer's thread
             Engine = RemoteEngine if remote else RolloutEngine
             memory = self.levers.samplers == "memory"
@@ -216,7 +221,9 @@ class CorunBackend(Backend):
         out_o: list = []
         for c in optim:
             r = steps[c.model_id]
-            out_o.append(BackendError(f"model {c.model_id}: {r.failure}", "user") if r.failure else
+            # a failure of the device (r.raised) is the server's, the model left as it was; a refused update is the client's
+            out_o.append(BackendError(f"model {c.model_id}: {r.failure}", "server" if r.raised else "user")
+                         if r.failure else
                          {"grad_norm": float(r.grad_norm), "clip_coef": float(r.clip_coef)})
         return out_f, out_o
 
