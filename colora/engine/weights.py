@@ -59,13 +59,14 @@ class WeightsUpdate:
 
 class WeightsSegment:
     """The trainer's side: one segment for the job in a folder of its own in /dev/shm, held open for the
-    folder's life (as colora/training/export.py's), rewritten in place for each version. The engine
-    reads a version only after the write returned and before the trainer's next step, which trains on
-    rollouts of that version: a write never meets a read."""
+    folder's life and named as colora/training/export.py's (`colora-adapter-sync-*`: a killed run's folder is
+    removed by the next colora's start, colora/run/preflight.py), rewritten in place for each version. The
+    engine reads a version only after the write returned and before the trainer's next step, which trains
+    on rollouts of that version: a write never meets a read."""
 
     def __init__(self, job: str):
         self.job = job
-        self.dir = Path(tempfile.mkdtemp(prefix="colora-weights-sync-", dir=SHM))
+        self.dir = Path(tempfile.mkdtemp(prefix="colora-adapter-sync-weights-", dir=SHM))
         self._hold: int | None = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         self.path = self.dir / job.replace("/", "_")
         self._bytes: torch.Tensor | None = None

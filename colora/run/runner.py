@@ -49,8 +49,7 @@ from colora.config import Config, from_dict
 from colora.corun.corunner import CoRunner, Schedule
 from colora.corun.handoff import EngineFailure
 from colora.corun.trainer_side import JobState
-from colora.engine.process import RemoteEngine
-from colora.engine.rollout import EngineCache, RolloutEngine, engine_process, release_cuda_cache
+from colora.engine.rollout import EngineCache, engine_process, release_cuda_cache
 from colora.models.base import load_tokenizer
 from colora.output import say, say_at_once
 from colora.record import compilewatch
@@ -62,7 +61,7 @@ from colora.record.throughput import busy, gpu_util, throughput
 from colora.run.checkpoint import Checkpointer, load_latest, newest_sound, rewind_logs
 from colora.run.evaluate import evaluate
 from colora.run.heap import frozen_heap
-from colora.run.memory import planned
+from colora.run.fullrun import build, cacheable, engine_kind, export_for, plan  # LoRA jobs, or a full one
 from colora.run.preflight import (
     MPS_ARMS,
     RunError,
@@ -78,8 +77,6 @@ from colora.run.rundir import check_data, holding, this_process, timeslice_tenan
 from colora.run.watcher import watch_this_process
 from colora.stopping import Interrupted, StopRequest, handling_signals
 from colora.tasks import TaskError, add_task_dirs, task_class, task_dirs
-from colora.training.export import AdapterExport
-from colora.training.trainer import build_trainer
 
 ENGINE_DEATH_GRACE_S = 1.0  # an engine that died this long before a stop request died of its signal
 
@@ -312,7 +309,7 @@ def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
             r.remote = engine_process(cfg.runtime.engine_process, cfg.experiment.arm)
             r.tokenizer = load_tokenizer(setup.model_dir)
             with _phase(gate, "start"):  # a tenant of the time-slicing arm sets up inside one grant
-                r.sized = planned(cfg, setup.model_dir, r.device, r.dtype, adapter_slots(cfg), r.log)
+                r.sized = plan(cfg, setup.model_dir, r.device, r.dtype, adapter_slots(cfg), r.log)
                 engine = _open_engine(r, stack, engine_cache, shared=process_mps is not None)
                 stop.phase = "building the trainer"
                 bank, trainer, trainer_setup_s = _build_trainer(r)
@@ -371,12 +368,12 @@ def _open_engine(r: _Run, stack: contextlib.ExitStack, engine_cache: EngineCache
     def start():
         r.log(f"starting the engine on {r.device} ({r.dtype}) for {len(cfg.jobs)} jobs, {slots} adapter "
               f"slot{'s' * (slots != 1)}" + (", its client in a process of its own" if r.remote else ""))
-        Engine = RemoteEngine if r.remote else RolloutEngine
+        Engine = engine_kind(cfg, r.remote)
         return Engine(str(setup.model_dir), cfg.engine, max_loras=max_loras, max_lora_rank=max_rank,
                       dtype=r.dtype, seed=cfg.experiment.seed, device=r.device, adapter_sync=setup.adapter_sync,
                       engine_args=extra)
 
-    if engine_cache is not None and (cfg.experiment.arm not in MPS_ARMS or shared):
+    if engine_cache is not None and cacheable(cfg) and (cfg.experiment.arm not in MPS_ARMS or shared):
         key = (str(setup.model_dir), repr(cfg.engine), max_loras, max_rank, r.dtype, r.device, r.remote,
                setup.adapter_sync, tuple(sorted(extra.items())))
         engine = engine_cache.get(key, start, exclusive=r.device != "cpu")
@@ -400,8 +397,8 @@ def _build_trainer(r: _Run):
     Dynamo's are always counted."""
     compilewatch.install()
     t0 = time.perf_counter()
-    bank, trainer = build_trainer(r.sized or r.cfg, r.setup.model_dir, r.device, torch_dtype(r.dtype),
-                                  r.tokenizer.pad_token_id)
+    bank, trainer = build(r.sized or r.cfg, r.setup.model_dir, r.device, torch_dtype(r.dtype),
+                          r.tokenizer.pad_token_id)
     return bank, trainer, time.perf_counter() - t0
 
 
@@ -419,7 +416,7 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     stack.callback(ckpt.close)  # a write in flight lands before the run's status names its checkpoint
     if resume_state is not None:
         ckpt.restore(resume_state)
-    export = AdapterExport(engine.adapter_sync, engine.dtype, str(r.setup.model_dir), scratch)
+    export = export_for(cfg, engine, str(r.setup.model_dir), scratch)
     stack.callback(export.close)
     corunner = CoRunner(Schedule.of(cfg), engine, trainer, bank, export, r.tokenizer, jobs, r.timeline, r.metrics,
                         r.log, on_step=ckpt.maybe_save, stop_request=r.stop, gate=getattr(r.tenant, "gate", None))

@@ -1,7 +1,8 @@
-"""The seeds' time-slicing as colora's arm `timeslice` (issue 50): a broker grants one tenant at a time
-the GPU, tenants park their state in host memory between grants.
+"""The seeds' time-slicing as colora's arm `timeslice`: a broker grants the GPU to one tenant at a time
+(or, under policy `memory`, to every tenant whose memory fits), tenants park their state in host memory
+between grants.
 
-- broker.py: the broker (FIFO, park-before-grant, policies lazy / eager / never, the record);
+- broker.py: the broker (FIFO, park-before-grant, policies lazy / eager / never / memory, the record);
 - process.py: the broker as a process of its own, `start_broker`, and `broker_status`;
 - gate.py: the tenant's side, `GpuGate` (and `NullGate` for every other arm);
 - parking.py: what a tenant parks: `TrainerParker`, `EngineParker`, `CudaCheckpointParker` (imports torch);

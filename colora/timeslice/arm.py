@@ -2,7 +2,8 @@
 
     colora run CONFIG --set experiment.arm=timeslice     (colora sweep and colora bench arms take it too)
 
-The jobs are cut into tenants (`timeslice.tenant_jobs` jobs each, in config order). One broker process
+The jobs are cut into tenants (`timeslice.tenant_jobs` LoRA jobs each, in config order; every full-parameter
+job a tenant of its own with its own model, colora/tenancy.py). One broker process
 grants the GPU to one tenant at a time (FIFO; `timeslice.park` says when a tenant's state leaves the
 GPU: colora/timeslice/broker.py), and each tenant is a process of its own with its own vLLM engine and
 trainer, running colora's usual loop on its jobs with every GPU phase inside a grant
@@ -40,6 +41,7 @@ from colora.record.throughput import shared_window, throughput
 from colora.run.rundir import holding
 from colora.stopping import handling_signals
 from colora.tasks import task_dirs
+from colora.tenancy import tenant_units
 from colora.timeslice.process import start_broker
 from colora.timeslice.record import read_log, summarize
 
@@ -47,15 +49,15 @@ WAIT_S = 0.5  # how often the arm looks at its tenants
 
 
 def tenants_of(cfg: Config) -> list[list[str]]:
-    """The jobs of each tenant: `timeslice.tenant_jobs` at a time, in config order."""
-    names, k = [j.name for j in cfg.jobs], cfg.timeslice.tenant_jobs
-    return [names[i:i + k] for i in range(0, len(names), k)]
+    """The jobs of each tenant: the LoRA jobs `timeslice.tenant_jobs` at a time in config order, then every
+    full-parameter job alone (colora/tenancy.py)."""
+    return tenant_units(cfg)
 
 
 def tenant_config(cfg: Config, jobs: list[str], n_tenants: int) -> Config:
-    """A tenant's config: its jobs in one group (shared_sync, no MPS: the grant is the sharing), its
-    engine's client in its own process (the parkers reach vLLM there), its memory share as the module
-    docstring says."""
+    """A tenant's config: its jobs in one group (shared_sync, no MPS: the grant is the sharing; a
+    full-parameter job alone, as the dedicated arm runs it), its engine's client in its own process (the
+    parkers reach vLLM there), its memory share as the module docstring says."""
     if cfg.timeslice.park == "never" and not (cfg.engine.gpu_memory_utilization and cfg.trainer.micro_batch_tokens):
         raise ConfigError("timeslice.park = \"never\" keeps every tenant's engine and trainer on the GPU at once: "
                           "set engine.gpu_memory_utilization and trainer.micro_batch_tokens (0 plans each tenant "
@@ -66,7 +68,8 @@ def tenant_config(cfg: Config, jobs: list[str], n_tenants: int) -> Config:
     d["jobs"] = [j for j in d["jobs"] if j["name"] not in keep]
     from colora.config import resolve
 
-    return replace(resolve(d), ["experiment.arm=shared_sync", "runtime.engine_process=off",
+    arm = "dedicated" if any(j["finetune"] == "full" for j in d["jobs"]) else "shared_sync"
+    return replace(resolve(d), [f"experiment.arm={arm}", "runtime.engine_process=off",
                                 f"engine.gpu_memory_utilization={share}", f"engine.max_loras={len(jobs)}"])
 
 

@@ -18,6 +18,14 @@ wraps every GPU phase in ACQUIRE / YIELD (protocol.py gives the messages). The b
   before the next grant, its own included. `never`: a mutex; nothing is parked. Resident means
   holding unparked GPU state: having held a grant since the last park, or registered with
   resident_bytes > 0 (GPU work runs inside grants, so a tenant that has held none has nothing to park);
+- policy `memory` (colora's: co-residence, as tenants under MPS share the GPU): grants are not exclusive.
+  A tenant whose state is on the GPU is granted at once, beside any others; one that is not (its first
+  grant, or parked) is admitted when its peak bytes (`peak_bytes` at REGISTER, updated by PEAK once it has
+  measured them) fit `memory_bytes` beside the resident tenants' peaks. Where they do not, the broker parks
+  resident tenants that hold no grant, least recently granted first, until they do; where even that
+  cannot make room (the others hold grants) it waits, and so do the tenants queued behind it (first
+  come, first served). A tenant whose peak alone exceeds `memory_bytes` is refused (ERROR, then failed):
+  admitting it could only run the device out of memory under the others. Nothing is parked at a YIELD;
 - reads EOF of a tenant's connection without BYE as its death: its grant is freed, it leaves the
   queue, it is marked failed, and the queue goes on (a process-shared lock held by a dead process
   would stay held: that is why this is a socket);
@@ -42,7 +50,11 @@ import time
 from colora.record.runlog import JsonlWriter
 from colora.timeslice.protocol import ProtocolError, check_policy, check_sock_path, decode, encode
 
-HOLD_TIMEOUT_S = 1800.0  # timeslice.hold_timeout_s's default (colora/config.py says why)
+GIB = 1 << 30
+
+# timeslice.hold_timeout_s's default: above any phase a healthy tenant holds (its engine's start and warm-up take
+# minutes; not measured at 8B); a co-run tenant under `memory` holds one grant for its whole training
+HOLD_TIMEOUT_S = 1800.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -51,6 +63,8 @@ class _Tenant:
     pids: list[int]
     resident_bytes: int
     writer: asyncio.StreamWriter
+    peak_bytes: int = 0  # `memory`: the device memory it takes while resident
+    last_used: float = 0.0  # when it last held a grant: `memory` parks the least recently used first
     resident: bool = False  # has state on the GPU that is not parked: held a grant, or registered with bytes
     parked: bool = False  # its state is parked: restored before its next grant
     park_due: bool = False  # eager: it yielded and is parked before the next grant
@@ -86,23 +100,27 @@ class Broker:
     may be called from any thread or a signal handler."""
 
     def __init__(self, sock_path: str | os.PathLike, policy: str = "lazy", log_path: str | os.PathLike | None = None,
-                 *, switch_timeout_s: float = 600.0, hold_timeout_s: float = HOLD_TIMEOUT_S):
+                 *, switch_timeout_s: float = 600.0, hold_timeout_s: float = HOLD_TIMEOUT_S,
+                 memory_bytes: int = 0):
         self.sock_path = check_sock_path(sock_path)
         self.policy = check_policy(policy)
+        if (policy == "memory") != (memory_bytes > 0):
+            raise ValueError(f"memory_bytes ({memory_bytes}) is the device memory the tenants share under policy "
+                             f"\"memory\" (there it must be above 0), and 0 under any other ({policy!r})")
+        self.memory_bytes = int(memory_bytes)
         if not switch_timeout_s > 0:
             raise ValueError(f"switch_timeout_s ({switch_timeout_s}) must be positive")
         if not hold_timeout_s > 0:
             raise ValueError(f"hold_timeout_s ({hold_timeout_s}) must be positive (seconds; timeslice.hold_timeout_s)")
         self.switch_timeout_s = switch_timeout_s
         self.hold_timeout_s = hold_timeout_s
-        self._hold_timer: asyncio.TimerHandle | None = None  # fails the holder past hold_timeout_s
+        self._timers: dict[_Tenant, asyncio.TimerHandle] = {}  # fail a holder past hold_timeout_s
         self.origin = time.monotonic()
         self.rows: list[dict] = []  # the record, also kept here
         self._log = JsonlWriter(log_path) if log_path is not None else None
         self._tenants: dict[str, _Tenant] = {}
         self._queue: collections.deque[_Request] = collections.deque()
-        self._holder: _Tenant | None = None
-        self._grant: dict | None = None  # the holder's open grant row
+        self._grants: dict[_Tenant, dict] = {}  # each holder's open grant row (one at most but under `memory`)
         self._switch = _Switch()
         self._stopping = False
         self._stop_requested = False
@@ -143,8 +161,8 @@ class Broker:
         self._stopping = True
         server.close()
         scheduler.cancel()
-        if self._grant is not None:
-            self._release(stopped=True)
+        for t in list(self._grants):
+            self._release(t, stopped=True)
         for t in self._tenants.values():
             if t.done is not None and not t.done.done():
                 t.done.set_result({"ok": False, "error": "broker stopped"})
@@ -207,19 +225,32 @@ class Broker:
             raise ProtocolError(f"tenant {name!r} is registered already, on a live connection")
         pids = [int(p) for p in msg.get("pids", [])]
         resident = int(msg.get("resident_bytes", 0))
-        t = _Tenant(name, pids, resident, writer, resident=resident > 0)
+        peak = int(msg.get("peak_bytes", resident))
+        t = _Tenant(name, pids, resident, writer, resident=resident > 0, peak_bytes=peak)
         self._tenants[name] = t
         self._send(t, {"op": "REGISTERED", "origin": self.origin, "policy": self.policy})
-        self._record(kind="register", tenant=name, pids=pids, resident_bytes=resident, at=_r(self.now()))
+        self._record(kind="register", tenant=name, pids=pids, resident_bytes=resident, peak_bytes=peak,
+                     at=_r(self.now()))
+        self._check_peak(t)
         return t
 
+    def _check_peak(self, t: _Tenant) -> None:
+        """`memory`: a tenant whose peak alone exceeds the device memory is refused (it is failed)."""
+        if self.policy == "memory" and t.peak_bytes > self.memory_bytes:
+            why = (f"its peak of {t.peak_bytes / GIB:.2f} GiB exceeds the {self.memory_bytes / GIB:.2f} GiB the "
+                   "tenants share (timeslice.memory_gib): it could only run out of memory beside the others")
+            self._send(t, {"op": "ERROR", "error": f"tenant {t.name!r}: {why}"})
+            self._fail(t, why)
+
     def _on_message(self, t: _Tenant, msg: dict) -> bool:
-        """Handle one message of a registered tenant; False once it said BYE."""
+        """Handle one message of a registered tenant; False once it said BYE or is failed."""
+        if not t.alive:
+            return False
         op, error = msg["op"], None
         if msg.get("tenant", t.name) != t.name:
             error = f"a message for tenant {msg['tenant']!r} on the connection of {t.name!r}"
         elif op == "ACQUIRE":
-            if self._holder is t:
+            if t in self._grants:
                 error = f"tenant {t.name!r} sent ACQUIRE while it holds the grant"
             elif any(r.tenant is t for r in self._queue):
                 error = f"tenant {t.name!r} sent ACQUIRE while it waits already"
@@ -227,14 +258,14 @@ class Broker:
                 self._queue.append(_Request(t, str(msg.get("phase", "")), self.now()))
                 self._wake.set()
         elif op == "YIELD":
-            if self._holder is not t:
-                holder = self._holder.name if self._holder else None
-                error = f"tenant {t.name!r} sent YIELD but the grant is held by {holder!r}"
+            if t not in self._grants:
+                holders = [h.name for h in self._grants] or None
+                error = f"tenant {t.name!r} sent YIELD but the grant is held by {holders!r}"
             else:
                 pending = len(self._queue)
-                self._release()
+                self._release(t)
                 t.park_due = self.policy == "eager"
-                deferred = {"eager": False, "lazy": pending == 0, "never": True}[self.policy]
+                deferred = {"eager": False, "lazy": pending == 0, "never": True, "memory": True}[self.policy]
                 self._send(t, {"op": "YIELDED", "pending": pending, "deferred": deferred})
                 self._wake.set()
         elif op == "DONE":
@@ -242,6 +273,11 @@ class Broker:
                 error = f"tenant {t.name!r} sent DONE with no PARK or RESTORE in flight"
             else:
                 t.done.set_result(msg)
+        elif op == "PEAK":
+            t.peak_bytes = int(msg.get("bytes", t.peak_bytes))
+            self._record(kind="peak", tenant=t.name, peak_bytes=t.peak_bytes, at=_r(self.now()))
+            self._check_peak(t)
+            self._wake.set()
         elif op == "STATUS":
             self._send(t, self._status())
         elif op == "BYE":
@@ -256,7 +292,8 @@ class Broker:
         return True
 
     def _status(self) -> dict:
-        return {"op": "STATUS", "holder": self._holder.name if self._holder else None,
+        holders = [h.name for h in self._grants]
+        return {"op": "STATUS", "holder": holders[0] if holders else None, "holders": holders,
                 "queue": [r.tenant.name for r in self._queue],
                 "tenants": {t.name: {"alive": t.alive, "resident": t.resident, "parked": t.parked,
                                      "failed": t.failed} for t in self._tenants.values()}}
@@ -276,8 +313,8 @@ class Broker:
         if not t.left:
             t.failed = reason
             self._record(kind="failed", tenant=t.name, at=_r(self.now()), reason=reason)
-        if self._holder is t:
-            self._release(failed=not t.left)
+        if t in self._grants:
+            self._release(t, failed=not t.left)
         self._queue = collections.deque(r for r in self._queue if r.tenant is not t)
         if t.done is not None and not t.done.done():
             t.done.set_result({"ok": False, "error": reason})
@@ -291,12 +328,13 @@ class Broker:
 
     # ---- grants and switches
 
-    def _release(self, **extra) -> None:
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
-        row, self._grant, self._holder = self._grant, None, None
-        row.update(released=_r(self.now()), **extra)
+    def _release(self, t: _Tenant, **extra) -> None:
+        timer = self._timers.pop(t, None)
+        if timer is not None:
+            timer.cancel()
+        row = self._grants.pop(t)
+        t.last_used = self.now()
+        row.update(released=_r(t.last_used), **extra)
         self._record(**row)
 
     async def _schedule(self) -> None:
@@ -317,7 +355,9 @@ class Broker:
 
     async def _step(self) -> bool:
         """One move towards the next grant: a park, a restore or the grant. False when none is due."""
-        if self._grant is not None or self._stopping:
+        if self.policy == "memory":
+            return await self._step_memory()
+        if self._grants or self._stopping:
             return False
         head = self._queue[0].tenant if self._queue else None
         victims = self._victims(head)
@@ -330,24 +370,59 @@ class Broker:
         if head.parked:
             await self._command(head, "RESTORE")
             return True
-        req = self._queue.popleft()
-        now = self.now()
+        self._grant_to(self._queue.popleft())
+        return True
+
+    def _grant_to(self, req: _Request) -> None:
+        """GRANT to the request's tenant, its row carrying the switch since the last grant."""
+        head, now = req.tenant, self.now()
         sw, self._switch = self._switch, _Switch()
         restored = sw.restored == head.name
-        self._holder, head.resident = head, True
-        self._grant = {"kind": "grant", "tenant": head.name, "phase": req.phase, "requested": _r(req.requested),
-                       "granted": _r(now), "released": None, "waited_s": _r(now - req.requested),
-                       "parked": sw.parked, "park_s": _r(sw.park_s), "restore_s": _r(sw.restore_s),
-                       "restored": restored, "failed": False}
+        head.resident = True
+        row = self._grants[head] = {
+            "kind": "grant", "tenant": head.name, "phase": req.phase, "requested": _r(req.requested),
+            "granted": _r(now), "released": None, "waited_s": _r(now - req.requested), "parked": sw.parked,
+            "park_s": _r(sw.park_s), "restore_s": _r(sw.restore_s), "restored": restored, "failed": False,
+            **({"resident_peak_bytes": self._resident_peaks()} if self.policy == "memory" else {})}
         self._send(head, {"op": "GRANT", "waited_s": now - req.requested, "restored": restored,
                           "parked": sw.parked, "granted": now})
-        self._hold_timer = self._loop.call_later(self.hold_timeout_s, self._overheld, head, self._grant)
-        return True
+        self._timers[head] = self._loop.call_later(self.hold_timeout_s, self._overheld, head, row)
+
+    def _resident_peaks(self) -> int:
+        return sum(t.peak_bytes for t in self._tenants.values() if t.alive and t.resident)
+
+    async def _step_memory(self) -> bool:
+        """`memory` (module docstring): in queue order, grant a resident tenant at once; admit one that is not
+        where its peak fits, parking idle resident tenants (least recently used first) to make room; where
+        nothing can make room, the rest of the queue waits."""
+        if self._stopping:
+            return False
+        for req in list(self._queue):
+            t = req.tenant
+            if t.resident:
+                self._queue.remove(req)
+                self._grant_to(req)
+                return True
+            free = self.memory_bytes - self._resident_peaks()
+            if t.peak_bytes <= free:
+                if t.parked:
+                    await self._command(t, "RESTORE")
+                else:
+                    self._queue.remove(req)
+                    self._grant_to(req)
+                return True
+            idle = sorted((x for x in self._tenants.values() if x.alive and x.resident and x not in self._grants),
+                          key=lambda x: x.last_used)
+            if t.peak_bytes <= free + sum(x.peak_bytes for x in idle):
+                await self._command(idle[0], "PARK")
+                return True
+            return False  # first come, first served: the tenants behind it wait too
+        return False
 
     def _overheld(self, t: _Tenant, grant: dict) -> None:
         """The holder of `grant` still holds it past hold_timeout_s: it is failed, told why, and the grant
         goes on."""
-        if self._grant is not grant or self._holder is not t or self._stopping:
+        if self._grants.get(t) is not grant or self._stopping:
             return
         why = (f"held the grant past timeslice.hold_timeout_s ({self.hold_timeout_s:g} s) in its phase "
                f"{grant['phase']!r}; the broker failed it and granted the next tenant")

@@ -140,6 +140,9 @@ class NullGate(_GateBase):
         self._held = False
         return Yielded(0, True)
 
+    def report_peak(self, nbytes: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -153,9 +156,11 @@ class GpuGate(_GateBase):
 
     def __init__(self, sock_path: str | os.PathLike, tenant: str, parkers: Sequence[Parker] = (), *,
                  pids: Sequence[int] | None = None, resident_bytes: int = 0, connect_timeout_s: float = 30.0,
-                 stop_request: stopping.StopRequest | None = None):
+                 stop_request: stopping.StopRequest | None = None, peak_bytes: int | None = None):
         """stop_request: what a wait for the grant looks at; None: the stop request of the signal
-        handlers installed when it waits (the tenant's run's: colora/stopping.py `active`)."""
+        handlers installed when it waits (the tenant's run's: colora/stopping.py `active`). peak_bytes: the
+        device memory this tenant takes while resident, which the broker's policy "memory" admits it by
+        (None: resident_bytes); `report_peak` replaces it once measured."""
         super().__init__()
         self.tenant = tenant
         self.stop_request = stop_request
@@ -170,7 +175,8 @@ class GpuGate(_GateBase):
         self._sock = _connect(self.sock_path, connect_timeout_s)
         self._rfile = self._sock.makefile("rb")
         self._send({"op": "REGISTER", "tenant": tenant, "pids": list(pids) if pids is not None else [os.getpid()],
-                    "resident_bytes": int(resident_bytes)})
+                    "resident_bytes": int(resident_bytes),
+                    "peak_bytes": int(resident_bytes if peak_bytes is None else peak_bytes)})
         self._sock.settimeout(connect_timeout_s)  # a broker that never answers REGISTER is an error
         try:
             first = self._rfile.readline()
@@ -213,6 +219,14 @@ class GpuGate(_GateBase):
             self._held = False  # before YIELD leaves: a PARK may follow it at once
         r = self._call({"op": "YIELD", "tenant": self.tenant}, "YIELDED")
         return Yielded(int(r["pending"]), bool(r["deferred"]))
+
+    def report_peak(self, nbytes: int) -> None:
+        """Tell the broker the device memory this tenant measured it takes while resident (policy "memory"
+        admits it by that). No answer; a peak that can never fit is answered ERROR at the next call."""
+        try:
+            self._send({"op": "PEAK", "bytes": int(nbytes)})
+        except OSError as e:
+            raise BrokerGone(f"tenant {self.tenant!r}: {self._why_gone()} ({e})") from None
 
     def status(self) -> dict:
         """The broker's view: holder, queue, tenants."""

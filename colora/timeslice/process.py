@@ -37,10 +37,11 @@ def broker_status(sock_path: str | os.PathLike, timeout_s: float = 5.0) -> dict:
 
 def run_broker(sock_path: str | os.PathLike, policy: str = "lazy", log_path: str | os.PathLike | None = None,
                *, switch_timeout_s: float = 600.0, hold_timeout_s: float = HOLD_TIMEOUT_S,
-               parent_pid: int | None = None) -> None:
+               parent_pid: int | None = None, memory_bytes: int = 0) -> None:
     """Serve until SIGTERM or SIGINT (handled when called from the main thread), or until the process
     `parent_pid` is gone, if given; the stop is `Broker.serve`'s, in bounded time."""
-    broker = Broker(sock_path, policy, log_path, switch_timeout_s=switch_timeout_s, hold_timeout_s=hold_timeout_s)
+    broker = Broker(sock_path, policy, log_path, switch_timeout_s=switch_timeout_s, hold_timeout_s=hold_timeout_s,
+                    memory_bytes=memory_bytes)
 
     async def watch_parent() -> None:
         while os.getppid() == parent_pid:  # a dead parent's child is re-parented
@@ -105,20 +106,23 @@ class BrokerProcess:
 
 def start_broker(sock_path: str | os.PathLike, policy: str = "lazy", log_path: str | os.PathLike | None = None,
                  *, timeout_s: float = 30.0, switch_timeout_s: float = 600.0,
-                 hold_timeout_s: float = HOLD_TIMEOUT_S) -> BrokerProcess:
+                 hold_timeout_s: float = HOLD_TIMEOUT_S, memory_bytes: int = 0) -> BrokerProcess:
     """Start the broker as a child process and return once it listens. The child ends by itself when
     this process ends (it watches its parent), so a crashed runner leaves no broker behind. hold_timeout_s:
-    the longest a tenant may hold one grant before the broker fails it (timeslice.hold_timeout_s)."""
+    the longest a tenant may hold one grant before the broker fails it (timeslice.hold_timeout_s);
+    memory_bytes: the device memory the tenants share under policy "memory" (0 under the others)."""
     path = check_sock_path(sock_path)
     check_policy(policy)
     if not hold_timeout_s > 0:
         raise ValueError(f"hold_timeout_s ({hold_timeout_s}) must be positive (seconds; timeslice.hold_timeout_s)")
+    if (policy == "memory") != (memory_bytes > 0):
+        raise ValueError(f"memory_bytes ({memory_bytes}) must be above 0 under policy \"memory\", 0 under {policy!r}")
     if can_connect(path):
         raise RuntimeError(f"a broker already listens on {path}")
     # -P where this process has it: the child imports the installed colora, not a folder in its cwd
     cmd = [sys.executable, *(["-P"] if sys.flags.safe_path else []), "-m", "colora.timeslice", path,
            "--policy", policy, "--switch-timeout-s", str(switch_timeout_s), "--hold-timeout-s", str(hold_timeout_s),
-           "--parent", str(os.getpid())]
+           "--parent", str(os.getpid()), "--memory-bytes", str(int(memory_bytes))]
     if log_path is not None:
         cmd += ["--log", os.fspath(log_path)]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -139,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--switch-timeout-s", type=float, default=600.0)
     ap.add_argument("--hold-timeout-s", type=float, default=HOLD_TIMEOUT_S)
     ap.add_argument("--parent", type=int, default=None, help="stop once this process is gone")
+    ap.add_argument("--memory-bytes", type=int, default=0, help="policy memory: the device memory the tenants share")
     a = ap.parse_args(argv)
     run_broker(a.sock, a.policy, a.log, switch_timeout_s=a.switch_timeout_s, hold_timeout_s=a.hold_timeout_s,
-               parent_pid=a.parent)
+               parent_pid=a.parent, memory_bytes=a.memory_bytes)
 
 

@@ -4,10 +4,11 @@ A tenant's connection carries both directions. The tenant asks and the broker an
 
 | tenant sends | broker answers |
 | --- | --- |
-| `REGISTER{tenant, pids, resident_bytes}` (first line) | `REGISTERED{origin, policy}` |
+| `REGISTER{tenant, pids, resident_bytes, peak_bytes?}` (first line) | `REGISTERED{origin, policy}` |
 | `ACQUIRE{tenant, phase}` | `GRANT{waited_s, restored, parked, granted}` once the grant is this tenant's |
 | `YIELD{tenant}` | `YIELDED{pending, deferred}` at once |
-| `STATUS{}` (also as a connection's first line, unregistered) | `STATUS{holder, queue, tenants}` |
+| `PEAK{bytes}` (policy memory: the peak it measured, replacing `peak_bytes`) | nothing (ERROR if it cannot fit) |
+| `STATUS{}` (also as a connection's first line, unregistered) | `STATUS{holder, holders, queue, tenants}` |
 | `BYE{}` | nothing: the tenant leaves cleanly (EOF without BYE is a death) |
 
 and the broker commands, on the same connection (llm-d's app channel turned the same way round):
@@ -28,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 
-POLICIES = ("lazy", "eager", "never")
+POLICIES = ("lazy", "eager", "never", "memory")
 # sockaddr_un's sun_path is 108 bytes on Linux, one of them the terminating zero.
 MAX_SOCK_PATH_BYTES = 107
 

@@ -5,8 +5,9 @@ Rows, by `kind` (times in seconds on the shared clock, zero at the broker's orig
 | kind | fields |
 | --- | --- |
 | start | policy, origin, pid, at |
-| register | tenant, pids, resident_bytes, at |
-| grant | tenant, phase, requested, granted, released, waited_s, parked (tenants), park_s, restore_s, restored, failed; stopped if the broker stopped while it was held |
+| register | tenant, pids, resident_bytes, peak_bytes, at |
+| peak | tenant, peak_bytes (policy memory: the peak it measured), at |
+| grant | tenant, phase, requested, granted, released, waited_s, parked (tenants), park_s, restore_s, restored, failed; stopped if the broker stopped while it was held; resident_peak_bytes (policy memory: the resident tenants' peaks at the grant) |
 | park, restore | tenant, start, end, wall_s (the broker's, command to DONE), seconds and bytes (the tenant's DONE), waiting (queue length), ok |
 | failed | tenant, at, reason |
 | leave | tenant, at |
@@ -44,8 +45,9 @@ def summarize(rows: list[dict]) -> dict:
     - switch_s: park_s + restore_s of each grant that had a switch (a park or its grantee restored);
     - queue_wait_s: granted - requested of each grant, also per tenant;
     - park_s, restore_s: the broker's wall seconds of each park and restore that succeeded;
-    - duty: the time a grant was held over the window, first request to last release; an upper
+    - duty: the time some grant was held over the window, first request to last release; an upper
       bound on the GPU's duty cycle (a holder need not keep the GPU busy), NVML's util being the other;
+      held_s sums every grant's seconds, above the window where grants overlap (policy memory);
     - failed: the tenants marked failed.
     """
     grants = [r for r in rows if r.get("kind") == "grant"]
@@ -68,6 +70,16 @@ def summarize(rows: list[dict]) -> dict:
         "parks_per_tenant": dict(sorted(Counter(r["tenant"] for r in ok if r["kind"] == "park").items())),
         "held_s": held,
         "window_s": window,
-        "duty": held / window if window > 0 else None,
+        "duty": _covered([(r["granted"], r["released"]) for r in grants]) / window if window > 0 else None,
         "failed": sorted({r["tenant"] for r in rows if r.get("kind") == "failed"}),
     }
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the spans (their union's length)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
