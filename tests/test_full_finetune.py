@@ -239,3 +239,19 @@ def test_the_full_state_bytes_per_parameter_match_the_trainers_tensors(tiny_mode
         w.optimizer.step()  # the moments exist; the gradient is still held
         held = sum(t.numel() * t.element_size() for t in _live(bank) if t.dim() > 0)  # not AdamW's step count
         assert held == state_bytes(n, size), (dtype, held, state_bytes(n, size))
+
+
+def test_a_checkpoint_of_a_full_job_resumes_the_same_steps(tiny_model_dir):
+    """job_state after a step, loaded into a fresh trainer: the next step is the same, bit for bit (the
+    Checkpointer's and a resume's path for a full-parameter job)."""
+    a, bank_a, _ = full_trainer(tiny_model_dir)
+    a.step({"f": fixed_rollouts(JOB, 0, VOCAB)})
+    state = bank_a.job_state("f")
+    b, bank_b, _ = full_trainer(tiny_model_dir)
+    bank_b.load_job_state("f", state)
+    assert bank_b.jobs["f"].version == 1
+    for t in (a, b):
+        t.step({"f": fixed_rollouts(JOB, 1, VOCAB)})
+    assert all(torch.equal(x, y) for x, y in zip(_state(bank_a), _state(bank_b)))
+    with pytest.raises(ValueError, match="no full-parameter state"):
+        bank_b.load_job_state("f", {"A": {}, "B": {}, "version": 1, "optimizer": {}})

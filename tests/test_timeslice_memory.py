@@ -168,3 +168,60 @@ def test_the_duty_counts_overlapping_grants_once():
             {**g, "tenant": "b", "requested": 6.0, "granted": 6.0, "released": 8.0}]
     s = summarize(rows)
     assert s["held_s"] == 8.0 and s["window_s"] == 8.0 and s["duty"] == 6.0 / 8.0
+
+
+MIXED = {"experiment": {"arm": "timeslice", "steps": 3, "model": "builtin:qwen3-0.6b-shape"},
+         "engine": {"max_model_len": 2048}, "trainer": {"micro_batch_tokens": 8192},
+         "timeslice": {"park": "memory", "tenant_jobs": 8}, "overlap": {"groups": 2},
+         "job_defaults": {"task": "addition", "prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 256},
+         "jobs": [*({"name": f"l{i}"} for i in range(8)), {"name": "f0", "finetune": "full"},
+                  {"name": "f1", "finetune": "full"}, {"name": "solo"}]}
+
+
+def test_under_memory_a_lora_group_is_a_co_run_and_full_jobs_are_tenants_of_their_own():
+    from colora.config import resolve
+    from colora.timeslice.arm import tenant_configs, tenants_of
+
+    cfg = resolve(MIXED, ["timeslice.memory_gib=40"])
+    parts = tenants_of(cfg)
+    assert parts == [[f"l{i}" for i in range(8)], ["solo"], ["f0"], ["f1"]]
+    configs, peaks, budget = tenant_configs(cfg, parts, "cpu", None, "float32")
+    assert [(c.experiment.arm, c.overlap.groups if c.experiment.arm == "overlap" else None) for c in configs] == \
+        [("overlap", 2), ("shared_sync", None), ("dedicated", None), ("dedicated", None)]
+    assert budget == 40 * GIB and peaks == [10 * GIB] * 4  # on the CPU: the budget split, nothing planned
+    with pytest.raises(Exception, match="timeslice.memory_gib \\(0\\) must be set"):
+        tenant_configs(resolve(MIXED), parts, "cpu", None, "float32")
+    with pytest.raises(Exception, match="trainer.micro_batch_tokens \\(0\\) must be set"):
+        tenant_configs(resolve(MIXED, ["trainer.micro_batch_tokens=0", "timeslice.memory_gib=40"]), parts, "cpu",
+                       None, "float32")
+
+
+def test_on_an_h200_eight_lora_jobs_and_two_full_qwen3_0_6b_tenants_fit_at_once():
+    """The arithmetic the arm admits by, for experiments/full_beside_lora.toml (Qwen3-0.6B's shape in bf16) on an
+    H200's 140.4 GiB: each full tenant takes its engine's share and, beyond a LoRA tenant's trainer, 16 bytes a
+    parameter of gradient, moments and masters; the 8-job co-run and two full tenants fit together, so none is
+    parked. The file's baseline commands resolve."""
+    from colora.config import load_config
+    from colora.models.base import QWEN3_06B_SHAPE
+    from colora.models.shape import ModelShape
+    from colora.timeslice.admission import tenant_plan
+    from colora.timeslice.arm import tenant_config, tenants_of
+    from colora.training.full import state_bytes
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "full_beside_lora.toml"
+    cfg = load_config(path)
+    shape = ModelShape.from_config({**QWEN3_06B_SHAPE, "dtype": "bfloat16"})
+    h200 = 143771 * (1 << 20)
+    parts = tenants_of(cfg)
+    assert [len(p) for p in parts] == [8, 1, 1]
+    plans = [tenant_plan(tenant_config(cfg, p, len(parts)), shape, h200, 2) for p in parts]
+    corun, fa, fb = plans
+    assert fa == fb and fa.peak_bytes > state_bytes(shape.parameters(), 2) + fa.share * h200
+    assert corun.share > fa.share  # KV for 8 jobs' 2 groups of 256 sequences against one job's 64
+    assert sum(p.peak_bytes for p in plans) < h200
+    assert 9 * GIB < state_bytes(shape.parameters(), 2) < 12 * GIB  # ~0.6 B parameters x 18 bytes
+    commands = path.read_text().replace("\\\n#", " ").splitlines()  # continued lines joined
+    runs = [c for c in commands if c.startswith("# colora run") and "--set" in c]
+    assert len(runs) == 3
+    for c in runs:
+        load_config(path, [a for a in c.split() if "=" in a])

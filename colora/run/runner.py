@@ -98,9 +98,10 @@ def run(cfg: Config, out: str | Path, *, resume_state: dict | None = None, resta
     process_mps: the MPS daemon this whole process is a client of (colora/sweeps/orchestrate.py starts
     one per MPS process); tenant: the time-slicing arm's hooks when this run is one of its tenants
     (colora/timeslice/tenant.py): `gate` (a grant around each GPU phase: the engine's start, the trainer's
-    build and the warm-up in one, each evaluation, each generation and each training step),
-    `engine_args` (vLLM's, for its sleep mode), `origin` (the timeline's clock, shared by the tenants) and
-    `park(engine, trainer, bank)`, called inside the first grant to register the parkers."""
+    build and the warm-up in one, each evaluation, and `step_gate`'s each generation and training step, or
+    `corun_gate`'s one around a co-run's whole training), `engine_args` (vLLM's, for its sleep mode),
+    `origin` (the timeline's clock, shared by the tenants) and `park(engine, trainer, bank)`, called inside
+    the first grant to register the parkers."""
     out = Path(out)
     if cfg.experiment.arm == "timeslice" and tenant is None:
         raise RunError("experiment.arm = 'timeslice' runs as a broker and a process per tenant: use `colora run` or "
@@ -321,7 +322,8 @@ def _execute(setup: Setup, shown, engine_cache: EngineCache | None, process_mps,
             with _phase(gate, "eval"):
                 before = _evaluate_before(r, corunner, resumed=resume_state is not None)
             stop.phase = "training"
-            window, gpu = _train(r, corunner, engine, ckpt)
+            with _phase(getattr(tenant, "corun_gate", None), "corun"):  # a co-run tenant: its groups overlap inside
+                window, gpu = _train(r, corunner, engine, ckpt)
             stop.phase = "the evaluation after training"
             with _phase(gate, "eval"):
                 after = _evaluate_after(r, corunner, bank, before)
@@ -419,7 +421,7 @@ def _assemble(r: _Run, stack: contextlib.ExitStack, engine, bank, trainer, resum
     export = export_for(cfg, engine, str(r.setup.model_dir), scratch)
     stack.callback(export.close)
     corunner = CoRunner(Schedule.of(cfg), engine, trainer, bank, export, r.tokenizer, jobs, r.timeline, r.metrics,
-                        r.log, on_step=ckpt.maybe_save, stop_request=r.stop, gate=getattr(r.tenant, "gate", None))
+                        r.log, on_step=ckpt.maybe_save, stop_request=r.stop, gate=getattr(r.tenant, "step_gate", None))
     # every job's current version, a job that joins later too (its evaluation before training serves it)
     engine.set_adapters([export.export(bank, name) for name in jobs])
     if not engine.warmed:  # once per engine: its compiled kernels stay for every later run

