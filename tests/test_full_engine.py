@@ -64,8 +64,8 @@ def test_after_each_step_the_engine_serves_the_new_weights(engine, tiny_model_di
             cached = engine.generate([probe])[0]
             again = engine.generate([probe])[0]
             assert again.prompt_cached_tokens > 0 and again.logprobs == cached.logprobs  # the prompt's KV reused
-            res = engine.generate([GenRequest("f", tuple(range(20 + step, 40 + step)), 6, JOB.temperature, seed=7 + i, tag=i)
-                                   for i in range(4)])
+            prompt = tuple(range(20 + step, 40 + step))
+            res = engine.generate([GenRequest("f", prompt, 6, JOB.temperature, seed=7 + i, tag=i) for i in range(4)])
             assert {r.version for r in res} == {step} and {r.request.job for r in res} == {"f"}
             rs = [Rollout("f", r.version, list(r.request.prompt_ids), r.completion_ids, r.logprobs, 0,
                           advantage=(1.0 if i % 2 else -1.0)) for i, r in enumerate(res)]
