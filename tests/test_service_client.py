@@ -6,6 +6,7 @@ The datums, sampling and refusals are checked without a server.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -308,27 +309,136 @@ def test_a_key_the_server_refuses_ends_with_one_line(server, tmp_path, tiny_mode
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_the_benchmark_writes_both_columns_and_the_one_beside(server, client_run, tiny_model_dir, tmp_path):
-    """Its own server, once the module's is stopped (one engine at a time); the client run above beside it."""
+def test_the_benchmark_writes_its_rows_the_one_beside_and_the_engines_restart(server, client_run, tiny_model_dir,
+                                                                              tmp_path):
+    """Its own server, once the module's is stopped (one engine at a time); the client run above beside it. Two
+    clients at once, one at a time, and at once again with the engine core killed when a client reaches step 2:
+    the server comes back (the samplers in memory registered again, the samples in flight sent again by the SDK)
+    and every job ends its steps."""
     server.stop()
     cfg = write_config(tmp_path, tiny_model_dir)
     out = tmp_path / "bench"
     p = subprocess.run([*PY, "-m", "colora.cli", "bench", "serve", str(cfg), "--clients", "2", "--steps", "3",
-                        "--beside", str(client_run[0]), "--out", str(out)], capture_output=True, text=True,
-                       timeout=900, cwd=tmp_path)
+                        "--kill-engine-at", "2", "--beside", str(client_run[0]), "--out", str(out)],
+                       capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads((out / "report.json").read_text())
     assert r["clients"] == 2 and r["jobs"] == ["coin", "sums"] and r["steps"] == 3
-    for key in ("concurrent", "sequential"):
-        assert r[key]["steps_per_hour"] > 0 and r[key]["failed_jobs"] == [], r[key]
-        assert r[key]["cycles"]["training_cycles"] > 0
+    assert [x["label"] for x in r["rows"]] == ["first", "killed"] and len(r["servers"]) == 1  # one server for both
+    first, killed = r["rows"]
+    for row in (first, killed, r["sequential"]):
+        assert row["steps_per_hour"] > 0 and row["failed_jobs"] == [], row
+        assert row["cycles"]["training_cycles"] > 0 and 0 < row["cycles"]["trainer_busy"] <= 1
     assert set(r["sequential"]["jobs"]) == {"coin", "sums"} and r["sequential"]["steps_measured"] == 4  # 2 + 2
-    assert r["beside"]["same_jobs"] and r["beside"]["steps_per_hour"] > 0 and r["ratios"]["concurrent_vs_beside"] > 0
-    assert "--engine" in r["server"]["command"] and "logprobs=true" in r["server"]["command"]
+    lat = first["latency"]
+    # the sft job's steps are quick: those of its steps that end inside the window (after coin's warm-up) count
+    assert "coin" in lat["jobs"] and set(lat["jobs"]) <= {"coin", "sums"} and 0 < lat["median"] <= lat["p90"]
+    k = killed["kill"]
+    assert k["at_step"] == 2 and k["beside"] == "first" and k["healthy_after_s"] > 0 and k["engine_start_s"] > 0
+    assert "the engine restarted" in (out / "server-first.log").read_text()
+    assert r["beside"]["same_jobs"] and r["beside"]["steps_per_hour"] > 0 and r["ratios"]["first_vs_beside"] > 0
+    cmd = r["servers"][0]["command"]
+    assert "--engine" in cmd and "logprobs=true" in cmd and "--lever" not in cmd  # the server's default levers
     md = (out / "report.md").read_text()
-    assert md.startswith(f"```\n{r['command']}\n```") and "one at a time" in md and "clients at once" in md
-    for d in ("concurrent", "sequential/coin", "sequential/sums"):
+    assert md.startswith(f"```\n{r['command']}\n```") and "one at a time" in md and "killed with SIGKILL" in md
+    for d in ("first", "killed", "sequential/coin", "sequential/sums"):
         assert json.loads((out / d / "status.json").read_text())["state"] == "complete"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_with_gather_two_clients_share_their_cycles_as_a_native_runs_jobs_share_steps(server, client_run,
+                                                                                       tiny_model_dir, tmp_path):
+    """The grpo and the sft job of `colora run --server` against a server whose trainer gathers (`gather` 20, one
+    group: colora/service/levers.py), in this process (the module's server is stopped first: one engine at a
+    time). The sft job's step is ready at once and the grpo job's only once its samples are scored: without the
+    lever (the module's server, the same two jobs) they share next to none of their cycles. With it,
+    every trainer cycle that trains holds both jobs' forward_backward calls and both optim_steps, as a native
+    shared_sync run's two jobs share each step, the sft job's waiting for the grpo job's samples."""
+    from colora.config import EngineConfig, TrainerConfig
+    from colora.service.app import ServerThread, create_app
+    from colora.service.config import ServeConfig
+    from colora.service.corun import CorunBackend
+    from colora.service.levers import Levers
+
+    server.stop()
+
+    def shared(rows):  # (training cycles, those holding both jobs' training) of forward_backward and of optim_step
+        fb = [{f[0] for f in r["forward"] if not f[3]} for r in rows if any(not f[3] for f in r["forward"])]
+        opt = [{o[0] for o in r["optim"]} for r in rows if r["optim"]]
+        return (len(fb), sum(len(m) == 2 for m in fb)), (len(opt), sum(len(m) == 2 for m in opt))
+
+    (fb, fb_both), (opt, opt_both) = shared([json.loads(x) for x in (server.out / "stats.jsonl").read_text().splitlines()])
+    # 4 steps each: 8 forward_backward calls and 8 optim_steps, next to none of them beside the other job's
+    assert fb + fb_both == opt + opt_both == 8 and fb_both + opt_both <= 2, (fb, fb_both, opt, opt_both)
+    cfg = write_config(tmp_path, tiny_model_dir, steps=3)
+    out = tmp_path / "serve"
+    backend = CorunBackend(tiny_model_dir, out, engine=EngineConfig(gpu_memory_utilization=0.3, max_model_len=512,
+                                                                    enforce_eager=True, logprobs=True),
+                           trainer=TrainerConfig(micro_batch_tokens=4096), max_lora_rank=8, device="cpu",
+                           levers=Levers(gather=20.0, gather_groups=1), log=lambda line: None)
+    try:
+        with ServerThread(create_app(ServeConfig(out=out, api_keys={KEY: "lab"}), backend)) as thread:
+            p = subprocess.run([*PY, "-m", "colora.cli", "run", str(cfg), "--server", thread.url, "--api-key", KEY,
+                                "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=900,
+                               cwd=tmp_path)
+    finally:
+        backend.close()
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert {n: j["steps"] for n, j in s["jobs"].items()} == {"coin": 3, "sums": 3}
+    rows = [json.loads(x) for x in (out / "stats.jsonl").read_text().splitlines()]
+    assert shared(rows) == ((3, 3), (3, 3)), rows
+    assert sum(r["held"] for r in rows) > 0.1  # the sft job's steps waited for the grpo job's
+
+
+def test_the_benchmarks_rows_levers_and_cycled_jobs(tmp_path, tiny_model_dir):
+    """Without a server: the rows --vary, --kill-engine-at and --scale make, each server's --lever items, and a
+    config whose jobs are cycled to more clients (copies named apart, so with seeds of their own)."""
+    from colora.bench.serve import Row, cycled_config, plan, server_command
+    from colora.config import load_config
+
+    rows = plan("off", ["samplers=memory", "gather=0.5,gather_groups=1"], [16], 8, 5)
+    assert rows == [Row("first", ["off"], 8), Row("vary1", ["off", "samplers=memory"], 8),
+                    Row("vary2", ["off", "gather=0.5", "gather_groups=1"], 8),
+                    Row("killed", ["off", "gather=0.5", "gather_groups=1"], 8, 5),
+                    Row("clients16", ["off", "gather=0.5", "gather_groups=1"], 16)]
+    cfg = load_config(write_config(tmp_path, tiny_model_dir))
+    cmd = server_command(cfg, tiny_model_dir, tmp_path / "s", 1, 4, rows[2].levers)
+    assert cmd[cmd.index("--max-loras") + 1] == "4" and cmd[-6:] == ["--lever", "off", "--lever", "gather=0.5",
+                                                                     "--lever", "gather_groups=1"]
+    (tmp_path / "out").mkdir()
+    five = load_config(cycled_config(tmp_path / "mix.toml", 5, tmp_path / "out"))
+    assert [j.name for j in five.jobs] == ["coin", "sums", "coin-c2", "sums-c2", "coin-c3"]
+    assert five.jobs[2] == dataclasses.replace(cfg.jobs[0], name="coin-c2") and five.jobs[3].kind == "sft"
+
+
+def test_the_benchmarks_figures_of_cycles_and_step_latencies(tmp_path):
+    """serve_report's figures on hand-made rows: the shares of cycles holding several models' forward calls and
+    optim_steps, where the trainer's time went, each client's step latency (median, p90)."""
+    from colora.bench.serve_report import cycles, latencies
+
+    rows = [{"time": 1.0, "seconds": 0.5, "train": 0.4, "held": 0.1, "models": ["a", "b"],
+             "forward": [["a", 1, 8, False], ["b", 1, 8, False]], "optim": [["a", 2], ["b", 2]], "barriers": []},
+            {"time": 2.0, "seconds": 0.3, "train": 0.3, "held": 0.0, "models": ["a"],
+             "forward": [["a", 4, 8, False]], "optim": [["a", 5]], "barriers": []},
+            {"time": 2.5, "seconds": 0.2, "train": 0.0, "models": ["b"], "forward": [], "optim": [],
+             "barriers": [["b", 3, "snapshot"]]},
+            {"time": 9.0, "seconds": 5.0, "forward": [["a", 7, 8, False]], "optim": [], "barriers": []}]  # outside
+    c = cycles(rows, [(0.0, 4.0)])
+    assert (c["cycles"], c["training_cycles"], c["models_max"]) == (3, 2, 2)
+    assert c["multi_forward_share"] == c["multi_optim_share"] == 0.5
+    assert c["forward_calls_shared"] == pytest.approx(2 / 3) and c["optim_steps_shared"] == pytest.approx(2 / 3)
+    assert (c["trainer_training"], c["trainer_saving"], c["trainer_held"]) == pytest.approx((0.7 / 4, 0.3 / 4, 0.1 / 4))
+    assert c["trainer_idle"] == pytest.approx(1 - 1.1 / 4)
+    run = tmp_path / "run"
+    run.mkdir()
+    ends = {"a": [0.5, 1.5, 2.5, 3.5, 4.5, 15.5], "b": [1.0, 3.0, 5.0]}
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"job": j, "step": i, "status": "ok", "end": e}) + "\n"
+                                               for j, es in ends.items() for i, e in enumerate(es)))
+    lat = latencies([run], [(1.0, 5.0)])
+    assert lat["jobs"]["a"] == {"median": 1.0, "p90": 1.0, "steps": 4} and lat["jobs"]["b"]["steps"] == 2
+    assert lat["median"] == 1.0 and lat["p90"] == pytest.approx(2.0) and lat["steps"] == 6
 
 
 def test_a_job_that_never_joined_the_clients_run_fails_and_reports_no_weights(tmp_path, tiny_model_dir):

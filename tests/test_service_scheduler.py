@@ -400,3 +400,30 @@ def test_gather_does_not_wait_for_models_that_are_not_about_to_train_or_beyond_i
     assert s.stats()["held_seconds"] < 30
     assert ("cycle", [("A", 7), ("B", 1)], [("A", 8), ("B", 2)]) in s.backend.log or \
         ("cycle", [("B", 1), ("A", 7)], [("B", 2), ("A", 8)]) in s.backend.log, s.backend.log
+
+
+def test_a_models_save_does_not_hold_the_answer_of_another_models_step_in_its_cycle(tmp_path):
+    """A save (here one that waits) runs after the cycle's training pass: B's forward_backward and optim_step
+    are answered before it ends, and A's save when it does."""
+    answered, cond = {}, threading.Condition()
+
+    def done(rid, o):
+        with cond:
+            answered[rid] = o
+            cond.notify_all()
+
+    s = Scheduler(Recorder(), done)
+    s.add_model("A")
+    s.add_model("B")
+    go = threading.Event()
+    s.submit("A", barrier_work("as", "A", 1, "snapshot", lambda b: go.wait(WAIT_S) and {"saved": "A"}))
+    s.submit("B", fwd("bf", "B", 1))
+    s.submit("B", optim_work("bo", "B", 2, AdamParams()))
+    t = threading.Thread(target=s.run_cycle)
+    t.start()
+    with cond:
+        assert cond.wait_for(lambda: {"bf", "bo"} <= set(answered), timeout=WAIT_S)
+        assert "as" not in answered
+    go.set()
+    t.join(WAIT_S)
+    assert answered["as"].result == {"saved": "A"}

@@ -6,22 +6,26 @@ gets the first request's id back and runs nothing. A cycle takes, for every mode
 from its next seq_id on: forward_backward/forward calls up to the first barrier (optim_step, or a
 save/load, which is a function run with the backend), and that barrier. All models' forward calls and
 optim_steps go to the backend in ONE `train_cycle` call (forward calls first, in each model's seq
-order; then the optim_steps, one per model at most); then the other barriers run; then every
-request's future is answered and the next cycle starts. A request that failed before it reached the
+order; then the optim_steps, one per model at most), whose futures are answered then; then the other
+barriers run, each answered as it ends; then the next cycle starts. A request that failed before it reached the
 scheduler (invalid content) still takes its seq_id slot: it is answered with its error in its turn and
 the model goes on. Control operations (create, delete, load into a new model) run on the same thread
 at the start of a cycle, so the backend's training side is only ever touched from this thread.
 
 With `save_in_step` a model's saves and loads right after its optim_step ride in the step's cycle, after
 it (a client's save_weights_and_get_sampling_client then waits for no other model's next training). With
-`gather` (colora/service/levers.py; both read from the backend's `levers` where it has them) a cycle that
-has training work waits, at most `gather` times the last training cycle's seconds, while models that are
-about to train have not sent their work yet, until it holds 1/`gather_groups` of the models that are
-active: those ready and those about to train. A model is about to train while one of its samplers' samples
-decodes, and for that bound after its last one finished, until its training work comes (`sampling`, which
-the service calls). Models that trained together get their next samplers together, sample together and
-come back together: the cycles settle into `gather_groups` groups that alternate, one training while the
-others' samples decode, as the native run's phase-offset groups (colora/corun/grouping.py).
+`gather` (colora/service/levers.py; both read from the backend's `levers` where it has them) a model's
+forward_backward waits, at most `gather` times the last cycle's with one (FIRST_TRAIN_S before one ran),
+while models about to train have not sent theirs yet, until the ready ones are 1/`gather_groups` of the
+models that are active: those ready and those about to train; other work runs meanwhile, in cycles of its
+own (the stats' `held`: the seconds a cycle's forward_backward calls waited). A model is about to train
+while its work of the step before waits (its optim_step, its save), while one of its samplers' samples
+decode (`sampling`, which the service calls), and for that bound after its last forward_backward or its
+last sample: a client's loop goes from one to the other in far less. Models that trained together get
+their next samplers together, sample together and come back together: the cycles settle into
+`gather_groups` groups that alternate, one training while the others' samples decode, as the native run's
+phase-offset groups (colora/corun/grouping.py); a job that does not sample (sft) trains with the others, as
+in a native step. An evaluation's forward never waits.
 
 Fairness: a model's share of one cycle is bounded (`cycle_datums`, `cycle_tokens` of forward calls; its
 first ready call always runs, however large). What is left waits for the next cycle, where every model
@@ -33,7 +37,8 @@ tenant) may hold (`Backlog`, which the service answers 429).
 
 Each cycle that did work is one line of `stats.jsonl` (written after its futures are answered, so a
 full disk never leaves a request unanswered): which models, which (model, seq_id) forward calls with
-how many datums, which optim_steps, the seconds the cycle waited for models about to train (`held`);
+how many datums, which optim_steps, its seconds (`train` of them in the backend's training pass), the seconds
+its forward_backward calls waited for models about to train (`held`);
 `stats()` sums them (cycles, models per cycle, ...).
 """
 
@@ -55,6 +60,8 @@ log = logging.getLogger("colora.service")
 SEEN_KEPT = 4096  # a model's most recent seq_ids whose request ids answer a retried POST
 
 
+FIRST_TRAIN_S = 1.0  # `gather`'s estimate of a training cycle's seconds before one has run
+HOLD_LOOK_S = 0.05  # while `gather` holds and nothing else is ready, how often the trainer looks again
 STATS_MAX_BYTES = 256 << 20  # stats.jsonl is moved to stats.jsonl.1 (replacing it) past this size
 
 
@@ -136,7 +143,8 @@ class Scheduler:
         self._sampling: dict[str, int] = {}  # model -> its samplers' samples decoding
         self._sampled_at: dict[str, float] = {}  # model -> when its last sample finished (monotonic)
         self._trained_at: dict[str, float] = {}  # model -> when its training work last went into a cycle
-        self._last_train_s = 0.0  # the last cycle with forward or optimizer work: its seconds
+        self._last_train_s = 0.0  # the last cycle with a forward_backward: its seconds
+        self._hold_since: float | None = None  # when the forward_backward calls `gather` holds began to wait
         self._observe = observe  # called on the trainer thread with each cycle's (work, outcome) pairs
         self._models: dict[str, _Queue] = {}
         self._owner_bytes: dict[str, int] = {}
@@ -257,56 +265,65 @@ class Scheduler:
                 return
             if self._window:
                 time.sleep(self._window)  # let requests sent together (two clients, a call's chunks) share the cycle
-            held = self._hold() if self._gather else 0.0
+            with self._cond:
+                held, deferred = self._deferred() if self._gather else (0.0, set())
+                if deferred and not self._control and all(m in deferred for m, q in self._models.items()
+                                                          if q.next_seq in q.pending):
+                    self._cond.wait(HOLD_LOOK_S)  # nothing else to run meanwhile: a submit or a sample's end wakes it
+                    continue
             try:
-                self.run_cycle(held)
+                self.run_cycle(held, skip=deferred)
             except Exception:  # the thread must outlive any one cycle's bug; the cycle answered what it could
                 log.exception("trainer cycle failed")
 
-    def _hold(self) -> float:
-        """`gather`'s wait before a cycle (module docstring): the seconds it waited."""
-        t0 = time.monotonic()
-        bound = self._gather * self._last_train_s
-        with self._cond:
-            while not self._stopped and not self._control:
-                now = time.monotonic()
-                ready = {m for m, q in self._models.items() if q.next_seq in q.pending
-                         and q.pending[q.next_seq].kind in ("forward", "optim")}
-                soon = {m for m in self._models if m not in ready and (
-                    m in self._sampling or self._trained_at.get(m, -math.inf) < self._sampled_at.get(m, -math.inf)
-                    > now - bound)}
-                if not ready or not soon or len(ready) >= math.ceil((len(ready) + len(soon)) / self._groups):
-                    break
-                if now - t0 >= bound:
-                    break
-                self._cond.wait(bound - (now - t0))
-        return time.monotonic() - t0
+    def _deferred(self) -> tuple[float, set[str]]:
+        """`gather` (module docstring), under the lock: (the seconds the models now let go were held, the models
+        whose forward_backward waits). Other work (an evaluation's forward, an optim_step whose forward_backward
+        has run, a save) runs meanwhile, in cycles of its own."""
+        now = time.monotonic()
+        bound = self._gather * (self._last_train_s or FIRST_TRAIN_S)
+        waiting = {m for m, q in self._models.items() if q.next_seq in q.pending}
+        ready = {m for m in waiting if _trains(self._models[m].pending[self._models[m].next_seq])}
+        soon = {m for m in self._models if m not in ready and (m in waiting or m in self._sampling or max(
+            self._trained_at.get(m, -math.inf), self._sampled_at.get(m, -math.inf)) > now - bound)}
+        since, self._hold_since = self._hold_since, None
+        if not ready or not soon or len(ready) >= math.ceil((len(ready) + len(soon)) / self._groups):
+            return (now - since if since is not None and ready else 0.0), set()
+        since = now if since is None else since
+        if now - since >= bound:
+            return now - since, set()
+        self._hold_since = since
+        return 0.0, ready
 
-    def run_cycle(self, held: float = 0.0) -> bool:
-        """One cycle (module docstring), `held` the seconds it waited for models about to train. Returns
-        whether it did anything."""
+    def run_cycle(self, held: float = 0.0, skip: set[str] = frozenset()) -> bool:
+        """One cycle (module docstring) of every model but those in `skip`; `held`: the seconds its models
+        waited for models about to train. Returns whether it did anything."""
         control = self._run_control()
-        forward, optim, barriers, failed = self._take()
+        forward, optim, barriers, failed = self._take(skip)
         for w in failed:
             self._done(w.request_id, Outcome(error=w.error, category="user"))
         if not (forward or optim or barriers):
             return bool(control or failed)
         t0 = time.perf_counter()
         fwd_out, opt_out = self._train(forward, optim)
-        if forward or optim:
-            self._last_train_s = time.perf_counter() - t0
+        train = time.perf_counter() - t0
+        if any(_trains(w) for w in forward):
+            self._last_train_s = train
         results = list(zip(forward, fwd_out)) + list(zip(optim, opt_out))
+        # each answered as soon as it is done (a save after a step makes no other model's step wait for it), and
+        # before anything else: whatever fails after, every request of the cycle is answered
+        for w, outcome in results:
+            self._done(w.request_id, outcome)
         for w in barriers:
             results.append((w, _call(lambda: w.payload(self.backend))))
+            self._done(w.request_id, results[-1][1])
         seconds = time.perf_counter() - t0
-        for w, outcome in results:  # first: whatever fails after, every request of the cycle is answered
-            self._done(w.request_id, outcome)
         if self._observe is not None:
             try:
                 self._observe(results)
             except Exception:
                 log.exception("counting a cycle's results failed")
-        self._record(forward, optim, barriers, seconds, held)
+        self._record(forward, optim, barriers, seconds, held, train)
         return True
 
     def _run_control(self) -> list:
@@ -318,12 +335,12 @@ class Scheduler:
                 self._done(rid, outcome)
         return control
 
-    def _take(self) -> tuple[list[Work], list[Work], list[Work], list[Work]]:
+    def _take(self, skip: set[str] = frozenset()) -> tuple[list[Work], list[Work], list[Work], list[Work]]:
         """Every model's share of ready requests (module docstring), up to and including its first
-        barrier, out of the queues."""
+        barrier, out of the queues; none of the models in `skip`."""
         forward, optim, barriers, failed = [], [], [], []
         with self._cond:
-            queues = list(self._models.items())
+            queues = [(m, q) for m, q in self._models.items() if m not in skip]
             if queues:
                 first = self._turn % len(queues)
                 queues = queues[first:] + queues[:first]
@@ -345,13 +362,12 @@ class Scheduler:
                         failed.append(w)
                     elif w.kind == "forward":
                         forward.append(w)
-                        trains = True
+                        trains = trains or _trains(w)
                     elif w.kind == "barrier":
                         barriers.append(w)
                         break
                     else:
                         optim.append(w)
-                        trains = True
                         if self._save_in_step:  # its saves and loads after it, in this cycle after the step
                             while q.next_seq in q.pending and q.pending[q.next_seq].kind == "barrier":
                                 b = q.pending.pop(q.next_seq)
@@ -382,7 +398,7 @@ class Scheduler:
         return [_outcome(r) for r in fr], [_outcome(r) for r in steps_out]
 
     def _record(self, forward: list[Work], optim: list[Work], barriers: list[Work], seconds: float,
-                held: float = 0.0) -> None:
+                held: float = 0.0, train: float = 0.0) -> None:
         models = sorted({w.model_id for w in forward + optim + barriers})
         t = self._totals
         t["cycles"] += 1
@@ -406,7 +422,8 @@ class Scheduler:
         row = {"cycle": t["cycles"], "time": round(time.time(), 3), "seconds": round(seconds, 6), "models": models,
                "forward": [[w.model_id, w.seq_id, len(w.payload.datums), w.payload.forward_only] for w in forward],
                "optim": [[w.model_id, w.seq_id] for w in optim],
-               "barriers": [[w.model_id, w.seq_id, w.label] for w in barriers], "held": round(held, 6)}
+               "barriers": [[w.model_id, w.seq_id, w.label] for w in barriers], "held": round(held, 6),
+               "train": round(train, 6)}
         try:
             if self._stats_path.is_file() and self._stats_path.stat().st_size > STATS_MAX_BYTES:
                 os.replace(self._stats_path, f"{self._stats_path}.1")
@@ -426,6 +443,11 @@ class Scheduler:
         """The counters of every cycle so far (module docstring)."""
         with self._cond:
             return dict(self._totals, models=len(self._models))
+
+
+def _trains(w: Work) -> bool:
+    """A forward_backward (not an evaluation's forward, not a request that only takes its slot)."""
+    return w.kind == "forward" and w.error is None and not w.payload.forward_only
 
 
 def _outcome(r: Any) -> Outcome:
