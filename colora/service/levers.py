@@ -40,9 +40,9 @@ class Levers:
             raise LeverError(f"lever samplers = {self.samplers!r}: expected one of {', '.join(map(repr, SAMPLERS))}")
         if self.memory_samplers < 0:
             raise LeverError(f"lever memory_samplers = {self.memory_samplers}: 0 (twice the engine's slots) or more")
-        if not 0.0 <= self.gather <= 10.0:
-            raise LeverError(f"lever gather = {self.gather}: a share of the last training cycle's seconds, 0 (off) "
-                             "to 10")
+        if not 0.0 <= self.gather <= 100.0:
+            raise LeverError(f"lever gather = {self.gather}: a multiple of the last training cycle's seconds, 0 "
+                             "(off) to 100")
         if self.gather_groups < 1:
             raise LeverError(f"lever gather_groups = {self.gather_groups}: at least 1")
 
