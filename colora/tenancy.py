@@ -19,10 +19,7 @@ trainer's process). This module also checks the `[timeslice]` section.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, Callable
-
-from colora.joining import join_bounds
 
 FULL_ARMS = ("dedicated", "timeslice")
 
@@ -66,9 +63,3 @@ def check_tenancy(cfg, need: Callable[[bool, str, Any, str], None]) -> None:
         need(cfg.runtime.engine_process != "on", "runtime.engine_process", cfg.runtime.engine_process,
              "must be \"auto\" or \"off\" with a finetune = \"full\" job: its weights reach its engine through "
              "vLLM's collective_rpc in the trainer's process")
-    if full and arm == "timeslice":  # the LoRA jobs' tenants are cut without the full ones (`tenant_units`)
-        lora = [(i, j) for i, j in enumerate(cfg.jobs) if j.finetune == "lora"]
-        part = SimpleNamespace(experiment=cfg.experiment, timeslice=ts, jobs=[j for _, j in lora])
-        for k, (bound, rule) in join_bounds(part).items():
-            i, j = lora[k]
-            need(j.start_after < bound, f"jobs.{i}.start_after", j.start_after, rule)

@@ -11,6 +11,7 @@ import torch
 from test_trainer import fixed_rollouts
 
 from colora.config import ConfigError, JobConfig, TrainerConfig, resolve
+from colora.joining import join_bounds
 from colora.models.base import load_base_model
 from colora.tenancy import tenant_units
 from colora.timeslice.parking import trainer_parker
@@ -227,6 +228,17 @@ def test_a_lora_job_joins_by_its_own_tenant_beside_full_jobs():
     assert ok.jobs[2].start_after == 2
     with pytest.raises(ConfigError, match=r"jobs\.4\.start_after \(2\) must be below 0"):
         resolve(BASE, ["timeslice.tenant_jobs=2", "jobs.4.start_after=2"])  # l2 alone in its tenant
+
+
+def test_a_full_job_between_lora_jobs_takes_no_place_in_their_tenant():
+    """l0, full0, l1 with two jobs a tenant: the tenants are [l0, l1] and [full0], so l1 joins l0's tenant,
+    which reaches 3 steps; the full job beside l0 in config order does not push l1 into a tenant alone."""
+    raw = {**BASE, "jobs": BASE["jobs"][:3]}
+    cfg = resolve(raw, ["timeslice.tenant_jobs=2", "jobs.2.start_after=2"])
+    assert tenant_units(cfg) == [["l0", "l1"], ["full0"]] and cfg.jobs[2].start_after == 2
+    assert {i: bound for i, (bound, _) in join_bounds(cfg).items()} == {2: 3}
+    with pytest.raises(ConfigError, match=r"jobs\.2\.start_after \(3\) must be below 3, .* in its tenant"):
+        resolve(raw, ["timeslice.tenant_jobs=2", "jobs.2.start_after=3"])
 
 
 def test_the_full_state_bytes_per_parameter_match_the_trainers_tensors(tiny_model_dir):
