@@ -36,17 +36,14 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from colora.config import Config, JobConfig, TrainerConfig
 from colora.engine.weights import WeightsSegment, WeightsUpdate
-from colora.kernels import upload, upload_aligned
 from colora.models.base import load_base_model
-from colora.training import losses
 from colora.training.adamw import AdamParams, OptimStepResult, group_norms
-from colora.training.batches import Row, pack_micro_batch, pack_micro_batch_rows
+from colora.training.lora import _cpu_copy
 from colora.training.trainer import MultiJobTrainer
 
 
@@ -148,16 +145,6 @@ class FullBank:
         return out
 
 
-def _cpu_copy(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
-    return obj
-
-
 def _logp_chunk(h: torch.Tensor, W: torch.Tensor, tgt: torch.Tensor, temp: torch.Tensor):
     """(logp fp32 [C], entropy fp32 [C]) of one chunk: logits rounded to h's dtype by the matmul, as the
     kernels' and vLLM's heads do, then fp32 softmax. h: [C, d], W: [V, d], tgt: [C], temp: [C]."""
@@ -214,45 +201,10 @@ class FullTrainer(MultiJobTrainer):
                     "frozen base for the KL term (not built)")
         return problem
 
-    def _forward_backward(self, mb: list[Row], order: tuple[str, ...], sums: torch.Tensor,
-                          grad: bool = True) -> torch.Tensor:
-        """One micro-batch as `MultiJobTrainer._forward_backward` runs it, through the whole model and a
-        trained LM head (`head_logprobs`); no KL term (the config refuses one). Returns the targets'
-        log-probs [N], detached."""
-        dev, L = self.device, max(len(r.datum.tokens) for r in mb)
-        longs_host, per_tok, targets_host = (pack_micro_batch_rows(mb) if self.packed
-                                             else pack_micro_batch(mb, self.pad_id))
-        N, K, B = len(targets_host), len(longs_host), len(mb)
-        longs = upload(torch.from_numpy(np.concatenate([longs_host, targets_host])), dev)
-        targets = longs[K:]  # [N]
-        if self.packed:  # one row of T tokens: [ids | position ids | pos | call | cu]
-            T = int(longs_host[-1])
-            inputs = {"input_ids": longs[:T].view(1, T), "position_ids": longs[T: 2 * T].view(1, T),
-                      "cu_seq_lens_q": longs[2 * T + 2 * N: K].to(torch.int32), "max_length_q": L}
-            pos_t, call_of_tok = longs[2 * T: 2 * T + N], longs[2 * T + N: 2 * T + 2 * N]
-        else:
-            inputs = {"input_ids": longs[: B * L].view(B, L), "attention_mask": longs[B * L: 2 * B * L].view(B, L)}
-            pos_t, call_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N: K]  # [N] each
-        inputs["use_cache"] = False
-        w, adv, q, kind, lo, hi, temp, elp = upload_aligned(
-            [per_tok[k] for k in ("w", "adv", "q", "kind", "lo", "hi", "temp", "elp")], torch.float32, dev)
-        present = tuple(k for k in losses.KINDS if any(r.loss.kind == k for r in mb))
-        with torch.set_grad_enabled(grad):
-            hidden = self.body(**inputs).last_hidden_state  # [B, L, d], or [1, T, d] packed
-            h = hidden.reshape(-1, hidden.shape[-1])[pos_t]  # [N, d]
-            logp, ent = head_logprobs(h, self.lm_head.weight, targets, temp, self.logprob_chunk)
-            tok_loss, kl = losses.token_losses(logp, kind, w, adv, q, lo, hi, None, 0.0, present)
-            if grad:
-                tok_loss.sum().backward()
-        with torch.no_grad():
-            lp = logp.detach()
-            have = ~torch.isnan(elp)
-            ratio = torch.exp(lp - elp)
-            clipped = ((ratio < 0.8) | (ratio > 1.2)) & have
-            gap = torch.where(have, (lp - elp).abs(), torch.zeros_like(elp))
-            cols = torch.stack([tok_loss.detach(), kl, clipped.float(), gap, ent, torch.ones_like(w)], 1).double()
-            sums.index_add_(0, call_of_tok, cols)  # [N, METRICS] by call
-        return lp
+    def _head_logprobs(self, h: torch.Tensor, targets: torch.Tensor,
+                       temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Through the trained LM head (`head_logprobs`): differentiable in the head's weight."""
+        return head_logprobs(h, self.lm_head.weight, targets, temp, self.logprob_chunk)
 
 
 def _adamw_step(w: FullWeights, p: AdamParams, max_weight: float) -> OptimStepResult:

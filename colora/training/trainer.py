@@ -113,6 +113,22 @@ class ForwardBackwardResult:
     error: str = ""
 
 
+# a target's loss inputs, fp32 [N] each (colora/training/batches.py `pack_micro_batch`)
+PER_TOKEN = ("w", "adv", "q", "kind", "lo", "hi", "temp", "kl", "elp")
+
+
+@dataclass
+class DeviceBatch:
+    """One micro-batch on the trainer's device (N targets)."""
+
+    inputs: dict  # the decoder body's keyword arguments: ids [B, L] and mask, or one packed row [1, T]
+    pos: torch.Tensor  # int64 [N]: each target's row among the body's hidden states, flattened
+    call: torch.Tensor  # int64 [N]: each target's call, its row of the pass's sums
+    targets: torch.Tensor  # int64 [N]
+    tokens: list[int]  # each job's tokens in the activation, in the pass's job order
+    loss_inputs: dict[str, torch.Tensor]  # PER_TOKEN's, fp32 [N] each
+
+
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     body = getattr(model, "model", None) or getattr(model, "base_model", None)
     if body is None:
@@ -333,11 +349,8 @@ class MultiJobTrainer:
                 ad.bad_gradient = ad.bad_gradient or res.error
         return results
 
-    def _forward_backward(self, mb: list[Row], order: tuple[str, ...], sums: torch.Tensor,
-                          grad: bool = True) -> torch.Tensor:
-        """One micro-batch: its rows' losses, their gradient into the step scope's leaves where
-        `grad`, and their metrics added to `sums` [calls, METRICS] (index_add_ by call). Returns the
-        targets' log-probs [N] (detached, in the micro-batch's row order)."""
+    def _device_batch(self, mb: list[Row], order: tuple[str, ...]) -> DeviceBatch:
+        """The micro-batch's rows on the device: the body's inputs, each target's place and loss inputs."""
         dev = self.device
         B, L = len(mb), max(len(r.datum.tokens) for r in mb)
         if self.packed:
@@ -348,7 +361,6 @@ class MultiJobTrainer:
         # the previous micro-batch's backward, and the host would stop queueing work meanwhile.
         N, K = len(targets_host), len(longs_host)
         longs = upload(torch.from_numpy(np.concatenate([longs_host, targets_host])), dev)
-        targets = longs[K:]  # [N]
         tokens = dict.fromkeys(order, 0)  # each job's rows' tokens: its segment of the activation
         if self.packed:  # one row of T tokens: [ids | position ids | pos | call | cu]
             T = int(longs_host[-1])
@@ -356,35 +368,48 @@ class MultiJobTrainer:
                 tokens[r.job] += len(r.datum.tokens)
             inputs = {"input_ids": longs[:T].view(1, T), "position_ids": longs[T: 2 * T].view(1, T),
                       "cu_seq_lens_q": longs[2 * T + 2 * N: K].to(torch.int32), "max_length_q": L}
-            pos_t, call_of_tok = longs[2 * T: 2 * T + N], longs[2 * T + N: 2 * T + 2 * N]
+            pos, call = longs[2 * T: 2 * T + N], longs[2 * T + N: 2 * T + 2 * N]
         else:
             for r in mb:
                 tokens[r.job] += L
-            ids, mask = longs[: B * L].view(B, L), longs[B * L: 2 * B * L].view(B, L)
-            inputs = {"input_ids": ids, "attention_mask": mask}
-            pos_t, call_of_tok = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N: K]  # [N] each
+            inputs = {"input_ids": longs[: B * L].view(B, L), "attention_mask": longs[B * L: 2 * B * L].view(B, L)}
+            pos, call = longs[2 * B * L: 2 * B * L + N], longs[2 * B * L + N: K]  # [N] each
         # no KV cache: transformers builds one by default, also in training, and its update per layer
         # is a concatenation of K and V that leaves them strided for the attention (a copy each):
         # ~100 ms of the 8-job step on the H200 (measured at b1c6366) and K/V of every layer held
         inputs["use_cache"] = False
         # each row on a 16-byte boundary: temp goes to a Triton kernel, compiled per pointer alignment
-        w, adv, q, kind, lo, hi, temp, klc, elp = upload_aligned(
-            [per_tok[k] for k in ("w", "adv", "q", "kind", "lo", "hi", "temp", "kl", "elp")], torch.float32, dev)
-        W = self.lm_head.weight
+        loss_inputs = dict(zip(PER_TOKEN, upload_aligned([per_tok[k] for k in PER_TOKEN], torch.float32, dev)))
+        return DeviceBatch(inputs, pos, call, longs[K:], [tokens[j] for j in order], loss_inputs)
+
+    def _head_logprobs(self, h: torch.Tensor, targets: torch.Tensor,
+                       temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp fp32 [N], entropy fp32 [N]) of each target through the frozen LM head (the kernels'
+        selective log-softmax). h: [N, d], targets: int64 [N], temp: fp32 [N]."""
+        return selective_log_softmax(h, self.lm_head.weight, targets, temperature=temp, chunk_size=self.logprob_chunk,
+                                     return_entropy=True, backend=self.cfg.logprob_backend)
+
+    def _forward_backward(self, mb: list[Row], order: tuple[str, ...], sums: torch.Tensor,
+                          grad: bool = True) -> torch.Tensor:
+        """One micro-batch: its rows' losses, their gradient into the step scope's leaves where
+        `grad`, and their metrics added to `sums` [calls, METRICS] (index_add_ by call). Returns the
+        targets' log-probs [N] (detached, in the micro-batch's row order)."""
+        b = self._device_batch(mb, order)
+        w, adv, q, kind, lo, hi, temp, klc, elp = (b.loss_inputs[k] for k in PER_TOKEN)  # fp32 [N] each
         present = tuple(k for k in losses.KINDS if any(r.loss.kind == k for r in mb))
 
         ref_logp = None
         if any(r.loss.kl_coef > 0 for r in mb):
             with torch.no_grad():  # the frozen base model: no adapter active
-                h_ref = self.body(**inputs).last_hidden_state
-                ref_logp = selective_log_softmax(h_ref.reshape(-1, h_ref.shape[-1])[pos_t], W, targets, temperature=temp,
-                                                 chunk_size=self.logprob_chunk, backend=self.cfg.logprob_backend)
+                h_ref = self.body(**b.inputs).last_hidden_state
+                ref_logp = selective_log_softmax(h_ref.reshape(-1, h_ref.shape[-1])[b.pos], self.lm_head.weight,
+                                                 b.targets, temperature=temp, chunk_size=self.logprob_chunk,
+                                                 backend=self.cfg.logprob_backend)
 
-        with torch.set_grad_enabled(grad), self.bank.activate(order, [tokens[j] for j in order]):
-            hidden = self.body(**inputs).last_hidden_state  # [B, L, d], or [1, T, d] packed
-            h = hidden.reshape(-1, hidden.shape[-1])[pos_t]  # [N, d]
-            logp, ent = selective_log_softmax(h, W, targets, temperature=temp, chunk_size=self.logprob_chunk,
-                                              return_entropy=True, backend=self.cfg.logprob_backend)
+        with torch.set_grad_enabled(grad), self.bank.activate(order, b.tokens):
+            hidden = self.body(**b.inputs).last_hidden_state  # [B, L, d], or [1, T, d] packed
+            h = hidden.reshape(-1, hidden.shape[-1])[b.pos]  # [N, d]
+            logp, ent = self._head_logprobs(h, b.targets, temp)
             tok_loss, kl = losses.token_losses(logp, kind, w, adv, q, lo, hi, ref_logp, klc, present)
             if grad:
                 tok_loss.sum().backward()
@@ -397,7 +422,7 @@ class MultiJobTrainer:
             gap = torch.where(have, (lp - elp).abs(), torch.zeros_like(elp))
             cols = torch.stack([tok_loss.detach(), kl, clipped.float(), gap, ent.detach(),
                                 torch.ones_like(w)], 1).double()  # [N, METRICS]
-            sums.index_add_(0, call_of_tok, cols)
+            sums.index_add_(0, b.call, cols)
         return lp
 
 
