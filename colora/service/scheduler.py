@@ -272,7 +272,7 @@ class Scheduler:
                     self._cond.wait(HOLD_LOOK_S)  # nothing else to run meanwhile: a submit or a sample's end wakes it
                     continue
             try:
-                self.run_cycle(held, skip=deferred)
+                self.run_cycle(held, deferred) if self._gather else self.run_cycle()
             except Exception:  # the thread must outlive any one cycle's bug; the cycle answered what it could
                 log.exception("trainer cycle failed")
 
@@ -299,7 +299,7 @@ class Scheduler:
         """One cycle (module docstring) of every model but those in `skip`; `held`: the seconds its models
         waited for models about to train. Returns whether it did anything."""
         control = self._run_control()
-        forward, optim, barriers, failed = self._take(skip)
+        forward, optim, barriers, failed = self._take(skip) if skip else self._take()
         for w in failed:
             self._done(w.request_id, Outcome(error=w.error, category="user"))
         if not (forward or optim or barriers):
