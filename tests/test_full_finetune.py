@@ -5,6 +5,10 @@ log-softmax against autograd, park and restore bit for bit, and the config's rul
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -267,3 +271,41 @@ def test_a_checkpoint_of_a_full_job_resumes_the_same_steps(tiny_model_dir):
     assert all(torch.equal(x, y) for x, y in zip(_state(bank_a), _state(bank_b)))
     with pytest.raises(ValueError, match="no full-parameter state"):
         bank_b.load_job_state("f", {"A": {}, "B": {}, "version": 1, "optimizer": {}})
+
+
+def _full_run_config(tiny_model_dir):
+    return resolve({"experiment": {"arm": "dedicated", "model": str(tiny_model_dir), "device": "cpu", "steps": 3},
+                    "trainer": {"micro_batch_tokens": 4096, "logprob_backend": "torch"},
+                    "jobs": [dataclasses.asdict(JOB) | {"response_length": {}}]})
+
+
+def test_replay_step_runs_a_full_jobs_failed_step_on_its_full_trainer(tmp_path, tiny_model_dir):
+    """A full job's step that failed (an advantage not finite) is kept as a run keeps it and replayed: the
+    replay builds the full-parameter trainer, loads the kept weights and AdamW state, and fails the same way."""
+    from colora.run import replay
+    from colora.training.failed_step import keep_failed_step
+
+    cfg = _full_run_config(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"config": cfg.to_dict(), "hash": cfg.hash()}))
+    trainer, bank, _ = full_trainer(tiny_model_dir)
+    trainer.step({"f": fixed_rollouts(JOB, 0, VOCAB)})  # version 1, AdamW state made
+    rs = fixed_rollouts(JOB, 1, VOCAB)
+    rs[0].advantage = math.inf
+    stats = trainer.step({"f": rs})
+    assert "not finite" in stats["f"].failure and stats["f"].version == 1
+    kept = keep_failed_step(run_dir, 1, 0, {"f": rs}, stats, bank)
+    again = replay.replay(kept, [], None, log=lambda s: None)
+    assert "not finite" in again["f"].failure and again["f"].version == 1
+    assert replay.main([str(kept)]) == 1
+
+
+def test_bench_adapter_sync_refuses_full_jobs_by_name():
+    """A full-parameter job has no adapter to sync: the benchmark names it before an engine starts."""
+    from colora.bench import adapter_sync
+    from colora.run.preflight import RunError
+
+    smoke = str(Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml")
+    with pytest.raises(RunError, match=r"job 'mod' is finetune = \"full\": it has no adapter"):
+        adapter_sync.main([smoke, "--set", "experiment.arm=timeslice", "--set", "jobs.1.finetune=full"])

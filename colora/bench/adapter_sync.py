@@ -8,9 +8,9 @@ One engine, started as `colora run` starts it for CONFIG (its model, dtype, devi
 section; its client in a process of its own where `runtime.engine_process` says so for the config's
 arm; for an MPS arm under colora's MPS daemon with the arm's shares), for in-memory adapter sync
 (an engine started so loads PEFT directories too), and the trainer's adapter bank as a run builds it
-(`build_trainer`: the config's jobs on the trainer's device). Each round gives every job a new version
-(B drawn at random) and moves it to the engine by each path in turn, every time as a version of its
-own (a new LoRA name and id):
+(`build_trainer`: the config's jobs on the trainer's device; a full-parameter job, which has no adapter,
+is refused by name). Each round gives every job a new version (B drawn at random) and moves it to the
+engine by each path in turn, every time as a version of its own (a new LoRA name and id):
 
 - disk: `AdapterBank.export_peft` into a directory on tmpfs where there is one (as a run's adapter
   scratch is), then vLLM's `add_lora` from its path (`runtime.adapter_sync = "disk"`);
@@ -128,10 +128,13 @@ def _sync_round(engine, bank, jobs: list[str], export: AdapterExport, device: st
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
+    cfg = load_config(args.config, args.set)
+    for j in cfg.jobs:
+        if j.finetune == "full":
+            raise RunError(f"job {j.name!r} is finetune = \"full\": it has no adapter to sync (its weights reach its "
+                           "own engine as colora/engine/weights.py says); bench the config's LoRA jobs")
     import vllm
 
-
-    cfg = load_config(args.config, args.set)
     why = memory_unsupported()
     if why:
         raise RunError(f"in-memory adapter sync cannot work here ({why}): nothing to compare")

@@ -4,12 +4,13 @@
     colora replay-step RUN_DIR/failed_steps/step6-group0 --sdpa math --set trainer.fuse_elementwise=off
 
 When a training step fails (a loss, gradient or weight not finite, a diverged adapter) the run keeps
-what it ran on under RUN_DIR/failed_steps/ (`keep_failed_step`): the step's rollouts and
-each job's adapter and AdamW state. This builds the trainer from the run's config.json (with --set
-overrides), loads those adapters and trains once on the rollouts, then prints each job's loss,
-gradient norm and failure. A failure that comes back every time, under every attention backend, is
-the data's or an adapter's; one that comes and goes with --sdpa or a trainer setting is that code
-path's. Exit status: 1 when some job fails again, 0 when none does, 2 for bad input.
+what it ran on under RUN_DIR/failed_steps/ (`keep_failed_step`): the step's rollouts and each job's
+adapter and AdamW state (a full-parameter job's weights and AdamW state). This builds the run's trainer
+from its config.json (with --set overrides; colora/run/fullrun.py `build`, for either kind of job), loads
+that state and trains once on the rollouts, then prints each job's loss, gradient norm and failure. A
+failure that comes back every time, under every attention backend, is the data's or an adapter's; one
+that comes and goes with --sdpa or a trainer setting is that code path's. Exit status: 1 when some job
+fails again, 0 when none does, 2 for bad input.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from pathlib import Path
 
 from colora.config import from_dict, replace
 from colora.models.base import load_tokenizer
+from colora.run.fullrun import build
 from colora.run.preflight import RunError, resolve_device, resolve_model, torch_dtype
 from colora.training.failed_step import ReplayError, load_failed_step
-from colora.training.trainer import build_trainer
 
 SDPA = ("math", "efficient", "flash", "cudnn")
 
@@ -34,7 +35,7 @@ def replay(d: Path, overrides: list[str], sdpa: str | None, log=print) -> dict:
     cfg = replace(from_dict(raw), overrides)
     device, dtype = resolve_device(cfg)
     model_dir = resolve_model(cfg.experiment.model, log)
-    bank, trainer = build_trainer(cfg, model_dir, device, torch_dtype(dtype), load_tokenizer(model_dir).pad_token_id)
+    bank, trainer = build(cfg, model_dir, device, torch_dtype(dtype), load_tokenizer(model_dir).pad_token_id)
     for job, rs in rollouts.items():
         if job not in bank.jobs:
             raise ReplayError(f"job {job!r} of the kept rollouts is not in the run's config")
