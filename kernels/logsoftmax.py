@@ -11,7 +11,11 @@ HF/vLLM LM head does, then fp32 softmax):
   G = dlogits @ W right away (Liger-Kernel's fused linear cross entropy): the backward is then
   dh = g[:, None] * G, exact because logp_t depends on hidden row t only. 2 matmuls instead of 3,
   at the price of keeping G ([T, d] in hidden's dtype) until the backward.
-The LM head is frozen: no gradient for weight.
+A trained LM head (weight requiring a gradient: a full-parameter job's) gets d weight = sum_t dlogits_t^T
+hidden_t, which needs each row's upstream gradient: the forward then keeps no G, and the backward
+recomputes each chunk's logits and d logp / d logits (by the kernel, or in torch), scales them by the
+upstream gradient and forms dh and d weight from them (4 matmuls), d weight summed over chunks in
+weight's dtype as autograd sums a weight used in several matmuls.
 """
 
 from __future__ import annotations
@@ -92,17 +96,47 @@ def _forward_triton(hidden, weight, targets, temp, chunk_size, want_grad: bool, 
     return logp, (ent if want_entropy else None), G
 
 
+def _dlogits(hidden, weight, targets, temp, dlogp, chunk_size, use_triton):
+    """Per chunk of rows (c0, c1, g): g [C, V] in hidden's dtype, d loss / d logits for the upstream
+    gradient dlogp [T] (the torch path forms it in fp32, then rounds it as autograd through .float() does;
+    the Triton path takes the kernel's d logp / d logits, already rounded, and scales it in place)."""
+    if use_triton:
+        targets, temp = _aligned(targets), _aligned(temp)
+        V = weight.shape[0]
+        buf = hidden.new_empty((min(chunk_size, hidden.shape[0]), V))  # [C, V], reused by every chunk
+        scratch = torch.empty(buf.shape[0], dtype=torch.float32, device=hidden.device)  # logp, not kept
+        block_v = min(4096, max(128, triton.next_power_of_2(V)))
+    for c0, c1 in _chunks(hidden.shape[0], chunk_size):
+        if not use_triton:
+            _, _, p = _ref_chunk(hidden[c0:c1], weight, targets[c0:c1], temp[c0:c1])
+            p.neg_()
+            p.scatter_add_(1, targets[c0:c1, None], torch.ones_like(p[:, :1]))  # onehot - p
+            yield c0, c1, (p * (dlogp[c0:c1].to(p.dtype) / temp[c0:c1].to(p.dtype))[:, None]).to(hidden.dtype)
+            continue
+        lg = buf[: c1 - c0]
+        torch.mm(hidden[c0:c1], weight.t(), out=lg)
+        selective_logsoftmax_kernel[(c1 - c0,)](
+            lg, targets[c0:c1], temp[c0:c1], scratch, scratch, V, lg.stride(0),
+            BLOCK_V=block_v, HAS_GRAD=True, HAS_ENTROPY=False, num_warps=8 if block_v >= 2048 else 4,
+        )
+        yield c0, c1, lg.mul_(dlogp[c0:c1, None].to(lg.dtype))
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """forward(hidden, weight, targets, temp, chunk_size, use_triton) -> (logp, entropy)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temp, chunk_size: int, use_triton: bool):
         ctx.use_triton, ctx.chunk_size = use_triton, chunk_size
-        if use_triton:
+        ctx.fused = use_triton and not ctx.needs_input_grad[1]  # G formed now: the head is frozen
+        if ctx.fused:
             logp, ent, G = _forward_triton(hidden, weight, targets, temp, chunk_size, True, True)
             ctx.save_for_backward(G)
         else:
-            logp, ent = _forward_torch(hidden, weight, targets, temp, chunk_size)
+            if use_triton:
+                logp, ent, _ = _forward_triton(hidden, weight, targets, temp, chunk_size, False, True)
+            else:
+                logp, ent = _forward_torch(hidden, weight, targets, temp, chunk_size)
             ctx.save_for_backward(hidden, weight, targets, temp)
         ctx.mark_non_differentiable(ent)
         return logp, ent
@@ -111,18 +145,18 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     def backward(ctx, dlogp, _dent):
         if dlogp is None:
             return None, None, None, None, None, None
-        if ctx.use_triton:
+        if ctx.fused:
             (G,) = ctx.saved_tensors
             return (G.float() * dlogp.float()[:, None]).to(G.dtype), None, None, None, None, None
         hidden, weight, targets, temp = ctx.saved_tensors
-        dh = torch.empty_like(hidden)
-        for c0, c1 in _chunks(hidden.shape[0], ctx.chunk_size):
-            _, _, p = _ref_chunk(hidden[c0:c1], weight, targets[c0:c1], temp[c0:c1])
-            p.neg_()
-            p.scatter_add_(1, targets[c0:c1, None], torch.ones_like(p[:, :1]))  # onehot - p
-            g = p * (dlogp[c0:c1].to(p.dtype) / temp[c0:c1].to(p.dtype))[:, None]  # [C, V] fp32
-            dh[c0:c1] = g.to(hidden.dtype) @ weight  # as autograd through .float() and the matmul
-        return dh, None, None, None, None, None
+        dh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for c0, c1, g in _dlogits(hidden, weight, targets, temp, dlogp, ctx.chunk_size, ctx.use_triton):
+            if dh is not None:
+                dh[c0:c1] = g @ weight  # [C, d]
+            if dw is not None:
+                dw.addmm_(g.t(), hidden[c0:c1])  # [V, d]
+        return dh, dw, None, None, None, None
 
 
 def selective_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
@@ -130,11 +164,12 @@ def selective_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           return_entropy: bool = False, backend: str = "auto"):
     """log softmax(hidden @ weight^T / temperature)[t, targets[t]] for every row t.
 
-    hidden: [T, d] (bf16/fp16/fp32), weight: [V, d] (the frozen LM head), targets: int64 [T] in
-    [0, V), temperature: float or fp32 [T] (per row). Returns logp: fp32 [T], differentiable wrt
-    hidden, and with return_entropy also the entropy fp32 [T] (not differentiable).
+    hidden: [T, d] (bf16/fp16/fp32), weight: [V, d] (the LM head: frozen, or trained where it requires
+    a gradient), targets: int64 [T] in [0, V), temperature: float or fp32 [T] (per row). Returns logp:
+    fp32 [T], differentiable wrt hidden and a trained weight, and with return_entropy also the entropy
+    fp32 [T] (not differentiable).
     Peak extra memory: chunk_size x V in hidden's dtype (triton) or about 3 x chunk_size x V fp32
-    (torch). On the triton path an out-of-range target is not checked (that would sync); its logp
+    (torch); a trained head's backward adds d weight, [V, d] in weight's dtype. On the triton path an out-of-range target is not checked (that would sync); its logp
     is garbage, never a fault.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -148,8 +183,6 @@ def selective_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                          "(float64: the torch reference only)")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if weight.requires_grad and torch.is_grad_enabled():
-        raise ValueError("weight (the LM head) must be frozen: requires_grad=False (no gradient is computed for it)")
     T = hidden.shape[0]
     temp = _temperatures(temperature, T, hidden.device)
     targets = targets.contiguous()
@@ -157,7 +190,7 @@ def selective_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     if T == 0:
         z = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0  # keeps the graph for an empty batch
         return (z, z.detach()) if return_entropy else z
-    if hidden.requires_grad and torch.is_grad_enabled():
+    if (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         logp, ent = _SelectiveLogSoftmax.apply(hidden, weight, targets, temp, chunk_size, use_triton)
     elif use_triton:
         logp, ent, _ = _forward_triton(hidden, weight, targets, temp, chunk_size, False, return_entropy)

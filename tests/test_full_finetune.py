@@ -1,6 +1,6 @@
 """Full-parameter jobs on the CPU in fp32 with the tiny model: the trainer's step against plain torch (autograd
-through the Hugging Face model, clip_grad_norm_, torch.optim.AdamW) on the same batch, a trained LM head's
-log-softmax against autograd, park and restore bit for bit, and the config's rules for `finetune`."""
+through the Hugging Face model, clip_grad_norm_, torch.optim.AdamW) on the same batch, park and restore bit
+for bit, and the config's rules for `finetune` (a trained LM head's log-softmax: tests/test_kernel_logsoftmax.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from colora.models.base import load_base_model
 from colora.tenancy import tenant_units
 from colora.timeslice.parking import trainer_parker
 from colora.training.batches import Datum
-from colora.training.full import FullBank, FullTrainer, full_weights, head_logprobs, state_bytes
+from colora.training.full import FullBank, FullTrainer, full_weights, state_bytes
 from colora.training.grpo import sequence_token_weight
 from colora.training.losses import LossSpec
 from colora.training.trainer import ForwardBackwardCall, StaleRolloutError
@@ -32,10 +32,11 @@ JOB = JobConfig(name="f", task="addition", finetune="full", learning_rate=1e-3, 
                 prompts_per_step=3, samples_per_prompt=4, max_new_tokens=12)
 
 
-def full_trainer(model_dir, job=JOB, dtype=torch.float32, micro_batch_tokens=4096, packed_rows=False):
+def full_trainer(model_dir, job=JOB, dtype=torch.float32, micro_batch_tokens=4096, packed_rows=False,
+                 backend="torch"):
     model = load_base_model(model_dir, dtype, "cpu")
     bank = FullBank(full_weights(job.name, model, job))
-    cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, logprob_backend="torch", logprob_chunk=7)
+    cfg = TrainerConfig(micro_batch_tokens=micro_batch_tokens, logprob_backend=backend, logprob_chunk=7)
     return FullTrainer(bank, cfg, {job.name: job}, pad_id=0, packed_rows=packed_rows), bank, model
 
 
@@ -68,12 +69,15 @@ def reference_loss(model, job, rollouts=None, datums=None) -> torch.Tensor:
     return total
 
 
-@pytest.mark.parametrize("kind,packed", [("grpo", False), ("grpo", True), ("sft", False)])
-def test_a_full_step_equals_torch_adamw_on_the_same_batch(tiny_model_dir, kind, packed):
-    """Two steps of the trainer (micro-batches of a few rows, chunked log-softmax) against autograd through
-    the whole model, clip_grad_norm_ on its own norm and torch.optim.AdamW with the job's settings: every
+@pytest.mark.parametrize("kind,packed,backend", [("grpo", False, "torch"), ("grpo", True, "torch"),
+                                                 ("sft", False, "torch"), ("grpo", False, "triton")])
+def test_a_full_step_equals_torch_adamw_on_the_same_batch(tiny_model_dir, kind, packed, backend):
+    """Two steps of the trainer (micro-batches of a few rows, chunked log-softmax, on either backend: the
+    trained head's gradient from the torch reference or the Triton kernel) against autograd through the
+    whole model, clip_grad_norm_ on its own norm and torch.optim.AdamW with the job's settings: every
     weight, the tied embedding and LM head among them, and the gradient norm."""
-    trainer, bank, model = full_trainer(tiny_model_dir, micro_batch_tokens=48, packed_rows=packed)  # several a step
+    trainer, bank, model = full_trainer(tiny_model_dir, micro_batch_tokens=48, packed_rows=packed,  # several a step
+                                        backend=backend)
     ref = load_base_model(tiny_model_dir, torch.float32, "cpu")
     params = list(ref.parameters())
     for p in params:
@@ -101,25 +105,6 @@ def test_a_full_step_equals_torch_adamw_on_the_same_batch(tiny_model_dir, kind, 
             torch.testing.assert_close(p, q.detach(), atol=1e-6, rtol=1e-5, msg=name)
     assert all(not torch.equal(a, b) for a, b in zip(start, model.parameters()))  # every weight moved
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
-
-
-def test_the_trained_head_log_softmax_is_autograd_of_the_plain_one():
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(11, 16, generator=g, requires_grad=True)
-    W = torch.randn(40, 16, generator=g, requires_grad=True)
-    tgt = torch.randint(0, 40, (11,), generator=g)
-    temp = torch.rand(11, generator=g) + 0.5
-    up = torch.randn(11, generator=g)
-    logp, ent = head_logprobs(h, W, tgt, temp, chunk_size=4)
-    (logp * up).sum().backward()
-    gh, gW = h.grad.clone(), W.grad.clone()
-    h.grad = W.grad = None
-    lsm = torch.log_softmax((h @ W.t()) / temp[:, None], -1)
-    (lsm.gather(1, tgt[:, None]).squeeze(1) * up).sum().backward()
-    torch.testing.assert_close(logp, lsm.gather(1, tgt[:, None]).squeeze(1).detach())
-    torch.testing.assert_close(ent, -(lsm.exp() * lsm).sum(-1).detach())
-    torch.testing.assert_close(gh, h.grad)
-    torch.testing.assert_close(gW, W.grad)
 
 
 def test_on_policy_and_no_kl_term(tiny_model_dir):

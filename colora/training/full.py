@@ -11,10 +11,9 @@ job's step is a LoRA job's step on other parameters:
   and weight decay (`optim_step`, checked against plain torch AdamW in tests/test_full_finetune.py);
 - strictly on-policy: a rollout whose version is not the weights' current one is refused.
 
-What differs: the LM head is trained, so the log-softmax over the vocabulary (`head_logprobs`) is plain
-torch, differentiable in the head's weight, one chunk of rows at a time with its logits recomputed in the
-backward (the kernels' `selective_log_softmax` takes a frozen head); colora's fused elementwise kernels
-are not used (they take frozen norms); a KL term to the base model is refused by the config (the model is
+What differs: the LM head is trained, so the kernels' selective log-softmax gives its weight a gradient
+too (on either `trainer.logprob_backend`; kernels/logsoftmax.py says what that costs); colora's fused
+elementwise kernels are not used (they take frozen norms); a KL term to the base model is refused by the config (the model is
 the policy: there is no frozen base to compare with). And a failed update cannot be undone: a LoRA job
 keeps a copy of its weights and AdamW state on the device through each step, which for a whole model is
 12 bytes a parameter. A non-finite loss or gradient norm still refuses the update before it; weights that
@@ -37,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from colora.config import Config, JobConfig, TrainerConfig
 from colora.engine.weights import WeightsSegment, WeightsUpdate
@@ -145,37 +143,10 @@ class FullBank:
         return out
 
 
-def _logp_chunk(h: torch.Tensor, W: torch.Tensor, tgt: torch.Tensor, temp: torch.Tensor):
-    """(logp fp32 [C], entropy fp32 [C]) of one chunk: logits rounded to h's dtype by the matmul, as the
-    kernels' and vLLM's heads do, then fp32 softmax. h: [C, d], W: [V, d], tgt: [C], temp: [C]."""
-    z = (h @ W.t()).float() / temp[:, None]  # [C, V]
-    lsm = torch.log_softmax(z, dim=-1)
-    return lsm.gather(1, tgt[:, None]).squeeze(1), -(lsm.exp() * lsm).sum(-1).detach()
-
-
-def head_logprobs(h: torch.Tensor, W: torch.Tensor, targets: torch.Tensor, temp: torch.Tensor,
-                  chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(h @ W^T / temp)[t, targets[t]] for every row, differentiable in h and W (a trained LM
-    head), and each row's entropy (detached). h: [N, d], W: [V, d], targets: int64 [N], temp: fp32 [N].
-    Under autograd each chunk of rows keeps only its inputs and recomputes its [C, V] logits in the backward."""
-    assert h.dim() == 2 and W.dim() == 2 and h.shape[1] == W.shape[1], (h.shape, W.shape)
-    assert targets.shape == temp.shape == (h.shape[0],), (targets.shape, temp.shape, h.shape)
-    grad = torch.is_grad_enabled() and (h.requires_grad or W.requires_grad)
-    lps, ents = [], []
-    for c0 in range(0, h.shape[0], chunk_size):
-        part = (h[c0:c0 + chunk_size], W, targets[c0:c0 + chunk_size], temp[c0:c0 + chunk_size])
-        lp, ent = checkpoint(_logp_chunk, *part, use_reentrant=False) if grad else _logp_chunk(*part)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        z = h.new_zeros(0, dtype=torch.float32) + h.sum() * 0
-        return z, z.detach()
-    return torch.cat(lps), torch.cat(ents)
-
-
 class FullTrainer(MultiJobTrainer):
-    """`MultiJobTrainer` over one full-parameter job (the module's docstring): `step`, `forward_backward`
-    and `optim_step` as for LoRA jobs."""
+    """`MultiJobTrainer` over one full-parameter job (the module's docstring): its `step` and
+    `forward_backward` (the trained head's gradient from the kernels' log-softmax), its own `optim_step`,
+    no KL term."""
 
     def __init__(self, bank: FullBank, cfg: TrainerConfig, jobs: dict[str, JobConfig], pad_id: int,
                  packed_rows: bool | None = None, memory_budget: int | None = None):
@@ -200,11 +171,6 @@ class FullTrainer(MultiJobTrainer):
             return (f"loss.kl_coef ({c.loss.kl_coef}): a full-parameter model is the policy itself, there is no "
                     "frozen base for the KL term (not built)")
         return problem
-
-    def _head_logprobs(self, h: torch.Tensor, targets: torch.Tensor,
-                       temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Through the trained LM head (`head_logprobs`): differentiable in the head's weight."""
-        return head_logprobs(h, self.lm_head.weight, targets, temp, self.logprob_chunk)
 
 
 def _adamw_step(w: FullWeights, p: AdamParams, max_weight: float) -> OptimStepResult:

@@ -382,13 +382,6 @@ class MultiJobTrainer:
         loss_inputs = dict(zip(PER_TOKEN, upload_aligned([per_tok[k] for k in PER_TOKEN], torch.float32, dev)))
         return DeviceBatch(inputs, pos, call, longs[K:], [tokens[j] for j in order], loss_inputs)
 
-    def _head_logprobs(self, h: torch.Tensor, targets: torch.Tensor,
-                       temp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp fp32 [N], entropy fp32 [N]) of each target through the frozen LM head (the kernels'
-        selective log-softmax). h: [N, d], targets: int64 [N], temp: fp32 [N]."""
-        return selective_log_softmax(h, self.lm_head.weight, targets, temperature=temp, chunk_size=self.logprob_chunk,
-                                     return_entropy=True, backend=self.cfg.logprob_backend)
-
     def _forward_backward(self, mb: list[Row], order: tuple[str, ...], sums: torch.Tensor,
                           grad: bool = True) -> torch.Tensor:
         """One micro-batch: its rows' losses, their gradient into the step scope's leaves where
@@ -397,19 +390,22 @@ class MultiJobTrainer:
         b = self._device_batch(mb, order)
         w, adv, q, kind, lo, hi, temp, klc, elp = (b.loss_inputs[k] for k in PER_TOKEN)  # fp32 [N] each
         present = tuple(k for k in losses.KINDS if any(r.loss.kind == k for r in mb))
+        W = self.lm_head.weight
 
         ref_logp = None
         if any(r.loss.kl_coef > 0 for r in mb):
             with torch.no_grad():  # the frozen base model: no adapter active
                 h_ref = self.body(**b.inputs).last_hidden_state
-                ref_logp = selective_log_softmax(h_ref.reshape(-1, h_ref.shape[-1])[b.pos], self.lm_head.weight,
-                                                 b.targets, temperature=temp, chunk_size=self.logprob_chunk,
+                ref_logp = selective_log_softmax(h_ref.reshape(-1, h_ref.shape[-1])[b.pos], W, b.targets,
+                                                 temperature=temp, chunk_size=self.logprob_chunk,
                                                  backend=self.cfg.logprob_backend)
 
         with torch.set_grad_enabled(grad), self.bank.activate(order, b.tokens):
             hidden = self.body(**b.inputs).last_hidden_state  # [B, L, d], or [1, T, d] packed
             h = hidden.reshape(-1, hidden.shape[-1])[b.pos]  # [N, d]
-            logp, ent = self._head_logprobs(h, b.targets, temp)
+            # a full-parameter job's head is trained: the log-softmax gives its weight a gradient too
+            logp, ent = selective_log_softmax(h, W, b.targets, temperature=temp, chunk_size=self.logprob_chunk,
+                                              return_entropy=True, backend=self.cfg.logprob_backend)
             tok_loss, kl = losses.token_losses(logp, kind, w, adv, q, lo, hi, ref_logp, klc, present)
             if grad:
                 tok_loss.sum().backward()
