@@ -57,17 +57,20 @@ def _get(url: str, key: str | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def _unheld_shm() -> set[str]:
-    """/dev/shm entries that no process holds open or maps (what a dead server would leave)."""
-    held = set()
-    for p in psutil.process_iter():
+def _shm_of(pid: int) -> set[str]:
+    """The /dev/shm entries that the process `pid` and its descendants hold open or map now."""
+    found = set()
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return found
+    for p in procs:
         try:
-            held.update(f.path for f in p.open_files() if f.path.startswith("/dev/shm/"))
-            held.update(m.path for m in p.memory_maps(grouped=True) if m.path.startswith("/dev/shm/"))
+            found.update(f.path for f in p.open_files() if f.path.startswith("/dev/shm/"))
+            found.update(m.path for m in p.memory_maps(grouped=True) if m.path.startswith("/dev/shm/"))
         except (psutil.Error, OSError):
             continue
-    return {str(p) for p in Path("/dev/shm").iterdir() if str(p) not in held and not any(
-        h.startswith(str(p) + "/") for h in held)}
+    return found
 
 
 class Server:
@@ -132,7 +135,6 @@ def _engine_core(server: Server) -> psutil.Process:
 
 def test_tenants_under_faults_finish_as_alone_and_the_server_leaves_nothing(tiny_model_dir, tmp_path):
     assert str(tiny_model_dir).count("/") != 2  # the SDK rewrites a name with exactly two "/" (docs/serving.md)
-    shm_before = _unheld_shm()
     server = Server(tiny_model_dir, tmp_path)
     server.model = tiny_model_dir
     try:
@@ -157,6 +159,7 @@ def test_tenants_under_faults_finish_as_alone_and_the_server_leaves_nothing(tiny
         while server.admin()["tenants"].get("alice", {}).get("optim_steps", 0) < 2:
             assert time.monotonic() < deadline, "alice made no two steps"
             time.sleep(0.2)
+        shm = _shm_of(server.proc.pid)  # what the server holds in /dev/shm, the core that dies included
         os.kill(_engine_core(server).pid, signal.SIGKILL)
         found = {t: _finding(procs[t]) for t in ("alice", "bob", "carol", "kamikaze")}
         stop_file.touch()
@@ -170,6 +173,7 @@ def test_tenants_under_faults_finish_as_alone_and_the_server_leaves_nothing(tiny
         watcher.join(timeout=10)
         stats = server.admin()
         tree = psutil.Process(server.proc.pid).children(recursive=True)
+        shm |= _shm_of(server.proc.pid)
     finally:
         server.proc.send_signal(signal.SIGTERM)
         try:
@@ -210,4 +214,4 @@ def test_tenants_under_faults_finish_as_alone_and_the_server_leaves_nothing(tiny
     assert code == 0 and "colora serve: stopped (SIGTERM)" in log, log[-3000:]
     assert not list((server.out / "samplers").iterdir())
     assert not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not (_unheld_shm() - shm_before)
+    assert not [x for x in shm if os.path.exists(x)], shm
