@@ -7,7 +7,7 @@ measure one at a time against the rest (`colora bench serve --vary`).
 | `samplers` | "disk": a sampler is a PEFT folder written on the trainer's thread and loaded by vLLM from it, the trainer's thread waiting for the engine | "memory": the adapter frozen into a shared-memory segment of its own (colora/service/frozen.py), built by vLLM's worker from it as the native run's versions are; the samplers of one trainer cycle register in one engine call, which the trainer's thread does not wait for |
 | `grouped_requests` | an asample of n sequences is n engine requests | one engine request of n (vLLM's `n`); the same samples (colora/engine/sampling.py) |
 | `save_in_step` | a model's save after its optim_step waits for the next trainer cycle | it runs in its optim_step's cycle, right after the step |
-| `gather` | a cycle takes what is ready | a cycle that has training work waits, up to `gather` times the last training cycle's seconds, for the tenants whose samples are decoding, until it holds 1/`gather_groups` of the active tenants (colora/service/scheduler.py) |
+| `gather` | a cycle takes what is ready | a forward_backward waits, up to `gather` times the last training cycle's seconds, for the tenants about to train (samples decoding, a step's tail), until the ready ones are 1/`gather_groups` of the active tenants; other work runs meanwhile (colora/service/scheduler.py) |
 
 `memory_samplers` bounds the samplers held in memory at once (each pinned in vLLM's cache, where it cannot be
 evicted); beyond it a sampler goes by disk. 0: twice the engine's adapter slots (`--max-loras`), every
