@@ -2,7 +2,7 @@
 own (`colora serve --lever KEY=VALUE`, as `--engine` takes an [engine] setting), so that a benchmark can
 measure one at a time against the rest (`colora bench serve --vary`).
 
-| lever | off (how the service worked before it) | on |
+| lever | off | on |
 | --- | --- | --- |
 | `samplers` | "disk": a sampler is a PEFT folder written on the trainer's thread and loaded by vLLM from it, the trainer's thread waiting for the engine | "memory": the adapter frozen into a shared-memory segment of its own (colora/service/frozen.py), built by vLLM's worker from it as the native run's versions are; the samplers of one trainer cycle register in one engine call, which the trainer's thread does not wait for |
 | `grouped_requests` | an asample of n sequences is n engine requests | one engine request of n (vLLM's `n`); the same samples (colora/engine/sampling.py) |
@@ -48,7 +48,8 @@ class Levers:
 
     @classmethod
     def off(cls) -> Levers:
-        """Every lever off: the service as it worked before them."""
+        """Every lever off: samplers by disk, one engine request a sample, saves and forward_backward calls as
+        they come."""
         return cls(samplers="disk", grouped_requests=False, save_in_step=False, gather=0.0)
 
 
