@@ -96,6 +96,13 @@ def _forward_triton(hidden, weight, targets, temp, chunk_size, want_grad: bool, 
     return logp, (ent if want_entropy else None), G
 
 
+def _forward(hidden, weight, targets, temp, chunk_size, use_triton: bool, want_entropy: bool):
+    """(logp [T], entropy [T] or None) by either path, without the fused gradient pass."""
+    if use_triton:
+        return _forward_triton(hidden, weight, targets, temp, chunk_size, False, want_entropy)[:2]
+    return _forward_torch(hidden, weight, targets, temp, chunk_size)
+
+
 def _dlogits(hidden, weight, targets, temp, dlogp, chunk_size, use_triton):
     """Per chunk of rows (c0, c1, g): g [C, V] in hidden's dtype, d loss / d logits for the upstream
     gradient dlogp [T] (the torch path forms it in fp32, then rounds it as autograd through .float() does;
@@ -133,10 +140,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             logp, ent, G = _forward_triton(hidden, weight, targets, temp, chunk_size, True, True)
             ctx.save_for_backward(G)
         else:
-            if use_triton:
-                logp, ent, _ = _forward_triton(hidden, weight, targets, temp, chunk_size, False, True)
-            else:
-                logp, ent = _forward_torch(hidden, weight, targets, temp, chunk_size)
+            logp, ent = _forward(hidden, weight, targets, temp, chunk_size, use_triton, True)
             ctx.save_for_backward(hidden, weight, targets, temp)
         ctx.mark_non_differentiable(ent)
         return logp, ent
@@ -192,8 +196,6 @@ def selective_log_softmax(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         return (z, z.detach()) if return_entropy else z
     if (hidden.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
         logp, ent = _SelectiveLogSoftmax.apply(hidden, weight, targets, temp, chunk_size, use_triton)
-    elif use_triton:
-        logp, ent, _ = _forward_triton(hidden, weight, targets, temp, chunk_size, False, return_entropy)
     else:
-        logp, ent = _forward_torch(hidden, weight, targets, temp, chunk_size)
+        logp, ent = _forward(hidden, weight, targets, temp, chunk_size, use_triton, return_entropy)
     return (logp, ent) if return_entropy else logp

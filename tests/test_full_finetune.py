@@ -116,6 +116,19 @@ def test_on_policy_and_no_kl_term(tiny_model_dir):
     assert "kl_coef" in res.error and "no frozen base" in res.error
 
 
+def test_a_step_for_another_job_or_with_bad_settings_is_refused_and_changes_nothing(tiny_model_dir):
+    trainer, bank, model = full_trainer(tiny_model_dir)
+    (res,) = trainer.forward_backward([ForwardBackwardCall("nobody", sft_datums(0), LossSpec("cross_entropy"))])
+    assert res.error == "job 'nobody' has no weights in this trainer"
+    trainer.forward_backward([ForwardBackwardCall("f", sft_datums(0), LossSpec("cross_entropy"))])
+    before = _state(bank)
+    out = trainer.optim_step({"nobody": trainer._adam_params("f"), "f": "lr=1"})
+    assert out["nobody"].failure == "job 'nobody' has no weights in this trainer" and out["nobody"].version == -1
+    assert out["f"].failure == "adam_params is a str" and out["f"].version == 0
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(bank)))  # the gradient stays for the next step
+    assert trainer.optim_step({"f": trainer._adam_params("f")})["f"].version == 1
+
+
 def test_a_non_finite_loss_refuses_the_update_and_keeps_the_weights(tiny_model_dir):
     trainer, bank, model = full_trainer(tiny_model_dir)
     before = [p.detach().clone() for p in model.parameters()]

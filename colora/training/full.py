@@ -148,6 +148,8 @@ class FullTrainer(MultiJobTrainer):
     `forward_backward` (the trained head's gradient from the kernels' log-softmax), its own `optim_step`,
     no KL term."""
 
+    MISSING = "has no weights in this trainer"
+
     def __init__(self, bank: FullBank, cfg: TrainerConfig, jobs: dict[str, JobConfig], pad_id: int,
                  packed_rows: bool | None = None, memory_budget: int | None = None):
         (w,) = bank.jobs.values()
@@ -158,11 +160,9 @@ class FullTrainer(MultiJobTrainer):
         which is then cleared; module docstring for what a failure leaves."""
         out = {}
         for name, p in steps.items():
-            w = self.bank.jobs.get(name)
-            problem = (f"job {name!r} has no weights in this trainer" if w is None else
-                       p.problem() if isinstance(p, AdamParams) else f"adam_params is a {type(p).__name__}")
-            out[name] = (OptimStepResult(math.nan, 1.0, -1 if w is None else w.version, problem) if problem
-                         else _adamw_step(w, p, self.cfg.max_adapter_weight))
+            out[name] = self._refused_step(name, p)
+            if out[name] is None:
+                out[name] = _adamw_step(self.bank.jobs[name], p, self.cfg.max_adapter_weight)
         return out
 
     def _problem(self, c) -> str:

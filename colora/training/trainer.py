@@ -146,6 +146,8 @@ class MultiJobTrainer:
     `memory.default_budget` of the device. A run plans its trainer beside its engine
     (colora/run/memory.py) and gives it explicit settings."""
 
+    MISSING = "has no adapter"  # what a call or step for a job not in this trainer is told
+
     def __init__(self, model: torch.nn.Module, bank: AdapterBank, cfg: TrainerConfig,
                  jobs: dict[str, JobConfig], pad_id: int, packed_rows: bool | None = None,
                  memory_budget: int | None = None):
@@ -204,12 +206,10 @@ class MultiJobTrainer:
         exception inside one job's update (it fails that job alone; colora/training/adamw.py)."""
         out, jobs, params, refused = {}, [], [], []
         for name, p in steps.items():
-            ad = self.bank.jobs.get(name)
-            problem = (f"job {name!r} has no adapter" if ad is None else
-                       p.problem() if isinstance(p, AdamParams) else f"adam_params is a {type(p).__name__}")
-            if problem:
-                out[name] = OptimStepResult(math.nan, 1.0, -1 if ad is None else ad.version, problem)
+            out[name] = self._refused_step(name, p)
+            if out[name] is not None:
                 continue
+            ad = self.bank.jobs[name]
             jobs.append(ad)
             params.append(p)
             refused.append(ad.bad_gradient)
@@ -223,6 +223,14 @@ class MultiJobTrainer:
         for ad, res in zip(jobs, results):
             out[ad.name] = res
         return {name: out[name] for name in steps}
+
+    def _refused_step(self, name: str, p: AdamParams) -> OptimStepResult | None:
+        """The result of an optimizer step refused before any work (a job not in this trainer, settings that
+        are not valid AdamParams: nothing changes, the gradient stays), or None."""
+        job = self.bank.jobs.get(name)
+        problem = (f"job {name!r} {self.MISSING}" if job is None else
+                   p.problem() if isinstance(p, AdamParams) else f"adam_params is a {type(p).__name__}")
+        return OptimStepResult(math.nan, 1.0, -1 if job is None else job.version, problem) if problem else None
 
     # -- colora's GRPO step: one forward_backward and one optim_step -------------------------------
     def step(self, rollouts: dict[str, list[Rollout]],
@@ -299,7 +307,7 @@ class MultiJobTrainer:
         if not isinstance(c, ForwardBackwardCall):
             return f"a call must be a ForwardBackwardCall, got {type(c).__name__}"
         if c.job not in self.bank.jobs:
-            return f"job {c.job!r} has no adapter"
+            return f"job {c.job!r} {self.MISSING}"
         if not isinstance(c.loss, losses.LossSpec):
             return f"loss is a {type(c.loss).__name__}, not a LossSpec"
         return c.loss.problem() or datums_problem(c.datums, self.vocab)
