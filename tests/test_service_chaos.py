@@ -24,6 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from test_service_sdk import CLIENT_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_PY = ROOT / ".venv-tinker" / "bin" / "python"
@@ -108,7 +109,7 @@ class Server:
         env.update(TINKER_BASE_URL=self.url, TINKER_API_KEY=KEY[tenant], TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1",
                    PYTHONFAULTHANDLER="1", MODEL=str(self.model), ROLE=role, STEPS=str(STEPS),
                    **{k: str(v) for k, v in extra.items()})
-        return subprocess.Popen([str(CLIENT_PY), str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        return subprocess.Popen([*CLIENT_RUN, str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=self.folder)
 
     def state(self, tenant: str, path: str) -> dict:

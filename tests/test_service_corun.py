@@ -29,6 +29,7 @@ import torch
 from colora.service.app import ServerThread, create_app
 from colora.service.cli import build_backend, parser
 from colora.service.config import ServeConfig, load_api_keys
+from test_service_sdk import CLIENT_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_PY = ROOT / ".venv-tinker" / "bin" / "python"
@@ -95,7 +96,7 @@ def client_env(server: Served, tenant: str, **extra) -> dict:
 
 
 def run_client(server: Served, tenant: str, argv: list[str], timeout: float = 300, **extra) -> subprocess.CompletedProcess:
-    p = subprocess.run([str(CLIENT_PY), *argv], env=client_env(server, tenant, **extra), capture_output=True,
+    p = subprocess.run([*CLIENT_RUN, *argv], env=client_env(server, tenant, **extra), capture_output=True,
                        text=True, timeout=timeout, cwd=server.folder)
     assert p.returncode == 0, f"client {argv} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return p
@@ -135,7 +136,7 @@ def server(tiny_model_dir, tmp_path_factory):
     s.data = make_data(int(s.backend.capabilities().vocab_size))
     (s.folder / "data.json").write_text(json.dumps(s.data))
     # a client that finishes one session while its sample decodes and leaves another silent, beside T1
-    s.vanish = subprocess.Popen([str(CLIENT_PY), str(FIXTURES / "corun_checks.py"), "vanish"], stdout=subprocess.PIPE,
+    s.vanish = subprocess.Popen([*CLIENT_RUN, str(FIXTURES / "corun_checks.py"), "vanish"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=s.folder,
                                 env=client_env(s, "gone", DATA=s.folder / "data.json"))
     yield s
@@ -388,7 +389,7 @@ CONTINUOUS = {"EPOCHS": 2, "MAX_STEPS": 14, "EVAL_EVERY": 0, "SAVE_EVERY": 0, "S
 
 
 def supervised(server: Served, log: Path, **settings) -> subprocess.Popen:
-    return subprocess.Popen([str(CLIENT_PY), str(FIXTURES / "t3_supervised.py")], cwd=server.folder,
+    return subprocess.Popen([*CLIENT_RUN, str(FIXTURES / "t3_supervised.py")], cwd=server.folder,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=client_env(server, "sl", LOG_PATH=log, **settings))
 
@@ -399,7 +400,7 @@ def math_rl(server: Served, log: Path) -> subprocess.Popen:
             "renderer_name=role_colon", "group_size=4", "groups_per_batch=4",
             "max_tokens=5", "max_steps=3", "eval_every=0", "save_every=2", "lora_rank=8", f"base_url={server.url}",
             f"log_path={log}", "behavior_if_log_dir_exists=delete"]
-    return subprocess.Popen([str(CLIENT_PY), str(FIXTURES / "run_module.py"), *argv[1:]], cwd=server.folder,
+    return subprocess.Popen([*CLIENT_RUN, *argv[1:]], cwd=server.folder,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=client_env(server, "rl"))
 
 
@@ -551,7 +552,7 @@ def test_once_every_client_has_gone_the_backend_holds_nothing(server, t1, t2, sa
 
 # -- the example, and a restart ----------------------------------------------------------------------------
 def test_the_documented_example_trains_through_the_sdk(server):
-    p = run_client(server, "alice", [str(FIXTURES / "run_module.py"), str(ROOT / "examples" / "sdk_sft_loop.py")])
+    p = run_client(server, "alice", [str(ROOT / "examples" / "sdk_sft_loop.py")])
     assert "loss" in p.stdout and "sample:" in p.stdout, p.stdout
 
 

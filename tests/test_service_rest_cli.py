@@ -26,6 +26,7 @@ from colora.service.app import ServerThread, create_app
 from colora.service.config import Limits, ServeConfig
 from colora.service.errors import ApiError
 from colora.service.fake import FakeBackend
+from test_service_sdk import CLIENT_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 TINKER = ROOT / ".venv-tinker" / "bin" / "tinker"
@@ -78,7 +79,7 @@ def served(tmp_path_factory):
 def tinker(url: str, key: str, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "VIRTUAL_ENV"))}
     env.update(TINKER_BASE_URL=url, TINKER_API_KEY=key, TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1")
-    return subprocess.run([str(TINKER), "-f", "json", *args], env=env, cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([*CLIENT_RUN, "tinker.cli.__main__", "-f", "json", *args], env=env, cwd=cwd, capture_output=True, text=True,
                           timeout=180)
 
 

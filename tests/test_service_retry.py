@@ -15,6 +15,7 @@ from colora.service.app import ServerThread, create_app
 from colora.service.backend import BackendError
 from colora.service.config import ServeConfig
 from colora.service.fake import fake_from_model_dir
+from test_service_sdk import CLIENT_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_PY = ROOT / ".venv-tinker" / "bin" / "python"
@@ -55,7 +56,7 @@ def _run(tiny_model_dir, tmp_path, failures: list[BackendError]) -> tuple[dict, 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "VIRTUAL_ENV"))}
         env.update(TINKER_BASE_URL=server.url, TINKER_API_KEY=KEY, TINKER_TELEMETRY="0", HF_HUB_OFFLINE="1",
                    MODEL=str(tiny_model_dir))
-        p = subprocess.run([str(CLIENT_PY), "-c", CLIENT], env=env, capture_output=True, text=True, timeout=240)
+        p = subprocess.run([*CLIENT_RUN, "-c", CLIENT], env=env, capture_output=True, text=True, timeout=240)
     line = [x for x in p.stdout.splitlines() if x.startswith("RETRY ")]
     assert p.returncode == 0 and line, f"{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
     return json.loads(line[-1][6:]), len(calls)

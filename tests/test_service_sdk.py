@@ -22,6 +22,9 @@ from colora.service.fake import fake_from_model_dir
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_PY = ROOT / ".venv-tinker" / "bin" / "python"
 SCRIPT = ROOT / "tests" / "fixtures" / "tinker_client" / "t1_conformance.py"
+# how every test starts an SDK client: through run_module.py, which leaves without the client environment's
+# shutdown (it aborts now and then after the client is done; run_module.py says more)
+CLIENT_RUN = [str(CLIENT_PY), str(SCRIPT.parent / "run_module.py")]
 KEYS = {"tml-alice-0123456789": "alice", "tml-bob-0123456789": "bob"}
 
 pytestmark = pytest.mark.skipif(not CLIENT_PY.exists(), reason="no .venv-tinker: `make tinker-client` builds the "
@@ -80,7 +83,7 @@ def t1(tiny_model_dir, tmp_path_factory):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "VIRTUAL_ENV"))}
         env.update(TINKER_BASE_URL=server.url, TINKER_API_KEY="tml-alice-0123456789", TINKER_TELEMETRY="0",
                    OTHER_TENANT_KEY="tml-bob-0123456789", MODEL=str(tiny_model_dir), HF_HUB_OFFLINE="1")
-        proc = subprocess.run([str(CLIENT_PY), str(SCRIPT)], env=env, capture_output=True, text=True, timeout=240)
+        proc = subprocess.run([*CLIENT_RUN, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=240)
         stats = app.state.service.stats()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("T1 ")]
     assert proc.returncode == 0 and lines, f"client failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -160,7 +163,7 @@ def test_a_well_behaved_tenant_is_unaffected_by_a_neighbour_that_sends_bad_input
     with ServerThread(app) as server:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "VIRTUAL_ENV"))}
         env.update(TINKER_BASE_URL=server.url, TINKER_TELEMETRY="0", MODEL=str(tiny_model_dir), HF_HUB_OFFLINE="1")
-        procs = {role: subprocess.Popen([str(CLIENT_PY), str(script)], env={**env, "ROLE": role,
+        procs = {role: subprocess.Popen([*CLIENT_RUN, str(script)], env={**env, "ROLE": role,
                                         "TINKER_API_KEY": key}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True)
                  for role, key in (("good", "tml-alice-0123456789"), ("bad", "tml-bob-0123456789"))}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from test_service_http import A, B, fb, make, new_model, post, result
-from test_service_sdk import CLIENT_PY, KEYS
+from test_service_sdk import CLIENT_PY, CLIENT_RUN, KEYS
 
 from colora.service import tinker_public_pb2 as pb
 from colora.service.app import ServerThread, create_app
@@ -294,7 +294,7 @@ def test_the_sdk_trains_the_cookbooks_rl_loop_datums_and_another_tenant_cannot(t
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TINKER_", "VIRTUAL_ENV"))}
         env.update(TINKER_BASE_URL=server.url, TINKER_API_KEY="tml-alice-0123456789", TINKER_TELEMETRY="0",
                    OTHER_TENANT_KEY="tml-bob-0123456789", MODEL=str(tiny_model_dir), HF_HUB_OFFLINE="1")
-        p = subprocess.run([str(CLIENT_PY), str(SCRIPT)], env=env, capture_output=True, text=True, timeout=240)
+        p = subprocess.run([*CLIENT_RUN, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=240)
     lines = [x for x in p.stdout.splitlines() if x.startswith("SR ")]
     assert p.returncode == 0 and lines, f"client failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     found = json.loads(lines[-1][3:])
