@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from colora.config import load_config, resolve
 from colora.record.runlog import JsonlWriter
-from colora.run import runner
+from colora.run import fullrun, runner
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke.toml"
 
@@ -91,7 +91,7 @@ def _adapter(out: Path, job: str) -> dict:
 
 def test_a_refused_update_stops_its_job_and_a_failure_after_an_update_resumes_without_it_twice(
         tmp_path, tiny_model_dir, chats, monkeypatch):
-    monkeypatch.setattr(runner, "RolloutEngine", NoGenEngine)
+    monkeypatch.setattr(fullrun, "RolloutEngine", NoGenEngine)  # what the runner starts for LoRA jobs
     cfg = _cfg(tiny_model_dir, chats)
 
     whole = runner.run(cfg, tmp_path / "whole", log=lambda s: None)
@@ -132,7 +132,7 @@ def test_a_job_that_never_joins_fails_the_run_and_exports_no_adapter(tmp_path, t
     status of a run whose jobs failed."""
     from colora.cli import end_of_run
 
-    monkeypatch.setattr(runner, "RolloutEngine", NoGenEngine)
+    monkeypatch.setattr(fullrun, "RolloutEngine", NoGenEngine)  # what the runner starts for LoRA jobs
     d = _cfg(tiny_model_dir, chats).to_dict()
     d["jobs"] = [d["jobs"][1], {**d["jobs"][0], "name": "late", "start_after": 1}]
     out = tmp_path / "run"
