@@ -370,7 +370,7 @@ class RemoteEngine:
         """Ask the child to close its engine and wait for it (CLOSE_WAIT_S for its reply, then as long
         for its exit), else kill its process group; an engine one of whose processes died is killed
         at once (its client may wait for its core for ever). Then the shared memory a killed engine
-        core left (liveness.shm_segments) is removed."""
+        core left, or a closed one did not unlink in time (liveness.shm_segments), is removed."""
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
@@ -386,13 +386,13 @@ class RemoteEngine:
             except (EOFError, BrokenPipeError, OSError):
                 pass
             proc.join(timeout=CLOSE_WAIT_S)
-        in_order = not died and not proc.is_alive() and proc.exitcode == 0
-        if not in_order:
-            import psutil
+        import psutil
 
+        if died or proc.is_alive() or proc.exitcode != 0:
             _kill(proc)  # the child's group: also the engine's processes of a child that was killed
-            # gone before a new engine starts: on a GPU a dying core still holds its memory
-            psutil.wait_procs(self._procs, timeout=CLOSE_WAIT_S)
+        # gone before a new engine starts: on a GPU a dying core still holds its memory
+        psutil.wait_procs(self._procs, timeout=CLOSE_WAIT_S)
         self._conn.close()
-        if not in_order:  # an engine closed in order has unlinked its own
-            unlink_segments(self._segments)
+        # an engine closed in order unlinks its own, but not always before its processes end (a segment
+        # outlived a clean close on a loaded machine): what is left of them goes now
+        unlink_segments(self._segments)
