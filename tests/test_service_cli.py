@@ -107,3 +107,14 @@ def test_the_keys_file_and_admin_flag_make_the_config(tmp_path):
     assert config.admin_keys == {"tml-ops-00001", "tml-ops-00002"}
     assert config.limits_of("alice").models == 3 and config.limits_of("alice").samplers == 9
     assert config.limits_of("bob").samplers == 64
+
+
+def test_a_lever_that_is_not_one_is_refused_by_name(tmp_path, tiny_model_dir, capsys):
+    """--lever items are checked before any model is loaded; the fake backend has none to take."""
+    out = str(tmp_path / "out")
+    assert main(["--model", str(tiny_model_dir), "--out", out, "--any-key", "--lever", "samplers=tape"]) == 2
+    assert "lever samplers = 'tape'" in capsys.readouterr().err
+    assert main(["--model", str(tiny_model_dir), "--out", out, "--any-key", "--lever", "gathr=1"]) == 2
+    assert "gathr" in capsys.readouterr().err
+    assert main(["--fake", "--model", str(tiny_model_dir), "--out", out, "--any-key", "--lever", "off"]) == 2
+    assert "--fake has none" in capsys.readouterr().err

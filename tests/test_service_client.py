@@ -407,6 +407,12 @@ def test_the_benchmarks_rows_levers_and_cycled_jobs(tmp_path, tiny_model_dir):
     cmd = server_command(cfg, tiny_model_dir, tmp_path / "s", 1, 4, rows[2].levers)
     assert cmd[cmd.index("--max-loras") + 1] == "4" and cmd[-6:] == ["--lever", "off", "--lever", "gather=0.5",
                                                                      "--lever", "gather_groups=1"]
+    from colora.service import levers
+    from colora.service.cli import parser as serve_parser
+
+    args = serve_parser().parse_args(cmd[cmd.index("colora.service") + 1:])  # what `colora serve` takes
+    assert levers.parse(args.lever) == levers.Levers(samplers="disk", grouped_requests=False, save_in_step=False,
+                                                     gather=0.5, gather_groups=1)
     (tmp_path / "out").mkdir()
     five = load_config(cycled_config(tmp_path / "mix.toml", 5, tmp_path / "out"))
     assert [j.name for j in five.jobs] == ["coin", "sums", "coin-c2", "sums-c2", "coin-c3"]

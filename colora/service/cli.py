@@ -28,6 +28,7 @@ import signal
 import sys
 from pathlib import Path
 
+from colora.service import levers
 from colora.service.backend import Backend
 from colora.service.config import KeyFile, ServeConfig, ServeConfigError, load_key_file
 
@@ -56,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (every sample carries its own)")
     p.add_argument("--fake", action="store_true", help="serve a fake bigram model (the protocol only; no GPU)")
     p.add_argument("--verbose", action="store_true", help="log every request (the operator's log is always shown)")
+    levers.add_argument(p)
     return p
 
 
@@ -105,12 +107,18 @@ def build_backend(args: argparse.Namespace) -> Backend:
 
         engine, trainer = sections(args)
         try:
+            chosen = levers.parse(args.lever)
+        except levers.LeverError as e:
+            raise ServeConfigError(str(e)) from None
+        try:
             check_model_dir(Path(args.model))
         except ModelDirError as e:
             raise ServeConfigError(f"--model: {e}") from None
         return CorunBackend(args.model, args.out, engine=engine, trainer=trainer, max_lora_rank=args.max_lora_rank,
-                            max_loras=args.max_loras, device=args.device, seed=args.seed,
+                            max_loras=args.max_loras, device=args.device, seed=args.seed, levers=chosen,
                             log=lambda s: print(f"colora serve: {s}", flush=True))
+    if args.lever:
+        raise ServeConfigError("--lever: the levers are the co-runner backend's; --fake has none")
     from colora.service.fake import fake_from_model_dir
 
     if not (Path(args.model) / "tokenizer.json").is_file():
