@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -427,3 +428,24 @@ def test_a_models_save_does_not_hold_the_answer_of_another_models_step_in_its_cy
     go.set()
     t.join(WAIT_S)
     assert answered["as"].result == {"saved": "A"}
+
+
+def test_a_cycle_that_keeps_raising_backs_off_instead_of_spinning_and_stop_still_ends_it(tmp_path):
+    """A bug that raises before a cycle takes its work leaves the work queued: the trainer thread waits, longer
+    after each failure in a row (FAILED_WAIT_S), rather than retrying it thousands of times a second."""
+    s = Scheduler(Recorder(), lambda rid, o: None, tmp_path / "stats.jsonl")
+    s.add_model("A")
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(time.monotonic())
+        raise RuntimeError("a bug in the cycle")
+
+    s.run_cycle = broken
+    s.submit("A", fwd("a1", "A", 1))
+    s.start()
+    time.sleep(1.0)
+    seen = len(calls)
+    s.stop()
+    assert 2 <= seen <= 8, seen  # 0.05 + 0.1 + 0.2 + 0.4 s of waits fit in the second: about five tries
+    assert not s._thread.is_alive()

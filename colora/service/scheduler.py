@@ -61,6 +61,7 @@ SEEN_KEPT = 4096  # a model's most recent seq_ids whose request ids answer a ret
 
 
 FIRST_TRAIN_S = 1.0  # `gather`'s estimate of a training cycle's seconds before one has run
+FAILED_WAIT_S = (0.05, 5.0)  # after a cycle that raised: the first wait, doubled each failure in a row to the second
 HOLD_LOOK_S = 0.05  # while `gather` holds and nothing else is ready, how often the trainer looks again
 STATS_MAX_BYTES = 256 << 20  # stats.jsonl is moved to stats.jsonl.1 (replacing it) past this size
 
@@ -256,6 +257,7 @@ class Scheduler:
         return bool(self._control) or any(q.next_seq in q.pending for q in self._models.values())
 
     def _loop(self) -> None:
+        failures = 0  # cycles in a row that raised: a bug that leaves its work queued must not spin the thread
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._stopped or self._ready())
@@ -273,8 +275,13 @@ class Scheduler:
                     continue
             try:
                 self.run_cycle(held, deferred) if self._gather else self.run_cycle()
+                failures = 0
             except Exception:  # the thread must outlive any one cycle's bug; the cycle answered what it could
-                log.exception("trainer cycle failed")
+                failures += 1
+                log.exception("trainer cycle failed (%d in a row)", failures)
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopped, timeout=min(FAILED_WAIT_S[1],
+                                                                           FAILED_WAIT_S[0] * 2 ** (failures - 1)))
 
     def _deferred(self) -> tuple[float, set[str]]:
         """`gather` (module docstring), under the lock: (the seconds the models now let go were held, the models
