@@ -194,13 +194,16 @@ class CheckpointOps:
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(cps)}}
 
     def weights_info(self, tenant: str, tinker_path: str) -> dict:
-        """The base model and LoRA settings of the checkpoint at `tinker_path` (400: not a checkpoint path)."""
+        """The base model and LoRA settings of the checkpoint at `tinker_path` (400: not a checkpoint path); a
+        full-parameter model's is not LoRA and has no rank."""
         try:
             parse_path(tinker_path, "tinker_path")
         except CheckpointError as e:
             raise ApiError(400, str(e)) from None
         _, _, meta = _found(lambda: self.store.find(tenant, tinker_path, field="tinker_path"))
         lora = meta["lora"]
+        if lora is None:
+            return {"base_model": meta["base_model"], "is_lora": False, "lora_rank": None}
         return {"base_model": meta["base_model"], "is_lora": True, "lora_rank": lora["rank"],
                 "train_unembed": lora["train_unembed"], "train_mlp": lora["train_mlp"], "train_attn": lora["train_attn"]}
 

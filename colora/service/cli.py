@@ -49,6 +49,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=int, default=64, help="the largest LoRA rank create_model accepts (default: 64)")
     p.add_argument("--max-loras", type=int, default=8, help="adapters the engine holds in its slots at once "
                    "(more samplers are reloaded as they are used; default: 8)")
+    p.add_argument("--full-models", type=int, default=0, metavar="N",
+                   help="full-parameter models (create_model without lora_config) that may live at once, each with "
+                   "its own copy of the model, AdamW state (~16 bytes a parameter) and vLLM engine (default: 0, "
+                   "LoRA adapters only)")
     p.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                    help="an [engine] setting (colora/config.py; docs/configuration.md), e.g. max_model_len=2048")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
@@ -132,7 +136,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     keys = load_key_file(args.api_keys) if args.api_keys else KeyFile({})
     return ServeConfig(out=args.out, api_keys=keys.keys, allow_any_key=args.any_key,
                        heartbeat_timeout_s=args.heartbeat_timeout, admin_keys=keys.admin_keys | frozenset(args.admin_key),
-                       limits=keys.limits, tenant_limits=keys.tenant_limits)
+                       limits=keys.limits, tenant_limits=keys.tenant_limits, full_models=args.full_models)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,6 +90,7 @@ class ServeConfig:
     keep_checkpoints: int = 3  # unnamed (automatic) save_weights checkpoints kept per model
     cycle_datums: int = 1024  # a model's forward datums in one trainer cycle (its first request always runs)
     cycle_tokens: int = 131072  # a model's forward tokens in one trainer cycle; the rest wait for the next
+    full_models: int = 0  # live full-parameter models (create_model without lora_config); 0: LoRA only
 
     def __post_init__(self):
         for name in ("heartbeat_timeout_s", "poll_hold_s", "future_ttl_s"):
@@ -99,6 +100,9 @@ class ServeConfig:
                      "keep_checkpoints", "cycle_datums", "cycle_tokens"):
             if int(getattr(self, name)) < 1:
                 raise ServeConfigError(f"{name} ({getattr(self, name)}) must be at least 1")
+        if isinstance(self.full_models, bool) or not isinstance(self.full_models, int) or self.full_models < 0:
+            raise ServeConfigError(f"full_models ({self.full_models!r}) must be a whole number, 0 or more (0: the "
+                                   "server trains LoRA adapters only)")
         if self.batch_window_s < 0:
             raise ServeConfigError(f"batch_window_s ({self.batch_window_s}) must be 0 or more")
         for key, tenant in self.api_keys.items():

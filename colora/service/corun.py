@@ -30,6 +30,10 @@ starts (what a killed server left) and emptied when it closes; the backend holds
 Segments go with their samplers and their folder when the backend closes; a killed server's folder goes at
 the next colora's start (colora/run/preflight.py `remove_stale_adapter_sync`, also called here).
 
+A full-parameter model (create_model with a `FullSpec`, `colora serve --full-models N`) has its own trainer and
+engine (colora/service/full.py); every call of this backend for it, or for one of its samplers, goes there,
+and a trainer cycle trains its calls with its own trainer beside the shared one's.
+
 The engine comes back when its processes die (colora/service/engine_loop.py): the samples in flight
 fail with a retryable error, every live sampler is registered in the new engine, and `health` says
 how it goes.
@@ -72,6 +76,8 @@ from colora.service.backend import (
 )
 from colora.service.engine_loop import EngineLoop
 from colora.service.frozen import FrozenAdapters
+from colora.service.full import MARKER as FULL_MARKER
+from colora.service.full import FullModel, FullSampler, FullSpec
 from colora.service.levers import Levers
 from colora.training import adamw, losses
 from colora.training.batches import Datum
@@ -108,6 +114,7 @@ class CorunBackend(Backend):
         self._samplers = itertools.count()
         self._pending: list[tuple[str, object]] = []  # samplers saved and not yet handed to the engine's thread
         self._pending_lock = threading.Lock()
+        self.full: dict[str, FullModel] = {}  # the full-parameter models (colora/service/full.py)
         self.frozen: FrozenAdapters | None = None  # the samplers in memory, with the `samplers` lever at "memory"
         try:
             watch_this_process()  # the engine's processes and MPS go with this process however it ends
@@ -147,6 +154,9 @@ class CorunBackend(Backend):
             self.bank = AdapterBank(self.device, trainer.lora_backend, trainer.pack_projections)
             inject_lora(model, self.bank)
             self.trainer = MultiJobTrainer(model, self.bank, trainer, {}, self.tokenizer.pad_token_id)
+            self._full_settings = {"engine": engine, "trainer": trainer, "device": self.device, "dtype": self.dtype,
+                                   "seed": seed, "pad_id": self.tokenizer.pad_token_id}
+            self._stack.callback(self._close_full)  # before the shared engine closes
         except BaseException:
             self._stack.close()
             raise
@@ -191,7 +201,14 @@ class CorunBackend(Backend):
         return {**self.loop.health(), "gpu_memory_bytes": gpu}
 
     # -- the training side (the scheduler's trainer thread) --------------------------------------
-    def create_model(self, model_id: str, spec: LoraSpec) -> None:
+    def create_model(self, model_id: str, spec: LoraSpec | FullSpec) -> None:
+        if isinstance(spec, FullSpec):
+            if model_id in self.full or model_id in self.bank.jobs:
+                raise BackendError(f"model {model_id!r} exists", "user")
+            self.full[model_id] = FullModel(model_id, self.model_dir, **self._full_settings)
+            self.log(f"model {model_id}: full-parameter, its own trainer and engine "
+                     f"({sum(p.numel() for p in self.full[model_id].bank.jobs[model_id].masters):,} parameters)")
+            return
         targets = (ATTN if spec.train_attn else ()) + (MLP if spec.train_mlp else ())
         if not targets:
             raise BackendError("lora_config: train_attn and train_mlp are both false: nothing to train", "user")
@@ -205,29 +222,37 @@ class CorunBackend(Backend):
             raise BackendError(str(e), "user") from None
 
     def delete_model(self, model_id: str) -> None:
+        if model_id in self.full:
+            self.full.pop(model_id).close("the model was deleted")
+            return
         self.bank.remove_job(model_id)
 
+    def _close_full(self) -> None:
+        while self.full:
+            self.full.popitem()[1].close("the server is stopping")
+
     def train_cycle(self, forward: list[ForwardCall], optim: list[OptimCall]):
-        calls = [ForwardBackwardCall(c.model_id, [Datum.tinker(d.tokens, c.loss_fn, d.inputs) for d in c.datums],
-                                     _loss(c), c.forward_only) for c in forward]
-        out_f: list = []
-        for c, res in zip(forward, self.trainer.forward_backward(calls) if calls else []):
-            if res.error:
-                out_f.append(BackendError(f"model {c.model_id}: {res.error}", "user"))
-            else:
-                out_f.append(ForwardResult([{"logprobs": np.asarray(lp, np.float32)} for lp in res.logprobs],
-                                           {"loss:sum": float(res.metrics["loss:sum"])}))
-        steps = self.trainer.optim_step({c.model_id: _adam(c) for c in optim}) if optim else {}
-        out_o: list = []
-        for c in optim:
-            r = steps[c.model_id]
-            # a failure of the device (r.raised) is the server's, the model left as it was; a refused update is the client's
-            out_o.append(BackendError(f"model {c.model_id}: {r.failure}", "server" if r.raised else "user")
-                         if r.failure else
-                         {"grad_norm": float(r.grad_norm), "clip_coef": float(r.clip_coef)})
+        """The LoRA models' calls in the shared trainer's passes, each full-parameter model's in its own
+        trainer's; one result per call, in the order given."""
+        groups: dict[str, tuple[list, list]] = {}  # "" (the shared trainer) or a full model -> (calls, steps)
+        for i, c in enumerate(forward):
+            groups.setdefault(c.model_id if c.model_id in self.full else "", ([], []))[0].append((i, c))
+        for i, c in enumerate(optim):
+            groups.setdefault(c.model_id if c.model_id in self.full else "", ([], []))[1].append((i, c))
+        out_f: list = [None] * len(forward)
+        out_o: list = [None] * len(optim)
+        for name, (fs, os_) in groups.items():
+            trainer = self.full[name].trainer if name else self.trainer
+            got_f, got_o = _cycle(trainer, [c for _, c in fs], [c for _, c in os_])
+            for (i, _), r in zip(fs, got_f):
+                out_f[i] = r
+            for (i, _), r in zip(os_, got_o):
+                out_o[i] = r
         return out_f, out_o
 
     def save_state(self, model_id: str, directory: Path, optimizer: bool = True) -> None:
+        if model_id in self.full:
+            return self.full[model_id].save_state(directory, optimizer)
         state = self.bank.job_state(model_id)
         if not optimizer:
             state.pop("optimizer")
@@ -240,6 +265,11 @@ class CorunBackend(Backend):
         path = Path(directory) / "state.pt"
         if not path.is_file():
             raise BackendError(f"{directory} holds no saved state (state.pt)", "user")
+        if model_id in self.full:
+            return self.full[model_id].load_state(directory, optimizer)
+        if (Path(directory) / FULL_MARKER).is_file():
+            raise BackendError(f"{directory} holds a full-parameter model's state, not a LoRA adapter's: load it "
+                               "into a full-parameter model", "user")
         state = torch.load(path, map_location="cpu", weights_only=True)
         ad = self.bank.jobs[model_id]
         if optimizer and "optimizer" not in state:
@@ -254,6 +284,8 @@ class CorunBackend(Backend):
     def save_for_sampler(self, model_id: str, directory: Path | None):
         """The model's adapter now, frozen in memory or in the sampler's own folder (module docstring; named,
         in `directory` too: the same files, hard links where the file system allows)."""
+        if model_id in self.full:
+            return self.full[model_id].save_for_sampler(directory)
         key = self._new_sampler()
         if directory is None and self.frozen is not None and self.frozen.held() < self.memory_samplers:
             try:
@@ -291,6 +323,10 @@ class CorunBackend(Backend):
     def load_sampler(self, directory: Path):
         """A sampler of its own made of the checkpoint `directory`'s files (module docstring)."""
         directory = Path(directory)
+        if (directory / "config.json").is_file() and not (directory / SAMPLER_FILES[0]).is_file():
+            raise BackendError(f"{directory} holds a full-parameter model's weights: this server samples a full "
+                               "model only from its live model's newest save (save_weights_and_get_sampling_client)",
+                               "user")
         missing = [f for f in SAMPLER_FILES if not (directory / f).is_file()]
         if missing:
             raise BackendError(f"{directory} holds no sampler weights ({', '.join(missing)} missing)", "user")
@@ -313,7 +349,7 @@ class CorunBackend(Backend):
     def release_sampler(self, ref) -> None:
         """Returns at once (it is called from samples' callbacks, on the engine's thread too); the
         engine lets the sampler go between two of its steps, then its folder is removed."""
-        if ref is None:
+        if ref is None or isinstance(ref, FullSampler):  # a full model's sampler holds nothing of its own
             return
         own = self.samplers_dir / ref
 
@@ -333,9 +369,17 @@ class CorunBackend(Backend):
     def held(self) -> dict[str, list[str]]:
         """What this backend holds now: the models' adapters in the trainer, the samplers in the engine."""
         self._flush()
-        return {"models": sorted(self.bank.jobs), "samplers": self.loop.call("snapshots")}
+        return {"models": sorted([*self.bank.jobs, *self.full]), "samplers": self.loop.call("snapshots")}
 
     def sample(self, call: SampleCall, done: Callable[[SampleResult | BackendError], None]) -> None:
+        if isinstance(call.sampler, FullSampler):
+            full = self.full.get(call.sampler.model_id)
+            if full is None:
+                done(BackendError(f"model {call.sampler.model_id} was deleted: its engine, which served this "
+                                  "full-parameter sampler, is gone", "user"))
+            else:
+                full.sample(call.sampler, call, done)
+            return
         self._flush()
         self.loop.put("sample", call, done)
 
@@ -363,6 +407,28 @@ def _link_or_copy(src: Path, dst: Path) -> None:
             raise
         except OSError:  # another file system, or one without hard links
             shutil.copyfile(f, dst / f.name)
+
+
+def _cycle(trainer: MultiJobTrainer, forward: list[ForwardCall], optim: list[OptimCall]):
+    """`forward`'s calls in one trainer's shared passes, then `optim`'s steps: (results, results), in order."""
+    calls = [ForwardBackwardCall(c.model_id, [Datum.tinker(d.tokens, c.loss_fn, d.inputs) for d in c.datums],
+                                 _loss(c), c.forward_only) for c in forward]
+    out_f: list = []
+    for c, res in zip(forward, trainer.forward_backward(calls) if calls else []):
+        if res.error:
+            out_f.append(BackendError(f"model {c.model_id}: {res.error}", "user"))
+        else:
+            out_f.append(ForwardResult([{"logprobs": np.asarray(lp, np.float32)} for lp in res.logprobs],
+                                       {"loss:sum": float(res.metrics["loss:sum"])}))
+    steps = trainer.optim_step({c.model_id: _adam(c) for c in optim}) if optim else {}
+    out_o: list = []
+    for c in optim:
+        r = steps[c.model_id]
+        # a failure of the device (r.raised) is the server's, the model left as it was; a refused update is the client's
+        out_o.append(BackendError(f"model {c.model_id}: {r.failure}", "server" if r.raised else "user")
+                     if r.failure else
+                     {"grad_norm": float(r.grad_norm), "clip_coef": float(r.clip_coef)})
+    return out_f, out_o
 
 
 def _loss(c: ForwardCall) -> losses.LossSpec:

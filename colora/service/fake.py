@@ -81,6 +81,9 @@ class FakeBackend(Backend):
         return self._caps
 
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
+        if not isinstance(spec, LoraSpec):  # a full-parameter model (colora/service/full.py)
+            raise BackendError("the fake backend trains LoRA adapters only: full-parameter models need the co-runner "
+                               "backend (colora serve without --fake)", "user")
         V = self._caps.vocab_size
         gen = torch.Generator().manual_seed(spec.seed)
         A = (torch.randn(V, spec.rank, generator=gen) / math.sqrt(spec.rank)).requires_grad_()

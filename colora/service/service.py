@@ -41,6 +41,7 @@ from colora.service.backend import Backend, BackendError, Datum, ForwardCall, Lo
 from colora.service.checkpoints import CheckpointOps, _user
 from colora.service.config import ServeConfig
 from colora.service.errors import ApiError, Journal, limit_error, scrub
+from colora.service.full import FullSpec, full_refusal, spec_of
 from colora.service.futures import FutureStore, failure_answer
 from colora.service.records import RecordError, Records, behaviour_logprobs
 from colora.service.samplers import SamplerOps
@@ -269,8 +270,7 @@ class Service(CheckpointOps, SamplerOps):
             return {"request_id": rid}
         model_id = f"{s.id}:train:{body.model_seq_id}"
         try:
-            spec = self._lora_spec(body.base_model, body.lora_config or schemas.LoraConfig(), model_id,
-                                   body.optimizer_config.type)
+            spec = self._lora_spec(body.base_model, body.lora_config, model_id, body.optimizer_config.type)
         except ValueError as e:
             self._created(tenant)
             self._answer(rid, Outcome(error=str(e)))
@@ -278,6 +278,7 @@ class Service(CheckpointOps, SamplerOps):
 
         def create(b: Backend) -> dict:
             try:
+                self._full_room(spec)
                 b.create_model(model_id, spec)
                 self._register(s, model_id, body.base_model, spec, body.user_metadata)
             finally:
@@ -287,22 +288,34 @@ class Service(CheckpointOps, SamplerOps):
         self.scheduler.control(rid, create)
         return {"request_id": rid, "model_id": model_id}
 
-    def _lora_spec(self, base_model: str, lc: schemas.LoraConfig, model_id: str, optimizer: str) -> LoraSpec:
+    def _lora_spec(self, base_model: str, lc: schemas.LoraConfig | None, model_id: str,
+                   optimizer: str) -> LoraSpec | FullSpec:
+        """The new model's spec; no lora_config: a full-parameter model, where --full-models allows any."""
         if base_model != self.caps.model_name:
             raise ValueError(f"base_model {base_model!r} is not served here; this server serves {self.caps.model_name!r}")
+        if optimizer not in ("adamw", "adam"):
+            raise ValueError(f"optimizer_config.type {optimizer!r} is not supported; this server has adamw")
+        if lc is None:
+            if self.cfg.full_models < 1:
+                raise ValueError(full_refusal(self.cfg.full_models, 0))
+            return FullSpec()
         if not 1 <= lc.rank <= self.caps.max_lora_rank:
             raise ValueError(f"lora_config.rank ({lc.rank}) must be from 1 to this server's maximum, "
                              f"{self.caps.max_lora_rank}")
         if not (lc.train_mlp or lc.train_attn or lc.train_unembed):
             raise ValueError("lora_config: at least one of train_mlp, train_attn, train_unembed must be true")
-        if optimizer not in ("adamw", "adam"):
-            raise ValueError(f"optimizer_config.type {optimizer!r} is not supported; this server has adamw")
         # lm_head adapters are not served by vLLM's multi-LoRA: the flag is recorded, not honoured
         unembed = lc.train_unembed and self.caps.train_unembed
         seed = lc.seed % SEED_RANGE if lc.seed is not None else derive_seed(0, model_id, "lora-init")
         return LoraSpec(rank=lc.rank, seed=seed, train_mlp=lc.train_mlp, train_attn=lc.train_attn, train_unembed=unembed)
 
-    def _register(self, s: Session, model_id: str, base_model: str, spec: LoraSpec, user_metadata) -> None:
+    def _full_room(self, spec) -> None:
+        """On the trainer thread, before a model of `spec` is made: a full-parameter one beyond --full-models is refused."""
+        live = sum(isinstance(m.spec, FullSpec) for m in self.models.values())
+        if isinstance(spec, FullSpec) and (why := full_refusal(self.cfg.full_models, live)):
+            raise BackendError(why, "user")
+
+    def _register(self, s: Session, model_id: str, base_model: str, spec: LoraSpec | FullSpec, user_metadata) -> None:
         """Called on the trainer thread once the backend holds the model."""
         with self._lock:  # the session cannot end between here and its queue: end_session takes this lock
             if s.ended:
@@ -312,10 +325,13 @@ class Service(CheckpointOps, SamplerOps):
             s.models.add(model_id)
             self.scheduler.add_model(model_id, next_seq=1, owner=s.tenant)
         self.store.write_run(s.tenant, model_id, base_model, spec, user_metadata)
+        log.info("model %s of tenant %s created: %s", model_id, s.tenant,
+                 "full-parameter" if isinstance(spec, FullSpec) else f"LoRA rank {spec.rank}")
 
     def get_info(self, tenant: str, body: schemas.ModelRef) -> dict:
         m = self._model(tenant, body.model_id)
-        return {"type": "get_info", "model_id": m.id, "is_lora": True, "lora_rank": m.spec.rank,
+        lora = not isinstance(m.spec, FullSpec)
+        return {"type": "get_info", "model_id": m.id, "is_lora": lora, "lora_rank": m.spec.rank if lora else None,
                 "model_name": m.base_model,
                 "model_data": {"model_name": m.base_model, "arch": self.caps.arch,
                                "tokenizer_id": self.caps.tokenizer_id or m.base_model}}
@@ -439,8 +455,9 @@ class Service(CheckpointOps, SamplerOps):
         if base != self.caps.model_name or meta["base_model"] != self.caps.model_name:
             raise BackendError(f"checkpoint {body.path} is of base model {meta['base_model']!r}; this server "
                                f"serves {self.caps.model_name!r}", "user")
-        spec = LoraSpec(**meta["lora"])
-        if spec.rank > self.caps.max_lora_rank:
+        spec = spec_of(meta["lora"])
+        self._full_room(spec)
+        if isinstance(spec, LoraSpec) and spec.rank > self.caps.max_lora_rank:
             raise BackendError(f"checkpoint {body.path} has LoRA rank {spec.rank}, above this server's "
                                f"maximum {self.caps.max_lora_rank}", "user")
         b.create_model(model_id, spec)
@@ -474,7 +491,7 @@ class Service(CheckpointOps, SamplerOps):
             requests, nbytes = self.scheduler.pending(t)
             count, disk = self.store.usage(t)
             recorded, recorded_bytes = self.records.usage(t)
-            detail = [{"model_id": m.id, "session_id": m.session_id, "rank": m.spec.rank, **self.usage.model(m.id)}
+            detail = [{"model_id": m.id, "session_id": m.session_id, "rank": getattr(m.spec, "rank", None), **self.usage.model(m.id)}
                       for m in models if m.tenant == t]
             tenants[t] = {"sessions": sum(s.tenant == t and not s.ended for s in sessions), "models": len(detail),
                           "samplers": sum(x.tenant == t and not x.closing for x in samplers),

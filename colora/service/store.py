@@ -1,11 +1,12 @@
 """Checkpoints and training-run records on disk, per tenant, under the server's `--out` directory.
 
-    <out>/tenants/<tenant>/<model_id>/run.json                       the model's record (base model, LoRA)
+    <out>/tenants/<tenant>/<model_id>/run.json                       the model's record (base model, LoRA or null)
     <out>/tenants/<tenant>/<model_id>/weights/<name>/                save_state: the backend's files + tinker.json
     <out>/tenants/<tenant>/<model_id>/sampler_weights/<name>/        save_weights_for_sampler(name)
     <out>/tenants/<tenant>/<model_id>/external_weights/<name>/       save_weights_external(name): the sampler format
 
-A checkpoint's Tinker path is `tinker://<model_id>/<kind>/<name>`, kind one of KINDS; it resolves
+A record's and a checkpoint's "lora" is the model's LoRA settings, null for a full-parameter model's
+(colora/service/full.py). A checkpoint's Tinker path is `tinker://<model_id>/<kind>/<name>`, kind one of KINDS; it resolves
 only inside the asking tenant's folder, so another tenant's path is simply not found. A checkpoint is
 written into a temporary folder `.tmp-<name>-<n>` and renamed into place, so a reader never sees half of
 one; an overwrite first renames the old one aside (`.old-<name>-<n>`), then swaps, then deletes it, so a
@@ -74,6 +75,11 @@ def parse_path(path: str, field: str = "path") -> CheckpointPath:
     if parts[0] in (".", ".."):
         raise CheckpointError(f"{field} {path!r} has an invalid model id")
     return CheckpointPath(parts[0], parts[1], check_name(parts[2], field))  # type: ignore[arg-type]
+
+
+def _lora(spec) -> dict | None:
+    """What a record says of a model's spec: its LoRA settings, None for a full-parameter model."""
+    return asdict(spec) if isinstance(spec, LoraSpec) else None
 
 
 def _now() -> str:
@@ -163,10 +169,11 @@ class Store:
         return [(tenant, parse_path(path)) for tenant, path in due]
 
     # -- records -----------------------------------------------------------------------------------
-    def write_run(self, tenant: str, model_id: str, base_model: str, spec: LoraSpec, user_metadata=None) -> None:
+    def write_run(self, tenant: str, model_id: str, base_model: str, spec, user_metadata=None) -> None:
+        """spec: the model's LoraSpec, or a full-parameter model's spec (recorded as "lora": null)."""
         d = self._model_dir(tenant, model_id)
         d.mkdir(parents=True, exist_ok=True)
-        run = {"training_run_id": model_id, "base_model": base_model, "lora": asdict(spec), "created": _now(),
+        run = {"training_run_id": model_id, "base_model": base_model, "lora": _lora(spec), "created": _now(),
                "user_metadata": user_metadata or None}
         (d / "run.json").write_text(json.dumps(run, indent=1))
 
@@ -209,7 +216,7 @@ class Store:
         d = self.dir_of(tenant, cp)
         return cp, d, json.loads((d / META).read_text())
 
-    def write(self, tenant: str, cp: CheckpointPath, base_model: str, spec: LoraSpec, writer, overwrite: bool = False,
+    def write(self, tenant: str, cp: CheckpointPath, base_model: str, spec, writer, overwrite: bool = False,
               ttl_seconds: int | None = None, **meta) -> Path:
         """Calls writer(tmp_dir) (the backend writes its files), adds tinker.json, renames into place
         (module docstring). `meta` goes into tinker.json (`automatic`: saved without a name)."""
@@ -222,7 +229,7 @@ class Store:
         try:
             writer(tmp)
             info = {"checkpoint_id": cp.checkpoint_id, "checkpoint_type": KINDS[cp.kind], "tinker_path": str(cp),
-                    "time": _now(), "base_model": base_model, "lora": asdict(spec), "ttl_seconds": ttl_seconds,
+                    "time": _now(), "base_model": base_model, "lora": _lora(spec), "ttl_seconds": ttl_seconds,
                     "expires_at": None if ttl_seconds is None else round(time.time() + ttl_seconds, 3), **meta}
             (tmp / META).write_text(json.dumps(info, indent=1))
             if final.exists():
@@ -282,7 +289,9 @@ class Store:
         run = self.read_run(tenant, model_id)
         cps = self.list(tenant, model_id)
         last = {k: next((c for c in reversed(cps) if c["checkpoint_type"] == k), None) for k in ("training", "sampler")}
-        return {"training_run_id": model_id, "base_model": run["base_model"], "model_owner": tenant, "is_lora": True,
-                "corrupted": False, "lora_rank": run["lora"]["rank"], "last_request_time": run["created"],
+        lora = run["lora"]
+        return {"training_run_id": model_id, "base_model": run["base_model"], "model_owner": tenant,
+                "is_lora": lora is not None, "corrupted": False, "lora_rank": lora["rank"] if lora else None,
+                "last_request_time": run["created"],
                 "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
                 "user_metadata": run.get("user_metadata")}
