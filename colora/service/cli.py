@@ -10,7 +10,8 @@ every tenant's adapter and one vLLM engine for every tenant's samples, on the GP
 engine's and the trainer's settings are the config sections of colora/config.py (`--engine KEY=VALUE`,
 `--trainer KEY=VALUE`, each checked as a config file's are). `--fake` serves a small bigram model with the
 tokenizer of --model (colora/service/fake.py): the whole protocol, no GPU, for tests and for trying a
-client. `--model` takes what a config's `experiment.model` takes: a directory or `builtin:NAME`, built
+client. `--full-models N` lets N full-parameter models live beside the adapters (create_model without
+lora_config; colora/service/full.py). `--model` takes what a config's `experiment.model` takes: a directory or `builtin:NAME`, built
 once into colora's model cache (clients load the tokenizer from the directory it names). Checkpoints go
 to OUT/tenants/<tenant>/, each trainer cycle to OUT/stats.jsonl.
 

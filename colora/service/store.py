@@ -6,8 +6,8 @@
     <out>/tenants/<tenant>/<model_id>/external_weights/<name>/       save_weights_external(name): the sampler format
 
 A record's and a checkpoint's "lora" is the model's LoRA settings, null for a full-parameter model's
-(colora/service/full.py). A checkpoint's Tinker path is `tinker://<model_id>/<kind>/<name>`, kind one of KINDS; it resolves
-only inside the asking tenant's folder, so another tenant's path is simply not found. A checkpoint is
+(colora/service/full.py). A checkpoint's Tinker path is `tinker://<model_id>/<kind>/<name>`, kind one of
+KINDS; it resolves only inside the asking tenant's folder, so another tenant's path is simply not found. A checkpoint is
 written into a temporary folder `.tmp-<name>-<n>` and renamed into place, so a reader never sees half of
 one; an overwrite first renames the old one aside (`.old-<name>-<n>`), then swaps, then deletes it, so a
 kill at any moment leaves the old or the new checkpoint. `sweep` (at the server's start) removes what a
