@@ -32,7 +32,7 @@ from colora.service.app import create_app
 from colora.service.backend import AdamParams, LoraSpec
 from colora.service.cli import parser, serve_config
 from colora.service.config import ServeConfig, ServeConfigError
-from colora.service.full import FullSpec
+from colora.service.backend import FullSpec
 from colora.training.batches import Datum as TrainDatum
 
 NO_FLAG = "start it with --full-models N to allow full fine-tuning (create_model without lora_config)"

@@ -17,6 +17,8 @@ Threading contract:
 - A sampler ref from `save_for_sampler` / `load_sampler` stays valid, with the weights it froze, until
   `release_sampler(ref)`, whatever `train_cycle`, `load_state` or `delete_model` do to the model. The
   protocol layer releases a ref only when none of its samples is in flight, and releases every ref once.
+  A full-parameter model's (FullSpec) are the exception: its one engine holds one set of weights, so its
+  samplers serve its newest save only (an older one's samples are refused, saying so) and end with the model.
 
 Errors: a call that fails for one model returns (or, for the single-model calls, raises) `BackendError`
 with `category` "user" (the client's input is wrong: out-of-range token, non-finite loss) or "server";
@@ -100,6 +102,17 @@ class LoraSpec:
     train_mlp: bool = True
     train_attn: bool = True
     train_unembed: bool = False
+
+
+@dataclass(frozen=True)
+class FullSpec:
+    """A full-parameter model (create_model without lora_config, where the server allows it): no adapter,
+    every weight trained; its samplers serve its newest save only (colora/service/full.py)."""
+
+
+def spec_of(lora: dict | None) -> LoraSpec | FullSpec:
+    """A model's spec from its record's "lora" (None: a full-parameter model's)."""
+    return FullSpec() if lora is None else LoraSpec(**lora)
 
 
 @dataclass(frozen=True)
@@ -192,8 +205,9 @@ class Backend(abc.ABC):
     def capabilities(self) -> Capabilities: ...
 
     @abc.abstractmethod
-    def create_model(self, model_id: str, spec: LoraSpec) -> None:
-        """A fresh adapter with zero accumulated gradient and fresh AdamW state."""
+    def create_model(self, model_id: str, spec: LoraSpec | FullSpec) -> None:
+        """A fresh adapter (or, for a FullSpec, a model of its own) with zero accumulated gradient and fresh
+        AdamW state."""
 
     @abc.abstractmethod
     def delete_model(self, model_id: str) -> None:

@@ -69,6 +69,7 @@ from colora.service.backend import (
     Capabilities,
     ForwardCall,
     ForwardResult,
+    FullSpec,
     LoraSpec,
     OptimCall,
     SampleCall,
@@ -77,7 +78,7 @@ from colora.service.backend import (
 from colora.service.engine_loop import EngineLoop
 from colora.service.frozen import FrozenAdapters
 from colora.service.full import MARKER as FULL_MARKER
-from colora.service.full import FullModel, FullSampler, FullSpec
+from colora.service.full import FullModel, FullSampler
 from colora.service.levers import Levers
 from colora.training import adamw, losses
 from colora.training.batches import Datum

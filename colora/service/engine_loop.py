@@ -142,7 +142,7 @@ class EngineLoop:
         for key, results in finished:
             call, done = self._pop(key)
             if done is not None:
-                _answer(done, lambda: _result(call, results))
+                answer(done, lambda: sample_result(call, results))
 
     def _take(self, item) -> None:
         op = item[0]
@@ -153,7 +153,7 @@ class EngineLoop:
             err = BackendError("the server is stopping", "server")
             self._fail_inflight(err)
             while self._waiting:
-                _answer(self._waiting.popleft()[1], lambda: err)
+                answer(self._waiting.popleft()[1], lambda: err)
         elif op == "sample":
             self._sample(*item[1:])
         elif op == "register_many":
@@ -184,24 +184,24 @@ class EngineLoop:
         if call.sampler in self._lost:
             err = BackendError(f"sampler {call.sampler}: the engine refused its weights: {self._lost[call.sampler]}",
                                "server")
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
         elif self.engine is not None:
             self._submit(call, done)
         elif self.status == "degraded":
             err = BackendError(f"the engine is down: {self.failures} starts failed in a row, the last with "
                                f"{self.last_error}", "server")
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
         elif len(self._waiting) >= self.max_waiting:
             err = BackendError(f"the engine is restarting and {len(self._waiting)} samples wait for it already "
                                "(the most this server keeps)", "server", retryable=True)
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
         else:
             self._waiting.append((call, done))
 
     def _submit(self, call: SampleCall, done: Callable) -> None:
         key = next(self._ids)
         try:
-            self.engine.submit(key, samples(_request(call), call.num_samples, self.grouped))
+            self.engine.submit(key, samples(gen_request(call), call.num_samples, self.grouped))
         except Exception as e:  # noqa: BLE001  (this sample's failure alone: an unknown sampler, say)
             why = self.engine.dead()
             if why:  # not the sample's fault: it runs on the next engine
@@ -209,7 +209,7 @@ class EngineLoop:
                 self._died(why)
                 return
             err = BackendError(f"{type(e).__name__}: {e}", "user")
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
             return
         self._inflight[key] = (call, done)
         self._requests += call.num_samples
@@ -320,7 +320,7 @@ class EngineLoop:
                 err = BackendError(f"the engine is down: {self.failures} starts failed in a row, the last with "
                                    f"{error}", "server")
                 while self._waiting:
-                    _answer(self._waiting.popleft()[1], lambda: err)
+                    answer(self._waiting.popleft()[1], lambda: err)
             degraded = ", the backend is degraded" if self.status == "degraded" else ""
             self.log(f"{self.last_error} ({self.failures} in a row{degraded}); trying again in {delay:.0f} s")
             self._restart(broken, delay)
@@ -357,11 +357,11 @@ class EngineLoop:
     def _answer_key(self, key: int, err: BackendError) -> None:
         _, done = self._pop(key)
         if done is not None:
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
 
     def _fail_inflight(self, err: BackendError) -> None:
         for _, done in self._inflight.values():
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
         self._inflight.clear()
         self._requests = 0
 
@@ -390,7 +390,7 @@ def _refuse_stopped(item) -> None:
     """An item that came after the stop: a sample is answered, a caller that waits is woken."""
     err = BackendError("the server is stopping", "server")
     if item[0] == "sample":
-        _answer(item[2], lambda: err)
+        answer(item[2], lambda: err)
     elif item[0] == "release" and item[2] is not None:
         item[2]()
     elif item[0] in ("register", "snapshots"):
@@ -399,7 +399,7 @@ def _refuse_stopped(item) -> None:
         event.set()
 
 
-def _answer(done: Callable, make: Callable) -> None:
+def answer(done: Callable, make: Callable) -> None:
     try:
         value = make()
     except Exception as e:  # noqa: BLE001  (a result that cannot be built is that sample's failure)
@@ -410,7 +410,7 @@ def _answer(done: Callable, make: Callable) -> None:
         pass
 
 
-def _request(call: SampleCall) -> GenRequest:
+def gen_request(call: SampleCall) -> GenRequest:
     """One sample's GenRequest; `samples` makes num_samples of them, seeds derived from call.seed."""
     return GenRequest(None, tuple(int(t) for t in call.prompt), int(call.max_tokens), float(call.temperature),
                       float(call.top_p), int(call.seed), ignore_eos=not call.stop.eos, snapshot=call.sampler,
@@ -418,7 +418,7 @@ def _request(call: SampleCall) -> GenRequest:
                       prompt_logprobs=bool(call.prompt_logprobs))
 
 
-def _result(call: SampleCall, results) -> SampleResult:
+def sample_result(call: SampleCall, results) -> SampleResult:
     results = sorted(results, key=lambda r: r.request.tag[1])
     seqs = [SampledSequence(np.asarray(r.completion_ids, np.int64), np.asarray(r.logprobs, np.float32),
                             r.stop_reason) for r in results]

@@ -43,23 +43,13 @@ from colora.engine.process import BatchRefused
 from colora.engine.sampling import samples
 from colora.engine.weights import FullEngine
 from colora.models.base import load_base_model
-from colora.service.backend import BackendError, LoraSpec, SampleCall
-from colora.service.engine_loop import IDLE_WAIT_S, _answer, _request, _result
+from colora.service.backend import BackendError, SampleCall
+from colora.service.engine_loop import IDLE_WAIT_S, answer, gen_request, sample_result
 from colora.training.full import FullBank, FullExport, FullTrainer, full_weights
 
 MARKER = "full.json"  # in a full model's save_state checkpoint: what tells it from a LoRA adapter's
 LOAD_WAIT_S = 600.0  # the longest a save waits for the engine to load the previous save (its samples in flight)
 STOP_WAIT_S = 60.0
-
-
-@dataclass(frozen=True)
-class FullSpec:
-    """A full-parameter model (create_model without lora_config): no adapter, every weight trained."""
-
-
-def spec_of(lora: dict | None) -> LoraSpec | FullSpec:
-    """A model's spec from its record's "lora" (None: a full-parameter model's)."""
-    return FullSpec() if lora is None else LoraSpec(**lora)
 
 
 def full_refusal(allowed: int, live: int) -> str:
@@ -137,15 +127,15 @@ class EngineThread:
         if self.dead:
             err = BackendError(f"the full-parameter model's engine is down ({self.dead}); create the model again "
                                "from a checkpoint", "server")
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
             return
         key = next(self._ids)
         try:  # the model itself serves the request: no LoRA name, no job tag needed
-            self.engine.submit(key, samples(_request(dataclasses.replace(call, sampler=None)), call.num_samples, False))
+            self.engine.submit(key, samples(gen_request(dataclasses.replace(call, sampler=None)), call.num_samples, False))
         except Exception as e:  # noqa: BLE001  (this sample's failure alone, unless the engine died)
             self.dead = self.engine.dead()
             err = BackendError(f"{type(e).__name__}: {e}", "server" if self.dead else "user")
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
             return
         self._inflight[key] = (call, done)
 
@@ -156,7 +146,7 @@ class EngineThread:
             _, done = self._inflight.pop(e.key, (None, None))
             if done is not None:
                 err = BackendError(f"the engine refused this sample: {e.reason}", "user")
-                _answer(done, lambda: err)
+                answer(done, lambda: err)
             return
         except Exception as e:  # noqa: BLE001  (an engine whose poll fails is not trusted again)
             self.dead = self.engine.dead() or f"its poll failed: {type(e).__name__}: {e}"
@@ -165,16 +155,16 @@ class EngineThread:
         for key, results in finished:
             call, done = self._inflight.pop(key, (None, None))
             if done is not None:
-                _answer(done, lambda: _result(call, results))
+                answer(done, lambda: sample_result(call, results))
 
     def _fail(self, why: str, held: deque) -> None:
         err = BackendError(why, "server")
         for _, done in self._inflight.values():
-            _answer(done, lambda: err)
+            answer(done, lambda: err)
         self._inflight.clear()
         for item in held:
             if item[0] == "sample":
-                _answer(item[2], lambda: err)
+                answer(item[2], lambda: err)
             elif item[0] == "load":
                 item[2].set()
 
@@ -220,7 +210,7 @@ class FullModel:
             if ref.save == self.saves:
                 self.loop.put("sample", call, done)
                 return
-        _answer(done, lambda: BackendError(
+        answer(done, lambda: BackendError(
             f"this sampler of full-parameter model {self.id} holds weights that a newer save replaced: a full model's "
             "engine holds one set of weights, its newest save's; sample from the newest sampling client", "user"))
 

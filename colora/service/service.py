@@ -37,11 +37,11 @@ import time
 
 from colora.seeding import derive_seed
 from colora.service import schemas, wire
-from colora.service.backend import Backend, BackendError, Datum, ForwardCall, LoraSpec
+from colora.service.backend import Backend, BackendError, Datum, ForwardCall, FullSpec, LoraSpec, spec_of
 from colora.service.checkpoints import CheckpointOps, _user
 from colora.service.config import ServeConfig
 from colora.service.errors import ApiError, Journal, limit_error, scrub
-from colora.service.full import FullSpec, full_refusal, spec_of
+from colora.service.full import full_refusal
 from colora.service.futures import FutureStore, failure_answer
 from colora.service.records import RecordError, Records, behaviour_logprobs
 from colora.service.samplers import SamplerOps

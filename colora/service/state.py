@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from colora.service.backend import LoraSpec
+from colora.service.backend import FullSpec, LoraSpec
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Model:
     tenant: str
     session_id: str
     base_model: str
-    spec: LoraSpec
+    spec: LoraSpec | FullSpec
 
 
 @dataclass
