@@ -55,12 +55,14 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "ppo": ("target_tokens", "logprobs", "advantages"),
     "cispo": ("target_tokens", "logprobs", "advantages"),
 }
-# loss_fn_config keys each loss accepts, with their defaults (ratio clip bounds as absolute ratios)
+# loss_fn_config keys each loss accepts, with their defaults (ratio clip bounds as absolute ratios;
+# SCORE_WEIGHTED: `scored_span`)
+SCORE_WEIGHTED = "score_weighted"
 LOSS_CONFIG: dict[str, dict[str, float]] = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cross_entropy": {SCORE_WEIGHTED: 0.0},
+    "importance_sampling": {SCORE_WEIGHTED: 0.0},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, SCORE_WEIGHTED: 0.0},
+    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, SCORE_WEIGHTED: 0.0},
 }
 
 Category = Literal["user", "server"]
@@ -124,6 +126,26 @@ class Datum:
     inputs: dict[str, np.ndarray]  # name -> [N]; target_tokens int64, the others float32
 
 
+def scores_weighted(config: dict | None) -> bool:
+    """Whether a call's loss_fn_config asks to score only the positions its loss weighs (`scored_span`):
+    `score_weighted` 1.0, or 0.0 / absent for every position. Any other value is the client's error."""
+    v = (config or {}).get(SCORE_WEIGHTED, 0.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or v not in (0.0, 1.0):
+        raise BackendError(f"loss_fn_config[{SCORE_WEIGHTED!r}] ({v!r}) must be 1.0 (score only the positions "
+                           "with a nonzero weight or advantage) or 0.0 (score every position, the default)", "user")
+    return v == 1.0
+
+
+def scored_span(loss_fn: str, inputs: dict[str, np.ndarray]) -> tuple[int, int]:
+    """[first, end): the positions from the first to the last whose weight (cross_entropy) or advantage (the RL
+    losses) is nonzero; (0, 0) when none is. Outside it a position adds nothing to the loss, its sums or the
+    gradient (every RL loss term is proportional to its advantage), and a causal model's positions before `end`
+    do not read the tokens after it: with `score_weighted`, a backend computes this span alone and returns 0.0
+    for every other position's outputs."""
+    nonzero = np.flatnonzero(inputs["weights" if loss_fn == "cross_entropy" else "advantages"])  # NaN counts
+    return (int(nonzero[0]), int(nonzero[-1]) + 1) if len(nonzero) else (0, 0)
+
+
 @dataclass(frozen=True)
 class ForwardCall:
     """One forward_backward (or forward, when forward_only) request of one model.
@@ -132,7 +154,9 @@ class ForwardCall:
     cross_entropy -sum(w*logp); importance_sampling -sum(r*A); ppo -sum(min(r*A, clip(r,lo,hi)*A));
     cispo -sum(sg(clip(r,lo,hi))*logp*A), with logp the trainer's log-prob of the target at T=1,
     r = exp(logp - inputs["logprobs"]) and A = inputs["advantages"]. Unless forward_only, its gradient
-    is added to the model's accumulated gradient, which the next OptimCall applies and clears.
+    is added to the model's accumulated gradient, which the next OptimCall applies and clears. With
+    loss_fn_config["score_weighted"] 1.0 each datum is computed over its `scored_span` only (none at all
+    when it is empty): the same loss and gradient, and 0.0 in its outputs outside the span.
     """
 
     model_id: str

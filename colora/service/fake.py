@@ -4,7 +4,8 @@ The "model" is a bigram language model over the served tokenizer's vocabulary: t
 after token p are `base[p] + (alpha / rank) * A[p] @ B`, with `base` a fixed random table (the frozen
 base model) and each model's LoRA-like pair A [V, r], B [r, V] (B starts at zero, as LoRA's does, so a
 new model equals the base). forward_backward computes real target log-probs and the Tinker losses of
-`colora/service/backend.py` with torch autograd, optim_step is torch.optim.AdamW with the step's
+`colora/service/backend.py` with torch autograd (over each datum's scored span alone with `score_weighted`, as
+the co-runner), optim_step is torch.optim.AdamW with the step's
 settings, snapshots are copies that later steps do not touch, and sampling draws from a snapshot on a
 thread of its own. Sampled log-probs are the T=1 log-probs of the drawn tokens, like the trainer's.
 """
@@ -33,6 +34,8 @@ from colora.service.backend import (
     SampleCall,
     SampledSequence,
     SampleResult,
+    scored_span,
+    scores_weighted,
 )
 
 ALPHA = 32.0  # colora's LoRA alpha; scale = alpha / rank
@@ -119,18 +122,25 @@ class FakeBackend(Backend):
 
     def _forward(self, call: ForwardCall) -> ForwardResult:
         m = self._model(call.model_id)
+        weighted = scores_weighted(call.loss_fn_config)
         outputs, total = [], torch.zeros(())
         with torch.set_grad_enabled(not call.forward_only):
             for d in call.datums:
-                tokens = torch.from_numpy(d.tokens)
-                target = torch.from_numpy(d.inputs["target_tokens"])
-                logp = torch.log_softmax(self._logits(tokens, m.A, m.B, m.scale), -1)
-                logp = logp.gather(1, target[:, None])[:, 0]  # [N]
-                total = total + _loss(call.loss_fn, call.loss_fn_config, logp, d.inputs)
-                outputs.append({"logprobs": logp.detach().numpy().astype(np.float32)})
+                # score_weighted: the span alone; the bigram's logits at a position read that position's token only
+                lo, hi = scored_span(call.loss_fn, d.inputs) if weighted else (0, len(d.tokens))
+                out = np.zeros(len(d.tokens), np.float32)  # [N]: 0.0 outside the span
+                if hi > lo:
+                    inputs = {k: v[lo:hi] for k, v in d.inputs.items()}
+                    tokens = torch.from_numpy(d.tokens[lo:hi])
+                    target = torch.from_numpy(inputs["target_tokens"])
+                    logp = torch.log_softmax(self._logits(tokens, m.A, m.B, m.scale), -1)
+                    logp = logp.gather(1, target[:, None])[:, 0]  # [hi - lo]
+                    total = total + _loss(call.loss_fn, call.loss_fn_config, logp, inputs)
+                    out[lo:hi] = logp.detach().numpy()
+                outputs.append({"logprobs": out})
             if not torch.isfinite(total):
                 raise BackendError(f"loss of {call.loss_fn} is not finite ({total.item()})", "user")
-            if not call.forward_only:
+            if not call.forward_only and total.requires_grad:  # not when no datum weighs anything
                 total.backward()
         return ForwardResult(outputs=outputs, metrics={"loss:sum": float(total.item())})
 
