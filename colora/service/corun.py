@@ -42,6 +42,7 @@ how it goes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -74,6 +75,8 @@ from colora.service.backend import (
     OptimCall,
     SampleCall,
     SampleResult,
+    scored_span,
+    scores_weighted,
 )
 from colora.service.engine_loop import EngineLoop
 from colora.service.frozen import FrozenAdapters
@@ -412,15 +415,31 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def _cycle(trainer: MultiJobTrainer, forward: list[ForwardCall], optim: list[OptimCall]):
     """`forward`'s calls in one trainer's shared passes, then `optim`'s steps: (results, results), in order."""
-    calls = [ForwardBackwardCall(c.model_id, [Datum.tinker(d.tokens, c.loss_fn, d.inputs) for d in c.datums],
-                                 _loss(c), c.forward_only) for c in forward]
-    out_f: list = []
-    for c, res in zip(forward, trainer.forward_backward(calls) if calls else []):
+    out_f: list = [None] * len(forward)
+    todo: list[tuple[int, list[tuple[int, int]]]] = []  # (the call's index, each datum's span [lo, hi))
+    for i, c in enumerate(forward):
+        try:
+            weighted = scores_weighted(c.loss_fn_config)
+        except BackendError as e:
+            out_f[i] = e
+            continue
+        todo.append((i, [scored_span(c.loss_fn, d.inputs) if weighted else (0, len(d.tokens)) for d in c.datums]))
+    calls = [ForwardBackwardCall(forward[i].model_id, [_scored(d, forward[i].loss_fn, lo, hi)
+                                                       for d, (lo, hi) in zip(forward[i].datums, spans) if hi > lo],
+                                 _loss(forward[i]), forward[i].forward_only) for i, spans in todo]
+    for (i, spans), res in zip(todo, trainer.forward_backward(calls) if calls else []):
+        c = forward[i]
         if res.error:
-            out_f.append(BackendError(f"model {c.model_id}: {res.error}", "user"))
-        else:
-            out_f.append(ForwardResult([{"logprobs": np.asarray(lp, np.float32)} for lp in res.logprobs],
-                                       {"loss:sum": float(res.metrics["loss:sum"])}))
+            out_f[i] = BackendError(f"model {c.model_id}: {res.error}", "user")
+            continue
+        got = iter(res.logprobs)
+        outputs = []
+        for d, (lo, hi) in zip(c.datums, spans):
+            lp = np.zeros(len(d.tokens), np.float32)  # [N]: 0.0 outside the scored span
+            if hi > lo:
+                lp[lo:hi] = next(got)
+            outputs.append({"logprobs": lp})
+        out_f[i] = ForwardResult(outputs, {"loss:sum": float(res.metrics["loss:sum"])})
     steps = trainer.optim_step({c.model_id: _adam(c) for c in optim}) if optim else {}
     out_o: list = []
     for c in optim:
@@ -430,6 +449,15 @@ def _cycle(trainer: MultiJobTrainer, forward: list[ForwardCall], optim: list[Opt
                      if r.failure else
                      {"grad_norm": float(r.grad_norm), "clip_coef": float(r.clip_coef)})
     return out_f, out_o
+
+
+def _scored(d, loss_fn: str, lo: int, hi: int) -> Datum:
+    """The Tinker datum `d` as the trainer's, scored on positions [lo, hi) only: its tokens up to hi (a causal
+    model's positions before hi read none after it), its targets and loss inputs from lo."""
+    if (lo, hi) == (0, len(d.tokens)):
+        return Datum.tinker(d.tokens, loss_fn, d.inputs)
+    datum = Datum.tinker(d.tokens[:hi], loss_fn, {k: v[lo:hi] for k, v in d.inputs.items()})
+    return dataclasses.replace(datum, first=lo)
 
 
 def _loss(c: ForwardCall) -> losses.LossSpec:
