@@ -29,7 +29,9 @@ settings and clip, sampling from the current adapter only. What differs (the API
   own request's seed: samples differ from a native run's, rewards compare in distribution;
 - the adapter's initial draw: the server's, from the seed the client sends (the native run's derivation) and
   the model's id, so it differs from a native run's;
-- the trainer scores every position of a Tinker datum, a native step the completion's only.
+- the engine-trainer gap (`logprob_gap`, `clip_frac`) is measured over the sequences of nonzero advantage: the
+  client asks the server to score only the positions a loss weighs (loss_fn_config score_weighted), as a native
+  step scores the completion's only, so a sequence of advantage 0 comes back unscored.
 What the API cannot express is refused before the run starts, all of it in one message (`refusal`).
 """
 
@@ -123,6 +125,18 @@ def sft_datum(d):
     return types.Datum(model_input=types.ModelInput.from_ints(np.asarray(d.tokens[:-1]).tolist()),
                        loss_fn_inputs={"target_tokens": np.asarray(d.targets, np.int64),
                                        "weights": np.asarray(d.weights, np.float32)})
+
+
+SCORE_WEIGHTED = {"score_weighted": 1.0}
+
+
+def forward_backward(training, datums: list, loss_fn: str, config: dict[str, float] | None = None,
+                     forward_only: bool = False):
+    """The training client's forward_backward (or, `forward_only`, forward) of `datums` under `loss_fn` and
+    `config`, with loss_fn_config score_weighted (colora serve computes only the positions the loss weighs and
+    returns 0.0 log-probs at the others): this client reads no log-prob at a position of weight or advantage 0."""
+    send = training.forward if forward_only else training.forward_backward
+    return send(datums, loss_fn, loss_fn_config={**(config or {}), **SCORE_WEIGHTED})
 
 
 def sampling_params(r: GenRequest):
@@ -227,15 +241,20 @@ class JobClient:
         if not kept:
             raise JobFailure(job.name, f"no completion of step {self.step} holds a token to train on")
         t1 = time.perf_counter()
-        fb = self.training.forward_backward([rl_datum(r.prompt_ids, r.completion_ids, r.engine_logprobs,
-                                                      w * r.advantage) for r, w in kept], "importance_sampling")
+        advantages = [np.float32(w * r.advantage) for r, w in kept]  # as rl_datum sends them
+        fb = forward_backward(self.training, [rl_datum(r.prompt_ids, r.completion_ids, r.engine_logprobs, a)
+                                              for (r, _), a in zip(kept, advantages)], "importance_sampling")
         opt = self.training.optim_step(adam_params(job))
         nxt = self.training.save_weights_and_get_sampling_client()  # sent at once: the SDK keeps the order
         out, stepped = fb.result(), opt.result()
         t_train = time.perf_counter() - t1
         self.sampler = nxt.result()
-        lp = [o["logprobs"].to_numpy()[len(r.prompt_ids) - 1:] for o, (r, _) in zip(out.loss_fn_outputs, kept)]
-        gap, clipped, tokens = ratio_stats(lp, [np.asarray(r.engine_logprobs, np.float32) for r, _ in kept])
+        # the sequences of advantage 0 are not scored (score_weighted: their log-probs come back 0.0)
+        scored = [(o, r) for o, (r, _), a in zip(out.loss_fn_outputs, kept, advantages) if a != 0]
+        lp = [o["logprobs"].to_numpy()[len(r.prompt_ids) - 1:] for o, r in scored]
+        gap, clipped, _ = (ratio_stats(lp, [np.asarray(r.engine_logprobs, np.float32) for _, r in scored])
+                           if scored else (math.nan, math.nan, 0))
+        tokens = sum(len(r.completion_ids) for r, _ in kept)
         m = stepped.metrics or {}
         # rollout_versions: the optimizer steps behind the sampler every rollout came from (on-policy: = step)
         return {"step": self.step, **TrainerSide._rl_row(rollouts, float(np.mean([r.reward for r in rollouts]))),
@@ -248,7 +267,7 @@ class JobClient:
         convs = self.task.batch(self.step, self.job.prompts_per_step)
         datums = sft_datums(convs)
         t1 = time.perf_counter()
-        fb = self.training.forward_backward([sft_datum(d) for d in datums], "cross_entropy")
+        fb = forward_backward(self.training, [sft_datum(d) for d in datums], "cross_entropy")
         opt = self.training.optim_step(adam_params(self.job))
         out, stepped = fb.result(), opt.result()
         m = stepped.metrics or {}
@@ -264,7 +283,8 @@ class JobClient:
         if n <= 0:
             return {}
         if job.kind == "sft":
-            out = self.training.forward([sft_datum(d) for d in sft_datums(self.task.eval)], "cross_entropy").result()
+            out = forward_backward(self.training, [sft_datum(d) for d in sft_datums(self.task.eval)], "cross_entropy",
+                                   forward_only=True).result()
             return {"n": len(self.task.eval), "loss": out.metrics["loss:sum"], "accuracy": None}
         from tinker import types
 
