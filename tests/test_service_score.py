@@ -306,3 +306,21 @@ def test_colora_client_sft_step_sends_score_weighted(monkeypatch):
     ((route, loss, config, data),) = jc.training.sent
     assert (route, loss, config) == ("forward_backward", "cross_entropy", {"score_weighted": 1.0})
     assert data[0].loss_fn_inputs["weights"].to_numpy().tolist() == [0, 0, 0, 1, 1, 1, 0]
+
+
+def test_stable_reinforce_takes_the_key_and_a_bad_value_is_refused_while_the_request_is_parsed():
+    """The cookbook's default loss accepts score_weighted as the others do (the service passes it to the cispo
+    form it trains); a value other than 0 or 1 is refused before the request reaches a cycle."""
+    from colora.service import wire
+    from colora.service.backend import Capabilities
+
+    caps = Capabilities("m", 64, 16, 8)
+    for value, ok in ((1.0, True), (0.0, True), (2.0, False)):
+        msg = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="stable_reinforce")
+        msg.loss_fn_config["score_weighted"] = value
+        if ok:
+            assert wire._loss(msg, caps) == ("stable_reinforce", {"clip_high_threshold": 2.0, "kl_coeff": 0.0,
+                                                                  "score_weighted": value})
+        else:
+            with pytest.raises(wire.InputError, match="score_weighted"):
+                wire._loss(msg, caps)

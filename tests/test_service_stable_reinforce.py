@@ -180,7 +180,7 @@ BAD = [  # (the datum's changes, given the datum and its sequence id; config; th
     (lambda d, x: {"inputs": [], "targets": []}, {}, ["data[0] has no provenance", "with_provenance"]),
     (lambda d, x: {}, {"kl_coeff": 0.01}, ["kl_coeff", "no KL term"]),
     (lambda d, x: {}, {"clip_high_threshold": 0.5}, ["clip_high_threshold", "at least 1"]),
-    (lambda d, x: {}, {"clip_low_threshold": 0.5}, ["accepted: ['clip_high_threshold', 'kl_coeff']"]),
+    (lambda d, x: {}, {"clip_low_threshold": 0.5}, ["accepted: ['clip_high_threshold', 'kl_coeff', 'score_weighted']"]),
     (lambda d, x: {"weights": [1.0] * N}, {}, ["has ['weights'], which stable_reinforce does not use"]),
 ]
 

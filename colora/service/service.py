@@ -37,7 +37,8 @@ import time
 
 from colora.seeding import derive_seed
 from colora.service import schemas, wire
-from colora.service.backend import Backend, BackendError, Datum, ForwardCall, FullSpec, LoraSpec, spec_of
+from colora.service.backend import (SCORE_WEIGHTED, Backend, BackendError, Datum, ForwardCall, FullSpec, LoraSpec,
+                                    spec_of)
 from colora.service.checkpoints import CheckpointOps, _user
 from colora.service.config import ServeConfig
 from colora.service.errors import ApiError, Journal, limit_error, scrub
@@ -408,7 +409,8 @@ class Service(CheckpointOps, SamplerOps):
         datums = tuple(Datum(d.tokens, {**d.inputs, "logprobs": behaviour_logprobs(
             d.tokens, d.inputs["target_tokens"], d.inputs["advantages"], prov, get, f"data[{i}]")})
             for i, (d, prov) in enumerate(zip(req.datums, req.provenance, strict=True)))
-        config = {"clip_low_threshold": 0.0, "clip_high_threshold": req.loss_fn_config["clip_high_threshold"]}
+        config = {"clip_low_threshold": 0.0, "clip_high_threshold": req.loss_fn_config["clip_high_threshold"],
+                  SCORE_WEIGHTED: req.loss_fn_config.get(SCORE_WEIGHTED, 0.0)}
         return dataclasses.replace(req, loss_fn="cispo", loss_fn_config=config, datums=datums, provenance=())
 
     def optim_step(self, tenant: str, body: schemas.OptimStep) -> dict:

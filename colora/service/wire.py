@@ -22,10 +22,13 @@ from colora.service.backend import (
     LOSS_CONFIG,
     LOSS_INPUTS,
     LOSSES,
+    SCORE_WEIGHTED,
+    BackendError,
     Capabilities,
     Datum,
     ForwardResult,
     SampleResult,
+    scores_weighted,
 )
 from colora.service.records import Provenance, Span
 
@@ -38,7 +41,7 @@ _NP = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: n
 # Tinker's; this server adds no KL term, so it takes 0 alone.
 STABLE = "stable_reinforce"
 STABLE_INPUTS = ("target_tokens", "advantages")
-STABLE_CONFIG = {"clip_high_threshold": 2.0, "kl_coeff": 0.0}
+STABLE_CONFIG = {"clip_high_threshold": 2.0, "kl_coeff": 0.0, SCORE_WEIGHTED: 0.0}
 
 
 class InputError(ValueError):
@@ -108,6 +111,10 @@ def _loss(msg, caps: Capabilities) -> tuple[str, dict[str, float]]:
     for key, v in config.items():
         if not math.isfinite(v) or v < 0:
             raise InputError(f"loss_fn_config[{key!r}] ({v}) must be a finite number >= 0")
+    try:
+        scores_weighted(config)
+    except BackendError as e:
+        raise InputError(str(e)) from None
     if "clip_low_threshold" in config and config["clip_low_threshold"] > config["clip_high_threshold"]:
         raise InputError(f"loss_fn_config clip_low_threshold ({config['clip_low_threshold']}) is above "
                          f"clip_high_threshold ({config['clip_high_threshold']})")
