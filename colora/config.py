@@ -273,7 +273,7 @@ _LOCKED_PLACEHOLDER = {"checkpoint": {"every": 0, "keep": 2}}
 # Job keys added after configs were locked (prereg/reference8.md): at these values they are left out of
 # the hashed form, so a locked config's hash holds; set to anything else they are part of it.
 _LATER_JOB_KEYS = {"kind": "grpo", "data": "", "steps": 0, "start_after": 0, "finetune": "lora"}
-# The same for a section's keys (issue 48's engine levers).
+# The same for a section's keys (the engine's levers and the timeslice settings added since).
 _LATER_SECTION_KEYS = {"engine": {"specialize_active_lora": False, "lora_dual_stream": False},
                        "timeslice": {"hold_timeout_s": 1800.0, "memory_gib": 0.0}}
 

@@ -43,7 +43,7 @@ def test_plan_runs_every_seeds_main_arms_before_the_extras():
 
 
 def test_every_arm_runs_the_configs_steps_and_the_report_gives_the_steady_figures(tmp_path):
-    """Like with like (issue 33): no arm runs fewer steps than another; the report gives each main
+    """Like with like: no arm runs fewer steps than another; the report gives each main
     run's throughput over its window and again with each job's first steps out, and the steps a job
     each window counts."""
     from colora.record.throughput import combine_windows, measure_window
@@ -81,7 +81,7 @@ def test_every_arm_runs_the_configs_steps_and_the_report_gives_the_steady_figure
 
 
 def test_a_timeslice_window_opens_when_every_tenant_is_warm():
-    """The timeslice arm's tenants measured as one run on one GPU (issue 50): the window opens when the
+    """The timeslice arm's tenants measured as one run on one GPU: the window opens when the
     last tenant's warm-up ends, as a shared-GPU arm's does, not at the first tenant's; the report's
     steady figure measures it again from the tenants' step ends."""
     from colora.record.throughput import measure_window, remeasure, shared_window, steps_per_job
@@ -370,7 +370,7 @@ def test_collect_and_report_ratios_and_unfinished_runs(tmp_path):
 
 
 def test_a_tuning_run_is_set_beside_its_seeds_main_run_of_the_same_arm(tmp_path):
-    """A lever measured on and off (`--vary`, issue 48): its run's throughput over the main run's of
+    """A lever measured on and off (`--vary`): its run's throughput over the main run's of
     the same arm and seed, over the whole window and from the steady step on, with no dedicated run."""
     from colora.record.throughput import measure_window
 

@@ -46,7 +46,7 @@ def _fails(capsys, argv, *needles):
     ("jobs.1.task_options={max_modulus=1}", ["jobs.1.task", "modular", "max_modulus (1)"]),
     (["experiment.arm=overlap", "overlap.groups=5"], ["overlap.groups (5)", "number of jobs (2)", "overlap"]),
     ("engine.max_loras=1", ["engine.max_loras (1)", "number of jobs (2)"]),
-    # vLLM's own limits, refused here rather than inside vLLM as it starts (issue 49 item 15)
+    # vLLM's own limits, refused here rather than inside vLLM as it starts
     ("jobs.0.lora_rank=100000", ["jobs.0.lora_rank (100000)", "job 'count'", "largest LoRA rank vLLM serves (512)"]),
     ("engine.max_lora_rank=1024", ["engine.max_lora_rank (1024)", "512"]),
     (["engine.max_num_seqs=300", "engine.max_num_batched_tokens=256"],
@@ -108,7 +108,7 @@ def test_tasks_show(capsys):
 
 
 def test_bench_help_is_each_benchmarks_own(capsys):
-    """`colora bench arms --help` printed the generic bench help (issue 49)."""
+    """`colora bench arms --help` printed the generic bench help."""
     with pytest.raises(SystemExit) as e:
         main(["bench", "arms", "--help"])
     assert e.value.code == 0
@@ -120,7 +120,7 @@ def test_bench_help_is_each_benchmarks_own(capsys):
 
 
 def test_every_option_says_what_it_does():
-    """`--n`, `--seed`, `--dtype` and the positional arguments had no help text (issue 49)."""
+    """`--n`, `--seed`, `--dtype` and the positional arguments had no help text."""
     import argparse
 
     from colora.cli import build_parser

@@ -1,4 +1,4 @@
-"""The config's own checks (colora/config.py `_check`) that issue 49 found missing: names that become
+"""The config's own checks (colora/config.py `_check`) that a review found missing: names that become
 paths, and the budgets vLLM refuses only as it starts. Each message names the key, the value and what is
 accepted."""
 

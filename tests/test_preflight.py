@@ -51,7 +51,7 @@ def test_a_token_budget_below_max_model_len_is_refused_on_the_cpu():
 
 
 def test_the_lora_kernels_second_stream_is_refused_on_the_cpu():
-    """engine.lora_dual_stream: vLLM's LoRA kernels on a second CUDA stream (issue 48), which vLLM
+    """engine.lora_dual_stream: vLLM's LoRA kernels on a second CUDA stream, which vLLM
     refuses only once its engine starts on a platform without CUDA."""
     with pytest.raises(RunError, match=r"engine\.lora_dual_stream = true .* second CUDA stream; this run's device is "
                                        r"the CPU: set it to false"):

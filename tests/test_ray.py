@@ -45,7 +45,7 @@ def test_place_jobs_longest_first_with_k_a_gpu():
     assert place_jobs(cost, 2) == [["a", "c", "d"], ["b", "e", "f"]]
     assert place_jobs(cost, 6) == [["a"], ["b"], ["f"], ["c"], ["d"], ["e"]]
     eight = {f"j{i}": 1.0 for i in range(64)}
-    assert [len(s) for s in place_jobs(eight, 8)] == [8] * 8  # issue 35's 64 jobs, eight a GPU
+    assert [len(s) for s in place_jobs(eight, 8)] == [8] * 8  # 64 jobs, eight a GPU
     with pytest.raises(ValueError, match=r"--gpus \(3\) must be from 1 to the number of jobs \(2\)"):
         place_jobs({"a": 1.0, "b": 1.0}, 3)
 

@@ -19,7 +19,7 @@ cut is run again whole.
 Like with like: every arm runs the config's steps and warm-up, so each measured window covers the
 same steps of every job (from the step after the warm-up to the last; `throughput.steps_per_job`,
 in the per-run table). A job's first training steps at new shapes can stall (0.65-1.11 s against a
-median of 0.32 s on the H200, issue 33); measured over as many steps as the shared arms, such a
+median of 0.32 s on the H200); measured over as many steps as the shared arms, such a
 stall weighs on the dedicated figure as little as on theirs. Warming every shape before the window
 instead would cost less device time but cannot be made sure of: a job's packed token count changes
 every step, and which sizes make a kernel or a graph compile again is for Triton and Dynamo to
