@@ -50,9 +50,11 @@ def test_the_throughput_workload_fits_both_cards_on_every_shape(name, dev, arm):
 
 
 # (engine's share, micro-batch tokens, gradient checkpointing) of overlap_mps, the headline arm
-CHOICES = {("0.6b", "H100"): (0.17, 40960, False), ("0.6b", "H200"): (0.1, 49152, False),
-           ("4b", "H100"): (0.3, 49152, True), ("4b", "H200"): (0.17, 19456, False),
-           ("8b", "H100"): (0.41, 18432, True), ("8b", "H200"): (0.23, 12288, False)}
+# 0.6B on the H100: below 40,960 tokens a pass, where the planner's earlier choice ran out of memory there
+# (the allocator's reserve, colora/run/memory.py)
+CHOICES = {("0.6b", "H100"): (0.17, 34816, False), ("0.6b", "H200"): (0.1, 49152, False),
+           ("4b", "H100"): (0.3, 49152, True), ("4b", "H200"): (0.17, 17408, False),
+           ("8b", "H100"): (0.41, 15360, True), ("8b", "H200"): (0.23, 10240, False)}
 
 
 @pytest.mark.parametrize("name, card", sorted(CHOICES))
@@ -75,7 +77,7 @@ def test_explicit_settings_win():
     cfg, shape = workload("8b", "trainer.micro_batch_tokens=4096")
     p = plan(cfg, shape, H200, slots(cfg))
     assert p.fit.micro_batch_tokens == 4096 and not p.fit.gradient_checkpointing  # as set: false
-    with pytest.raises(RunError, match="trainer.micro_batch_tokens from 4,096 to 2,080"):  # set, it is not changed
+    with pytest.raises(RunError, match="trainer.micro_batch_tokens from 4,096 to 1,760"):  # set, it is not changed
         plan(cfg, shape, H100, slots(cfg))
     cfg, shape = workload("8b", "trainer.gradient_checkpointing=true")
     p = plan(cfg, shape, H200, slots(cfg))
@@ -91,7 +93,7 @@ def test_a_config_that_cannot_fit_is_refused_naming_what_to_lower_and_to_what():
     in flight and the jobs; a model that no setting fits names the memory missing."""
     cfg, shape = load_config(ROOT / "experiments" / "reference8_throughput.toml"), shape_of(ALL_SHAPES["qwen3-0.6b-shape"])
     plan(cfg, shape, H200, slots(cfg))  # as written it fits the H200, where it was measured
-    with pytest.raises(RunError, match=r"Lower trainer.micro_batch_tokens from 49,152 to 29,696 \(or 0: planned\)"):
+    with pytest.raises(RunError, match=r"Lower trainer.micro_batch_tokens from 49,152 to 25,600 \(or 0: planned\)"):
         plan(cfg, shape, H100, slots(cfg))
     cfg, shape = workload("8b", "engine.gpu_memory_utilization=0.8")
     with pytest.raises(RunError, match=r"engine.gpu_memory_utilization from 0.8 to 0\.\d\d \(or 0: planned\)"):
