@@ -32,7 +32,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=/tmp/colora-site:/tmp/colora-ray:${PYTHONPATH:-}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 COLORA_HOME=/tmp/colora-home
 cd "$ROOT"
-LOG="$OUT/$1.log"
+WHAT=$1
+LOG="$OUT/$WHAT.log"
 # colora from this checkout, importable from anywhere (python -P never looks in the working directory)
 installed() {
   python3 -P -c "import colora, colora.kernels, colora.tasks, pathlib, sys
@@ -120,7 +121,7 @@ case "$1" in
 esac
 # What comes back is a few files at most (the device tool leaves the rest out): everything but the log in one
 # archive, $OUT/out.tgz (tar xzf out.tgz there).
-mapfile -t made < <(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name "$1.log" ! -name out.tgz)
+mapfile -t made < <(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name "$WHAT.log" ! -name out.tgz)
 if [ ${#made[@]} -gt 0 ]; then
   tar czf /tmp/colora-out.tgz -C "$OUT" "${made[@]}" && (cd "$OUT" && rm -rf "${made[@]}") &&
     mv /tmp/colora-out.tgz "$OUT/out.tgz" || echo "h200.sh: could not pack $OUT into out.tgz" | tee -a "$LOG"
