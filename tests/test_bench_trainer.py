@@ -32,7 +32,9 @@ def test_cpu_smoke_run_of_the_fused_trainer_with_the_elementwise_kernels(tiny_mo
     assert [r["impl"] for r in results] == ["colora (triton, packed q/k/v and gate/up, fused elementwise)",
                                             "colora (torch)"]
     assert all(r.get("seconds", 0) > 0 for r in results), results
-    assert "fused elementwise" in out.with_suffix(".md").read_text() and calls  # the kernels did run
+    md = out.with_suffix(".md").read_text()
+    assert "fused elementwise" in md and calls  # the kernels did run
+    assert "| MFU |" in md and "peak is not known" in md and not any("mfu" in r for r in results)  # a CPU has none
 
 
 def test_cpu_profiles_name_the_ops_and_the_code_that_ran_them(tiny_model_dir, tmp_path):
@@ -50,3 +52,16 @@ def test_cpu_profiles_name_the_ops_and_the_code_that_ran_them(tiny_model_dir, tm
     # the two decoder layers' ops share rows: module instances are not told apart
     assert "nn.Module: Qwen3DecoderLayer" in by_caller
     assert re.search(r"nn\.Module: \w+_\d+", by_caller) is None
+
+
+def test_mfu_is_four_times_the_matmul_weights_a_token_over_the_cards_bf16_peak():
+    """Qwen3-4B's shape: 36 layers of q/k/v/o and gate/up/down projections plus the (tied) LM head, counted
+    four times a token; the card's peak found by its name, none for a card not in the table."""
+    from colora.models.qwen3_shapes import QWEN3_SHAPES, shape_of
+
+    layer = 2560 * 4096 + 2 * 2560 * 1024 + 4096 * 2560 + 3 * 2560 * 9728
+    weights = 36 * layer + 151936 * 2560
+    assert bench_trainer.step_flops(shape_of(QWEN3_SHAPES["qwen3-4b-shape"]), 1000) == 4 * weights * 1000
+    assert bench_trainer.peak_flops("NVIDIA H200") == bench_trainer.peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert bench_trainer.peak_flops("NVIDIA H100 PCIe") == 756.5e12
+    assert bench_trainer.peak_flops("cpu") is None and bench_trainer.peak_flops("NVIDIA A100-SXM4-80GB") is None

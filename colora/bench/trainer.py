@@ -12,8 +12,9 @@ memory. --impls names the implementations: peft, or triton / torch with +packed 
 in one grouped call each: trainer.pack_projections) and +fused (the elementwise kernels:
 trainer.fuse_elementwise); the trainer packs its rows on CUDA (colora/training/packing.py). Beside each colora
 implementation's peak is the memory planner's estimate of it (colora/training/memory.py: weights, adapters'
-state and one pass, the allocator's slack included), so that a run on a larger shape checks the estimate.
-Writes OUT.json and OUT.md.
+state and one pass, the allocator's slack included), so that a run on a larger shape checks the estimate,
+and each step's share of the card's bf16 dense peak (MFU: `step_flops` over the seconds, over
+BF16_DENSE_PEAK of the card where its name is known). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ from colora.training import memory as tm
 from colora.training.fusion import fuse_elementwise, restore_rotary
 from colora.training.lora import AdapterBank, inject_lora
 from colora.training.trainer import MultiJobTrainer, Rollout
+
+
+# NVIDIA's datasheet bf16 dense (no sparsity) tensor-core peaks, FLOP/s, by a part of the card's name
+BF16_DENSE_PEAK = {"H200": 989.4e12, "H100 80GB HBM3": 989.4e12, "H100 NVL": 835.5e12, "H100 PCIe": 756.5e12}
+
+
+def step_flops(shape: ModelShape, tokens: int) -> float:
+    """A LoRA step's model FLOPs: per token, 4 x the matmul weights (every decoder layer's projections and
+    the LM head): the forward's 2 and the backward's 2 for its input gradients, the frozen base having no
+    weight gradients. Attention's score and value products and the adapters' own FLOPs are not counted."""
+    weights = shape.layers * sum(a * b for a, b in shape.projections().values()) + shape.vocab * shape.hidden
+    return 4.0 * weights * tokens
+
+
+def peak_flops(device: str) -> float | None:
+    """The card's bf16 dense peak, FLOP/s (None where BF16_DENSE_PEAK does not know it)."""
+    return next((v for k, v in BF16_DENSE_PEAK.items() if k in device), None)
 
 
 def _rollouts(jobs: list[str], seqs: int, prompt: int, completion: int, vocab: int, version: int):
@@ -306,21 +324,31 @@ def main(argv: list[str] | None = None) -> int:
             "jobs": args.jobs, "seqs_per_job": args.seqs, "prompt": args.prompt, "completion": args.completion,
             "rank": args.rank, "tokens": tokens, "micro_batch_tokens": args.micro_batch_tokens,
             "gradient_checkpointing": args.gradient_checkpointing}
+    flops, peak = step_flops(ModelShape.from_dir(model_dir), tokens), peak_flops(meta["device"])
+    meta |= {"model_flops_per_step": flops, "bf16_dense_peak_flops": peak}
+    for r in results:
+        if "seconds" in r and peak:
+            r["mfu"] = flops / r["seconds"] / peak
     out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=2))
     peft_s = next((r["seconds"] for r in results if r["impl"].startswith("peft") and "seconds" in r), None)
     lines = [f"# Trainer step: {args.jobs} jobs x {args.seqs} sequences x {args.prompt}+{args.completion} tokens",
              "", "```", command, "```", "",
              f"{meta['device']}, torch {meta['torch']}, model {args.model} ({str(args.dtype).removeprefix('torch.')}), LoRA rank "
              f"{args.rank} on all linear layers, {tokens} tokens per step, median of {args.repeats} steps after a "
-             "warm-up step.", "", "| implementation | seconds per step | speed-up over peft | peak GiB | estimated GiB |",
-             "|---|---|---|---|---|"]
+             "warm-up step. " + (f"MFU: {flops:.3g} model FLOPs a step (4 x the matmul weights a token; attention's "
+                                 "products and the adapters' not counted) over the seconds, over the card's bf16 "
+                                 f"dense peak ({peak / 1e12:.1f} TFLOP/s)." if peak else
+                                 "MFU: the card's bf16 peak is not known here."),
+             "", "| implementation | seconds per step | speed-up over peft | MFU | peak GiB | estimated GiB |",
+             "|---|---|---|---|---|---|"]
     for r in results:
         if "seconds" in r:
             vs = f"{peft_s / r['seconds']:.2f}x" if peft_s else "-"
             est = f"{r['estimated_gib']:.1f}" if "estimated_gib" in r else "-"
-            lines.append(f"| {r['impl']} | {r['seconds']:.3f} | {vs} | {r['peak_gib']:.1f} | {est} |")
+            mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+            lines.append(f"| {r['impl']} | {r['seconds']:.3f} | {vs} | {mfu} | {r['peak_gib']:.1f} | {est} |")
         else:
-            lines.append(f"| {r['impl']} | failed: {r['error'][:120]} | - | - | - |")
+            lines.append(f"| {r['impl']} | failed: {r['error'][:120]} | - | - | - | - |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
