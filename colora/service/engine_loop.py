@@ -2,15 +2,22 @@
 of the engine, and what brings the engine back when its processes die.
 
 Work arrives through `put` from any thread: ("sample", SampleCall, done), ("register", key, folder,
-reply), ("register_many", [(key, adapter), ...]), ("release", key, then), ("snapshots", reply). A sample's
-requests join the running batch at once (`grouped`: a sample of n sequences is one engine request of n,
-else n requests; the same samples either way, colora/engine/sampling.py); `done` is called when its last
-sequence finishes. A release is not waited for (it may come from a sample's `done`, on this thread);
+reply), ("register_many", [(key, adapter), ...]), ("release", key, then), ("snapshots", reply), ("load",
+weights, loaded), and is done in the order it came. A sample's requests join the running batch at once
+(`grouped`: a sample of n sequences is one engine request of n, else n requests; the same samples either
+way, colora/engine/sampling.py); `done` is called when its last sequence finishes. A release is not waited for (it may come from a sample's `done`, on this thread);
 `then` runs after it. A sampler's weights are the backend's own and never change (corun.py): a folder
 that vLLM may evict and reload whenever its LRU likes, or a shared-memory segment that vLLM's worker
 built the adapter from (pinned in vLLM's cache). "register_many" is not waited for either: its samplers
 register in one call into the engine, before any sample that comes after it in the queue; one that the
 engine refuses is kept as refused, and its samples fail saying why.
+
+"load" is a full-parameter model's engine's (colora/service/full.py: its requests are served by the model,
+`request`): `weights` into the engine (`set_adapters`) once the samples before it have finished, before the
+work after it, which waits meanwhile; `loaded` is set once they are in the engine. They are the engine's
+weights from then on: a new engine loads the newest before any sample runs in it, under `weights_lock` (held
+by the writer of the weights while it writes them and queues their load, so that a new engine reads neither
+a half-written segment nor weights whose load is not yet queued: the load queued by then is taken first).
 
 Each failure is its own:
 - a sample the engine refuses (a sampling setting vLLM does not take: `BatchRefused` from the engine's
@@ -23,7 +30,11 @@ Each failure is its own:
   never called again, and a new engine of the same settings (`factory`) starts on a thread of its
   own. Every live sampler is registered in it again, then the samples that arrived meanwhile run.
   Until then samples wait (at most `max_waiting`; beyond that they are answered with a retryable
-  error at once), registrations and releases are recorded, and `health` says "restarting".
+  error at once), registrations and releases are recorded, and `health` says "restarting". A load
+  meanwhile is the weights the new engine loads; the samples that wait before it were asked of weights
+  it replaced (their bytes are gone): they fail, category "user", and `loaded` is set at once.
+- weights that do not load into a live engine leave it holding weights of no version: it is taken for
+  dead, and the new engine loads them.
 - a start that fails is logged and tried again after `backoff_s`, doubling up to `backoff_max_s`.
   From the `degraded_after`-th failure in a row `health` says "degraded" and samples are answered at
   once with a server error that is not retryable (the SDK would otherwise retry for up to two hours),
@@ -58,16 +69,21 @@ RESTART_JOIN_S = 600.0  # the longest close() waits for an engine start under wa
 
 class EngineLoop:
     """factory: starts an engine (RolloutEngine or RemoteEngine, or anything with their submit, poll,
-    busy, dead, register_snapshots, release_snapshot, snapshots and close); the first is started here, on
-    the caller's thread, so that a server whose engine cannot start does not start. log: one line a call.
-    grouped: a sample of n sequences goes to the engine as one request of n (module docstring)."""
+    busy, dead, register_snapshots, release_snapshot, snapshots and close; set_adapters for "load"); the
+    first is started here, on the caller's thread, so that a server whose engine cannot start does not
+    start. log: one line a call. grouped: a sample of n sequences goes to the engine as one request of n.
+    request: a sample's GenRequest. weights_lock: see the module docstring. name: the thread's."""
 
     def __init__(self, factory: Callable[[], object], log: Callable[[str], None], *, max_waiting: int = MAX_WAITING,
                  backoff_s: float = RESTART_BACKOFF_S, backoff_max_s: float = RESTART_BACKOFF_MAX_S,
-                 degraded_after: int = DEGRADED_AFTER, grouped: bool = False):
+                 degraded_after: int = DEGRADED_AFTER, grouped: bool = False,
+                 request: Callable[[SampleCall], GenRequest] | None = None, weights_lock=None,
+                 name: str = "colora-serve-engine"):
         self.factory = factory
         self.log = log
         self.grouped = grouped
+        self.request = request or gen_request
+        self.weights_lock = weights_lock or contextlib.nullcontext()
         self.max_waiting = max_waiting
         self.backoff_s, self.backoff_max_s, self.degraded_after = backoff_s, backoff_max_s, degraded_after
         self.engine = factory()  # None while a new one starts
@@ -83,9 +99,12 @@ class EngineLoop:
         self._inflight: dict[int, tuple[SampleCall, Callable]] = {}
         self._requests = 0  # engine requests (sequences) of the samples in flight
         self._waiting: deque = deque()  # (call, done) of samples that wait for a new engine
+        self._held: deque = deque()  # work in its order, behind a load that waits for the samples in flight
+        self._weights = None  # the newest "load": what a new engine loads first
+        self._stopped = "the server is stopping"  # what work that comes after the stop is answered
         self._restarter: threading.Thread | None = None
         self._next_look = 0.0
-        self._thread = threading.Thread(target=self._run, name="colora-serve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, *item) -> None:
@@ -112,14 +131,12 @@ class EngineLoop:
     # -- the thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine is not None and self.engine.busy()
+            busy = bool(self._held) or (self.engine is not None and self.engine.busy())
             items = []
             with contextlib.suppress(queue.Empty):
                 items.append(self._q.get(timeout=IDLE_WAIT_S) if not busy else self._q.get_nowait())
-                while True:
-                    items.append(self._q.get_nowait())
-            for item in items:
-                self._take(item)
+            self._accept(items + self._queued())
+            self._drain()
             if self.engine is None or self._stop.is_set():
                 continue
             if self.engine.busy():
@@ -144,20 +161,49 @@ class EngineLoop:
             if done is not None:
                 answer(done, lambda: sample_result(call, results))
 
+    def _queued(self) -> list:
+        items = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                items.append(self._q.get_nowait())
+        return items
+
+    def _accept(self, items: list) -> None:
+        """The work of `items` behind what is held, in its order; then the thread's own items (a stop, an
+        engine started: it takes what is queued after `items`)."""
+        own = [item for item in items if item[0] in ("stop", "started", "closed")]
+        for item in items:
+            if self._stop.is_set() and item[0] != "started":
+                _refuse_stopped(item, self._stopped)
+            elif item[0] not in ("stop", "started", "closed"):
+                self._held.append(item)
+        for item in own:
+            self._take(item)
+
+    def _drain(self) -> None:
+        """The held work in its order, up to a load while samples are in flight."""
+        while self._held and not self._stop.is_set():
+            if self._held[0][0] == "load" and self.engine is not None and self.engine.busy():
+                return
+            self._take(self._held.popleft())
+
     def _take(self, item) -> None:
         op = item[0]
-        if self._stop.is_set() and op != "started":
-            _refuse_stopped(item)
-        elif op == "stop":
+        if op == "stop":
             self._stop.set()
-            err = BackendError("the server is stopping", "server")
+            self._stopped = item[1]
+            err = BackendError(self._stopped, "server")
             self._fail_inflight(err)
             while self._waiting:
                 answer(self._waiting.popleft()[1], lambda: err)
+            while self._held:
+                _refuse_stopped(self._held.popleft(), self._stopped)
         elif op == "sample":
             self._sample(*item[1:])
         elif op == "register_many":
             self._register_many(item[1])
+        elif op == "load":
+            self._load(*item[1:])
         elif op == "release":
             _, key, then = item
             self._samplers.pop(key, None)
@@ -201,7 +247,7 @@ class EngineLoop:
     def _submit(self, call: SampleCall, done: Callable) -> None:
         key = next(self._ids)
         try:
-            self.engine.submit(key, samples(gen_request(call), call.num_samples, self.grouped))
+            self.engine.submit(key, samples(self.request(call), call.num_samples, self.grouped))
         except Exception as e:  # noqa: BLE001  (this sample's failure alone: an unknown sampler, say)
             why = self.engine.dead()
             if why:  # not the sample's fault: it runs on the next engine
@@ -213,6 +259,24 @@ class EngineLoop:
             return
         self._inflight[key] = (call, done)
         self._requests += call.num_samples
+
+    def _load(self, weights, loaded: threading.Event) -> None:
+        """The engine's new weights (module docstring); nothing is in flight (`_drain`)."""
+        self._weights = weights
+        if self.engine is None:  # the new engine loads them; what waits was asked of the ones they replace
+            err = BackendError("newer weights replaced those this sample was asked of while the engine restarted: "
+                               "sample from the newest sampler", "user")
+            while self._waiting:
+                answer(self._waiting.popleft()[1], lambda: err)
+            loaded.set()
+            return
+        try:
+            self.engine.set_adapters([weights])
+        except Exception as e:  # noqa: BLE001  (its weights are of no version now: it is not used again)
+            loaded.set()
+            self._died(self.engine.dead() or f"loading new weights failed: {type(e).__name__}: {e}")
+            return
+        loaded.set()
 
     def _register(self, key: str, folder: Path, box: dict) -> None:
         """A sampler from its folder: registered in the engine now, or in the next one while it starts."""
@@ -303,8 +367,23 @@ class EngineLoop:
         if self._stop.is_set():  # the server stops: close() closes it
             self.engine = new
             return
+        with self.weights_lock:
+            self._ready(new, error, seconds)
+
+    def _ready(self, new, error: str | None, seconds: float) -> None:
         lost: dict[str, str] = {}
-        broken = None  # a new engine that died while its samplers were registered
+        broken = None  # a new engine that died while its samplers were registered, or refused the weights
+        self._accept(self._queued())  # a load queued by now is the newest: taken before the new engine loads
+        self._drain()
+        if self._stop.is_set():
+            self.engine = new
+            return
+        if new is not None and self._weights is not None:
+            try:
+                new.set_adapters([self._weights])
+            except Exception as e:  # noqa: BLE001  (no sample may run on other weights: a failed start)
+                error = f"loading the newest weights into it failed ({new.dead() or 'it lives'}): {type(e).__name__}: {e}"
+                broken, new = new, None
         if new is not None:
             try:
                 lost = self._register_all(new)
@@ -330,8 +409,9 @@ class EngineLoop:
         refused = f", refused: {sorted(lost)}" if lost else ""
         self.log(f"the engine restarted in {seconds:.0f} s (restart {self.restarts}): {len(self._samplers)} samplers "
                  f"registered again{refused}; {len(self._waiting)} samples that waited go on")
-        while self._waiting and self.engine is not None:
-            self._submit(*self._waiting.popleft())
+        self._held.extendleft(("sample", *w) for w in reversed(self._waiting))  # before the work that came later
+        self._waiting.clear()
+        self._drain()
 
     def _register_all(self, engine) -> dict[str, str]:
         """Every live sampler into a new engine, in one call; those it refuses are kept as lost (their samples
@@ -365,10 +445,10 @@ class EngineLoop:
         self._inflight.clear()
         self._requests = 0
 
-    def close(self) -> None:
-        """Stop the thread (every sample in flight or waiting is answered), wait for an engine start under
-        way, and close the engine."""
-        self.put("stop")
+    def close(self, why: str = "the server is stopping") -> None:
+        """Stop the thread (every sample in flight or waiting is answered with `why`, every load's `loaded`
+        set), wait for an engine start under way, and close the engine."""
+        self.put("stop", why)
         self._thread.join(timeout=30)
         if self._restarter is not None:
             self._restarter.join(timeout=RESTART_JOIN_S)
@@ -379,18 +459,20 @@ class EngineLoop:
                 if item[0] == "started":
                     engines.append(item[1])
                 else:
-                    _refuse_stopped(item)
+                    _refuse_stopped(item, self._stopped)
         self.engine = None
         for eng in engines:
             if eng is not None:
                 eng.close()
 
 
-def _refuse_stopped(item) -> None:
+def _refuse_stopped(item, why: str) -> None:
     """An item that came after the stop: a sample is answered, a caller that waits is woken."""
-    err = BackendError("the server is stopping", "server")
+    err = BackendError(why, "server")
     if item[0] == "sample":
         answer(item[2], lambda: err)
+    elif item[0] == "load":
+        item[2].set()
     elif item[0] == "release" and item[2] is not None:
         item[2]()
     elif item[0] in ("register", "snapshots"):
