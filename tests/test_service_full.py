@@ -104,7 +104,7 @@ def test_the_flag_reaches_the_config_and_is_checked(tmp_path):
 
 
 class StepEngine:
-    """An engine for EngineThread: a sample finishes when the test says (`finish`); a weight load while a
+    """An engine for a full model's engine loop: a sample finishes when the test says (`finish`); a weight load while a
     request is in flight fails the test (FullEngine refuses it)."""
 
     def __init__(self):
@@ -140,10 +140,11 @@ class StepEngine:
 
 def test_a_load_waits_for_the_samples_before_it_and_the_samples_after_it_wait_for_the_load():
     from colora.service.backend import SampleCall
-    from colora.service.full import EngineThread
+    from colora.service.engine_loop import EngineLoop
+    from colora.service.full import model_request
 
     engine, answers = StepEngine(), queue.Queue()
-    loop = EngineThread(engine, "m")
+    loop = EngineLoop(lambda: engine, print, request=model_request)
     loaded = threading.Event()
     for item in (("sample", SampleCall(None, np.array([1]), 1, 4), answers.put), ("load", "v1", loaded),
                  ("sample", SampleCall(None, np.array([2]), 1, 4), answers.put)):
@@ -157,7 +158,7 @@ def test_a_load_waits_for_the_samples_before_it_and_the_samples_after_it_wait_fo
     later = threading.Event()
     for item in (("load", "v2", later), ("sample", SampleCall(None, np.array([3]), 1, 4), answers.put)):
         loop.put(*item)
-    loop.stop("the model was deleted")
+    loop.close("the full-parameter model's engine stopped: the model was deleted")
     errors = [answers.get(timeout=10).message for _ in range(2)]
     assert all("engine stopped: the model was deleted" in e for e in errors) and later.is_set()
     assert engine.llm is None and engine.log[-1] == ("submit", 2)
@@ -376,7 +377,9 @@ def test_save_weights_and_load_weights_give_the_full_state_back_bit_for_bit(serv
 @pytest.mark.vllm
 def test_the_end_of_its_session_deletes_the_full_model_and_closes_its_engine(served):
     full = served.backend.full[served.full]
+    engine = full.loop.engine
+    assert full.health()["status"] == "ok" and full.health()["model_id"] == served.full
     served.post(f"sessions/{served.sid}/finish", {})
-    assert eventually(lambda: served.full not in served.backend.full, 120)
-    assert full.loop.engine.llm is None and not full.loop._thread.is_alive()
-    assert served.backend.held()["models"] == []
+    # the full model's close, then the LoRA model's deletion: two calls on the trainer's thread after the pop
+    assert eventually(lambda: served.backend.held()["models"] == [], 120)
+    assert engine.llm is None and full.loop.engine is None and not full.loop._thread.is_alive()
