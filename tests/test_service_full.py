@@ -338,6 +338,9 @@ def test_a_sample_has_the_trainers_log_probs_and_a_replaced_sampler_is_refused(s
     assert "a newer save replaced" in refused["error"] and "newest sampling client" in refused["error"], refused
     seq = served.sample(new)["sequences"][0]
     np.testing.assert_allclose(seq["logprobs"], twin_logprobs(served.twin, PROMPT + seq["tokens"], 6), rtol=0, atol=1e-4)
+    # its engine's health, in the server's view (the admin's /metrics and stats)
+    engines = served.client.app.state.service.snapshot(None)["server"]["full_engines"]
+    assert engines[served.full]["status"] == "ok" and engines[served.full]["engine_restarts"] == 0
 
 
 @pytest.mark.vllm

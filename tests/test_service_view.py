@@ -61,7 +61,9 @@ class StandIn:
                        "live_samplers": 1, "futures_pending": 5,
                        "health": {"status": "degraded", "engine_restarts": 2,
                                   "last_engine_error": "EOF from the engine",
-                                  "samplers_loaded": 3, "engine_requests_in_flight": 7, "gpu_memory_bytes": 2 << 30}},
+                                  "samplers_loaded": 3, "engine_requests_in_flight": 7, "gpu_memory_bytes": 2 << 30},
+                       "full_engines": {"s1-aa:train:1": {"model_id": "s1-aa:train:1", "status": "restarting",
+                                                          "engine_restarts": 1, "last_engine_error": "core died"}}},
             "errors": [{"time": 1.0e9, "tenant": "alice", "route": "/api/v1/optim_step", "status": 400,
                         "category": "user", "reason": "<b>adam_params</b>: learning_rate must be positive"},
                        {"time": 1.0e9 + 5, "tenant": "bob", "route": "/api/v1/asample", "status": 404,
@@ -118,6 +120,10 @@ def test_metrics_of_the_admin_key_hold_every_tenant_and_the_server(view):
             assert got[(name, kind, sample, ())] == src[key], name
     states = {k[3][0][1]: v for k, v in got.items() if k[0] == "colora_engine_status"}
     assert states == {"ok": 0.0, "degraded": 1.0, "restarting": 0.0}
+    full = {dict(k[3])["status"]: v for k, v in got.items() if k[0] == "colora_full_engine_status"}
+    assert full == {"ok": 0.0, "degraded": 0.0, "restarting": 1.0}  # a full-parameter model's own engine
+    assert got[("colora_full_engine_restarts", "counter", "colora_full_engine_restarts_total",
+                (("model", "s1-aa:train:1"),))] == 1
     assert got[("colora_trainer_cycle_models", "counter", "colora_trainer_cycle_models_total", ())] == 60
     for key in ("recorded_sequences", "recorded_bytes"):  # stable_reinforce's records, bounded per tenant
         name = f"colora_tenant_{key}"
@@ -135,7 +141,8 @@ def test_metrics_of_a_tenant_key_hold_only_its_tenant(view):
     # of the server: its uptime and the engine's health, not the trainer's or the sessions' sums
     families = {k[0] for k in got}
     assert {"colora_uptime_seconds", "colora_engine_status", "colora_engine_restarts"} <= families
-    assert not families & {"colora_trainer_cycles", "colora_live_sessions", "colora_futures_pending"}
+    assert not families & {"colora_trainer_cycles", "colora_live_sessions", "colora_futures_pending",
+                           "colora_full_engine_status"}
     assert got[("colora_uptime_seconds", "gauge", "colora_uptime_seconds", ())] == 123.5
 
 

@@ -159,7 +159,7 @@ class CorunBackend(Backend):
             inject_lora(model, self.bank)
             self.trainer = MultiJobTrainer(model, self.bank, trainer, {}, self.tokenizer.pad_token_id)
             self._full_settings = {"engine": engine, "trainer": trainer, "device": self.device, "dtype": self.dtype,
-                                   "seed": seed, "pad_id": self.tokenizer.pad_token_id}
+                                   "seed": seed, "pad_id": self.tokenizer.pad_token_id, "log": log}
             self._stack.callback(self._close_full)  # before the shared engine closes
         except BaseException:
             self._stack.close()
@@ -203,6 +203,10 @@ class CorunBackend(Backend):
             free, total = torch.cuda.mem_get_info()
             gpu = int(total - free)  # the device's, every process's (the engine's and MPS's with the trainer's)
         return {**self.loop.health(), "gpu_memory_bytes": gpu}
+
+    def full_health(self) -> dict[str, dict]:
+        """Each full-parameter model's engine's health (FullModel.health), by model id."""
+        return {model_id: m.health() for model_id, m in list(self.full.items())}
 
     # -- the training side (the scheduler's trainer thread) --------------------------------------
     def create_model(self, model_id: str, spec: LoraSpec | FullSpec) -> None:

@@ -117,6 +117,17 @@ def families(snap: dict) -> list[Metric]:
     for state in sorted({*HEALTH_STATES, health["status"]}):
         status.add_metric([state], 1.0 if state == health["status"] else 0.0)
     out.append(status)
+    full = server.get("full_engines") or {}
+    if full:
+        status = GaugeMetricFamily("colora_full_engine_status", "1 for a full-parameter model's engine's state now, 0 "
+                                   "for the others", labels=["model", "status"])
+        restarts = CounterMetricFamily("colora_full_engine_restarts", "times a full-parameter model's engine was "
+                                       "restarted", labels=["model"])
+        for model_id, h in sorted(full.items()):
+            for state in sorted({*HEALTH_STATES, h["status"]}):
+                status.add_metric([model_id, state], 1.0 if state == h["status"] else 0.0)
+            restarts.add_metric([model_id], float(h.get("engine_restarts", 0)))
+        out += [status, restarts]
     return out
 
 

@@ -254,6 +254,12 @@ class Service(CheckpointOps, SamplerOps):
             h["last_engine_error"] = self.scrub(str(h["last_engine_error"]))
         return h
 
+    def full_engines(self) -> dict[str, dict]:
+        """Each full-parameter model's engine's health (a backend without them: none), errors made fit for
+        clients; the server's view only (a tenant's scope holds the shared engine's health alone)."""
+        return {model_id: {**h, "last_engine_error": h.get("last_engine_error") and self.scrub(str(h["last_engine_error"]))}
+                for model_id, h in getattr(self.backend, "full_health", dict)().items()}
+
     def _watch_health(self) -> None:
         h, was = self.health(), self._health
         self._health = h
@@ -507,5 +513,5 @@ class Service(CheckpointOps, SamplerOps):
                                         "multi_model_cycles", "max_models_per_cycle", "forward_calls", "forward_datums",
                                         "optim_steps", "max_optim_steps_per_pass", "multi_model_optim_passes",
                                         "live_sessions", "live_models", "live_samplers", "futures")},
-                  "futures_pending": self.futures.unresolved()}
+                  "futures_pending": self.futures.unresolved(), "full_engines": self.full_engines()}
         return {"tenants": tenants, "server": server, "errors": self.journal.recent(tenant)}
