@@ -132,8 +132,11 @@ def test_the_loss_is_reinforce_weighted_by_the_recorded_ratio_truncated_at_the_c
         weighted.append({"tokens": d["tokens"], "target_tokens": d["target_tokens"],
                          "weights": [0.0] * (len(PROMPT) - 1) + w.tolist()})
     run(c, sr_body(mid, next(seq), weighted, loss="cross_entropy"))
+    # fp32 rounding apart: the weights here come from float64 log-probs, the loss's from the server's fp32 ones
+    # (one element of 128 differed by 9e-5 relative on a loaded CI machine); an uncapped or unweighted ratio
+    # moves the gradient by its own size
     for g, want in zip(got, (adapter.A.grad, adapter.B.grad)):
-        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g, want, rtol=5e-4, atol=1e-6)
     assert float(got[1].abs().max()) > 0
 
 
