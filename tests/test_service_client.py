@@ -354,9 +354,9 @@ def test_with_gather_two_clients_share_their_cycles_as_a_native_runs_jobs_share_
     time). The sft job's step is ready at once and the grpo job's only once its samples are scored: without the
     lever (the module's server, the same two jobs) they share next to none of their cycles. With it,
     every trainer cycle that trains holds both jobs' forward_backward calls, as a native shared_sync run's two jobs
-    share each step, the sft job's waiting for the grpo job's samples; their optim_steps, which the lever does not
-    hold, come back together and share most cycles (each client sends its own once its forward_backward is
-    answered: under load one may miss the other's cycle)."""
+    share each step, the sft job's waiting for the grpo job's samples. Their optim_steps, which the lever does not
+    hold, all run; each client sends its own once its forward_backward is answered, so whether they share a
+    cycle is the clients' timing."""
     from colora.config import EngineConfig, TrainerConfig
     from colora.service.app import ServerThread, create_app
     from colora.service.config import ServeConfig
@@ -391,7 +391,7 @@ def test_with_gather_two_clients_share_their_cycles_as_a_native_runs_jobs_share_
     assert {n: j["steps"] for n, j in s["jobs"].items()} == {"coin": 3, "sums": 3}
     rows = [json.loads(x) for x in (out / "stats.jsonl").read_text().splitlines()]
     (fb, fb_both), (opt, opt_both) = shared(rows)
-    assert (fb, fb_both) == (3, 3) and opt + opt_both == 6 and opt_both >= 2, rows
+    assert (fb, fb_both) == (3, 3) and opt + opt_both == 6, rows
     assert sum(r["held"] for r in rows) > 0.1  # the sft job's steps waited for the grpo job's
 
 
