@@ -312,9 +312,9 @@ def test_a_save_after_an_optim_step_rides_in_its_cycle_with_the_lever(tmp_path, 
     assert answers["as"].result == {"saved": "A"} and ("a2" in answers) == save_in_step
 
 
-def _threaded(tmp_path, train_s: float, **levers):
-    """A scheduler on its own thread over a backend whose cycle takes `train_s`; its answers, and an event per
-    answer."""
+def _threaded(tmp_path, train_s: float, start: bool = True, **levers):
+    """A scheduler on its own thread (once started) over a backend whose cycle takes `train_s`; its answers, and
+    an event per answer."""
 
     class Slow(Recorder):
         def train_cycle(self, forward, optim):
@@ -336,7 +336,8 @@ def _threaded(tmp_path, train_s: float, **levers):
             assert arrived.wait_for(lambda: rid in answers, timeout=WAIT_S), f"never answered: {rid}"
 
     s.wait = wait
-    s.start()
+    if start:
+        s.start()
     return s
 
 
@@ -401,6 +402,133 @@ def test_gather_does_not_wait_for_models_that_are_not_about_to_train_or_beyond_i
     assert s.stats()["held_seconds"] < 30
     assert ("cycle", [("A", 7), ("B", 1)], [("A", 8), ("B", 2)]) in s.backend.log or \
         ("cycle", [("B", 1), ("A", 7)], [("B", 2), ("A", 8)]) in s.backend.log, s.backend.log
+
+
+def _optim_cycles(s) -> list[set[str]]:
+    """The models of each cycle that ran optim_steps."""
+    return [{m for m, _ in c[2]} for c in cycles(s) if c[2]]
+
+
+def test_with_gather_an_optim_step_rides_beside_its_forward_backward_only_beside_its_partners_steps(tmp_path):
+    """A sent its forward_backward and optim_step, B only its forward_backward: the two forward_backward calls
+    train in one cycle and A's step waits out of it for B's, then both step in one optimizer pass. When every
+    model of the cycle has its step there, the steps ride in it."""
+    s = Scheduler(Recorder(), lambda *a: None, gather=1.0, gather_groups=1)
+    for m in "AB":
+        s.add_model(m)
+    s.submit("A", fwd("a1", "A", 1))
+    s.submit("A", optim_work("a2", "A", 2, AdamParams()))
+    s.submit("B", fwd("b1", "B", 1))
+    s.run_cycle()
+    s.submit("B", optim_work("b2", "B", 2, AdamParams()))
+    s.run_cycle()
+    for m in "AB":
+        s.submit(m, fwd(f"{m}3", m, 3))
+        s.submit(m, optim_work(f"{m}4", m, 4, AdamParams()))
+    s.run_cycle()
+    assert [(sorted(f), sorted(o)) for _, f, o in cycles(s)] == [
+        ([("A", 1), ("B", 1)], []), ([], [("A", 2), ("B", 2)]), ([("A", 3), ("B", 3)], [("A", 4), ("B", 4)])]
+
+
+@pytest.mark.parametrize("sent", ["with_forward_backward", "once_it_is_answered"])
+def test_with_gather_the_optim_steps_of_models_that_trained_together_share_a_cycle(tmp_path, sent):
+    """A's forward_backward waits for B's (B's samples decode) and they train in one cycle. A's optim_step, sent
+    with its forward_backward (the SDK's way) or once it is answered (a client that waits), then waits for B's,
+    which B sends only once its forward_backward is answered: the two steps run in one cycle, A's save after its
+    step (save_in_step), and that cycle's `held` counts the wait."""
+    s = _threaded(tmp_path, 0.05, gather=1e4, gather_groups=1, save_in_step=True)
+    try:
+        for m in "AB":
+            s.add_model(m)
+        s.sampling("B", 1)
+        if sent == "with_forward_backward":
+            _step(s, "A", 1, "a")
+        else:
+            s.submit("A", fwd("af", "A", 1))
+        s.sampling("B", -1)
+        s.submit("B", fwd("bf", "B", 1))
+        s.wait("af")
+        s.wait("bf")
+        if sent == "once_it_is_answered":
+            s.submit("A", optim_work("ao", "A", 2, AdamParams()))
+            s.submit("A", barrier_work("as", "A", 3, "snapshot", lambda b: {"saved": "A"}))
+        threading.Event().wait(0.3)  # A's step waits meanwhile: nothing of it is answered
+        assert "ao" not in s.answers and "as" not in s.answers
+        s.submit("B", optim_work("bo", "B", 2, AdamParams()))
+        for rid in ("ao", "as", "bo"):
+            s.wait(rid)
+    finally:
+        s.stop()
+    assert [{m for m, _ in c[1]} for c in cycles(s)] == [{"A", "B"}, set()], cycles(s)
+    assert _optim_cycles(s) == [{"A", "B"}] and s.answers["as"].result == {"saved": "A"}
+    rows = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
+    assert rows[-1]["optim"] in ([["A", 2], ["B", 2]], [["B", 2], ["A", 2]]) and rows[-1]["held"] > 0
+
+
+def _trained_together(tmp_path, gather: float, fail: tuple[str, ...] = ()):
+    """A and B's forward_backward calls trained in one cycle (run here, before the trainer thread starts); those
+    of the models in `fail` failed."""
+    s = _threaded(tmp_path, 0.05, start=False, gather=gather, gather_groups=1)
+    s.backend.fail.update(fail)
+    for m in "AB":
+        s.add_model(m)
+        s.submit(m, fwd(f"{m}f", m, 1))
+    s.run_cycle()
+    assert cycles(s) == [("cycle", [("A", 1), ("B", 1)], [])] or cycles(s) == [("cycle", [("B", 1), ("A", 1)], [])]
+    s.start()
+    return s
+
+
+def test_with_gather_a_lone_models_optim_step_is_not_held(tmp_path):
+    """A trains alone (B is idle, not about to train): its step, sent once its forward_backward is answered, runs
+    at once, however large the bound (a hold would last past WAIT_S)."""
+    s = _threaded(tmp_path, 0.05, gather=1e4, gather_groups=1)
+    try:
+        for m in "AB":
+            s.add_model(m)
+        s.submit("A", fwd("af", "A", 1))
+        s.wait("af")
+        s.submit("A", optim_work("ao", "A", 2, AdamParams()))
+        s.wait("ao")
+    finally:
+        s.stop()
+    assert _optim_cycles(s) == [{"A"}] and s.stats()["held_cycles"] == 0
+
+
+@pytest.mark.parametrize("partner", ["deleted", "trains_again", "failed"])
+def test_with_gather_an_optim_step_does_not_wait_for_a_partner_that_will_not_step(tmp_path, partner):
+    """After A and B trained together, A's step does not wait (however large the bound) for B once B is deleted
+    (while A's step waits), sends another forward_backward first (a step over several), or failed its
+    forward_backward."""
+    s = _trained_together(tmp_path, 1e4, fail=("B",) if partner == "failed" else ())
+    try:
+        if partner == "trains_again":
+            s.submit("B", fwd("bf2", "B", 2))
+        s.submit("A", optim_work("ao", "A", 2, AdamParams()))
+        if partner == "deleted":
+            threading.Event().wait(0.3)  # A's step waits for B's meanwhile
+            assert "ao" not in s.answers
+            s.remove_model("B", "model B was deleted")
+        s.wait("ao")
+    finally:
+        s.stop()
+    assert {"A"} in _optim_cycles(s)
+
+
+def test_with_gather_a_partner_that_stops_sending_holds_an_optim_step_only_for_the_bound(tmp_path):
+    """A and B trained together; B never sends its step. A's waits the bound (2 x the 0.05 s cycle), then runs
+    alone, its cycle's `held` counting the wait; B's step, when it comes at last, is not held for A's."""
+    s = _trained_together(tmp_path, 2.0)
+    try:
+        s.submit("A", optim_work("ao", "A", 2, AdamParams()))
+        s.wait("ao")
+        s.submit("B", optim_work("bo", "B", 2, AdamParams()))
+        s.wait("bo")
+    finally:
+        s.stop()
+    assert _optim_cycles(s) == [{"A"}, {"B"}]
+    rows = [json.loads(x) for x in (tmp_path / "stats.jsonl").read_text().splitlines()]
+    assert [r["held"] > 0 for r in rows if r["optim"]] == [True, False], rows
 
 
 def test_a_models_save_does_not_hold_the_answer_of_another_models_step_in_its_cycle(tmp_path):

@@ -14,18 +14,22 @@ at the start of a cycle, so the backend's training side is only ever touched fro
 
 With `save_in_step` a model's saves and loads right after its optim_step ride in the step's cycle, after
 it (a client's save_weights_and_get_sampling_client then waits for no other model's next training). With
-`gather` (colora/service/levers.py; both read from the backend's `levers` where it has them) a model's
-forward_backward waits, at most `gather` times the last cycle's with one (FIRST_TRAIN_S before one ran),
-while models about to train have not sent theirs yet, until the ready ones are 1/`gather_groups` of the
-models that are active: those ready and those about to train; other work runs meanwhile, in cycles of its
-own (the stats' `held`: the seconds a cycle's forward_backward calls waited). A model is about to train
-while its work of the step before waits (its optim_step, its save), while one of its samplers' samples
-decode (`sampling`, which the service calls), and for that bound after its last forward_backward or its
-last sample: a client's loop goes from one to the other in far less. Models that trained together get
-their next samplers together, sample together and come back together: the cycles settle into
-`gather_groups` groups that alternate, one training while the others' samples decode, as the native run's
-phase-offset groups (colora/corun/grouping.py); a job that does not sample (sft) trains with the others, as
-in a native step. An evaluation's forward never waits.
+`gather` (colora/service/levers.py; both read from the backend's `levers` where it has them) a group's
+models share each step's cycles as a native step's jobs do, forward_backward and optim_step: a model's
+ready training work waits, at most `gather` times the last cycle's with a forward_backward (FIRST_TRAIN_S
+before one ran). A forward_backward waits while models about to train have not sent theirs yet, until the
+ready ones are 1/`gather_groups` of the models that are active: those ready and those about to train.
+Models whose forward_backward calls ran in one cycle are partners: an optim_step waits for its partners'
+(in that cycle it rides only beside all of theirs) and they run in one cycle; not for a partner gone away,
+whose forward_backward failed or whose next request trains again (a step over several forward_backward
+calls). Other work runs meanwhile, in cycles of its own (the stats' `held`: the seconds a cycle's held
+work waited). A model is about to train while its work of the step before waits (its optim_step, its
+save), while one of its samplers' samples decode (`sampling`, which the service calls), and for that bound
+after its last forward_backward or its last sample: a client's loop goes from one to the other in far
+less. Models that trained together get their next samplers together, sample together and come back
+together: the cycles settle into `gather_groups` groups that alternate, one training while the others'
+samples decode, as the native run's phase-offset groups (colora/corun/grouping.py); a job that does not
+sample (sft) trains with the others, as in a native step. An evaluation's forward never waits.
 
 Fairness: a model's share of one cycle is bounded (`cycle_datums`, `cycle_tokens` of forward calls; its
 first ready call always runs, however large). What is left waits for the next cycle, where every model
@@ -58,7 +62,6 @@ from colora.service.backend import AdamParams, Backend, BackendError, ForwardCal
 
 log = logging.getLogger("colora.service")
 SEEN_KEPT = 4096  # a model's most recent seq_ids whose request ids answer a retried POST
-
 
 FIRST_TRAIN_S = 1.0  # `gather`'s estimate of a training cycle's seconds before one has run
 FAILED_WAIT_S = (0.05, 5.0)  # after a cycle that raised: the first wait, doubled each failure in a row to the second
@@ -145,7 +148,8 @@ class Scheduler:
         self._sampled_at: dict[str, float] = {}  # model -> when its last sample finished (monotonic)
         self._trained_at: dict[str, float] = {}  # model -> when its training work last went into a cycle
         self._last_train_s = 0.0  # the last cycle with a forward_backward: its seconds
-        self._hold_since: float | None = None  # when the forward_backward calls `gather` holds began to wait
+        self._held: dict[str, float] = {}  # model -> since when `gather` holds its ready work (monotonic)
+        self._partners: dict[str, frozenset[str]] = {}  # model -> the models whose steps its optim_step waits for
         self._observe = observe  # called on the trainer thread with each cycle's (work, outcome) pairs
         self._models: dict[str, _Queue] = {}
         self._owner_bytes: dict[str, int] = {}
@@ -173,7 +177,7 @@ class Scheduler:
         """Forgets the model; its requests still waiting are answered with `reason`."""
         with self._cond:
             q = self._models.pop(model_id, None)
-            for d in (self._sampling, self._sampled_at, self._trained_at):
+            for d in (self._sampling, self._sampled_at, self._trained_at, self._held, self._partners):
                 d.pop(model_id, None)
             for w in (q.pending.values() if q else ()):
                 self._owner_bytes[q.owner] -= w.nbytes
@@ -285,22 +289,24 @@ class Scheduler:
 
     def _deferred(self) -> tuple[float, set[str]]:
         """`gather` (module docstring), under the lock: (the seconds the models now let go were held, the models
-        whose forward_backward waits). Other work (an evaluation's forward, an optim_step whose forward_backward
-        has run, a save) runs meanwhile, in cycles of its own."""
+        whose ready work waits). A hold (forward_backward calls; a group's optim_steps) ends whole at the bound."""
         now = time.monotonic()
         bound = self._gather * (self._last_train_s or FIRST_TRAIN_S)
-        waiting = {m for m, q in self._models.items() if q.next_seq in q.pending}
-        ready = {m for m in waiting if _trains(self._models[m].pending[self._models[m].next_seq])}
-        soon = {m for m in self._models if m not in ready and (m in waiting or m in self._sampling or max(
+        nxt = {m: q.pending[q.next_seq] for m, q in self._models.items() if q.next_seq in q.pending}
+        ready = {m for m, w in nxt.items() if _trains(w)}
+        steps = {m for m, w in nxt.items() if w.kind == "optim" and w.error is None}
+        soon = {m for m in self._models if m not in ready and (m in nxt or m in self._sampling or max(
             self._trained_at.get(m, -math.inf), self._sampled_at.get(m, -math.inf)) > now - bound)}
-        since, self._hold_since = self._hold_since, None
-        if not ready or not soon or len(ready) >= math.ceil((len(ready) + len(soon)) / self._groups):
-            return (now - since if since is not None and ready else 0.0), set()
-        since = now if since is None else since
-        if now - since >= bound:
-            return now - since, set()
-        self._hold_since = since
-        return 0.0, ready
+        holds = [ready] if ready and soon and len(ready) < math.ceil((len(ready) + len(soon)) / self._groups) else []
+        for group in {self._partners[m] for m in steps if m in self._partners}:
+            mine = {m for m in group if self._partners.get(m) == group}
+            if mine - steps - ready:  # a partner's step has not come yet
+                holds.append(mine & steps)
+        since = {m: self._held.get(m, now) for h in holds for m in h}
+        deferred = set().union(*(h for h in holds if now - min(since[m] for m in h) < bound))
+        held = max((now - t for m, t in self._held.items() if m in nxt and m not in deferred), default=0.0)
+        self._held = {m: since[m] for m in deferred}
+        return held, deferred
 
     def run_cycle(self, held: float = 0.0, skip: set[str] = frozenset()) -> bool:
         """One cycle (module docstring) of every model but those in `skip`; `held`: the seconds its models
@@ -316,6 +322,8 @@ class Scheduler:
         train = time.perf_counter() - t0
         if any(_trains(w) for w in forward):
             self._last_train_s = train
+        if self._gather:
+            self._pair(forward, fwd_out, optim)
         results = list(zip(forward, fwd_out)) + list(zip(optim, opt_out))
         # each answered as soon as it is done (a save after a step makes no other model's step wait for it), and
         # before anything else: whatever fails after, every request of the cycle is answered
@@ -343,9 +351,11 @@ class Scheduler:
         return control
 
     def _take(self, skip: set[str] = frozenset()) -> tuple[list[Work], list[Work], list[Work], list[Work]]:
-        """Every model's share of ready requests (module docstring), up to and including its first
-        barrier, out of the queues; none of the models in `skip`."""
+        """Every model's share of ready requests (module docstring), up to and including its first barrier,
+        out of the queues; none of the models in `skip`. With `gather`, the optim_steps right after forward_backward
+        calls only if every model that trains in the cycle has one."""
         forward, optim, barriers, failed = [], [], [], []
+        trained, stepping = set(), []  # the models training in the cycle; those of them whose optim_step follows
         with self._cond:
             queues = [(m, q) for m, q in self._models.items() if m not in skip]
             if queues:
@@ -355,38 +365,51 @@ class Scheduler:
             now = time.monotonic()
             for model_id, q in queues:
                 datums = tokens = 0
-                trains = False
                 while q.next_seq in q.pending:
                     w = q.pending[q.next_seq]
                     d, t = w.size()
                     if (datums or tokens) and (datums + d > self._share[0] or tokens + t > self._share[1]):
                         break  # the model's share of this cycle is spent: the rest waits for the next
-                    del q.pending[q.next_seq]
-                    self._owner_bytes[q.owner] -= w.nbytes
-                    q.next_seq += 1
+                    if w.kind == "optim" and w.error is None and model_id in trained and self._gather:
+                        stepping.append(q)  # beside its partners' steps, or in a cycle after (below)
+                        break
+                    _pop(q, self._owner_bytes)
                     datums, tokens = datums + d, tokens + t
                     if w.error is not None:
                         failed.append(w)
                     elif w.kind == "forward":
                         forward.append(w)
-                        trains = trains or _trains(w)
+                        trained |= {model_id} if _trains(w) else set()
                     elif w.kind == "barrier":
                         barriers.append(w)
                         break
                     else:
-                        optim.append(w)
-                        if self._save_in_step:  # its saves and loads after it, in this cycle after the step
-                            while q.next_seq in q.pending and q.pending[q.next_seq].kind == "barrier":
-                                b = q.pending.pop(q.next_seq)
-                                self._owner_bytes[q.owner] -= b.nbytes
-                                q.next_seq += 1
-                                barriers.append(b)
+                        self._take_step(q, w, optim, barriers)
                         break
-                if trains:
+                if model_id in trained:
                     self._trained_at[model_id] = now
                 if len(q.seen) > 2 * SEEN_KEPT:  # retries come soon after the first POST: old ids can go
                     q.seen = {k: v for k, v in q.seen.items() if k >= q.next_seq - SEEN_KEPT}
+            if len(stepping) == len(trained):
+                for q in stepping:
+                    self._take_step(q, _pop(q, self._owner_bytes), optim, barriers)
         return forward, optim, barriers, failed
+
+    def _take_step(self, q: _Queue, w: Work, optim: list[Work], barriers: list[Work]) -> None:
+        """An optim_step out of its queue, and with `save_in_step` the saves and loads after it (module docstring)."""
+        optim.append(w)
+        while self._save_in_step and q.next_seq in q.pending and q.pending[q.next_seq].kind == "barrier":
+            barriers.append(_pop(q, self._owner_bytes))
+
+    def _pair(self, forward: list[Work], fwd_out: list[Outcome], optim: list[Work]) -> None:
+        """`gather`'s partners (module docstring) after a cycle: those that trained in it and wait to step."""
+        stepped = {w.model_id for w in optim}
+        done = stepped | {w.model_id for w in forward if _trains(w)}
+        group = frozenset(done - stepped - {w.model_id for w, o in zip(forward, fwd_out) if o.error is not None})
+        with self._cond:
+            self._partners = {m: g for m, g in self._partners.items() if m not in done}
+            if len(group) > 1:
+                self._partners.update(dict.fromkeys((m for m in group if m in self._models), group))
 
     def _train(self, forward: list[Work], optim: list[Work]) -> tuple[list[Outcome], list[Outcome]]:
         if not (forward or optim):
@@ -450,6 +473,14 @@ class Scheduler:
         """The counters of every cycle so far (module docstring)."""
         with self._cond:
             return dict(self._totals, models=len(self._models))
+
+
+def _pop(q: _Queue, owner_bytes: dict[str, int]) -> Work:
+    """The model's next request, out of its queue (its bytes no longer counted against its owner)."""
+    w = q.pending.pop(q.next_seq)
+    owner_bytes[q.owner] -= w.nbytes
+    q.next_seq += 1
+    return w
 
 
 def _trains(w: Work) -> bool:
