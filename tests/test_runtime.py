@@ -136,7 +136,10 @@ def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
     """With the default run options a run checkpoints every 5 steps, and a run that fails mid-training
     saves its last completed step: one that breaks off in step 6 (its log raises when step 5's
     background write is reported, after step 6 trained) keeps both, continues with `resume` to its last
-    step, records its run options in summary.json, and leaves a checkpoint of its end (two kept)."""
+    step, records its run options in summary.json, and leaves a checkpoint of its end (two kept). The
+    resume takes the failed run's engine from an EngineCache, as a sweep's next run does (one engine start,
+    not two)."""
+    from colora.engine.cache import EngineCache
     from colora.run.runner import resume, run
 
     cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=7"])
@@ -146,11 +149,16 @@ def test_a_default_run_checkpoints_and_resumes(tmp_path, tiny_model_dir):
         if "checkpoint step-000005 written" in line:
             raise RuntimeError("broke off after the checkpoint")
 
-    with pytest.raises(RuntimeError, match="broke off"):
-        run(cfg, out, log=log)
-    assert json.loads((out / "status.json").read_text())["state"] == "failed"
-    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005", "step-000006"]
-    summary = resume(out, log=lambda s: None)
+    cache = EngineCache()
+    try:
+        with pytest.raises(RuntimeError, match="broke off"):
+            run(cfg, out, log=log, engine_cache=cache)
+        assert json.loads((out / "status.json").read_text())["state"] == "failed"
+        assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-000005", "step-000006"]
+        summary = resume(out, log=lambda s: None, engine_cache=cache)
+    finally:
+        cache.close()
+    assert summary["engine_reused"] and cache.replaced == []  # the failed run left its engine fit to serve
     assert all(j["steps"] == 7 and j["status"] == "done" for j in summary["jobs"].values())
     assert summary["runtime"] == {"checkpoint_every": 5, "checkpoint_keep": 2, "engine_process": "auto",
                                   "adapter_sync": "auto", "task_timeout_s": 120.0}
