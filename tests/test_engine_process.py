@@ -22,9 +22,19 @@ def _rows(out: Path) -> list[tuple]:
                   for r in read_jsonl(out / "metrics.jsonl") if r.get("status") == "ok")
 
 
+@pytest.fixture(scope="module")
+def disk_cache():
+    """The module's engine in a process of its own, its adapters by disk: the first test's run through it
+    leaves it here for the tests below (`remote`); closed after them."""
+    cache = EngineCache()
+    yield cache
+    cache.close()
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, tiny_model_dir, adapter_sync_folders):
+def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, tiny_model_dir, adapter_sync_folders,
+                                                                    disk_cache):
     """Per-request seeds: the same rollouts, so the same rewards, losses and on-policy versions, with
     the client in the trainer's process or apart, and with adapters through shared memory (the
     default here) or from disk (the fallback): every version's load is in the timeline."""
@@ -32,7 +42,7 @@ def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, ti
     for remote, sync in (("off", "auto"), ("on", "auto"), ("on", "disk")):
         cfg = load_config(SMOKE, SMALL + [f'experiment.model="{tiny_model_dir}"', f"runtime.engine_process={remote}",
                                           f"runtime.adapter_sync={sync}"])
-        cache = EngineCache()
+        cache = disk_cache if sync == "disk" else EngineCache()  # the last run's engine serves the tests below
         out = tmp_path / f"{remote}-{sync}"
         try:
             summary = run(cfg, out, engine_cache=cache, log=lambda s: None)
@@ -43,7 +53,8 @@ def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, ti
 
                 assert all(isinstance(e, RemoteEngine) for e in cache._engines.values())
         finally:
-            cache.close()
+            if cache is not disk_cache:
+                cache.close()
         outs[(remote, sync)] = _rows(out)
         loads = [r for r in read_jsonl(out / "metrics.jsonl") if r.get("event") == "reload"]
         assert loads and {r["via"] for r in loads} == {"disk" if sync == "disk" else "memory"}
@@ -57,14 +68,19 @@ def test_a_run_through_the_engine_process_equals_the_in_process_run(tmp_path, ti
 
 
 @pytest.fixture(scope="module")
-def remote(tiny_model_dir):
-    """One engine in a process of its own for the tests below, its adapters by disk."""
+def remote(tiny_model_dir, disk_cache):
+    """One engine in a process of its own for the tests below, its adapters by disk: the one the first
+    test's run by disk left in `disk_cache` (reset there: no adapter, nothing in flight, an empty prefix
+    cache), else (that test did not run first, or left no engine fit to serve) one started here."""
     from colora.engine.process import RemoteEngine
 
-    eng = RemoteEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=512, enforce_eager=True),
-                       max_loras=1, max_lora_rank=8, dtype="float32", seed=0, device="cpu", adapter_sync="disk")
-    yield eng
-    eng.close()
+    def start():
+        return RemoteEngine(str(tiny_model_dir), EngineConfig(gpu_memory_utilization=0.3, max_model_len=512,
+                                                              enforce_eager=True),
+                            max_loras=1, max_lora_rank=8, dtype="float32", seed=0, device="cpu", adapter_sync="disk")
+
+    keys = list(disk_cache._engines) or ["remote"]
+    return disk_cache.get(keys[0], start)  # closed with the cache
 
 
 @pytest.fixture(scope="module")
