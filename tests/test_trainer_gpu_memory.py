@@ -1,0 +1,33 @@
+"""The GPU memory a trainer arranges and records: its caching allocator's settings (colora/models/base.py) and
+its peaks in a run's summary and the arms report (colora/record/summary.py, colora/studies/report_md.py)."""
+
+import torch
+
+from colora.models.base import TRAINER_ALLOCATOR, load_base_model, trainer_allocator
+
+
+def test_a_gpu_trainer_takes_expandable_segments_unless_the_user_set_the_allocator():
+    assert trainer_allocator("cuda", {}) == TRAINER_ALLOCATOR == "expandable_segments:True"
+    assert trainer_allocator(torch.device("cuda", 0), {"PYTORCH_CUDA_ALLOC_CONF": ""}) == TRAINER_ALLOCATOR
+    assert trainer_allocator("cuda:0", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) is None
+    assert trainer_allocator("cuda", {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is None
+    assert trainer_allocator("cpu", {}) is None
+
+
+def test_a_cpu_trainer_leaves_the_allocator_alone(tiny_model_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    model = load_base_model(tiny_model_dir, torch.float32, "cpu")
+    assert calls == [] and not any(p.requires_grad for p in model.parameters())
+
+
+def test_the_trainers_peaks_are_kept_per_run_merged_over_parts_and_shown():
+    from colora.cluster.dedicated import _largest
+    from colora.record.summary import trainer_gpu_view
+    from colora.studies.report_md import _peak
+
+    assert trainer_gpu_view("cpu") == (None, None)
+    parts = [{"allocated": 40.5, "reserved": 52.0}, None, {"allocated": 44.25, "reserved": 47.0}]
+    assert _largest(parts) == {"allocated": 44.25, "reserved": 52.0}
+    assert _largest([None, None]) is None
+    assert _peak(_largest(parts)) == "44.2 / 52.0" and _peak(None) == "-"
