@@ -67,6 +67,12 @@ def gather_logs(out: Path, jobs: list[list[str]]) -> Path:
     return log
 
 
+def _largest(peaks: list[dict | None]) -> dict | None:
+    """The parts' trainer peaks, each the largest of any part's (None where no part ran on a GPU)."""
+    seen = [p for p in peaks if p]
+    return {k: max(p[k] for p in seen) for k in ("allocated", "reserved")} if seen else None
+
+
 def merge_parts(cfg: Config, out: Path, parts: list[Outcome]) -> dict:
     """Merge complete parts (their Outcomes, in part order, each run in `part_dir(out, k)`) into `out`
     as the module docstring says; returns the summary it wrote."""
@@ -117,7 +123,7 @@ def merge_parts(cfg: Config, out: Path, parts: list[Outcome]) -> dict:
         groups=None, busy_fraction=busy(spans, window),
         gpu_util=sum(u * s for u, s in utils) / sum(s for _, s in utils) if utils and sum(s for _, s in utils) else None,
         wall_s=max(o.ended for o in parts) - min(o.started for o in parts), jobs={n: jobs[n] for n in order},
-        window=window).to_dict()
+        window=window, trainer_peak_gib=_largest([o.summary.get("trainer_peak_gib") for o in parts])).to_dict()
     summary["parts"] = [{"dir": str(part_dir(out, k).relative_to(out)), "jobs": o.jobs, "shift": shifts[k],
                          "started": o.started, "ended": o.ended, **o.info,
                          **{key: o.summary[key] for key in ("steps_measured", "seconds_measured", "steps_per_hour",

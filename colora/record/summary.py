@@ -64,6 +64,8 @@ class RunSummary:
     jobs: dict[str, JobSummary] = field(default_factory=dict)
     window: dict[str, Any] = field(default_factory=dict)  # the measured window(s)
     warnings: list[str] = field(default_factory=list)  # what the run's outcome should be read with (`warnings`)
+    # the trainer's process's caching-allocator peaks, GiB: {"allocated": ..., "reserved": ...}; None off a GPU
+    trainer_peak_gib: dict[str, float] | None = None
     # the jobs that failed (stopped with a reason, or lost with their co-runner), from `jobs`: a run
     # with any is complete (its other jobs' results stand) but did not get every job through
     failed_jobs: list[str] = field(init=False, default_factory=list)
@@ -73,6 +75,20 @@ class RunSummary:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def trainer_gpu_view(device: str) -> tuple[int | None, dict[str, float] | None]:
+    """What the trainer's process saw of the GPU: the SMs its CUDA context has (fewer under an MPS share
+    below 100) and its caching allocator's peaks in GiB (allocated, and reserved: allocated plus what the
+    allocator held unused); (None, None) off a GPU."""
+    if device != "cuda":
+        return None, None
+    import torch
+
+    gib = 2**30
+    return (torch.cuda.get_device_properties(0).multi_processor_count,
+            {"allocated": round(torch.cuda.max_memory_allocated() / gib, 2),
+             "reserved": round(torch.cuda.max_memory_reserved() / gib, 2)})
 
 
 FAILED = ("stopped", "failed")  # a job's status when it did not get through: stopped by the run, lost with a co-runner

@@ -56,7 +56,7 @@ from colora.record import compilewatch
 from colora.record.gpumon import GpuSampler
 from colora.record.provenance import code_version
 from colora.record.runlog import JsonlWriter, Timeline, read_jsonl, write_json_atomic
-from colora.record.summary import RunSummary, job_summaries, warnings
+from colora.record.summary import RunSummary, job_summaries, trainer_gpu_view, warnings
 from colora.record.throughput import busy, gpu_util, throughput
 from colora.run.checkpoint import Checkpointer, load_latest, newest_sound, rewind_logs
 from colora.run.evaluate import evaluate
@@ -503,11 +503,7 @@ def _summarise(r: _Run, engine, bank, trainer, corunner, window: dict, gpu, befo
     jobs = job_summaries(corunner.jobs, bank, read_jsonl(r.setup.out / "metrics.jsonl"), before, after)
     for w in warnings(jobs):
         r.log(f"warning: {w}")
-    sms = None
-    if r.device == "cuda":  # the trainer's view of the GPU: under an MPS share below 100 fewer SMs show
-        import torch
-
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms, peak = trainer_gpu_view(r.device)
     return RunSummary(
         experiment=exp.name, arm=exp.arm, seed=exp.seed, config_hash=cfg.hash(), code_version=code_version(),
         runtime=dataclasses.asdict(cfg.runtime), model=str(r.setup.model_dir), device=r.device, dtype=r.dtype,
@@ -516,4 +512,4 @@ def _summarise(r: _Run, engine, bank, trainer, corunner, window: dict, gpu, befo
         trainer_setup_s=trainer_setup_s, trainer_sm_count=sms, steps_measured=window["steps"],
         seconds_measured=window["seconds"], steps_per_hour=throughput(window), groups=window.get("groups"),
         busy_fraction=busy(r.timeline.spans, window), gpu_util=gpu_util(gpu, window), wall_s=wall_s,
-        jobs=jobs, window=window, warnings=warnings(jobs))
+        jobs=jobs, window=window, warnings=warnings(jobs), trainer_peak_gib=peak)

@@ -206,10 +206,11 @@ def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> st
             lines.append(f"| {r['label']} | {r['arm']} | {r['jobs']} | {r['seed']} | " + " | ".join(cells)
                          + f" | {_fmt(s.get('busy_fraction'))} | {_fmt(s.get('gpu_util'))} |")
     lines += _timeslice_table(rows)
-    lines += ["", "Per run: phase times and engine start (reported apart from throughput):", "",
+    lines += ["", "Per run: phase times and engine start (reported apart from throughput; trainer peak: its process's "
+              "caching allocator, allocated / reserved, GiB):", "",
               "| arm | seed | label | engine start s | engine and trainer | measured steps | steps a job | measured s "
-              "| busy | GPU util | MPS |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| busy | GPU util | trainer peak GiB | MPS |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["summary"] or {}
         lines.append(f"| {r['arm']} | {r['seed']} | {r['label']} | {_fmt(s.get('engine_start_s'), 0)}"
@@ -218,7 +219,7 @@ def arms_tables(rows: list[dict], command: str, cfg, steady_from: int = 0) -> st
                      f"{', packed rows' if s.get('packed_rows') else ''} | "
                      f"{s.get('steps_measured', '-')} | {_per_job(r.get('steps_per_job') or {})} | "
                      f"{_fmt(s.get('seconds_measured'), 1)} | {_fmt(s.get('busy_fraction'))} | "
-                     f"{_fmt(s.get('gpu_util'))} | {s.get('mps', '-')} |")
+                     f"{_fmt(s.get('gpu_util'))} | {_peak(s.get('trainer_peak_gib'))} | {s.get('mps', '-')} |")
     timed = [r for r in rows if r.get("phases")]
     if timed:
         lines += ["", "Phase durations in the measured window, seconds: median / largest (handoff: from the trainer "
@@ -371,3 +372,8 @@ def _share(v: float | None) -> str:
 
 def _fmt(v, nd: int = 2) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _peak(p: dict | None) -> str:
+    """A trainer's allocator peaks as `allocated / reserved` GiB; "-" off a GPU or from a run before they were kept."""
+    return "-" if not p else f"{p['allocated']:.1f} / {p['reserved']:.1f}"
