@@ -32,12 +32,54 @@ def _have_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# -- the order in which `make test`'s workers take the files -----------------------------------------
+# `make test` runs each file whole on one of two xdist workers (--dist loadfile), and a worker takes the
+# next file when it is nearly through its own. xdist's default hands the files out most-tests-first,
+# which leaves the files of one or two long engine tests (the smollm2 run, the time-slicing arm, the
+# chaos server, the killed run) to the end, where one worker runs them while the other has nothing left.
+# Here the files go out longest-first instead (the longest-processing-time rule): the seconds below are
+# about what each took in `make test` on 2 cores, beside the other worker; a file not listed is
+# estimated from its markers. They decide the order of the files and nothing else: a stale figure costs
+# some balance, never a test.
+FILE_SECONDS = {
+    "test_ray.py": 480, "test_stopping.py": 460, "test_service_client.py": 350, "test_e2e.py": 200,
+    "test_service_corun.py": 150, "test_timeslice_arm.py": 135, "test_full_engine.py": 135,
+    "test_watcher.py": 120, "test_engine_process.py": 115, "test_service_chaos.py": 105,
+    "test_learn_smollm2.py": 100, "test_service_full.py": 90, "test_bench_arms.py": 80,
+    "test_tenants_run.py": 60, "test_bench_adapter_sync.py": 60, "test_reliability.py": 60, "test_trainer.py": 60,
+    "test_smollm2.py": 60, "test_report.py": 55, "test_bench_engine.py": 45, "test_engine.py": 45,
+    "test_runtime.py": 40,
+}
+
+
+def _estimated_seconds(items) -> float:
+    """A file's seconds for the order: FILE_SECONDS's, else 30 a slow test, 25 for the file's engine (its
+    tests share one) and 1 more a vllm test, 0.2 any other."""
+    name = items[0].path.name
+    if name in FILE_SECONDS:
+        return FILE_SECONDS[name]
+    vllm = sum("vllm" in it.keywords for it in items)
+    return (25 if vllm else 0) + sum(30 if "slow" in it.keywords else 1 if "vllm" in it.keywords else 0.2
+                                     for it in items)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # xdist's most-tests-first: the order is ours (below)
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
     if not _have_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200)")
         for it in items:
             if "gpu" in it.keywords:
                 it.add_marker(skip)
+    if hasattr(config, "workerinput"):  # an xdist worker: the files longest-first, each in its own order
+        files: dict = {}
+        for it in items:
+            files.setdefault(it.path, []).append(it)
+        order = sorted(files.values(), key=lambda f: -_estimated_seconds(f))  # stable: ties keep their order
+        items[:] = [it for f in order for it in f]
 
 
 @pytest.fixture(autouse=True)
