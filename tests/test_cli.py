@@ -169,7 +169,7 @@ sys.exit(main(["run", sys.argv[1], "--out", sys.argv[4]]))
 @pytest.mark.parametrize("status, named, code", [("stopped", "named", 1), ("stopped", "", 1), ("failed", "", 1),
                                                  ("done", "", 0)])
 def test_a_run_with_a_failed_job_exits_1_and_says_which_last(tmp_path, status, named, code):
-    """Issue 49 item 13: a run whose job failed (a raising reward, a NaN) exited 0. Read from summary.json's
+    """A run whose job failed (a raising reward, a NaN) exited 0. Read from summary.json's
     `failed_jobs` and from each job's status, so either says it."""
     import subprocess
     import sys

@@ -627,7 +627,7 @@ def _hang(*a):
 @pytest.mark.parametrize("bad", ["sample raises", "sample exits", "reward hangs", "reward 2.0", "reward nan",
                                  "reward exits"])
 def test_a_jobs_failing_task_code_stops_that_job_and_the_others_go_on(tmp_path, bad):
-    """Issue 49 items 3 and 6: what a job's task does wrong is that job's failure, named, found before the
+    """What a job's task does wrong is that job's failure, named, found before the
     engine or within runtime.task_timeout_s; the other job does every step."""
     from colora.record.runlog import read_jsonl
 
@@ -657,7 +657,7 @@ def test_a_jobs_failing_task_code_stops_that_job_and_the_others_go_on(tmp_path, 
 @pytest.mark.parametrize("prompt,needle", [("", "the prompt of item 0 is empty"),
                                            (" ".join(["w"] * 4000), "does not fit engine.max_model_len")])
 def test_a_prompt_the_engine_cannot_take_stops_its_job_before_the_engine_sees_it(tmp_path, prompt, needle):
-    """Issue 49 item 3: an empty prompt or one too long for the engine was 'the vLLM engine failed' for
+    """An empty prompt or one too long for the engine was 'the vLLM engine failed' for
     every job, at the same step on every resume."""
 
     class Words(ThreeTokens):
@@ -681,7 +681,7 @@ def test_a_prompt_the_engine_cannot_take_stops_its_job_before_the_engine_sees_it
 
 
 def test_evaluation_holds_each_jobs_rewards_to_the_contract_and_scores_the_others(tmp_path):
-    """Issue 49 item 7: in evaluation too, a reward of 2.0, a NaN or a raising reward is that job's error
+    """In evaluation too, a reward of 2.0, a NaN or a raising reward is that job's error
     (never an accuracy of 2.00, "nan" or a silent 0), and a hung sample is cut at the limit."""
     from colora.run.evaluate import evaluate
 
@@ -744,7 +744,7 @@ def test_a_gated_co_runner_holds_a_grant_around_each_generation_and_each_step(tm
 
 
 def test_an_adapter_that_cannot_be_exported_stops_its_job_and_the_others_go_on(tmp_path):
-    """Issue 49 item 10: a full disk (or /dev/shm) while a step's adapters are exported was an error of
+    """A full disk (or /dev/shm) while a step's adapters are exported was an error of
     the whole run, with no checkpoint; now that job stops with the reason and the others train on."""
     import errno
     import os

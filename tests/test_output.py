@@ -277,7 +277,7 @@ def test_a_drain_returns_only_after_what_came_with_its_mark_is_in_the_log():
 
 
 def test_the_bar_counts_steps_of_a_job_not_job_steps(tmp_path, monkeypatch):
-    """Issue 49: a run of 2 jobs and `steps = 4` showed 8/8. The bar shows the run's steps, as the
+    """A run of 2 jobs and `steps = 4` showed 8/8. The bar shows the run's steps, as the
     config gives them; a stopped job's steps count as far as they got."""
     import types
 
@@ -312,7 +312,7 @@ def test_the_bar_counts_steps_of_a_job_not_job_steps(tmp_path, monkeypatch):
 
 
 def test_steps_without_reward_signal_are_not_said_to_have_taught_nothing():
-    """Issue 49: `make smoke` warned that job count "learned nothing" from 9 steps in a row without reward
+    """`make smoke` warned that job count "learned nothing" from 9 steps in a row without reward
     variance while its held-out accuracy rose 0.00 -> 0.56 over the 24 steps."""
     from colora.record.summary import JobSummary, warnings
 
@@ -322,7 +322,7 @@ def test_steps_without_reward_signal_are_not_said_to_have_taught_nothing():
 
 
 def test_a_sweeps_line_of_a_run_says_when_its_rate_means_little():
-    """Issue 49: a sweep's per-run lines gave steps/h from 1-3 s windows without the report's warning."""
+    """A sweep's per-run lines gave steps/h from 1-3 s windows without the report's warning."""
     from colora.record.throughput import rate_line
 
     short = {"steps_per_hour": 4321.0, "seconds_measured": 2.5, "steps_measured": 2, "jobs": {"a": {}, "b": {}}}

@@ -28,7 +28,7 @@ def _cfg(*sets: str, model: Path | None = None):
 
 # -- vLLM's limits, before the engine starts --------------------------------------------------------------
 def test_a_lora_rank_vllm_cannot_serve_is_refused_before_anything_starts(tmp_path):
-    """Issue 49 item 15: lora_rank = 100000 failed 18 s into the run, inside vLLM, naming no key."""
+    """Lora_rank = 100000 failed 18 s into the run, inside vLLM, naming no key."""
     out = tmp_path / "run"
     t0 = time.perf_counter()
     with pytest.raises(RunError, match=r"jobs\.0\.lora_rank \(100000\) of job 'count' is above the largest LoRA "
@@ -118,7 +118,7 @@ def test_a_model_without_a_chat_template_is_refused_before_the_engine(tmp_path, 
 
 # -- where adapters go by disk ------------------------------------------------------------------------------
 def test_adapters_that_a_full_dev_shm_sent_to_disk_do_not_go_to_dev_shm(tmp_path):
-    """Issue 49 item 10: with in-memory sync the PEFT directories hold only the versions that /dev/shm
+    """With in-memory sync the PEFT directories hold only the versions that /dev/shm
     was too full to take; they went to /dev/shm as well, and the step failed with ENOSPC."""
     out = tmp_path / "run"
     scratch = preflight.adapter_scratch(out)  # as the runner asks: in-memory sync
@@ -213,7 +213,7 @@ def test_a_killed_runs_disk_sync_scratch_is_swept_and_a_live_runs_kept(tmp_path,
 
 # -- the MPS daemon's start ---------------------------------------------------------------------------------
 def test_an_mps_start_that_hangs_leaves_no_daemon_running(tmp_path, monkeypatch):
-    """Issue 49: a TimeoutExpired from `nvidia-cuda-mps-control -d` escaped and left the daemon it had
+    """A TimeoutExpired from `nvidia-cuda-mps-control -d` escaped and left the daemon it had
     forked running on the run's pipe directory."""
     import colora.run.mps as mps
 

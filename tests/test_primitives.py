@@ -352,7 +352,7 @@ def test_a_diverged_update_puts_back_the_last_good_weights_and_adamw_state(tiny_
 
 
 def test_a_diverged_native_job_keeps_its_last_good_state(tiny_model_dir):
-    """Issue 49 item 8: a GRPO job stopped for a diverged adapter keeps the weights and AdamW state it
+    """A GRPO job stopped for a diverged adapter keeps the weights and AdamW state it
     had before the failed step, which its checkpoint, final export and resumed engine copy then hold."""
     big = dataclasses.replace(JOB_A, grad_clip=0.0)
     trainer, bank, _ = make_trainer(tiny_model_dir, [big, JOB_B], micro_batch_tokens=128)

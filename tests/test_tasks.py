@@ -259,7 +259,7 @@ def test_tiny_item_space_is_a_clear_error():
 
 
 def test_an_exhausted_item_space_is_refused_once_draws_stop_finding_new_items(monkeypatch):
-    """Issue 49: an eval_size of 100,000 over modular's 4-problem eval split was refused only after 2000 +
+    """An eval_size of 100,000 over modular's 4-problem eval split was refused only after 2000 +
     200 n = 20,002,000 draws (137 s); once every problem is found, a few thousand more draws decide it."""
     task = get_task("modular", terms=1, max_operand=2, max_modulus=2)
     draws = 0
