@@ -68,7 +68,7 @@ def test_every_arm_runs_the_configs_steps_and_the_report_gives_the_steady_figure
     assert by["shared_sync"]["steady_ratio"] == pytest.approx((6 / 1.2) / 1.0)
     bench_arms.write_report(rows, tmp_path / "rep", "cmd", cfg, steady_from=3)
     md = (tmp_path / "rep.md").read_text()
-    assert "24 steps of which 1 warm-up (not measured), in every arm." in md
+    assert f"{cfg.experiment.steps} steps of which 1 warm-up (not measured), in every arm." in md
     assert "| shared_sync | 10286 (4.286x) | 4.286x |" in md
     assert "measured from step 3 of each job on (each job's first 2 steps out" in md
     assert "| shared_sync | 18000 (5.000x) | 5.000x |" in md

@@ -104,8 +104,8 @@ def test_the_largest_temperature_vllm_takes_passes():
 
 # -- a job that joins later must be able to join ------------------------------------------------------
 @pytest.mark.parametrize("sets, message", [
-    # smoke's steps are 24: the jobs that start at once do at most 24, so 24 is never reached
-    (["jobs.1.start_after=24"], r"jobs\.1\.start_after \(24\) must be below 24, the most steps"),
+    # at 24 steps the jobs that start at once do at most 24, so 24 is never reached
+    (["experiment.steps=24", "jobs.1.start_after=24"], r"jobs\.1\.start_after \(24\) must be below 24, the most steps"),
     (["jobs.1.start_after=5", "jobs.0.steps=5"], r"jobs\.1\.start_after \(5\) must be below 5, the most steps"),
     # no job starts at once: none ever reaches any step
     (["jobs.*.start_after=1"], r"jobs\.0\.start_after \(1\) must be below 0, the most steps"),
@@ -119,7 +119,7 @@ def test_a_start_after_that_a_job_joining_before_reaches_passes():
     """count starts with 5 steps; mod joins at 4 and does 24, so a third job may join at 20."""
     from colora.config import resolve
 
-    d = _load("jobs.0.steps=5", "jobs.1.start_after=4").to_dict()
+    d = _load("experiment.steps=24", "jobs.0.steps=5", "jobs.1.start_after=4").to_dict()
     d["jobs"].append({**d["jobs"][0], "name": "late", "steps": 0, "start_after": 20})
     assert resolve(d).jobs[2].start_after == 20
     d["jobs"][2]["start_after"] = 24
