@@ -99,9 +99,14 @@ def test_a_config_that_cannot_fit_is_refused_naming_what_to_lower_and_to_what():
     with pytest.raises(RunError, match=r"engine.gpu_memory_utilization from 0.8 to 0\.\d\d \(or 0: planned\)"):
         plan(cfg, shape, H100, slots(cfg))
     cfg, shape = workload("8b", "experiment.arm=shared_sync")
-    with pytest.raises(RunError, match=r"the sequences a group has in flight, 512 .* by \d+; the jobs, 8, by 1"):
+    with pytest.raises(RunError, match=r"the sequences a group has in flight, 512 \(.*the shared_sync arm runs "
+                       r"them as one group; an overlap arm's groups split them\), by \d+; the jobs, 8, by 1"):
         plan(cfg, shape, H100, slots(cfg))
     plan(cfg, shape, H200, slots(cfg))
+    cfg, shape = workload("8b", "experiment.arm=overlap_mps", "overlap.groups=1")
+    with pytest.raises(RunError, match=r"in flight, 512 \(its jobs' prompts_per_step x samples_per_prompt; more "
+                       r"overlap.groups split them\)"):
+        plan(cfg, shape, H100, slots(cfg))
     cfg, shape = workload("8b", "jobs.*.lora_rank=64", "jobs.*.lora_alpha=128")
     with pytest.raises(RunError, match=r"does not fit NVIDIA H100 .* or run on a GPU with \d+\.\d GiB more free"):
         plan(cfg, shape, H100, slots(cfg))
