@@ -455,9 +455,12 @@ def test_d_ctrl_c_stops_every_corunner_and_engine(cluster, tiny_model_dir, tmp_p
     # full suite on 2 busy cores a 50-step run ended before it did, twice)
     sets = [x for o in SMALL + [f'experiment.model="{tiny_model_dir}"', "experiment.steps=1000"] for x in ("--set", o)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "colora.cli", "run", str(SMOKE), *sets, "--gpus", "2", "--address",
-                             cluster.get_runtime_context().gcs_address, "--out", str(out)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its output goes to a file: a pipe nobody reads while it runs fills and blocks the run's writes
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "colora.cli", "run", str(SMOKE), *sets, "--gpus", "2",
+                                 "--address", cluster.get_runtime_context().gcs_address, "--out", str(out)], env=env,
+                                stdout=sink, stderr=subprocess.STDOUT, text=True)
     try:
         infos = []
         deadline = time.monotonic() + 240
@@ -467,13 +470,13 @@ def test_d_ctrl_c_stops_every_corunner_and_engine(cluster, tiny_model_dir, tmp_p
             if len(infos) == 2 and len(engines) >= 2:
                 break
             time.sleep(0.2)
-        assert len(infos) == 2, proc.communicate()[0][-3000:] if proc.poll() is not None else "no co-runners"
+        assert len(infos) == 2, log_path.read_text()[-3000:] if proc.poll() is not None else "no co-runners"
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
-    log = proc.stdout.read()
+    log = log_path.read_text()
     assert rc == 130, log[-3000:]
     assert "[gpu 0] co-runner gpu 0 on" in log and "[gpu 1] co-runner gpu 1 on" in log  # the relayed logs
     assert json.loads((out / "status.json").read_text())["state"] == "interrupted"
