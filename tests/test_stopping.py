@@ -236,15 +236,14 @@ def _plan_resumed(argv: list[str], log: Path, root: Path, rel: str, label: str, 
 def test_an_interrupted_sweep_resumes_its_run_where_it_stopped(tmp_path, tiny_model_dir, reference):
     """`kill` (SIGTERM) inside seed 0's training step 2; seed 0 of shared_sync is the reference's
     config. The run is marked interrupted with steps 0-2 saved; the same command again resumes it
-    from its checkpoint, and runs seed 1."""
+    from its checkpoint. (That the runs after an interrupted one wait and then run is
+    test_a_sweep_records_the_interrupted_run_and_resumes_it_next_time's, without an engine.)"""
     root = tmp_path / "sweep"
-    argv = ["sweep", str(SMOKE), *_sets(tiny_model_dir), "--arms", "shared_sync", "--seeds", "0", "1",
-            "--out", str(root)]
+    argv = ["sweep", str(SMOKE), *_sets(tiny_model_dir), "--arms", "shared_sync", "--seeds", "0", "--out", str(root)]
     log = tmp_path / "sweep.log"
     proc = _start(argv, log, "SIGTERM:self:train:2")
     took = _ended(proc, log)
-    runs = _plan_interrupted(proc, log, root, "shared_sync/seed0-r0", "colora sweep", reference, (3,))
-    assert runs["shared_sync/seed1-r0"]["state"] == "pending", runs
+    _plan_interrupted(proc, log, root, "shared_sync/seed0-r0", "colora sweep", reference, (3,))
     print(f"SIGTERM in a sweep: ended {took:.1f}s after it said it was stopping")
     runs = _plan_resumed(argv, tmp_path / "sweep2.log", root, "shared_sync/seed0-r0", "seed 0 r0", reference)
     assert all(r["state"] == "complete" for r in runs.values()), runs
@@ -526,7 +525,7 @@ def test_a_sweep_records_the_interrupted_run_and_resumes_it_next_time(tmp_path):
     from colora.sweeps.sweep import plan_runs
 
     cfg, root = load_config(SMOKE), tmp_path / "sw"
-    plan = plan_runs(["shared_sync"], [1, 2])
+    plan = plan_runs(["shared_sync"], [1, 2, 3])
     first = FakeRunner()
 
     def run_fn(c, out, cache, log):
@@ -539,6 +538,7 @@ def test_a_sweep_records_the_interrupted_run_and_resumes_it_next_time(tmp_path):
     runs = {r["dir"]: r for r in json.loads((root / "sweep.json").read_text())["runs"]}
     assert runs["shared_sync/seed1-r0"]["state"] == "complete"
     assert runs["shared_sync/seed2-r0"]["state"] == "interrupted" and "SIGTERM" in runs["shared_sync/seed2-r0"]["error"]
+    assert runs["shared_sync/seed3-r0"]["state"] == "pending"  # the runs after it wait for the same command again
 
     resumed, second = [], FakeRunner()
 
@@ -551,7 +551,7 @@ def test_a_sweep_records_the_interrupted_run_and_resumes_it_next_time(tmp_path):
         return {"steps_per_hour": 1.0}
 
     states = orchestrate.run_plan(cfg, plan, root, run_fn=second, resume_fn=resume_fn, progress=lambda s: None)
-    assert resumed == [root / "shared_sync" / "seed2-r0"] and second.calls == []
+    assert resumed == [root / "shared_sync" / "seed2-r0"] and second.calls == [("shared_sync", 3)]
     assert set(states.values()) == {"complete"} and not list(root.glob("*/*.incomplete-*"))  # not moved aside
 
 
