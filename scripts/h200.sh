@@ -51,7 +51,7 @@ fi
 } >> "$LOG" 2>&1
 gpu_tests() {  # the GPU tests of the kernels and the trainer, within $1 seconds; then the other gpu-marked ones
   timeout "$1" python3 -P -m pytest -q tests/test_kernels_gpu.py tests/test_kernel_lora.py tests/test_kernel_lora_routes.py tests/test_kernel_logsoftmax.py tests/test_kernel_elementwise.py tests/test_trainer.py -k "gpu or triton or not interpreter" -p no:cacheprovider 2>&1 | tail -40 >> "$LOG"
-  timeout 120 python3 -P -m pytest -q -m gpu tests/test_lora.py -p no:cacheprovider 2>&1 | tail -20 >> "$LOG"
+  timeout 120 python3 -P -m pytest -q -m gpu tests/test_lora.py tests/test_trainer_gpu_memory.py -p no:cacheprovider 2>&1 | tail -20 >> "$LOG"
 }
 case "$1" in
   kernels)

@@ -1,9 +1,10 @@
 """The GPU memory a trainer arranges and records: its caching allocator's settings (colora/models/base.py) and
 its peaks in a run's summary and the arms report (colora/record/summary.py, colora/studies/report_md.py)."""
 
+import pytest
 import torch
 
-from colora.models.base import TRAINER_ALLOCATOR, load_base_model, trainer_allocator
+from colora.models.base import ALLOC_ENV, TRAINER_ALLOCATOR, load_base_model, trainer_allocator
 
 
 def test_a_gpu_trainer_takes_expandable_segments_unless_the_user_set_the_allocator():
@@ -31,3 +32,19 @@ def test_the_trainers_peaks_are_kept_per_run_merged_over_parts_and_shown():
     assert _largest(parts) == {"allocated": 44.25, "reserved": 52.0}
     assert _largest([None, None]) is None
     assert _peak(_largest(parts)) == "44.2 / 52.0" and _peak(None) == "-"
+
+
+@pytest.mark.gpu
+def test_a_gpu_trainers_weights_sit_in_expandable_segments(tiny_model_dir, monkeypatch):
+    """On a GPU, load_base_model sets the allocator before the weights arrive: every segment that holds
+    one of them is an expandable one (the caching allocator's own snapshot says so)."""
+    for key in ALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    model = load_base_model(tiny_model_dir, torch.bfloat16, "cuda")
+    segments = torch.cuda.memory_snapshot()
+
+    def segment(ptr: int) -> dict:
+        return next(s for s in segments if s["address"] <= ptr < s["address"] + s["total_size"])
+
+    held = [segment(p.data_ptr()) for p in model.parameters()]
+    assert held and all(s["is_expandable"] for s in held), [(s["address"], s.get("is_expandable")) for s in held]
