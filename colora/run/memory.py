@@ -228,9 +228,12 @@ def _refusal(cfg: Config, shape: ModelShape, dtype_bytes: int, p: MemoryPlan, he
         drop = math.ceil(short / (p.kv_need_tokens * kv_tok / seqs))
         if drop < seqs:
             arm = cfg.experiment.arm
-            split = ("more overlap.groups split them" if arm in OVERLAP_ARMS else "one job's: the dedicated arm "
-                     "runs each job alone" if arm == "dedicated" else
-                     f"the {arm} arm runs them as one group; an overlap arm's groups split them")
+            if arm in OVERLAP_ARMS:
+                split = "more overlap.groups split them"
+            elif arm == "dedicated":
+                split = "one job's: the dedicated arm runs each job alone"
+            else:
+                split = f"the {arm} arm runs them as one group; an overlap arm's groups split them"
             fixes.append(f"the sequences a group has in flight, {seqs} (its jobs' prompts_per_step x "
                          f"samples_per_prompt; {split}), by {drop}")
     per_job = max(tm.lora_state_bytes(shape, j.lora_rank, j.target_modules) for j in cfg.jobs)
